@@ -1,0 +1,23 @@
+"""threefold: Megatron-style tensor, pipeline and data parallelism for unmodified PyTorch models."""
+__version__ = "0.1.0"
+
+from threefold.errors import PlanError
+from threefold.markers import pipe_split
+from threefold.plan import Plan
+from threefold.workload import Workload
+
+__all__ = ["Plan", "PlanError", "Workload", "pipe_split", "__version__"]
+
+
+def __getattr__(name):
+    # Heavier entry points load on first use so `import threefold` stays quick.
+    if name in ("parallelize", "ParallelModule"):
+        from threefold import api
+        return getattr(api, name)
+    if name == "launch":
+        from threefold.runtime.launch import launch
+        return launch
+    if name == "compile":
+        from threefold.compiler.api import compile_workload
+        return compile_workload
+    raise AttributeError(f"module 'threefold' has no attribute {name!r}")

@@ -1,0 +1,60 @@
+"""Entry point of the `threefold` command.
+
+Exit status: 0 success, 1 a check that ran and failed, 2 bad input (one-line reason on
+stderr, no traceback). Each subcommand lives in its own module and registers itself.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from threefold.errors import PlanError
+
+# Subcommand modules, in the order `--help` lists them.
+COMMANDS = ["inspect", "compile", "check", "schedule", "train", "plan", "run"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that exits with status 2 and one line, like every other bad input."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="threefold",
+        description="Compile an unmodified PyTorch model into tensor-, pipeline- and "
+        "data-parallel per-rank programs, inspect them, and train with them.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"threefold.cli.{name}_cmd")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"threefold.cli.{name}_cmd":
+                continue  # command not built yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except PlanError as exc:
+        print(f"threefold {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Save a compiled program as an artifact directory (see runtime/loader.py for the layout)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+
+import torch
+
+from threefold.codegen.python import content_hash, generate_module
+from threefold.compiler.program import Program
+from threefold.runtime.loader import MANIFEST, Artifact, open_artifact
+
+FORMAT = 1
+
+
+def chunk_state(prog: Program, chunk, tp_rank: int) -> dict[str, torch.Tensor]:
+    """The chunk's parameters and buffers for one tp rank, keyed by FQN."""
+    out = {}
+    for fqn in chunk.params + chunk.buffers:
+        t = prog.state[fqn]
+        fn = prog.shard_fns.get(fqn)
+        if fn is not None:
+            t = fn(t, tp_rank)
+        out[fqn] = t
+    return out
+
+
+def build_sources(prog: Program) -> dict[str, str]:
+    files = {}
+    for chunk in prog.chunks:
+        for r in range(prog.plan.tp):
+            files[module_file(chunk.index, r)] = generate_module(prog, chunk, r)
+    if prog.kernels:
+        from threefold.codegen.triton import kernels_source
+        files["kernels.py"] = kernels_source(list(prog.kernels.values()))
+    return files
+
+
+def module_file(chunk: int, tp_rank: int) -> str:
+    return f"chunk{chunk:02d}_tp{tp_rank}.py"
+
+
+def save_artifact(prog: Program, out_dir: str, sources: dict[str, str] | None = None,
+                  weights: bool = True, extra: dict | None = None) -> Artifact:
+    """Write manifest, sources and weight shards into out_dir (replaced atomically)."""
+    sources = sources or build_sources(prog)
+    parent = os.path.dirname(os.path.abspath(out_dir)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".threefold-", dir=parent)
+    try:
+        hashes = {}
+        for name, text in sources.items():
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(text)
+            hashes[name] = hashlib.sha256(text.encode()).hexdigest()
+        with_weights = weights and not prog.is_meta
+        if with_weights:
+            from safetensors.torch import save_file
+            os.makedirs(os.path.join(tmp, "weights"))
+            for chunk in prog.chunks:
+                for r in range(prog.plan.tp):
+                    state = {k: v.detach().to("cpu").contiguous().clone()
+                             for k, v in chunk_state(prog, chunk, r).items()}
+                    save_file(state, os.path.join(tmp, "weights", _weights_file(chunk.index, r)))
+        manifest = build_manifest(prog, sources, hashes, with_weights)
+        if extra:
+            manifest.update(extra)
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=2)
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return open_artifact(out_dir)
+
+
+def _releasable(chunk) -> list[bool]:
+    if chunk.gm is None:
+        return [False] * len(chunk.outputs)
+    nodes = {n.name: n for n in chunk.gm.graph.nodes}
+    return [all(u.op == "output" for u in nodes[v].users) and nodes[v].op != "placeholder"
+            for v in chunk.outputs]
+
+
+def _weights_file(chunk: int, tp_rank: int) -> str:
+    return f"chunk{chunk:02d}_tp{tp_rank}.safetensors"
+
+
+def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str],
+                   with_weights: bool) -> dict:
+    import threefold
+    plan = prog.plan
+    by_name = {n.name: n for n in prog.graph.nodes}
+    inputs = [n for n in prog.graph.nodes if n.op == "placeholder" and n.meta.get("tf", {}).get("kind") == "input"]
+
+    def spec(node):
+        val = node.meta["val"]
+        return {"name": node.name, "shape": list(val.shape), "dtype": str(val.dtype).replace("torch.", "")}
+
+    holders: dict[str, list[int]] = {}
+    for c in prog.chunks:
+        for fqn in c.params:
+            holders.setdefault(fqn, []).append(c.index)
+    chunks = []
+    for c in prog.chunks:
+        chunks.append({
+            "index": c.index,
+            "stage": c.index % plan.pp,
+            "class": f"Chunk{c.index}",
+            "modules": {str(r): module_file(c.index, r) for r in range(plan.tp)},
+            "weights": ({str(r): f"weights/{_weights_file(c.index, r)}" for r in range(plan.tp)}
+                        if with_weights else {}),
+            "inputs": [spec(by_name[v]) for v in c.inputs],
+            "user_inputs": c.user_inputs,
+            "outputs": [spec(by_name[v]) for v in c.outputs],
+            # outputs no op of this chunk reads: their storage can be freed once sent
+            "releasable": _releasable(c),
+            "params": c.params,
+            # parameters also held by other chunks (tied weights): their grads are summed
+            "shared_params": {fqn: holders[fqn] for fqn in c.params if len(holders[fqn]) > 1},
+            "hash": content_hash(sources[module_file(c.index, 0)]),
+        })
+    return {
+        "format": FORMAT,
+        "threefold_version": threefold.__version__,
+        "torch_version": torch.__version__,
+        "model": prog.name,
+        "plan": str(plan),
+        "mesh": {"tp": plan.tp, "dp": plan.dp, "pp": plan.pp},
+        "num_chunks": len(prog.chunks),
+        "has_loss": prog.has_loss,
+        "num_model_inputs": prog.num_model_inputs,
+        "inputs": [spec(n) for n in inputs],
+        "outputs": [{"shape": list(m.shape), "dtype": str(m.dtype).replace("torch.", "")} for m in prog.output_meta],
+        "ties": prog.ties,
+        "schedule": {"kind": plan.schedule, "microbatches": plan.microbatches, "interleave": plan.interleave},
+        "chunks": chunks,
+        "files": hashes,
+        "notes": prog.notes,
+    }

@@ -1,0 +1,166 @@
+"""Emit one readable Python module per (chunk, tp rank).
+
+The module defines a `ChunkModule` subclass whose forward is the chunk's ATen ops written
+out one per line, with the source graph's value names. Parameters are read by FQN at the
+top of forward. A header records the plan, rank coordinates, the source modules the chunk
+covers, and a content hash of everything below the header.
+"""
+from __future__ import annotations
+
+import hashlib
+import operator
+
+import torch
+import torch.fx as fx
+
+from threefold.compiler.program import Chunk, Program, tf
+
+_HASH_LINE = "# content-hash: "
+
+
+def generate_module(prog: Program, chunk: Chunk, tp_rank: int = 0) -> str:
+    gm = chunk.gm
+    assert gm is not None, "run extract_chunks before codegen"
+    body = _ClassWriter(prog, chunk, gm).write()
+    digest = hashlib.sha256(body.encode()).hexdigest()[:16]
+    plan = prog.plan
+    stage = chunk.index % plan.pp
+    header = [
+        f'"""threefold generated code for {prog.name}: chunk {chunk.index} of {len(prog.chunks)}.',
+        "",
+        f"plan:    {plan}",
+        f"rank:    pipeline stage {stage} (model chunk {chunk.index}, virtual {chunk.index // plan.pp}),"
+        f" tp rank {tp_rank} of {plan.tp}",
+        f"covers:  {_covers(gm)}",
+        "Generated from the traced graph; edit the model, not this file.",
+        '"""',
+        f"{_HASH_LINE}{digest}",
+    ]
+    return "\n".join(header) + "\n" + body
+
+
+def content_hash(source: str) -> str:
+    for line in source.splitlines():
+        if line.startswith(_HASH_LINE):
+            return line[len(_HASH_LINE):]
+    return ""
+
+
+def _covers(gm: fx.GraphModule) -> str:
+    """Top-two-level module paths the chunk's ops came from, in order, compressed."""
+    seen: list[str] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or tf(node).get("recomputed"):
+            continue
+        parts = tf(node).get("module", "").split(".")
+        path = ".".join(parts[:2]) if parts and parts[0] else "<top>"
+        if not seen or seen[-1] != path:
+            if path not in seen:
+                seen.append(path)
+    if len(seen) > 12:
+        seen = seen[:5] + ["..."] + seen[-5:]
+    return ", ".join(seen)
+
+
+class _ClassWriter:
+    def __init__(self, prog: Program, chunk: Chunk, gm: fx.GraphModule):
+        self.prog, self.chunk, self.gm = prog, chunk, gm
+        self.names: dict[fx.Node, str] = {}
+        self.imports: set[str] = set()
+
+    def write(self) -> str:
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        args = [n for n in placeholders if tf(n)["kind"] in ("boundary", "input")]
+        state = [n for n in placeholders if tf(n)["kind"] in ("param", "buffer")]
+        for n in placeholders:
+            self.names[n] = _ident(n.name if tf(n)["kind"] in ("boundary", "input")
+                                   else "p_" + tf(n)["fqn"].replace(".", "_"))
+        lines = [f"    def forward(self, {', '.join(self.names[n] for n in args)}):"]
+        lines.append("        dev = self.device")
+        for n in state:
+            lines.append(f"        {self.names[n]} = self.p({tf(n)['fqn']!r})")
+        out_line = None
+        for node in self.gm.graph.nodes:
+            if node.op == "call_function":
+                self.names[node] = _ident(node.name)
+                comment = "  # recomputed here" if tf(node).get("recomputed") else ""
+                lines.append(f"        {self.names[node]} = {self._call(node)}{comment}")
+            elif node.op == "output":
+                outs = node.args[0]
+                out_line = "        return (" + "".join(self._arg(o) + ", " for o in outs) + ")"
+        lines.append(out_line)
+
+        def spec(n):
+            val = n.meta["val"]
+            return f"({list(val.shape)}, {str(val.dtype).replace('torch.', '')!r})"
+
+        params = [n for n in state if tf(n)["kind"] == "param"]
+        buffers = [n for n in state if tf(n)["kind"] == "buffer"]
+        cls = [f"class Chunk{self.chunk.index}(ChunkModule):"]
+        cls.append("    PARAMS = {" + "".join(f"\n        {tf(n)['fqn']!r}: {spec(n)}," for n in params)
+                   + ("\n    }" if params else "}"))
+        cls.append("    BUFFERS = {" + "".join(f"\n        {tf(n)['fqn']!r}: {spec(n)}," for n in buffers)
+                   + ("\n    }" if buffers else "}"))
+        cls.append(f"    INPUTS = {[n.name for n in args if tf(n)['kind'] == 'boundary']!r}")
+        cls.append(f"    USER_INPUTS = {[tf(n)['input_index'] for n in args if tf(n)['kind'] == 'input']!r}")
+        cls.append(f"    OUTPUTS = {list(self.chunk.outputs)!r}")
+        cls.append("")
+        imports = ["import torch", "", "from threefold.runtime.module import ChunkModule"]
+        imports += sorted(self.imports)
+        return "\n".join(imports + ["", "aten = torch.ops.aten", "", ""] + cls + lines) + "\n"
+
+    # -- expressions ---------------------------------------------------------------------
+    def _call(self, node: fx.Node) -> str:
+        target = node.target
+        if target is operator.getitem:
+            return f"{self._arg(node.args[0])}[{self._arg(node.args[1])}]"
+        args = [self._arg(a) for a in node.args]
+        args += [f"{k}={self._arg(v)}" for k, v in node.kwargs.items()]
+        return f"{self._target(target)}({', '.join(args)})"
+
+    def _target(self, target) -> str:
+        if isinstance(target, torch._ops.OpOverload):
+            ns = target.namespace
+            if ns == "aten":
+                return f"aten.{target._schema.name.split('::')[1]}.{target._overloadname}"
+            return f"torch.ops.{ns}.{target._schema.name.split('::')[1]}.{target._overloadname}"
+        kernel = getattr(target, "kernel_name", None)
+        if kernel is not None:  # a fused region (passes/fusion.py)
+            self.imports.add("from threefold.runtime.loader import sibling_module")
+            self.imports.add('kernels = sibling_module(__file__, "kernels")')
+            return f"kernels.{kernel}"
+        module = getattr(target, "__module__", "") or ""
+        if module.startswith("threefold.runtime."):
+            alias = module.rsplit(".", 1)[-1]
+            self.imports.add(f"import {module} as {alias}")
+            return f"{alias}.{target.__name__}"
+        raise NotImplementedError(f"codegen has no rule for call target {target!r}")
+
+    def _arg(self, a) -> str:
+        if isinstance(a, fx.Node):
+            return self.names[a]
+        if isinstance(a, (list, tuple)):
+            inner = ", ".join(self._arg(x) for x in a)
+            return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
+        if isinstance(a, torch.device):
+            return "dev"  # the module's own device, whatever device the model was traced on
+        if isinstance(a, torch.dtype):
+            return str(a)
+        if isinstance(a, (torch.memory_format, torch.layout)):
+            return str(a)
+        if isinstance(a, float):
+            if a != a:
+                return 'float("nan")'
+            if a in (float("inf"), float("-inf")):
+                return 'float("inf")' if a > 0 else '-float("inf")'
+            return repr(a)
+        if isinstance(a, (int, bool, str)) or a is None:
+            return repr(a)
+        raise NotImplementedError(f"codegen cannot write the argument {a!r} ({type(a).__name__})")
+
+
+def _ident(name: str) -> str:
+    out = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+    if out[0].isdigit() or out in ("self", "dev", "aten", "torch", "kernels", "lambda", "class"):
+        out = "v_" + out
+    return out

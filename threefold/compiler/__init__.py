@@ -1,0 +1,1 @@
+"""See DESIGN.md for this package's place in the data flow."""

@@ -1,0 +1,231 @@
+"""Per-node cost: forward FLOPs, bytes read and written, parameter and activation bytes.
+
+Rules live in a table keyed by ATen op (packet name), as JAX keeps per-primitive rules. An
+op without a rule is costed as elementwise over its output (a safe default for the many
+pointwise and view ops); matmul-like and attention ops have explicit rules because they
+dominate. FLOPs count a multiply-add as 2.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from threefold.compiler.program import Program, TensorMeta, compute_nodes, meta_of, tf
+
+aten = torch.ops.aten
+
+
+@dataclass
+class NodeCost:
+    flops: int = 0               # forward FLOPs
+    bytes_read: int = 0
+    bytes_written: int = 0
+    param_bytes: int = 0         # bytes of parameters this node reads (first use only)
+    saved_bytes: int = 0         # activation bytes autograd keeps for backward
+
+
+def _numel(shape) -> int:
+    return math.prod(int(s) for s in shape)
+
+
+def _tensor_metas(args) -> list[TensorMeta]:
+    out = []
+    for a in args:
+        if isinstance(a, fx.Node):
+            m = meta_of(a)
+            if m is not None:
+                out.append(m)
+        elif isinstance(a, (list, tuple)):
+            out.extend(_tensor_metas(a))
+    return out
+
+
+def _out_metas(node: fx.Node) -> list[TensorMeta]:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return [TensorMeta.of(val)]
+    if isinstance(val, (list, tuple)):
+        return [TensorMeta.of(v) for v in val if isinstance(v, torch.Tensor)]
+    return []
+
+
+# --- FLOP rules: f(node, input metas, output metas) -> flops ------------------------------
+
+def _matmul_flops(node, ins, outs):
+    a, b = ins[0], ins[1]
+    k = a.shape[-1] if len(a.shape) >= 1 else 1
+    return 2 * _numel(outs[0].shape) * k
+
+
+def _linear_flops(node, ins, outs):
+    # input (..., in), weight (out, in): 2 * tokens * in * out, plus the bias add
+    x, w = ins[0], ins[1]
+    flops = 2 * _numel(outs[0].shape) * int(w.shape[-1])
+    return flops + (_numel(outs[0].shape) if len(ins) > 2 else 0)
+
+
+def _addmm_flops(node, ins, outs):
+    # bias (n,), a (m, k), b (k, n)
+    return 2 * _numel(outs[0].shape) * int(ins[1].shape[-1]) + _numel(outs[0].shape)
+
+
+def _baddbmm_flops(node, ins, outs):
+    return 2 * _numel(outs[0].shape) * int(ins[1].shape[-1]) + _numel(outs[0].shape)
+
+
+def _sdpa_flops(node, ins, outs):
+    q, k = ins[0], ins[1]
+    # q (..., L, E), k (..., S, E), v (..., S, Ev): QK^T and PV, plus softmax (~5/elt)
+    *batch, L, E = q.shape
+    S = k.shape[-2]
+    b = _numel(batch)
+    ev = outs[0].shape[-1]
+    return 2 * b * L * S * E + 2 * b * L * S * ev + 5 * b * L * S
+
+
+def _conv_flops(node, ins, outs):
+    w = ins[1]
+    per_out = 2 * _numel(w.shape[1:])  # in_channels/groups * kernel
+    return _numel(outs[0].shape) * per_out
+
+
+def _norm_flops(node, ins, outs):
+    return 8 * _numel(outs[0].shape)
+
+
+def _softmax_flops(node, ins, outs):
+    return 5 * _numel(outs[0].shape)
+
+
+def _reduction_flops(node, ins, outs):
+    return _numel(ins[0].shape) if ins else 0
+
+
+def _cross_entropy_flops(node, ins, outs):
+    return 6 * _numel(ins[0].shape) if ins else 0
+
+
+def _zero_flops(node, ins, outs):
+    return 0
+
+
+def _elementwise_flops(node, ins, outs):
+    return sum(_numel(o.shape) for o in outs)
+
+
+_VIEW_OPS = {
+    "view", "_unsafe_view", "reshape", "transpose", "permute", "t", "expand", "unsqueeze",
+    "squeeze", "slice", "select", "alias", "detach", "split", "split_with_sizes", "chunk",
+    "unbind", "as_strided", "contiguous", "clone", "flatten", "unflatten", "narrow", "movedim",
+    "view_as", "expand_as", "lift_fresh_copy", "_to_copy", "to", "type_as", "dropout",
+    "embedding", "arange", "ones", "zeros", "full", "empty", "ones_like", "zeros_like",
+    "full_like", "index", "gather", "index_select", "cat", "stack", "repeat", "triu", "tril",
+    "scalar_tensor", "new_ones", "new_zeros", "copy", "repeat_interleave", "getitem",
+}
+
+FLOP_RULES = {
+    "mm": _matmul_flops, "bmm": _matmul_flops, "matmul": _matmul_flops,
+    "linear": _linear_flops, "addmm": _addmm_flops, "baddbmm": _baddbmm_flops,
+    "scaled_dot_product_attention": _sdpa_flops, "_scaled_dot_product_flash_attention": _sdpa_flops,
+    "_scaled_dot_product_efficient_attention": _sdpa_flops,
+    "conv1d": _conv_flops, "conv2d": _conv_flops, "convolution": _conv_flops,
+    "layer_norm": _norm_flops, "native_layer_norm": _norm_flops, "rms_norm": _norm_flops,
+    "group_norm": _norm_flops, "batch_norm": _norm_flops,
+    "softmax": _softmax_flops, "_softmax": _softmax_flops, "log_softmax": _softmax_flops,
+    "_log_softmax": _softmax_flops, "_safe_softmax": _softmax_flops,
+    "sum": _reduction_flops, "mean": _reduction_flops, "amax": _reduction_flops,
+    "max": _reduction_flops, "var": _reduction_flops, "var_mean": _reduction_flops,
+    "cross_entropy_loss": _cross_entropy_flops, "nll_loss": _reduction_flops,
+    "nll_loss_nd": _reduction_flops, "cross_entropy": _cross_entropy_flops,
+    **{name: _zero_flops for name in _VIEW_OPS},
+}
+
+# Ops whose output autograd keeps for backward is nothing (views, shape ops, dropout masks
+# aside). Everything else is counted as saving its output: a simple, documented upper-ish
+# estimate that tracks what a chunk must hold per in-flight microbatch.
+_SAVES_NOTHING = _VIEW_OPS - {"dropout", "embedding", "cat", "index", "gather", "index_select"}
+
+
+def op_name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1]
+    return getattr(target, "__name__", str(target))
+
+
+def node_cost(node: fx.Node) -> NodeCost:
+    if node.op != "call_function":
+        return NodeCost()
+    ins = _tensor_metas(node.args) + _tensor_metas(list(node.kwargs.values()))
+    outs = _out_metas(node)
+    name = op_name(node)
+    rule = FLOP_RULES.get(name, _elementwise_flops)
+    try:
+        flops = int(rule(node, ins, outs)) if outs or rule is not _elementwise_flops else 0
+    except (IndexError, TypeError):
+        flops = _elementwise_flops(node, ins, outs)
+    is_view = name in _VIEW_OPS and name not in ("embedding", "cat", "index", "gather",
+                                                 "index_select", "repeat", "_to_copy", "clone",
+                                                 "copy", "contiguous")
+    read = 0 if is_view else sum(m.nbytes for m in ins)
+    written = 0 if is_view else sum(m.nbytes for m in outs)
+    params = sum(meta_of(a).nbytes for a in node.all_input_nodes
+                 if a.op == "placeholder" and tf(a).get("kind") == "param" and meta_of(a))
+    saved = 0 if name in _SAVES_NOTHING else sum(m.nbytes for m in outs if m.dtype.is_floating_point)
+    return NodeCost(flops=flops, bytes_read=read, bytes_written=written, param_bytes=params,
+                    saved_bytes=saved)
+
+
+def annotate_costs(prog: Program) -> Program:
+    """Needs: shapes on every node. Guarantees: tf['cost'] (a NodeCost) on every compute node."""
+    for node in compute_nodes(prog.graph):
+        tf(node)["cost"] = node_cost(node)
+    return prog
+
+
+@dataclass
+class ChunkCost:
+    ops: int = 0
+    flops: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    param_bytes: int = 0
+    activation_bytes: int = 0
+    boundary_in_bytes: int = 0
+    boundary_out_bytes: int = 0
+    params: int = 0               # parameter elements
+
+
+def chunk_costs(prog: Program) -> list[ChunkCost]:
+    """Sum node costs per chunk (parameters counted once per chunk that holds them)."""
+    nodes = {n.name: n for n in prog.graph.nodes}
+    out = []
+    for chunk in prog.chunks:
+        c = ChunkCost()
+        for name in chunk.nodes + chunk.recomputed:
+            cost: NodeCost = tf(nodes[name]).get("cost") or node_cost(nodes[name])
+            c.ops += 1
+            c.flops += cost.flops
+            c.bytes_read += cost.bytes_read
+            c.bytes_written += cost.bytes_written
+            c.activation_bytes += cost.saved_bytes
+        for fqn in chunk.params:
+            t = prog.state[fqn]
+            c.params += t.numel()
+            c.param_bytes += t.numel() * t.element_size()
+        c.boundary_in_bytes = sum(meta_of(nodes[v]).nbytes for v in chunk.inputs)
+        c.boundary_out_bytes = sum(meta_of(nodes[v]).nbytes for v in chunk.outputs
+                                   if meta_of(nodes[v]) is not None and v != "loss")
+        out.append(c)
+    return out
+
+
+def imbalance(values: list[float]) -> float:
+    """max / mean; 1.0 is perfect balance."""
+    if not values:
+        return 1.0
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean else 1.0

@@ -1,0 +1,125 @@
+"""`Plan`: how a model is split across ranks (tensor, pipeline, data parallel and friends).
+
+A plan is a small frozen value. `Plan.parse("tp=2,pp=4,m=8")` and `str(plan)` round-trip.
+Everything that checks a plan against a *model* (heads divisible by tp, enough ops for
+pp*v chunks) lives in the passes; here we only check what the plan alone can know.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from threefold.errors import PlanError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+# Short keys accepted by Plan.parse and used by str(plan).
+_ALIASES = {"m": "microbatches", "v": "interleave"}
+_SHORT = {v: k for k, v in _ALIASES.items()}
+
+
+@dataclass(frozen=True)
+class Plan:
+    tp: int = 1                 # tensor-parallel ranks (Megatron column/row splits)
+    pp: int = 1                 # pipeline stages
+    dp: int = 1                 # data-parallel replicas
+    microbatches: int = 1       # microbatches per iteration (m)
+    interleave: int = 1         # model chunks per pipeline stage (v); >1 needs schedule=interleaved
+    schedule: str = "1f1b"      # gpipe | 1f1b | interleaved
+    sp: bool = False            # sequence parallelism (Korthikanti et al. 2022); needs tp>1
+    scatter_gather: bool = True # send 1/tp of each boundary tensor across stages (paper 4.1)
+    fuse: bool | None = None    # fused Triton kernels; None = on when the model is on a GPU
+    recompute: bool = False     # activation recomputation per chunk
+    split_points: tuple[str, ...] = field(default_factory=tuple)  # FQNs to start new chunks at
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "dp", "microbatches", "interleave"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PlanError(f"plan {name}={value!r} is invalid: it must be a positive integer")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"plan schedule={self.schedule!r} is unknown: use one of {', '.join(SCHEDULES)}")
+        if self.interleave > 1 and self.schedule != "interleaved":
+            raise PlanError(f"plan v={self.interleave} needs schedule=interleaved "
+                            f"(got schedule={self.schedule}); add schedule=interleaved or set v=1")
+        if self.sp and self.tp == 1:
+            raise PlanError("plan sp=true needs tp>1: sequence parallelism shards along the tensor-parallel group")
+        if isinstance(self.split_points, (list, str)):
+            pts = (self.split_points,) if isinstance(self.split_points, str) else tuple(self.split_points)
+            object.__setattr__(self, "split_points", pts)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_chunks(self) -> int:
+        """Pipeline chunks the model is cut into: pp stages times v chunks per stage."""
+        return self.pp * self.interleave
+
+    def replace(self, **changes) -> "Plan":
+        return dataclasses.replace(self, **changes)
+
+    # ---- text form -------------------------------------------------------------
+    @classmethod
+    def parse(cls, text: "str | Plan | None") -> "Plan":
+        """Parse 'tp=2,pp=4,dp=2,m=8,v=2,schedule=interleaved' (spaces allowed)."""
+        if isinstance(text, Plan):
+            return text
+        if text is None or not str(text).strip():
+            return cls()
+        kwargs: dict = {}
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for item in str(text).replace(" ", "").split(","):
+            if not item:
+                continue
+            if "=" not in item:
+                raise PlanError(f"plan item {item!r} is malformed: write key=value, e.g. 'tp=2,pp=4'")
+            key, value = item.split("=", 1)
+            name = _ALIASES.get(key, key)
+            if name not in fields:
+                known = sorted(set(fields) | set(_ALIASES))
+                raise PlanError(f"plan key {key!r} is unknown: known keys are {', '.join(known)}")
+            kwargs[name] = _parse_value(name, value, kwargs.get(name))
+        return cls(**kwargs)
+
+    def __str__(self) -> str:
+        parts = []
+        default = Plan()
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value == getattr(default, f.name) and f.name in ("split_points", "fuse", "recompute",
+                                                                 "scatter_gather", "sp"):
+                continue
+            key = _SHORT.get(f.name, f.name)
+            if f.name == "split_points":
+                parts.extend(f"split={p}" for p in value)
+            elif isinstance(value, bool):
+                parts.append(f"{key}={'true' if value else 'false'}")
+            else:
+                parts.append(f"{key}={value}")
+        return ",".join(parts)
+
+
+def _parse_value(name: str, value: str, previous):
+    if name == "split_points":
+        # Several split points: repeat the key ('split=a,split=b') or join with '+'.
+        return tuple(previous or ()) + tuple(v for v in value.split("+") if v)
+    if name in ("sp", "scatter_gather", "fuse", "recompute"):
+        low = value.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        if name == "fuse" and low in ("auto", "none"):
+            return None
+        raise PlanError(f"plan {name}={value!r} is invalid: use true or false")
+    if name == "schedule":
+        return value.lower()
+    try:
+        return int(value)
+    except ValueError:
+        raise PlanError(f"plan {name}={value!r} is invalid: it must be a positive integer") from None
+
+
+_ALIASES["split"] = "split_points"

@@ -1,0 +1,284 @@
+"""Run one rank's share of a training iteration: its chunks, on its schedule's action list.
+
+The engine holds this rank's chunk modules (`ChunkModule`s, from generated code), the
+artifact manifest that describes their boundaries, the verified schedule and the process
+groups. `step(batch)` slices the global batch for this dp rank into microbatches, executes
+the action list in order (compute, and point-to-point transfers posted in the verified
+order), all-reduces gradients over dp in buckets as soon as each chunk's last backward is
+done, sums tied-parameter gradients across the stages that share them, and returns the mean
+loss over the global batch on every rank.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from threefold.runtime import comm
+from threefold.runtime.comm import Groups
+from threefold.runtime.module import ChunkModule
+from threefold.runtime.schedule import Kind, Schedule
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
+
+BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket size (Megatron/DDP-like)
+
+
+def _specs(entries: list[dict]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    return [(tuple(e["shape"]), _DTYPES[e["dtype"]]) for e in entries]
+
+
+@dataclass
+class StepStats:
+    seconds: float = 0.0
+    peak_inflight: int = 0          # (chunk, microbatch) activations held at once
+    loss: float = float("nan")
+
+
+@dataclass
+class _Slot:
+    """What one (chunk, microbatch) keeps between its forward and its backward."""
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    input_grads: list[torch.Tensor | None] = field(default_factory=list)
+    output_grads: list[torch.Tensor] = field(default_factory=list)
+
+
+class PipelineEngine:
+    def __init__(self, manifest: dict, modules: dict[int, ChunkModule], schedule: Schedule,
+                 groups: Groups, device: torch.device):
+        self.manifest = manifest
+        self.modules = modules
+        self.schedule = schedule
+        self.groups = groups
+        self.mesh = groups.mesh
+        self.coord = self.mesh.coord(groups.rank)
+        self.stage = self.coord.pp
+        self.device = device
+        self.num_chunks = manifest["num_chunks"]
+        self.chunk_meta = manifest["chunks"]
+        self.has_loss = manifest["has_loss"]
+        self._share_local_ties()
+        self._plan_grad_sync()
+        self.stats = StepStats()
+
+    # -- set-up ----------------------------------------------------------------------------
+    def _share_local_ties(self) -> None:
+        """Chunks on this rank that hold the same (tied) parameter use one Parameter object."""
+        first: dict[str, torch.nn.Parameter] = {}
+        for c in sorted(self.modules):
+            mod = self.modules[c]
+            for fqn in mod.PARAMS:
+                if fqn in first:
+                    owner = mod._owner(fqn)
+                    setattr(owner, fqn.rsplit(".", 1)[-1], first[fqn])
+                    mod._state_cache = None
+                else:
+                    first[fqn] = mod.p(fqn)
+        self.params: dict[str, torch.nn.Parameter] = first
+
+    def _plan_grad_sync(self) -> None:
+        actions = self.schedule.actions[self.stage]
+        last_bwd: dict[int, int] = {}
+        for i, a in enumerate(actions):
+            if a.kind is Kind.BACKWARD:
+                last_bwd[a.chunk] = i
+        # Each parameter is reduced with the local chunk whose backward finishes last.
+        owner: dict[str, int] = {}
+        for c in sorted(self.modules, key=lambda c: last_bwd.get(c, -1)):
+            for fqn in self.modules[c].PARAMS:
+                owner[fqn] = c
+        self._reduce_after: dict[int, list[str]] = {}   # action index -> FQNs to reduce
+        for fqn, c in owner.items():
+            if c in last_bwd:
+                self._reduce_after.setdefault(last_bwd[c], []).append(fqn)
+        # Tied parameters shared across stages: stage sets from the manifest.
+        self._tied: list[tuple[str, tuple[int, ...]]] = []
+        for c in sorted(self.modules):
+            for fqn, holders in self.chunk_meta[c].get("shared_params", {}).items():
+                stages = tuple(sorted({h % self.mesh.pp for h in holders}))
+                if len(stages) > 1 and (fqn, stages) not in self._tied:
+                    self._tied.append((fqn, stages))
+        self._tied.sort()
+
+    def parameters(self):
+        return list(self.params.values())
+
+    def named_parameters(self):
+        return list(self.params.items())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params.values():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    # -- one iteration ---------------------------------------------------------------------
+    def step(self, batch: tuple, train: bool = True, schedule: Schedule | None = None) -> float:
+        """Run all microbatches of the global `batch` (model inputs..., target); mean loss."""
+        start = time.perf_counter()
+        schedule = schedule or self.schedule
+        m = schedule.m
+        micro = self._microbatches(batch, m)
+        slots: dict[tuple[int, int], _Slot] = {}
+        pending: list[tuple[object, list[torch.Tensor], list[torch.Tensor]]] = []
+        losses: list[torch.Tensor] = []
+        outputs: list[list[torch.Tensor]] = []
+        inflight = peak = 0
+        last = self.num_chunks - 1
+        for i, a in enumerate(schedule.actions[self.stage]):
+            key = (a.chunk, a.mb)
+            if a.kind is Kind.RECV_ACT:
+                peer = self._peer(a.peer)
+                tensors = comm.recv(_specs(self.chunk_meta[a.chunk]["inputs"]), peer,
+                                    f"activations of chunk {a.chunk - 1} microbatch {a.mb}", self.device)
+                for t in tensors:
+                    if train and t.is_floating_point():
+                        t.requires_grad_(True)
+                slots[key] = _Slot(inputs=tensors)
+            elif a.kind is Kind.FORWARD:
+                slot = slots.setdefault(key, _Slot(inputs=[]))
+                mod = self.modules[a.chunk]
+                user = [micro[a.mb][j] for j in mod.USER_INPUTS]
+                with torch.set_grad_enabled(train):
+                    outs = list(mod(*slot.inputs, *user))
+                inflight += 1
+                peak = max(peak, inflight)
+                if a.chunk == last:
+                    if self.has_loss:
+                        losses.append(outs[0].detach())
+                    else:
+                        outputs.append([o.detach() for o in outs])
+                slot.outputs = outs
+                if not train:
+                    slot.inputs = []
+                    if a.chunk == last:
+                        slots.pop(key)
+                        inflight -= 1
+            elif a.kind is Kind.SEND_ACT:
+                slot = slots[key]
+                comm.send([o.detach() for o in slot.outputs], self._peer(a.peer),
+                          f"activations of chunk {a.chunk} microbatch {a.mb}")
+                if not train:
+                    slots.pop(key)
+                    inflight -= 1
+                else:
+                    _release_outputs(slot.outputs, self.chunk_meta[a.chunk].get("releasable", []))
+            elif a.kind is Kind.RECV_GRAD:
+                slot = slots[key]
+                specs = [(tuple(o.shape) if o.numel() else tuple(e["shape"]), o.dtype)
+                         for o, e in zip(slot.outputs, self.chunk_meta[a.chunk]["outputs"])
+                         if o.is_floating_point()]
+                slot.output_grads = comm.recv(specs, self._peer(a.peer),
+                                              f"gradients of chunk {a.chunk} microbatch {a.mb}", self.device)
+            elif a.kind is Kind.BACKWARD:
+                slot = slots[key]
+                self._backward(slot, a.chunk == last, m)
+                inflight -= 1
+                if a.chunk == 0 or not slot.inputs:
+                    slots.pop(key)
+                if i in self._reduce_after:
+                    pending.append(self._start_reduce(self._reduce_after[i]))
+            elif a.kind is Kind.SEND_GRAD:
+                slot = slots.pop(key)
+                grads = [g if g is not None else torch.zeros_like(x)
+                         for x, g in zip(slot.inputs, slot.input_grads) if x.is_floating_point()]
+                comm.send(grads, self._peer(a.peer), f"gradients of chunk {a.chunk - 1} microbatch {a.mb}")
+        if train:
+            for work, flat, grads in pending:
+                comm.wait(work, "data-parallel gradient all-reduce")
+                _unflatten_into(flat, grads, scale=1.0 / self.mesh.dp)
+            self._sum_tied()
+        loss = self._global_loss(losses, m) if self.has_loss else float("nan")
+        self.stats = StepStats(time.perf_counter() - start, peak, loss)
+        self.last_outputs = outputs
+        return loss
+
+    def _backward(self, slot: _Slot, is_last: bool, m: int) -> None:
+        if is_last and self.has_loss:
+            tensors, grads = [slot.outputs[0]], [torch.full_like(slot.outputs[0], 1.0 / m)]
+        else:
+            pairs = [(o, g) for o, g in zip([o for o in slot.outputs if o.is_floating_point()],
+                                            slot.output_grads) if o.requires_grad]
+            tensors, grads = [p[0] for p in pairs], [p[1] for p in pairs]
+        if tensors:
+            # The engine call skips autograd's shape check, so outputs whose storage was
+            # released after sending (see _release_outputs) still backpropagate.
+            torch.autograd.Variable._execution_engine.run_backward(
+                tuple(tensors), tuple(grads), False, False, (), True, True)
+        slot.input_grads = [x.grad if x.requires_grad else None for x in slot.inputs]
+        slot.outputs, slot.output_grads = [], []
+
+    def _microbatches(self, batch: tuple, m: int) -> list[tuple]:
+        dp, d = self.mesh.dp, self.coord.dp
+        out = [[] for _ in range(m)]
+        for t in batch:
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                for mb in out:
+                    mb.append(t)
+                continue
+            n = t.shape[0]
+            if n % (dp * m):
+                raise ValueError(f"batch size {n} is not divisible by dp*m={dp * m}")
+            local = t.to(self.device).chunk(dp)[d]
+            for mb, piece in zip(out, local.chunk(m)):
+                mb.append(piece)
+        return [tuple(mb) for mb in out]
+
+    def _peer(self, stage: int) -> int:
+        return self.mesh.rank(self.coord.tp, self.coord.dp, stage)
+
+    # -- gradient synchronisation ----------------------------------------------------------
+    def _start_reduce(self, fqns: list[str]):
+        grads = [self.params[f].grad for f in fqns if self.params[f].grad is not None]
+        if self.groups.dp is None or not grads:
+            return _Done(), torch.empty(0), []
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        work = comm.all_reduce(flat, self.groups.dp, "gradients", async_op=True)
+        return work, flat, grads
+
+    def _sum_tied(self) -> None:
+        for fqn, stages in self._tied:
+            p = self.params[fqn]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            comm.all_reduce(p.grad, self.groups.ties[stages], f"tied gradient {fqn}")
+
+    def _global_loss(self, losses: list[torch.Tensor], m: int) -> float:
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for l in losses:
+            total += l.double()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            comm.all_reduce(total, None, "the loss")
+        # every (tp, dp) rank of the last stage contributed its m microbatch losses
+        return float(total) / (m * self.mesh.dp * self.mesh.tp)
+
+
+class _Done:
+    def wait(self):
+        return True
+
+
+def _unflatten_into(flat: torch.Tensor, grads: list[torch.Tensor], scale: float) -> None:
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset:offset + n].view_as(g)).mul_(scale)
+        offset += n
+
+
+def _release_outputs(outputs: list[torch.Tensor], releasable: list[bool]) -> None:
+    """Free the storage of sent outputs that backward does not read (Megatron does the same).
+
+    Only outputs no op of the chunk reads (the manifest's `releasable`), that are not views,
+    and whose grad_fn did not save the result itself (softmax, tanh, ...) are freed.
+    """
+    for o, ok in zip(outputs, releasable):
+        fn = o.grad_fn
+        if not ok or fn is None or o._base is not None or hasattr(fn, "_saved_result"):
+            continue
+        o.data = torch.empty((0,), dtype=o.dtype, device=o.device)

@@ -1,0 +1,71 @@
+"""`ChunkModule`: the base class of every generated per-rank module.
+
+Parameters and buffers are registered under their original FQNs (as a tree of plain
+submodules), so `named_parameters()` reads like the user's model and optimizer state and
+checkpoints line up. Generated code reads them as locals at the top of forward.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class ChunkModule(torch.nn.Module):
+    # Filled in by each generated subclass:
+    PARAMS: dict[str, tuple[list[int], str]] = {}    # FQN -> (shape, dtype)
+    BUFFERS: dict[str, tuple[list[int], str]] = {}
+    INPUTS: list[str] = []       # boundary values received, in forward's argument order
+    USER_INPUTS: list[int] = []  # batch entries read directly (model inputs, then target)
+    OUTPUTS: list[str] = []      # values returned (boundary values sent on, or the loss)
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        super().__init__()
+        device = torch.device(device)
+        for fqn, (shape, dtype) in self.PARAMS.items():
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            self._owner(fqn).register_parameter(fqn.rsplit(".", 1)[-1], torch.nn.Parameter(t))
+        for fqn, (shape, dtype) in self.BUFFERS.items():
+            t = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+            self._owner(fqn).register_buffer(fqn.rsplit(".", 1)[-1], t)
+        self._state_cache: dict[str, torch.Tensor] | None = None
+
+    def _owner(self, fqn: str) -> torch.nn.Module:
+        module: torch.nn.Module = self
+        for part in fqn.split(".")[:-1]:
+            if not hasattr(module, part) or not isinstance(getattr(module, part), torch.nn.Module):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        return module
+
+    def p(self, fqn: str) -> torch.Tensor:
+        """A parameter or buffer by FQN (what generated forward code calls)."""
+        cache = self._state_cache
+        if cache is None:
+            cache = dict(self.named_parameters(remove_duplicate=False))
+            cache.update(self.named_buffers(remove_duplicate=False))
+            self._state_cache = cache
+        return cache[fqn]
+
+    @property
+    def device(self) -> torch.device:
+        for t in self.parameters():
+            return t.device
+        for t in self.buffers():
+            return t.device
+        return torch.device("cpu")
+
+    def _apply(self, fn, recurse=True):
+        self._state_cache = None  # .to() / .cuda() replace tensors
+        return super()._apply(fn, recurse)
+
+    def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy values in by FQN; every parameter and buffer must be given exactly."""
+        missing = [k for k in list(self.PARAMS) + list(self.BUFFERS) if k not in tensors]
+        if missing:
+            raise KeyError(f"{type(self).__name__}: no values for {missing[:5]}")
+        with torch.no_grad():
+            for fqn in list(self.PARAMS) + list(self.BUFFERS):
+                dst, src = self.p(fqn), tensors[fqn]
+                if tuple(dst.shape) != tuple(src.shape):
+                    raise ValueError(f"{type(self).__name__}: {fqn} has shape {tuple(src.shape)}, "
+                                     f"expected {tuple(dst.shape)}")
+                dst.copy_(src)

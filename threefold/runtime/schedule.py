@@ -1,0 +1,350 @@
+"""Pipeline schedules as data: one ordered action list per pipeline stage.
+
+Model chunks. With `pp` stages and `v` chunks per stage the model is cut into `pp*v`
+chunks numbered 0..pp*v-1 in model order; chunk c lives on stage `c % pp` (Megatron's
+interleaved assignment: stage r holds chunks r, r+pp, r+2pp, ...). Activations flow from
+chunk c to c+1, gradients from c+1 to c. Chunk 0 reads its input from the data loader;
+the last chunk's forward computes the loss and its backward starts from the loss.
+
+Actions (all name a *local* chunk, i.e. one that lives on the rank holding the action):
+
+    F3.1      FORWARD(chunk=3, mb=1)      run chunk 3 forward on microbatch 1
+    B3.1      BACKWARD(3, 1)              run chunk 3 backward on microbatch 1
+    sa3.1>2   SEND_ACT(3, 1, peer=2)      send chunk 3's output to stage 2 (holds chunk 4)
+    ra3.1<2   RECV_ACT(3, 1, peer=2)      receive chunk 3's input from stage 2 (holds chunk 2)
+    sg3.1>2   SEND_GRAD(3, 1, peer=2)     send d(loss)/d(chunk 3's input) to stage 2 (chunk 2)
+    rg3.1<0   RECV_GRAD(3, 1, peer=0)     receive d(loss)/d(chunk 3's output) from stage 0 (chunk 4)
+
+So `sa c.i` on one stage pairs with `ra c+1.i` on the next, and `sg c.i` with `rg c-1.i`.
+A rank executes (or posts) its list strictly in order. The lists are built so that they
+cannot deadlock even if every send blocks until its receive is posted (rendezvous), and
+for every ordered pair of ranks the messages sent from A to B appear in the same order as
+the receives B posts from A, so no tags are needed. `threefold.runtime.simulate.verify`
+proves both for a given schedule.
+"""
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+from threefold.errors import PlanError
+
+
+class ScheduleError(PlanError):
+    """A schedule that violates the IR's contract (names the rank, the action and why)."""
+
+
+class Kind(str, enum.Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+    SEND_ACT = "sa"
+    RECV_ACT = "ra"
+    SEND_GRAD = "sg"
+    RECV_GRAD = "rg"
+
+
+COMPUTE = (Kind.FORWARD, Kind.BACKWARD)
+SENDS = (Kind.SEND_ACT, Kind.SEND_GRAD)
+RECVS = (Kind.RECV_ACT, Kind.RECV_GRAD)
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    kind: Kind
+    chunk: int          # the local model chunk this action runs or serves
+    mb: int             # microbatch index, 0..m-1
+    peer: int = -1      # the other pipeline stage for send/recv; -1 for compute
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in COMPUTE
+
+    @property
+    def is_send(self) -> bool:
+        return self.kind in SENDS
+
+    @property
+    def is_recv(self) -> bool:
+        return self.kind in RECVS
+
+    @property
+    def message(self) -> tuple[str, int, int]:
+        """Identity of the message a send/recv moves: (act|grad, producing chunk, mb).
+
+        Equal on both ends: sa3.1 and ra4.1 are both ('act', 3, 1); sg3.1 and rg2.1 are
+        both ('grad', 3, 1).
+        """
+        k = self.kind
+        if k is Kind.SEND_ACT:
+            return ("act", self.chunk, self.mb)
+        if k is Kind.RECV_ACT:
+            return ("act", self.chunk - 1, self.mb)
+        if k is Kind.SEND_GRAD:
+            return ("grad", self.chunk, self.mb)
+        if k is Kind.RECV_GRAD:
+            return ("grad", self.chunk + 1, self.mb)
+        raise ValueError(f"{self} is a compute action and moves no message")
+
+    def __str__(self) -> str:
+        text = f"{self.kind.value}{self.chunk}.{self.mb}"
+        if self.is_send:
+            return f"{text}>{self.peer}"
+        if self.is_recv:
+            return f"{text}<{self.peer}"
+        return text
+
+    __repr__ = __str__
+
+
+def Forward(chunk: int, mb: int) -> Action:
+    return Action(Kind.FORWARD, chunk, mb)
+
+
+def Backward(chunk: int, mb: int) -> Action:
+    return Action(Kind.BACKWARD, chunk, mb)
+
+
+_ACTION_RE = re.compile(r"^(F|B|sa|ra|sg|rg)(\d+)\.(\d+)(?:([<>])(\d+))?$")
+
+
+def parse_action(text: str) -> Action:
+    """Inverse of str(action): 'F3.1', 'sa3.1>2', 'rg3.1<0'."""
+    match = _ACTION_RE.match(text.strip())
+    if not match:
+        raise ScheduleError(f"schedule action {text!r} is malformed: write e.g. F3.1, B3.1, sa3.1>2 or ra3.1<2")
+    kind, chunk, mb, arrow, peer = match.groups()
+    action = Action(Kind(kind), int(chunk), int(mb), int(peer) if peer is not None else -1)
+    wanted = ">" if action.is_send else "<" if action.is_recv else None
+    if arrow != wanted:
+        raise ScheduleError(f"schedule action {text!r} is malformed: "
+                            f"{'a compute action takes no peer' if wanted is None else f'write {wanted}PEER after it'}")
+    return action
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str                       # gpipe | 1f1b | interleaved | forward
+    pp: int                         # pipeline stages (ranks of one pipeline)
+    v: int                          # model chunks per stage
+    m: int                          # microbatches per iteration
+    actions: list[list[Action]]     # actions[stage]: that rank's list, in execution order
+
+    @property
+    def num_chunks(self) -> int:
+        return self.pp * self.v
+
+    @property
+    def has_backward(self) -> bool:
+        return self.name != "forward"
+
+    def stage_of(self, chunk: int) -> int:
+        return chunk % self.pp
+
+    def chunks_of(self, stage: int) -> list[int]:
+        return [stage + k * self.pp for k in range(self.v)]
+
+    def compute(self, stage: int) -> list[Action]:
+        """Only the forward/backward actions of one stage, in order."""
+        return [a for a in self.actions[stage] if a.kind in COMPUTE]
+
+    def to_json(self) -> dict:
+        return {"schedule": self.name, "pp": self.pp, "interleave": self.v, "microbatches": self.m,
+                "actions": [[str(a) for a in rank] for rank in self.actions]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Schedule":
+        return cls(name=data["schedule"], pp=int(data["pp"]), v=int(data["interleave"]),
+                   m=int(data["microbatches"]),
+                   actions=[[parse_action(t) for t in rank] for rank in data["actions"]])
+
+    def __str__(self) -> str:
+        head = f"{self.name} pp={self.pp} m={self.m} v={self.v}"
+        return "\n".join([head] + [f"rank {r}: " + " ".join(map(str, acts))
+                                   for r, acts in enumerate(self.actions)])
+
+
+# ---- generators ---------------------------------------------------------------------
+KINDS = ("gpipe", "1f1b", "interleaved", "forward")
+
+# A compute step before communication is placed: (is_backward, chunk, mb).
+Step = tuple[bool, int, int]
+
+
+def make_schedule(kind: str, pp: int, m: int, v: int = 1) -> Schedule:
+    """Build the named schedule (gpipe, 1f1b, interleaved, forward); PlanError if it cannot work."""
+    kind = str(kind).lower().replace("-", "_")
+    kind = {"pipedream_flush": "1f1b", "forward_only": "forward"}.get(kind, kind)
+    _check_sizes(kind, pp, m, v)
+    if kind == "gpipe":
+        orders = [[(False, r, i) for i in range(m)] + [(True, r, i) for i in range(m)] for r in range(pp)]
+    elif kind == "1f1b":
+        orders = [_one_f_one_b([(r, i) for i in range(m)], [(r, i) for i in range(m)], pp - r - 1)
+                  for r in range(pp)]
+    elif kind == "interleaved":
+        orders = [_interleaved_order(r, pp, m, v) for r in range(pp)]
+    else:
+        orders = [[(False, c, i) for c, i in _megatron_table(r, pp, m, v, backward=False)] for r in range(pp)]
+    return _with_communication(kind, pp, m, v, orders)
+
+
+def forward_only(pp: int, m: int, v: int = 1) -> Schedule:
+    """Inference: every chunk's forward on every microbatch, no backward, no gradients."""
+    return make_schedule("forward", pp, m, v)
+
+
+def _check_sizes(kind: str, pp: int, m: int, v: int) -> None:
+    for name, value in (("pp", pp), ("m", m), ("v", v)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise PlanError(f"schedule {name}={value!r} is invalid: it must be a positive integer")
+    if kind not in KINDS:
+        raise PlanError(f"schedule {kind!r} is unknown: use one of gpipe, 1f1b, interleaved (or forward)")
+    if v > 1 and kind not in ("interleaved", "forward"):
+        raise PlanError(f"schedule v={v} needs the interleaved schedule (got {kind}): "
+                        "use the interleaved schedule (plan schedule=interleaved, CLI --schedule interleaved) or set v=1")
+    if v > 1 and pp == 1:
+        raise PlanError(f"schedule v={v} with pp=1 is pointless: all chunks would sit on one rank; "
+                        "set v=1 or use pp>=2")
+
+
+def _one_f_one_b(fwd: list[tuple[int, int]], bwd: list[tuple[int, int]], warmup: int) -> list[Step]:
+    """Warm-up forwards, then alternate one forward / one backward, then drain backwards."""
+    total = len(fwd)
+    warmup = min(warmup, total)
+    order: list[Step] = [(False, c, i) for c, i in fwd[:warmup]]
+    for k in range(total - warmup):
+        order.append((False, *fwd[warmup + k]))
+        order.append((True, *bwd[k]))
+    order.extend((True, c, i) for c, i in bwd[total - warmup:])
+    return order
+
+
+def microbatch_groups(m: int, pp: int) -> list[int]:
+    """Sizes of the microbatch groups of the interleaved schedule.
+
+    Megatron uses groups of exactly pp and needs m % pp == 0. We split m into
+    max(1, m // pp) groups as equal as possible (largest first), so every group holds
+    pp..2pp-1 microbatches: the group still covers a trip around the pipeline, and the
+    simulator shows the bubble stays (pp-1)/(v*m) for any m >= pp. When m is a multiple of
+    pp these are Megatron's groups. m < pp gives one short group (verified, bigger bubble).
+    """
+    count = max(1, m // pp)
+    return [m // count + (1 if j < m % count else 0) for j in range(count)]
+
+
+def _megatron_table(stage: int, pp: int, m: int, v: int, backward: bool) -> list[tuple[int, int]]:
+    """Megatron's interleaved (chunk, mb) order for one stage: microbatches in groups, and
+    within a group every local chunk in turn (model order forward, reverse backward)."""
+    table, first = [], 0
+    for size in microbatch_groups(m, pp):
+        for k in range(v):
+            local = v - 1 - k if backward else k
+            table.extend((local * pp + stage, i) for i in range(first, first + size))
+        first += size
+    return table
+
+
+def _interleaved_warmup(stage: int, pp: int, m: int, v: int) -> int:
+    if v == 1:   # one chunk per stage: interleaving degenerates to plain 1F1B
+        return pp - stage - 1
+    # Megatron: two steps per downstream stage, plus the other chunks of one group.
+    return (pp - stage - 1) * 2 + (v - 1) * microbatch_groups(m, pp)[0]
+
+
+def _interleaved_order(stage: int, pp: int, m: int, v: int) -> list[Step]:
+    return _one_f_one_b(_megatron_table(stage, pp, m, v, False), _megatron_table(stage, pp, m, v, True),
+                        _interleaved_warmup(stage, pp, m, v))
+
+
+def inflight_bound(schedule_or_kind, pp: int = 0, m: int = 0, v: int = 1) -> list[int]:
+    """Most activations (per (chunk, mb), forward done and backward not) each stage may hold.
+
+    GPipe: m. 1F1B: pp-r (capped at m). Interleaved: its warm-up plus one,
+    2(pp-r-1) + (v-1)G + 1 with G the first group's size (pp when pp divides m), capped at
+    v*m. Forward-only holds none for backward.
+    """
+    kind = schedule_or_kind
+    if isinstance(schedule_or_kind, Schedule):
+        kind, pp, m, v = schedule_or_kind.name, schedule_or_kind.pp, schedule_or_kind.m, schedule_or_kind.v
+    if kind == "gpipe":
+        return [m] * pp
+    if kind == "1f1b":
+        return [min(pp - r, m) for r in range(pp)]
+    if kind == "interleaved":
+        return [min(v * m, _interleaved_warmup(r, pp, m, v) + 1) for r in range(pp)]
+    if kind == "forward":
+        return [0] * pp
+    raise PlanError(f"schedule {kind!r} is unknown: use one of {', '.join(KINDS)}")
+
+
+# ---- placing sends and receives -----------------------------------------------------
+def _with_communication(name: str, pp: int, m: int, v: int, orders: list[list[Step]]) -> Schedule:
+    """Insert sends and receives into per-stage compute orders.
+
+    We time the compute orders once (forward 1, backward 2, free communication) and give
+    every event a key: a compute its start time, a message (send and receive alike) the time
+    its producer finishes. Each rank's list is its events sorted by (time, message before
+    compute, message id). All ranks therefore follow one global order in which a message
+    is a single event, so even sends that wait for their receive cannot deadlock, and the
+    messages between two ranks are sent and received in the same order.
+    """
+    last = pp * v - 1
+    end = _time_compute(name, pp, m, v, orders)
+    keyed: list[list[tuple[tuple, Action]]] = [[] for _ in range(pp)]
+    for r, order in enumerate(orders):
+        events = keyed[r]
+        for is_b, c, i in order:
+            finish = end[(is_b, c, i)]
+            start = finish - (2 if is_b else 1)
+            if not is_b:
+                if c > 0:
+                    t = end[(False, c - 1, i)]
+                    events.append(((t, 0, 0, c - 1, i), Action(Kind.RECV_ACT, c, i, (c - 1) % pp)))
+                events.append(((start, 1, 0, 0, 0), Action(Kind.FORWARD, c, i)))
+                if c < last:
+                    events.append(((finish, 0, 0, c, i), Action(Kind.SEND_ACT, c, i, (c + 1) % pp)))
+            else:
+                if c < last:
+                    t = end[(True, c + 1, i)]
+                    events.append(((t, 0, 1, c + 1, i), Action(Kind.RECV_GRAD, c, i, (c + 1) % pp)))
+                events.append(((start, 1, 0, 0, 0), Action(Kind.BACKWARD, c, i)))
+                if c > 0:
+                    events.append(((finish, 0, 1, c, i), Action(Kind.SEND_GRAD, c, i, (c - 1) % pp)))
+    actions = []
+    for events in keyed:
+        events.sort(key=lambda e: e[0])
+        actions.append([a for _, a in events])
+    return Schedule(name=name, pp=pp, v=v, m=m, actions=actions)
+
+
+def _time_compute(name: str, pp: int, m: int, v: int, orders: list[list[Step]]) -> dict[Step, int]:
+    """End time of every compute step when each stage runs its order as early as data allows."""
+    last = pp * v - 1
+    end: dict[Step, int] = {}
+    clock = [0] * pp
+    pos = [0] * pp
+    moved = True
+    while moved:
+        moved = False
+        for r in range(pp):
+            order, t, k = orders[r], clock[r], pos[r]
+            while k < len(order):
+                is_b, c, i = step = order[k]
+                if is_b:
+                    deps = ((False, c, i),) if c == last else ((False, c, i), (True, c + 1, i))
+                else:
+                    deps = ((False, c - 1, i),) if c > 0 else ()
+                if any(d not in end for d in deps):
+                    break
+                t = max([t] + [end[d] for d in deps]) + (2 if is_b else 1)
+                end[step] = t
+                k += 1
+            if k != pos[r]:
+                clock[r], pos[r], moved = t, k, True
+    stuck = [r for r in range(pp) if pos[r] < len(orders[r])]
+    if stuck:
+        r = stuck[0]
+        is_b, c, i = orders[r][pos[r]]
+        raise ScheduleError(f"schedule {name} pp={pp} m={m} v={v} cannot run: rank {r} waits forever "
+                            f"at {'B' if is_b else 'F'}{c}.{i}; choose another m or schedule")
+    return end

@@ -1,0 +1,334 @@
+"""Run a schedule's per-rank action lists on paper: prove them safe, time them, measure the bubble.
+
+`verify(schedule)` is the proof the executor relies on. It checks, and raises a
+`ScheduleError` naming the rank, the action and the reason on the first violation:
+
+  * placement: each action's chunk lives on its rank, peers are the neighbouring chunks'
+    stages, microbatch ids are in range; every required action appears exactly once
+    (no backward, no gradients in a forward-only schedule);
+  * local order: receive before the forward/backward that consumes it, forward before
+    its send and before its backward, backward before its gradient send;
+  * matching: for every ordered pair of ranks, the messages A sends to B are, in order,
+    the messages B receives from A (so the executor needs no tags);
+  * no deadlock when every send blocks until its receive is posted (rendezvous; this also
+    covers buffered sends);
+  * the in-flight activation bound of the schedule kind (see `schedule.inflight_bound`).
+
+`simulate(schedule, durations)` times the lists. Durations: None (forward 1, backward 2,
+communication 0), a callable `action -> seconds`, or a dict `chunk -> (fwd, bwd)` from the
+cost model. By default sends do not wait for their receive (`comm="eager"`); pass
+`comm="rendezvous"` to time blocking sends instead.
+
+Two bubble numbers, both averaged over the ranks of one pipeline:
+  bubble_fraction = idle / (pp * makespan)     share of the iteration's rank-time spent idle
+                    (GPipe/1F1B, equal stages: (p-1)/(m+p-1))
+  bubble_ratio    = idle / busy                the paper's measure, bubble over ideal compute
+                    (GPipe/1F1B: (p-1)/m; interleaved: (p-1)/(v*m))
+Idle is everything that is not forward/backward compute, so communication time counts as bubble.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from threefold.errors import PlanError
+from threefold.runtime.schedule import (COMPUTE, RECVS, SENDS, Action, Kind, Schedule, ScheduleError,
+                                        inflight_bound)
+
+Durations = "None | Callable[[Action], float] | Mapping[int, tuple[float, float]]"
+
+
+def duration_fn(durations=None) -> Callable[[Action], float]:
+    """Turn the accepted duration forms into one callable action -> time."""
+    if durations is None:
+        return _unit
+    if callable(durations):
+        return durations
+    if isinstance(durations, Mapping):
+        table = {int(c): (float(f), float(b)) for c, (f, b) in durations.items()}
+
+        def from_cost_model(a: Action) -> float:
+            if a.kind is Kind.FORWARD or a.kind is Kind.BACKWARD:
+                if a.chunk not in table:
+                    raise PlanError(f"durations have no entry for chunk {a.chunk}: "
+                                    "give (fwd, bwd) times for every chunk 0..pp*v-1")
+                return table[a.chunk][a.kind is Kind.BACKWARD]
+            return 0.0
+        return from_cost_model
+    raise PlanError(f"durations={durations!r} is invalid: pass None, a callable(action) -> time, "
+                    "or a dict chunk -> (fwd, bwd)")
+
+
+def _unit(a: Action) -> int:
+    return 1 if a.kind is Kind.FORWARD else 2 if a.kind is Kind.BACKWARD else 0
+
+
+@dataclass(frozen=True)
+class Simulation:
+    schedule: Schedule
+    start: list[list[float]]    # start[rank][i]: when actions[rank][i] began (a receive: when posted)
+    end: list[list[float]]      # end[rank][i]: when it finished (a receive: when the data arrived)
+    makespan: float             # the last action's end; all ranks start at 0
+    busy: list[float]           # forward+backward time per rank
+    max_inflight: list[int]     # peak activations held per rank, counted per (chunk, mb)
+    comm: str                   # "eager" or "rendezvous" sends
+
+    @property
+    def idle(self) -> float:
+        return sum(self.makespan - b for b in self.busy)
+
+    @property
+    def bubble_fraction(self) -> float:
+        total = self.makespan * self.schedule.pp
+        return self.idle / total if total else 0.0
+
+    @property
+    def bubble_ratio(self) -> float:
+        busy = sum(self.busy)
+        return self.idle / busy if busy else 0.0
+
+
+def simulate(schedule: Schedule, durations=None, *, comm: str = "eager") -> Simulation:
+    """Time every rank's list; ScheduleError if it cannot finish."""
+    if comm not in ("eager", "rendezvous"):
+        raise PlanError(f"comm={comm!r} is unknown: use eager or rendezvous")
+    dur = duration_fn(durations)
+    start, end = _run(schedule, dur, rendezvous=comm == "rendezvous")
+    busy = [sum(dur(a) for a in acts if a.kind in COMPUTE) for acts in schedule.actions]
+    makespan = max((e[-1] for e in end if e), default=0)
+    return Simulation(schedule, start, end, makespan, busy, peak_inflight(schedule), comm)
+
+
+def peak_inflight(schedule: Schedule) -> list[int]:
+    """Per rank, the most (chunk, mb) whose forward ran and whose backward has not.
+
+    Order-only, so it holds for any timing. A forward-only schedule keeps nothing for a
+    backward pass, so it reports 0.
+    """
+    if not schedule.has_backward:
+        return [0] * schedule.pp
+    peaks = []
+    for acts in schedule.actions:
+        held = peak = 0
+        for a in acts:
+            if a.kind is Kind.FORWARD:
+                held += 1
+                peak = max(peak, held)
+            elif a.kind is Kind.BACKWARD:
+                held -= 1
+        peaks.append(peak)
+    return peaks
+
+
+def _run(schedule: Schedule, dur: Callable[[Action], float], rendezvous: bool):
+    """Execute all lists, each rank in order; returns per-action start and end times."""
+    lists = schedule.actions
+    pp = len(lists)
+    start = [[0] * len(acts) for acts in lists]
+    end = [[0] * len(acts) for acts in lists]
+    pos, clock = [0] * pp, [0] * pp
+    arrived: dict[tuple, float] = {}      # eager: message -> time the send finished
+    moved = True
+    while moved:
+        moved = False
+        for r in range(pp):
+            acts, k, t = lists[r], pos[r], clock[r]
+            n = len(acts)
+            while k < n:
+                a = acts[k]
+                kind = a.kind
+                if kind in COMPUTE:
+                    start[r][k] = t
+                    t += dur(a)
+                elif rendezvous:
+                    q = a.peer
+                    b = lists[q][pos[q]] if 0 <= q < pp and pos[q] < len(lists[q]) else None
+                    if b is None or b.peer != r or (b.kind in SENDS) == (kind in SENDS) or b.message != a.message:
+                        break
+                    # Both are posted: the transfer starts when the later one is.
+                    start[r][k], start[q][pos[q]] = t, clock[q]
+                    t = max(t, clock[q]) + max(dur(a), dur(b))
+                    end[q][pos[q]] = clock[q] = t
+                    pos[q] += 1
+                elif kind in SENDS:
+                    start[r][k] = t
+                    t += dur(a)
+                    arrived[a.message] = t
+                else:
+                    when = arrived.get(a.message)
+                    if when is None:
+                        break
+                    start[r][k] = t
+                    t = max(t, when) + dur(a)
+                end[r][k] = t
+                k += 1
+            if k != pos[r]:
+                pos[r], clock[r], moved = k, t, True
+    stuck = [r for r in range(pp) if pos[r] < len(lists[r])]
+    if stuck:
+        heads = ", ".join(f"rank {r} at {lists[r][pos[r]]}" for r in stuck)
+        how = "blocking (rendezvous) sends" if rendezvous else "buffered sends"
+        raise ScheduleError(f"schedule {_label(schedule)} deadlocks with {how}: {heads} wait forever; "
+                            "reorder the sends and receives so that the ranks cannot wait on each other")
+    return start, end
+
+
+# ---- verification --------------------------------------------------------------------
+@dataclass(frozen=True)
+class Report:
+    schedule: Schedule
+    simulation: Simulation          # eager sends, with the given durations
+    rendezvous_makespan: float      # the same lists when every send waits for its receive
+    inflight_bound: list[int] | None  # the bound proved for this kind, None for unknown kinds
+
+    @property
+    def makespan(self) -> float:
+        return self.simulation.makespan
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.simulation.bubble_fraction
+
+    @property
+    def bubble_ratio(self) -> float:
+        return self.simulation.bubble_ratio
+
+    @property
+    def max_inflight(self) -> list[int]:
+        return self.simulation.max_inflight
+
+    @property
+    def formula_bubble_ratio(self) -> float:
+        """The paper's (p-1)/(v*m) (v=1 for GPipe and 1F1B); matches with equal stages, m >= p."""
+        s = self.schedule
+        return (s.pp - 1) / (s.v * s.m)
+
+    def to_json(self) -> dict:
+        s = self.schedule
+        return {
+            "schedule": s.name, "pp": s.pp, "microbatches": s.m, "interleave": s.v,
+            "bubble_fraction": self.bubble_fraction, "bubble_ratio": self.bubble_ratio,
+            "formula_bubble_ratio": self.formula_bubble_ratio,
+            "makespan": self.makespan, "rendezvous_makespan": self.rendezvous_makespan,
+            "max_inflight": list(self.max_inflight), "inflight_bound": self.inflight_bound,
+            "definitions": {
+                "bubble_fraction": "idle rank-time / (pp * makespan): share of the iteration spent idle",
+                "bubble_ratio": "idle time / busy compute time: the paper's bubble, (p-1)/(v*m)",
+                "formula_bubble_ratio": "(pp-1)/(interleave*microbatches)",
+                "makespan": "simulated iteration time, forward 1 and backward 2 units per chunk unless "
+                            "durations were given, sends not waiting for receives",
+                "rendezvous_makespan": "the same when every send blocks until its receive is posted",
+                "max_inflight": "per pipeline rank, the most (chunk, microbatch) activations held for backward",
+            },
+        }
+
+
+def verify(schedule: Schedule, durations=None) -> Report:
+    """Prove the schedule safe (see the module docstring) and time it; ScheduleError otherwise."""
+    _check_placement(schedule)
+    _check_matching(schedule)
+    dur = duration_fn(durations)
+    rendezvous_start, rendezvous_end = _run(schedule, dur, rendezvous=True)
+    sim = simulate(schedule, dur)
+    bound = inflight_bound(schedule) if schedule.name in ("gpipe", "1f1b", "interleaved", "forward") else None
+    if bound is not None:
+        for r, (peak, most) in enumerate(zip(sim.max_inflight, bound)):
+            if peak > most:
+                acts = schedule.actions[r]
+                raise ScheduleError(f"schedule {_label(schedule)}: rank {r} holds {peak} activations "
+                                    f"(at most {most} allowed for {schedule.name}); first action {acts[0]}")
+    rendezvous_makespan = max((e[-1] for e in rendezvous_end if e), default=0)
+    return Report(schedule, sim, rendezvous_makespan, bound)
+
+
+def _label(s: Schedule) -> str:
+    return f"{s.name}(pp={s.pp},m={s.m},v={s.v})"
+
+
+def _fail(s: Schedule, rank: int, action, reason: str) -> ScheduleError:
+    return ScheduleError(f"schedule {_label(s)}: rank {rank}, action {action}: {reason}; "
+                         "the generator that built it has a bug (or the list was edited by hand)")
+
+
+def _check_placement(s: Schedule) -> None:
+    pp, chunks, m = s.pp, s.num_chunks, s.m
+    last = chunks - 1
+    if len(s.actions) != pp:
+        raise ScheduleError(f"schedule {_label(s)} has {len(s.actions)} rank lists: it needs one per stage ({pp})")
+    positions: list[dict[Action, int]] = []
+    for r, acts in enumerate(s.actions):
+        where: dict[Action, int] = {}
+        for i, a in enumerate(acts):
+            c = a.chunk
+            if not (0 <= c < chunks and c % pp == r):
+                raise _fail(s, r, a, f"chunk {c} does not live on rank {r}")
+            if not 0 <= a.mb < m:
+                raise _fail(s, r, a, f"microbatch {a.mb} is outside 0..{m - 1}")
+            if a in where:
+                raise _fail(s, r, a, f"appears twice (positions {where[a]} and {i})")
+            kind = a.kind
+            if not s.has_backward and kind in (Kind.BACKWARD, Kind.SEND_GRAD, Kind.RECV_GRAD):
+                raise _fail(s, r, a, "a forward-only schedule has no backward pass")
+            if kind in (Kind.SEND_ACT, Kind.RECV_GRAD):
+                if c == last:
+                    raise _fail(s, r, a, "the last chunk has no next chunk to talk to")
+                want = (c + 1) % pp
+            elif kind in (Kind.RECV_ACT, Kind.SEND_GRAD):
+                if c == 0:
+                    raise _fail(s, r, a, "the first chunk has no previous chunk to talk to")
+                want = (c - 1) % pp
+            else:
+                want = -1
+            if a.peer != want:
+                raise _fail(s, r, a, f"its peer must be {'none' if want < 0 else f'stage {want}'}")
+            where[a] = i
+        positions.append(where)
+
+    def at(r: int, a: Action, user: Action) -> int:
+        i = positions[r].get(a)
+        if i is None:
+            raise _fail(s, r, user, f"{a} is missing from rank {r}")
+        return i
+
+    for c in range(chunks):
+        r = c % pp
+        for i in range(m):
+            f = Action(Kind.FORWARD, c, i)
+            fi = at(r, f, f)
+            if c > 0 and at(r, Action(Kind.RECV_ACT, c, i, (c - 1) % pp), f) > fi:
+                raise _fail(s, r, f, "runs before its input is received")
+            if c < last and at(r, Action(Kind.SEND_ACT, c, i, (c + 1) % pp), f) < fi:
+                raise _fail(s, r, f, "its output is sent before it runs")
+            if not s.has_backward:
+                continue
+            b = Action(Kind.BACKWARD, c, i)
+            bi = at(r, b, b)
+            if bi < fi:
+                raise _fail(s, r, b, f"runs before {f}")
+            if c < last and at(r, Action(Kind.RECV_GRAD, c, i, (c + 1) % pp), b) > bi:
+                raise _fail(s, r, b, "runs before its output gradient is received")
+            if c > 0 and at(r, Action(Kind.SEND_GRAD, c, i, (c - 1) % pp), b) < bi:
+                raise _fail(s, r, b, "its input gradient is sent before it runs")
+    # Every action was unique and valid, and every required one was found: nothing extra is left.
+
+
+def _check_matching(s: Schedule) -> None:
+    """Messages from A to B are sent in the order B receives them."""
+    sent: dict[tuple[int, int], list[Action]] = {}
+    received: dict[tuple[int, int], list[Action]] = {}
+    for r, acts in enumerate(s.actions):
+        for a in acts:
+            if a.kind in SENDS:
+                sent.setdefault((r, a.peer), []).append(a)
+            elif a.kind in RECVS:
+                received.setdefault((a.peer, r), []).append(a)
+    for pair in sorted(set(sent) | set(received)):
+        src, dst = pair
+        outs, ins = sent.get(pair, []), received.get(pair, [])
+        for k, (a, b) in enumerate(zip(outs, ins)):
+            if a.message != b.message:
+                raise _fail(s, src, a, f"is message {k} from rank {src} to rank {dst}, but rank {dst} "
+                                       f"posts {b} as its receive {k} from rank {src}")
+        if len(outs) != len(ins):
+            raise ScheduleError(f"schedule {_label(s)}: rank {src} sends {len(outs)} messages to rank {dst} "
+                                f"but rank {dst} posts {len(ins)} receives from it")
