@@ -42,6 +42,9 @@ class Plan:
         if self.interleave > 1 and self.schedule != "interleaved":
             raise PlanError(f"plan v={self.interleave} needs schedule=interleaved "
                             f"(got schedule={self.schedule}); add schedule=interleaved or set v=1")
+        if self.interleave > 1 and self.pp == 1:
+            raise PlanError(f"plan v={self.interleave} needs pp>1: interleaving spreads chunks over "
+                            "pipeline stages; set pp>1 or v=1")
         if self.sp and self.tp == 1:
             raise PlanError("plan sp=true needs tp>1: sequence parallelism shards along the tensor-parallel group")
         if isinstance(self.split_points, (list, str)):

@@ -11,7 +11,7 @@ import torch
 
 from threefold.codegen.python import content_hash, generate_module
 from threefold.compiler.program import Program
-from threefold.runtime.loader import MANIFEST, Artifact, open_artifact
+from threefold.runtime.loader import BATCH_FILE, MANIFEST, Artifact, open_artifact
 
 FORMAT = 1
 
@@ -44,8 +44,13 @@ def module_file(chunk: int, tp_rank: int) -> str:
 
 
 def save_artifact(prog: Program, out_dir: str, sources: dict[str, str] | None = None,
-                  weights: bool = True, extra: dict | None = None) -> Artifact:
-    """Write manifest, sources and weight shards into out_dir (replaced atomically)."""
+                  weights: bool = True, extra: dict | None = None,
+                  batch: tuple | None = None) -> Artifact:
+    """Write manifest, sources and weight shards into out_dir (replaced atomically).
+
+    `batch` (the workload's global batch: model inputs, then target) is saved as
+    batch.safetensors so `threefold run DIR` can train without the model's source.
+    """
     sources = sources or build_sources(prog)
     parent = os.path.dirname(os.path.abspath(out_dir)) or "."
     os.makedirs(parent, exist_ok=True)
@@ -65,6 +70,10 @@ def save_artifact(prog: Program, out_dir: str, sources: dict[str, str] | None = 
                     state = {k: v.detach().to("cpu").contiguous().clone()
                              for k, v in chunk_state(prog, chunk, r).items()}
                     save_file(state, os.path.join(tmp, "weights", _weights_file(chunk.index, r)))
+        if batch is not None and with_weights:
+            from safetensors.torch import save_file
+            save_file({f"{i}": t.detach().to("cpu").contiguous() for i, t in enumerate(batch)},
+                      os.path.join(tmp, BATCH_FILE))
         manifest = build_manifest(prog, sources, hashes, with_weights)
         if extra:
             manifest.update(extra)

@@ -25,6 +25,7 @@ class NodeCost:
     bytes_written: int = 0
     param_bytes: int = 0         # bytes of parameters this node reads (first use only)
     saved_bytes: int = 0         # activation bytes autograd keeps for backward
+    saved: tuple = ()            # (value name, bytes) behind saved_bytes, to dedupe per chunk
 
 
 def _numel(shape) -> int:
@@ -143,10 +144,60 @@ FLOP_RULES = {
     **{name: _zero_flops for name in _VIEW_OPS},
 }
 
-# Ops whose output autograd keeps for backward is nothing (views, shape ops, dropout masks
-# aside). Everything else is counted as saving its output: a simple, documented upper-ish
-# estimate that tracks what a chunk must hold per in-flight microbatch.
-_SAVES_NOTHING = _VIEW_OPS - {"dropout", "embedding", "cat", "index", "gather", "index_select"}
+# What autograd keeps for each op's backward, as JAX keeps per-primitive rules: a tuple of
+# argument positions, "out" for the op's output, or "mask" for a dropout mask (1 byte per
+# element). Parameters and buffers are not activations and never count. Ops absent here
+# keep their floating-point tensor arguments (a safe over-estimate for pointwise math).
+_SAVES_NOTHING = ("add", "sub", "neg", "sum", "mean", "to", "_to_copy", "clone", "contiguous",
+                  "copy", "cat", "stack", "arange", "ones", "zeros", "full", "empty",
+                  "ones_like", "zeros_like", "full_like", "scalar_tensor", "new_ones",
+                  "new_zeros", "_assert_tensor_metadata", "lift_fresh_copy", "getitem",
+                  "amax", "max", "argmax", "triu", "tril", "eq", "ne", "lt", "le", "gt", "ge",
+                  "bitwise_not", "logical_not", "bitwise_and", "logical_and", "bitwise_or",
+                  "cumsum", "diff", "pipe_split")
+SAVE_RULES: dict[str, tuple] = {
+    **{name: () for name in _VIEW_OPS | set(_SAVES_NOTHING) if name not in ("embedding", "dropout")},
+    "linear": (0,), "conv1d": (0,), "conv2d": (0,), "convolution": (0,),
+    "mm": (0, 1), "bmm": (0, 1), "matmul": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2),
+    "layer_norm": (0,), "native_layer_norm": (0,), "rms_norm": (0,), "group_norm": (0,),
+    "batch_norm": (0,),
+    "softmax": ("out",), "_softmax": ("out",), "log_softmax": ("out",), "_log_softmax": ("out",),
+    "_safe_softmax": ("out",),
+    "scaled_dot_product_attention": (0, 1, 2, "out"),
+    "relu": ("out",), "sigmoid": ("out",), "tanh": ("out",), "exp": ("out",), "rsqrt": ("out",),
+    "sqrt": ("out",), "gelu": (0,), "silu": (0,), "pow": (0,), "masked_fill": (1,),
+    "embedding": (1,), "dropout": ("mask",), "native_dropout": ("mask",),
+    "cross_entropy_loss": (0,), "nll_loss": (0,), "nll_loss_nd": (0,), "mse_loss": (0, 1),
+    "index": (1,), "gather": (2,), "index_select": (2,), "where": (0,),
+}
+
+
+def _saved_values(node: fx.Node, name: str) -> list[tuple[str, int]]:
+    """(value name, bytes) of the activations autograd keeps for this node's backward."""
+    rule = SAVE_RULES.get(name)
+    if rule is None:
+        rule = tuple(i for i, a in enumerate(node.args) if isinstance(a, fx.Node)
+                     and (meta_of(a) is not None and meta_of(a).dtype.is_floating_point))
+    out: list[tuple[str, int]] = []
+    for r in rule:
+        if r == "out":
+            m = meta_of(node)
+            if m is not None:
+                out.append((node.name, m.nbytes))
+        elif r == "mask":
+            p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+            m = meta_of(node)
+            if m is not None and p and p > 0:
+                out.append((node.name + ".mask", m.numel))
+        elif r < len(node.args) and isinstance(node.args[r], fx.Node):
+            a = node.args[r]
+            m = meta_of(a)
+            if m is not None and not (a.op == "placeholder" and tf(a).get("kind") in ("param", "buffer")
+                                      or name in ("mul", "div") and not m.dtype.is_floating_point):
+                out.append((a.name, m.nbytes))
+    if name in ("mul", "div") and len(out) == 1:
+        out = []  # times a constant: backward needs only the constant
+    return out
 
 
 def op_name(node: fx.Node) -> str:
@@ -174,9 +225,9 @@ def node_cost(node: fx.Node) -> NodeCost:
     written = 0 if is_view else sum(m.nbytes for m in outs)
     params = sum(meta_of(a).nbytes for a in node.all_input_nodes
                  if a.op == "placeholder" and tf(a).get("kind") == "param" and meta_of(a))
-    saved = 0 if name in _SAVES_NOTHING else sum(m.nbytes for m in outs if m.dtype.is_floating_point)
+    saved = tuple(_saved_values(node, name))
     return NodeCost(flops=flops, bytes_read=read, bytes_written=written, param_bytes=params,
-                    saved_bytes=saved)
+                    saved_bytes=sum(b for _, b in saved), saved=saved)
 
 
 def annotate_costs(prog: Program) -> Program:
@@ -205,13 +256,17 @@ def chunk_costs(prog: Program) -> list[ChunkCost]:
     out = []
     for chunk in prog.chunks:
         c = ChunkCost()
+        kept: set[str] = set()
         for name in chunk.nodes + chunk.recomputed:
             cost: NodeCost = tf(nodes[name]).get("cost") or node_cost(nodes[name])
             c.ops += 1
             c.flops += cost.flops
             c.bytes_read += cost.bytes_read
             c.bytes_written += cost.bytes_written
-            c.activation_bytes += cost.saved_bytes
+            for value, nbytes in cost.saved:  # a value several ops keep is held once
+                if value not in kept:
+                    kept.add(value)
+                    c.activation_bytes += nbytes
         for fqn in chunk.params:
             t = prog.state[fqn]
             c.params += t.numel()

@@ -16,12 +16,16 @@ It follows the paper (Narayanan et al., SC'21, arXiv 2104.04473) and adds only p
   ring time 2(t-1)/t bytes / link bandwidth), and sends its boundary tensor to the next
   and previous stage once per chunk (with the paper's scatter/gather, 1/t of it crosses
   InfiniBand, then an NVLink all-gather). The iteration takes
-  m * t_slowest + (p-1)/v * t_mean: the paper's bubble (p-1)/(v m) (sec. 2.2).
+  m * t_slowest + (p-1)/v * t_mean: the paper's bubble (p-1)/(v m) (sec. 2.2), which a
+  simulation of Megatron's order reproduces exactly (tests). tp spanning nodes (only when
+  asked) runs its ring over the nodes' NICs: g * inter-node bandwidth.
+  `bubble_fraction` is the share of the iteration a stage spends idle in fill and drain.
 * Data parallelism. One gradient all-reduce per iteration, not overlapped (as in the
-  paper's runs): ring time 2(d-1)/d bytes / (k * inter-node bandwidth), k being the
-  members of one dp group per node, each with its own NIC. Then the optimizer step, a
-  memory-bound pass over ~32 bytes per local parameter. Tied embeddings add one
-  all-reduce between the first and last stage.
+  paper's runs): ring time 2(d-1)/d bytes / bandwidth, the bandwidth being NVLink when
+  the group sits in one node, else k * inter-node bandwidth, k being the members of the
+  group per node, each with its own NIC. Then the optimizer step, a memory-bound pass
+  over ~32 bytes per local parameter. Tied embeddings add one all-reduce between the
+  first and last stage.
 * Memory per GPU. 16 bytes per local parameter (fp16 weights and grads, fp32 master
   weights and two Adam moments), plus the activations the schedule keeps: the first
   stage holds min(p, m) microbatches in 1F1B, 2(p-1)+(v-1)p+1 chunks interleaved. Per
@@ -29,13 +33,16 @@ It follows the paper (Narayanan et al., SC'21, arXiv 2104.04473) and adds only p
   sbh(10 + 24/t + 5as/(ht)) without (Korthikanti et al. 2022, sec. 4.1), plus one layer's
   full activations while it is recomputed, plus the logits on the last stage.
 
-Nothing here is fitted to the paper's Table 1: the only per-GPU efficiency is the
-cluster's `matmul_fraction`, one number per GPU type.
+Nothing here is fitted to the paper's Table 1, row by row or otherwise: constants are
+datasheet figures, the paper's bandwidths, and Megatron's byte counts. The one estimate is
+the cluster's `matmul_fraction` (see threefold/clusters/a100-80gb.toml), one number per
+GPU type; bench/planner_table1.py --sensitivity shows what it does to the Table 1 errors.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 from threefold.compiler.cluster import Cluster
 from threefold.errors import PlanError
@@ -72,7 +79,7 @@ class ModelCost:
     """What the planner needs to know about a model, independent of how it was obtained.
 
     Built from a GPT shape (`gpt_model_cost`) or from a traced program
-    (`model_cost_from_spec`). A model is `layers` identical blocks between a `pre` part
+    (`spec_cost.model_cost_from_spec`). A model is `layers` identical blocks between a `pre` part
     (embedding, on the first stage) and a `post` part (final norm, logits, loss, on the
     last stage). All per-token figures are for one forward pass.
     """
@@ -97,7 +104,7 @@ class ModelCost:
     post_act: float                   # bytes per token the post part keeps (logits, loss)
     post_act_split: bool = True
     tp_divides: tuple[int, ...] = ()  # tp must divide each (attention heads, ...)
-    flops_per_iteration_fn: object = None  # optional: (batch, recompute) -> FLOPs (Eq. 3)
+    flops_per_iteration_fn: Callable[[int, bool], float] | None = None  # (batch, recompute) -> FLOPs
 
     @property
     def params(self) -> float:
@@ -175,32 +182,9 @@ def gpt_model_cost(layers: int, hidden: int, heads: int, vocab: int = 51200, seq
         # Korthikanti et al. 2022, sec. 4.1: sbh(10 + 24/t + 5as/(ht)) per layer.
         act_split=24 * h + 5 * A, act_repl=10 * h, act_input=B * h,
         post_act=(B + 4) * V, post_act_split=True,                          # fp16 logits + fp32 softmax
-        tp_divides=(heads, f, vocab),
+        tp_divides=(heads, f),                                              # vocab is padded
         flops_per_iteration_fn=lambda batch, recompute: eq3_flops(batch, s, layers, h, V, recompute),
     )
-
-
-def model_cost_from_spec(spec: str) -> ModelCost:
-    """ModelCost from a SPEC (`file.py:factory`), using the tracer and the op cost tables.
-
-    Needs `threefold.compiler.trace` and `threefold.compiler.cost`; the repeated block is
-    the cost model's `layers` grouping. Raises PlanError when either is unavailable.
-    """
-    try:
-        from threefold.compiler import cost as cost_mod  # noqa: F401
-        from threefold.compiler import trace as trace_mod  # noqa: F401
-    except ImportError as exc:
-        raise PlanError(f"SPEC models need the tracer and cost model (threefold.compiler.trace/cost), "
-                        f"which are not available ({exc}): describe the model with --layers --hidden "
-                        "--heads --vocab --seq instead") from None
-    builder = getattr(cost_mod, "model_cost_for_planner", None)
-    if builder is None:
-        raise PlanError("SPEC models need threefold.compiler.cost.model_cost_for_planner(spec) -> ModelCost, "
-                        "which this build lacks: describe the model with --layers --hidden --heads --vocab --seq")
-    result = builder(spec)
-    if not isinstance(result, ModelCost):
-        raise PlanError(f"cost model returned {type(result).__name__} for {spec!r}, not a ModelCost")
-    return result
 
 
 # ---- estimating one configuration ------------------------------------------------------
@@ -308,8 +292,11 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
     bubble_s = (p - 1) / v * mean
 
     # -- per-iteration work: gradients, tied embeddings, optimizer ---------------------
-    local_params = [_stage_params(model, n, r, p, t) for r, n in enumerate(stage_layers)]
-    most = max(local_params)
+    # Stage 0 holds the most layers (extra layers go first), the embedding and the most
+    # in-flight activations; the last stage holds the logits: the fullest GPU is one of them.
+    edges = sorted({0, p - 1})
+    local_params = {r: _stage_params(model, stage_layers[r], r, p, t) for r in edges}
+    most = max(local_params.values())
     dp_s = 0.0
     if d > 1:
         per_node = max(1, min(d, g // t)) if t <= g else 1
@@ -334,7 +321,7 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
         "dp": (dp_s + embed_s) / total,
         "optimizer": opt_s / total,
     }
-    mem = max(_stage_memory(model, cfg, r, n, local_params[r]) for r, n in enumerate(stage_layers))
+    mem = max(_stage_memory(model, cfg, r, stage_layers[r], local_params[r]) for r in edges)
     return Estimate(
         config=cfg, iteration_s=total, flops_per_iteration=flops, tflops_per_gpu=tflops / 1e12,
         peak_fraction=tflops / cluster.peak(dtype), memory_bytes=mem, fits=mem <= cluster.usable_bytes,

@@ -7,7 +7,8 @@ ranking the rest by predicted time per iteration (i.e. by throughput). Nothing i
 ranking encodes a takeaway: tp inside a node, pp only as large as memory needs, and
 interleaving at small batch sizes are what the costs produce (tests check that).
 
-Legal means: tp*pp*dp = GPUs; tp divides the heads (and FFN width and vocabulary); tp
+Legal means: tp*pp*dp = GPUs; tp divides the heads and the FFN width (Megatron pads the
+vocabulary to a multiple of tp, so it does not constrain tp); tp
 divides the GPUs of a node (unless tp may span nodes); pp <= layers; dp divides the
 global batch and the microbatch size divides each replica's share; interleaving v > 1
 needs pp > 1, layers divisible by pp*v, and a microbatch count divisible by pp
@@ -25,7 +26,8 @@ from threefold.plan import Plan
 
 _CONSTRAINT_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "b": "microbatch_size", "mbs": "microbatch_size",
                     "microbatch_size": "microbatch_size", "v": "interleave", "interleave": "interleave",
-                    "recompute": "recompute"}
+                    "recompute": "recompute", "m": "microbatches", "microbatches": "microbatches",
+                    "schedule": "schedule"}
 
 
 def divisors(n: int) -> list[int]:
@@ -42,10 +44,14 @@ class Constraints:
     microbatch_size: int | None = None
     interleave: int | None = None
     recompute: bool | None = None
+    microbatches: int | None = None
+    schedule: str | None = None     # 1f1b (v=1) or interleaved (any v)
 
     @classmethod
     def parse(cls, text: str | None) -> "Constraints":
-        """'tp=8,pp=64' and any of dp, b (microbatch size), v (interleave), recompute."""
+        """'tp=8,pp=64' and any of dp, m, b (microbatch size), v (interleave), schedule, recompute.
+
+        `str(plan)` of a runtime Plan parses too, so a plan the planner printed can be re-scored."""
         if isinstance(text, Constraints):
             return text
         fields: dict = {}
@@ -57,8 +63,14 @@ class Constraints:
             if not eq or not value:
                 raise PlanError(f"plan item {item!r} is malformed: write key=value, e.g. 'tp=8,pp=64'")
             if name is None:
-                raise PlanError(f"plan key {key!r} cannot be evaluated by the planner: use tp, pp, dp, "
-                                "b (microbatch size), v (interleave) and recompute; it derives m from the batch")
+                raise PlanError(f"plan key {key!r} cannot be evaluated by the planner: use tp, pp, dp, m, "
+                                "b (microbatch size), v (interleave), schedule and recompute")
+            if name == "schedule":
+                if value.lower() not in ("1f1b", "interleaved"):
+                    raise PlanError(f"plan schedule={value!r} cannot be evaluated: the planner models "
+                                    "1f1b and interleaved (Megatron's schedules); use one of those")
+                fields[name] = value.lower()
+                continue
             if name == "recompute":
                 low = value.lower()
                 if low not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
@@ -75,8 +87,10 @@ class Constraints:
         return cls(**fields)
 
     def admits(self, cfg: Config) -> bool:
+        if self.schedule == "1f1b" and cfg.interleave != 1:
+            return False
         return all(getattr(self, k) is None or getattr(self, k) == getattr(cfg, k)
-                   for k in ("tp", "pp", "dp", "microbatch_size", "interleave", "recompute"))
+                   for k in ("tp", "pp", "dp", "microbatch_size", "interleave", "recompute", "microbatches"))
 
 
 def legal_configs(model: ModelCost, batch: int, gpus: int, cluster: Cluster,
@@ -96,9 +110,7 @@ def legal_configs(model: ModelCost, batch: int, gpus: int, cluster: Cluster,
             if batch % dp:
                 continue
             share = batch // dp
-            vs = [1]
-            if pp > 1 and model.layers % pp == 0:
-                vs = [v for v in divisors(model.layers // pp)]
+            vs = divisors(model.layers // pp) if pp > 1 and model.layers % pp == 0 else [1]
             for b in divisors(share):
                 m = share // b
                 for v in vs:
@@ -138,7 +150,7 @@ def rank_plans(model: ModelCost, batch: int, gpus: int, cluster: Cluster, dtype:
                for cfg in legal_configs(model, batch, gpus, cluster, tp_across_nodes, where)]
     if not results:
         raise PlanError(f"no legal plan for {model.name} with batch={batch} on gpus={gpus}"
-                        + (f" matching {_describe(where)}" if where != Constraints() else "")
+                        + (f" matching {describe(where)}" if where != Constraints() else "")
                         + ": check that tp divides the heads and a node, and that dp divides the batch")
     fitting = [e for e in results if e.fits]
     fitting.sort(key=_order)
@@ -157,11 +169,12 @@ def best_plan(model: ModelCost, batch: int, gpus: int, cluster: Cluster, **kw) -
 
 def _order(e: Estimate):
     c = e.config
-    # Fastest first; ties broken toward simpler plans (less model parallelism, no recompute).
-    return (round(e.iteration_s, 12), c.tp * c.pp, c.interleave, c.recompute, -c.microbatch_size)
+    # Fastest first (to 9 significant digits); ties go to less model parallelism, no
+    # interleaving, no recompute, then larger microbatches (fewer, larger kernels).
+    return (float(f"{e.iteration_s:.9g}"), c.tp * c.pp, c.interleave, c.recompute, -c.microbatch_size)
 
 
-def _describe(where: Constraints) -> str:
+def describe(where: Constraints) -> str:
     return ",".join(f"{k}={v}" for k, v in vars(where).items() if v is not None)
 
 

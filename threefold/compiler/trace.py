@@ -10,7 +10,15 @@ without allocating memory. After export we
 """
 from __future__ import annotations
 
+import contextlib
+import inspect
+import io
+import logging
+import os
+import re
+import sys
 import time
+import traceback
 from typing import Callable
 
 import torch
@@ -55,26 +63,71 @@ def trace(model: torch.nn.Module, inputs: tuple, target=None, loss_fn: Callable 
 
 def _export(wrapper: torch.nn.Module, args: tuple, name: str):
     start = time.perf_counter()
+    # On failure export logs and prints partial graphs to stderr, which would bury our
+    # one-line error: hold its stderr and log output back, and pass them on only on success.
+    torch_log = logging.getLogger("torch")
+    level = torch_log.level
+    torch_log.setLevel(logging.CRITICAL)
+    held = io.StringIO()
     try:
-        with torch.no_grad() if False else _nullcontext():
+        with contextlib.redirect_stderr(held):
             ep = torch.export.export(wrapper, args, strict=False)
+    except PlanError:
+        raise
     except Exception as exc:  # export raises many types; all mean "cannot trace"
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise PlanError(
-            f"cannot trace {name}: torch.export rejected it ({type(exc).__name__}: {first[:300]}); "
-            "make forward free of data-dependent Python control flow and .item()/.tolist() calls, "
-            "pass plain tensors as inputs, and for Hugging Face models set use_cache=False"
-        ) from None
+        raise PlanError(export_error_message(name, exc)) from None
+    finally:
+        torch_log.setLevel(level)
+    if held.getvalue():
+        sys.stderr.write(held.getvalue())
     ep._threefold_export_seconds = time.perf_counter() - start
     return ep
 
 
-class _nullcontext:
-    def __enter__(self):
-        return self
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-    def __exit__(self, *exc):
-        return False
+
+def export_error_message(name: str, exc: BaseException) -> str:
+    """One line: the model, the construct export rejected (source line), and what to try."""
+    text = str(exc).strip()
+    first = text.splitlines()[0].strip() if text else type(exc).__name__
+    where = _user_frame(exc, text)
+    lowered = text.lower()
+    if "data-dependent" in lowered or "guardondatadependent" in type(exc).__name__.lower():
+        what = "data-dependent control flow (a Python branch or .item() on a tensor's value)"
+        fix = ("compute both branches and pick with torch.where, use torch.cond, "
+               "or move the check out of forward")
+    elif "use_cache" in lowered or "cache" in type(exc).__name__.lower():
+        what = "a key/value cache object"
+        fix = "build the model with use_cache=False"
+    else:
+        what = f"{type(exc).__name__}: {first[:200]}"
+        fix = ("make forward free of data-dependent Python control flow and .item()/.tolist() calls, "
+               "pass plain tensors as inputs, and for Hugging Face models set use_cache=False")
+    at = f" at {where}" if where else ""
+    detail = f" ({first[:160]})" if not what.endswith(first[:200]) else ""
+    return f"cannot trace {name}: torch.export rejected {what}{at}{detail}; try: {fix}"
+
+
+def _user_frame(exc: BaseException, text: str) -> str:
+    """`file:line `code`` of the model code export stopped at, or '' when unknown."""
+    m = re.search(r'The following call raised this error:\s*File "([^"]+)", line (\d+), in \w+\s*\n\s*(.+)', text)
+    if m:
+        return f"{os.path.basename(m.group(1))}:{m.group(2)} `{m.group(3).strip()}`"
+    frames = []
+    seen = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        frames = traceback.extract_tb(e.__traceback__) + frames
+        e = e.__cause__ or e.__context__
+    user = [f for f in frames if not f.filename.startswith((_TORCH_DIR, _OUR_DIR, "<"))]
+    if not user:
+        return ""
+    f = user[-1]
+    code = f" `{f.line.strip()}`" if f.line else ""
+    return f"{os.path.basename(f.filename)}:{f.lineno}{code}"
 
 
 def _to_program(ep, model, wrapper, num_model_inputs: int, has_loss: bool, plan: Plan) -> Program:
@@ -131,6 +184,8 @@ def _to_program(ep, model, wrapper, num_model_inputs: int, has_loss: bool, plan:
         else:
             raise PlanError(f"cannot compile {type(model).__name__}: unsupported input kind {spec.kind}")
 
+    _rename_placeholders(graph, _input_names(model, num_model_inputs, has_loss))
+    input_names = [n.name for n in graph.nodes if n.op == "placeholder" and tf(n)["kind"] == "input"]
     _inline_higher_order_ops(gm)
     _record_module_paths(graph)
     graph.eliminate_dead_code()
@@ -148,6 +203,38 @@ def _to_program(ep, model, wrapper, num_model_inputs: int, has_loss: bool, plan:
                    has_loss=has_loss, output_meta=output_meta)
     prog.pass_log.append(("export", getattr(ep, "_threefold_export_seconds", 0.0)))
     return prog
+
+
+def _input_names(model: torch.nn.Module, num_model_inputs: int, has_loss: bool) -> list[str]:
+    """User input names: the model's forward parameters, then `target` (export says args_0...)."""
+    names: list[str] = []
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    for p in params:
+        if len(names) == num_model_inputs:
+            break
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+        elif p.kind == p.VAR_POSITIONAL:
+            names += [f"{p.name}_{i}" for i in range(num_model_inputs - len(names))]
+    names += [f"input_{i}" for i in range(len(names), num_model_inputs)]
+    return names + (["target"] if has_loss else [])
+
+
+def _rename_placeholders(graph: fx.Graph, input_names: list[str]) -> None:
+    """Readable placeholder names: p_<fqn> for parameters, b_<fqn> for buffers, the forward's
+    argument names for user inputs (export names them p_model_..., args_0, ...)."""
+    prefix = {"param": "p_", "buffer": "b_"}
+    for node in graph.nodes:
+        if node.op != "placeholder":
+            continue
+        ann = tf(node)
+        if ann["kind"] == "input":
+            node._rename(input_names[ann["input_index"]])
+        else:
+            node._rename(prefix[ann["kind"]] + re.sub(r"\W", "_", ann["fqn"]))
 
 
 def _strip(target: str) -> str:
@@ -230,18 +317,19 @@ def _record_module_paths(graph: fx.Graph) -> None:
         if node.op != "call_function":
             continue
         stack = node.meta.get("nn_module_stack") or {}
-        path = ""
-        if stack:
-            path = list(stack.values())[-1][0]
-        path = path.removeprefix("L['self'].").removeprefix("model")
-        path = path.lstrip(".")
+        path = list(stack.values())[-1][0] if stack else ""
         tf(node)["module"] = _normalize_module_path(path)
 
 
 def _normalize_module_path(path: str) -> str:
-    # nn_module_stack keys look like "h.0.attn" or "h[0].attn" or "getattr(L['self'].h, '0')".
-    import re
-    path = re.sub(r"\[(\d+)\]", r".\1", path)
-    path = re.sub(r"getattr\((.*?), '(\w+)'\)", r"\1.\2", path)
+    """The user model's FQN of a module path from nn_module_stack.
+
+    Paths look like "model.h.0.attn", "model.h[0].attn" or "getattr(L['self'].model.h, '0')";
+    the leading "model" is our _ModelWithLoss wrapper's attribute, which we drop.
+    """
     path = path.replace("L['self'].", "").replace("L['self']", "")
-    return path.strip(".").removeprefix("model.") if path != "model" else ""
+    path = re.sub(r"getattr\((.*?), '(\w+)'\)", r"\1.\2", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path).strip(".")
+    if path == "model":
+        return ""
+    return path.removeprefix("model.")

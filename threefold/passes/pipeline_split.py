@@ -2,10 +2,10 @@
 as cheap as possible.
 
 Vocabulary:
-  free node   a compute node that depends on no parameter (only on buffers, constants and
-              user inputs): causal masks, position ids, rotary tables, target reshapes. Free
-              nodes are not cut; each chunk that needs one recomputes it (they are cheap),
-              so they never cross a stage boundary.
+  free node   a cheap compute node that depends on no parameter (only on buffers, constants
+              and user inputs): causal masks, position ids, rotary tables, target reshapes.
+              Free nodes are not cut; each chunk that needs one recomputes it, so they
+              never cross a stage boundary.
   position i  a cut before the i-th non-free node. The boundary at i is the set of values
               made before i and used at or after i; they are sent chunk to chunk.
   candidate   a position whose boundary holds only tensors (not tuples) and is small: at most
@@ -13,7 +13,8 @@ Vocabulary:
               the smallest slack whose best partition is within 5% of the best we can do at
               any slack, trading a sliver of balance for much less communication.
 The balance itself is exact: binary search on the max chunk cost with a greedy feasibility
-check, which is optimal for contiguous partitions with non-negative costs.
+check, which is optimal for contiguous partitions with non-negative costs; among the optimal
+partitions we take the one whose chunks come closest to equal shares.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class _Layout:
 def split_pipeline(prog: Program) -> Program:
     """Needs: costs on nodes. Guarantees: prog.chunks (pp*v of them) cover every compute node."""
     k = prog.plan.num_chunks
-    free = _free_nodes(prog.graph)
+    free = _free_nodes(prog.graph, k)
     layout = _layout(prog, free)
     n = len(layout.order)
     if n < k:
@@ -61,20 +62,23 @@ def split_pipeline(prog: Program) -> Program:
 
 # ---- analysis -----------------------------------------------------------------------------
 
-def _free_nodes(graph: fx.Graph) -> set[fx.Node]:
+def _free_nodes(graph: fx.Graph, num_chunks: int) -> set[fx.Node]:
+    """Parameter-free compute nodes cheap enough to recompute in every chunk that needs them.
+
+    A node is free when all its inputs are free nodes or non-parameter placeholders (user
+    inputs, buffers, constants) and its FLOPs are at most 1% of an average chunk's, so
+    copying it into each chunk costs little and its value never crosses a stage boundary."""
+    total = sum(tf(n)["cost"].flops for n in graph.nodes if n.op == "call_function" and "cost" in tf(n))
+    cheap = max(total / max(num_chunks, 1) / 100, 1)
     free: set[fx.Node] = set()
     for node in graph.nodes:
         if node.op != "call_function" or node.target is PIPE_SPLIT_OP:
             continue
-        ok = True
-        for a in node.all_input_nodes:
-            if a.op == "placeholder":
-                ok = tf(a).get("kind") != "param"
-            else:
-                ok = a in free
-            if not ok:
-                break
-        if ok:
+        cost = tf(node).get("cost")
+        if cost is not None and cost.flops > cheap:
+            continue
+        if all((tf(a).get("kind") != "param") if a.op == "placeholder" else a in free
+               for a in node.all_input_nodes):
             free.add(node)
     return free
 
@@ -178,101 +182,120 @@ def _chunk_flops(prefix: list[int], cuts: list[int]) -> list[int]:
 
 
 def _minmax_partition(prefix: list[int], cands: list[int], k: int) -> list[int] | None:
-    """Cut positions (from cands) into k non-empty chunks minimizing the max chunk sum."""
-    n = len(prefix) - 1
+    """Cut positions (from cands) into k non-empty chunks minimizing the max chunk sum.
+
+    Binary search finds the smallest feasible max; among partitions that reach it we pick
+    the one whose chunks are closest to equal shares of what is left (so 4 layers on pp=3
+    become 2+1+1, not 2+2+sliver)."""
     total = prefix[-1]
-    lo, hi = 0, total
-    best = _greedy(prefix, cands, k, hi)
-    if best is None:
+    if _min_chunks(prefix, cands, total) is None or len(cands) < k - 1:
         return None
+    lo, hi = 0, total
     while lo < hi:
         mid = (lo + hi) // 2
-        cuts = _greedy(prefix, cands, k, mid)
-        if cuts is None:
+        need = _min_chunks(prefix, cands, mid)
+        if need is None or need > k:
             lo = mid + 1
         else:
-            hi, best = mid, cuts
-    assert len(best) == k - 1 and all(0 < c < n for c in best)
-    return best
+            hi = mid
+    return _balanced_cuts(prefix, cands, k, lo)
 
 
-def _greedy(prefix: list[int], cands: list[int], k: int, limit: int) -> list[int] | None:
-    """Furthest-reaching cuts with every chunk <= limit, then pad to k chunks; None if impossible."""
+def _min_chunks(prefix: list[int], cands: list[int], limit: int) -> int | None:
+    """Fewest chunks with every chunk <= limit (greedy furthest reach, optimal); None if none."""
     n = len(prefix) - 1
-    cuts: list[int] = []
-    start = 0
     cand_values = [prefix[c] for c in cands]
+    start, count = 0, 1
     while prefix[n] - prefix[start] > limit:
-        # furthest candidate c > start with prefix[c] - prefix[start] <= limit
         j = bisect.bisect_right(cand_values, prefix[start] + limit) - 1
-        while j >= 0 and cands[j] <= start:
-            j = -1
-        if j < 0:
+        if j < 0 or cands[j] <= start:
             return None
-        cuts.append(cands[j])
         start = cands[j]
-        if len(cuts) > k - 1:
-            return None
-    # Too few chunks: split further at unused candidates (never raises the max).
-    unused = [c for c in cands if c not in set(cuts)]
-    while len(cuts) < k - 1:
-        if not unused:
-            return None
-        cuts.append(unused.pop(0 if len(unused) % 2 else -1))
-    return sorted(cuts)
+        count += 1
+    return count
+
+
+def _balanced_cuts(prefix: list[int], cands: list[int], k: int, limit: int) -> list[int]:
+    n = len(prefix) - 1
+    cand_values = [prefix[c] for c in cands]
+    # need[j]: fewest chunks covering [cands[j], n] with each <= limit (inf if impossible).
+    inf = float("inf")
+    need = [inf] * len(cands)
+    for j in range(len(cands) - 1, -1, -1):
+        if prefix[n] - cand_values[j] <= limit:
+            need[j] = 1
+        else:
+            far = bisect.bisect_right(cand_values, cand_values[j] + limit) - 1
+            if far > j:
+                need[j] = 1 + need[far]
+    neg_need = [-x for x in need]   # non-decreasing, for bisect
+    cuts: list[int] = []
+    start_value, lo = 0, 0          # lo: first candidate index still usable
+    for i in range(k - 1):
+        after = k - i - 1           # chunks still to place after this cut
+        hi = min(bisect.bisect_right(cand_values, start_value + limit) - 1,
+                 len(cands) - after)   # leave a candidate for each later cut
+        # need[] is non-increasing in j, so the usable range is [first j with need<=after, hi]
+        first = bisect.bisect_left(neg_need, -after, lo, hi + 1) if hi >= lo else hi + 1
+        first = max(first, lo)
+        if first > hi:
+            raise AssertionError("balanced cut search lost feasibility")
+        target = start_value + (prefix[n] - start_value) / (k - i)
+        j = bisect.bisect_left(cand_values, target, first, hi + 1)
+        if j > hi or (j > first and target - cand_values[j - 1] <= cand_values[j] - target):
+            j = max(first, j - 1)
+        cuts.append(cands[j])
+        start_value, lo = cand_values[j], j + 1
+    return cuts
 
 
 # ---- chunk construction -------------------------------------------------------------------
 
 def _build_chunks(prog: Program, layout: _Layout, free: set[fx.Node], cuts: list[int]) -> list[Chunk]:
     order = layout.order
-    index = {n: i for i, n in enumerate(order)}
     n = len(order)
     bounds = [0] + list(cuts) + [n]
-    output_node = next(x for x in prog.graph.nodes if x.op == "output")
+    output_node = next(x for x in reversed(prog.graph.nodes) if x.op == "output")
+    graph_pos = {x: i for i, x in enumerate(prog.graph.nodes)}
+    placeholders = [x for x in prog.graph.nodes if x.op == "placeholder"]
 
-    def live_at(p: int) -> list[str]:
-        if p == n:
-            return [a.name for a in output_node.all_input_nodes]
-        return [node.name for node in order[:p]
-                if any(index.get(u, n) >= p for u in node.users)]
+    # live[c]: values made before cut c and used at or after it (graph order), one sweep.
+    index = {x: i for i, x in enumerate(order)}
+    live: list[list[str]] = [[] for _ in bounds]
+    for i, node in enumerate(order):
+        last = max((index.get(u, n) for u in node.users), default=i)
+        # cuts c with i < bounds[c] <= last (the final bound n is the output, handled below)
+        c = bisect.bisect_right(bounds, i)
+        while c < len(bounds) - 1 and bounds[c] <= last:
+            live[c].append(node.name)
+            c += 1
+    live[-1] = [a.name for a in output_node.all_input_nodes]
 
     chunks = []
     for ci, (a, b) in enumerate(zip(bounds, bounds[1:])):
         body = order[a:b]
-        needed_free: list[fx.Node] = []
-        seen: set[fx.Node] = set()
-
-        def want(node):
-            if node in seen or node not in free:
-                return
-            seen.add(node)
-            for x in node.all_input_nodes:
-                want(x)
-            needed_free.append(node)
-
-        outputs = live_at(b)
-        for node in body:
-            for x in node.all_input_nodes:
-                want(x)
+        needed_free: set[fx.Node] = set()
+        stack = [x for node in body for x in node.all_input_nodes if x in free]
         if b == n:  # model outputs that are free values (rare) come from this chunk too
-            for x in output_node.all_input_nodes:
-                want(x)
-        graph_pos = {x: i for i, x in enumerate(prog.graph.nodes)}
-        needed_free.sort(key=graph_pos.__getitem__)
-        used = body + needed_free
-        placeholders = {x for node in used for x in node.all_input_nodes if x.op == "placeholder"}
+            stack += [x for x in output_node.all_input_nodes if x in free]
+        while stack:
+            node = stack.pop()
+            if node not in needed_free:
+                needed_free.add(node)
+                stack.extend(x for x in node.all_input_nodes if x in free)
+        recomputed = sorted(needed_free, key=graph_pos.__getitem__)
+        used_ph = {x for node in body + recomputed for x in node.all_input_nodes if x.op == "placeholder"}
         if b == n:
-            placeholders |= {x for x in output_node.all_input_nodes if x.op == "placeholder"}
-        params = [tf(x)["fqn"] for x in prog.graph.nodes if x in placeholders and tf(x)["kind"] == "param"]
-        buffers = [tf(x)["fqn"] for x in prog.graph.nodes if x in placeholders and tf(x)["kind"] == "buffer"]
-        user_inputs = [tf(x)["input_index"] for x in prog.graph.nodes
-                       if x in placeholders and tf(x)["kind"] == "input"]
+            used_ph |= {x for x in output_node.all_input_nodes if x.op == "placeholder"}
+        mine = [x for x in placeholders if x in used_ph]
         for node in body:
             tf(node)["chunk"] = ci
-        chunks.append(Chunk(index=ci, nodes=[x.name for x in body], inputs=live_at(a) if a else [],
-                            outputs=outputs, user_inputs=user_inputs, params=params,
-                            buffers=buffers, recomputed=[x.name for x in needed_free]))
+        chunks.append(Chunk(
+            index=ci, nodes=[x.name for x in body], inputs=live[ci] if a else [],
+            outputs=live[ci + 1], user_inputs=[tf(x)["input_index"] for x in mine if tf(x)["kind"] == "input"],
+            params=[tf(x)["fqn"] for x in mine if tf(x)["kind"] == "param"],
+            buffers=[tf(x)["fqn"] for x in mine if tf(x)["kind"] == "buffer"],
+            recomputed=[x.name for x in recomputed]))
     return chunks
 
 

@@ -9,6 +9,7 @@ failing rank makes the others fail loudly and say who.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -81,20 +82,42 @@ def posted_failure() -> str | None:
 def _fail(what: str, peer: int, exc: Exception) -> RankFailure:
     me = dist.get_rank()
     other = posted_failure()
-    reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-    msg = (f"rank {me}: {what} rank {peer} failed ({reason[:200]}); "
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is typically")[0]  # gloo's source path
+    msg = (f"rank {me}: {what} rank {peer} failed ({text[:160]}); "
            f"rank {peer} died, failed or is stuck")
     if other:
         msg += f". Reported by a failed rank: {other}"
     return RankFailure(msg)
 
 
-def send(tensors: list[torch.Tensor], peer: int, what: str) -> None:
+class PendingSend:
+    """Sends posted with isend: the buffers stay alive until every transfer completes."""
+
+    def __init__(self, works: list, buffers: list[torch.Tensor], peer: int, what: str):
+        self.works, self.buffers, self.peer, self.what = works, buffers, peer, what
+
+    def done(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        try:
+            for w in self.works:
+                w.wait()
+        except Exception as exc:
+            raise _fail(f"sending {self.what} to", self.peer, exc) from None
+        self.buffers = []
+
+
+def send(tensors: list[torch.Tensor], peer: int, what: str) -> PendingSend:
+    """Post the sends without waiting (verified schedules stay deadlock-free either way;
+    not blocking keeps the interleaved schedule at its simulated makespan)."""
+    buffers = [t.detach().contiguous() for t in tensors]
     try:
-        for t in tensors:
-            dist.send(t.contiguous(), dst=peer)
+        works = [dist.isend(b, dst=peer) for b in buffers]
     except Exception as exc:
         raise _fail(f"sending {what} to", peer, exc) from None
+    return PendingSend(works, buffers, peer, what)
 
 
 def recv(specs: list[tuple[tuple[int, ...], torch.dtype]], peer: int, what: str,

@@ -129,6 +129,7 @@ class PipelineEngine:
         losses: list[torch.Tensor] = []
         outputs: list[list[torch.Tensor]] = []
         inflight = peak = 0
+        sends: list[comm.PendingSend] = []
         last = self.num_chunks - 1
         for i, a in enumerate(schedule.actions[self.stage]):
             key = (a.chunk, a.mb)
@@ -161,8 +162,8 @@ class PipelineEngine:
                         inflight -= 1
             elif a.kind is Kind.SEND_ACT:
                 slot = slots[key]
-                comm.send([o.detach() for o in slot.outputs], self._peer(a.peer),
-                          f"activations of chunk {a.chunk} microbatch {a.mb}")
+                sends.append(comm.send(slot.outputs, self._peer(a.peer),
+                                       f"activations of chunk {a.chunk} microbatch {a.mb}"))
                 if not train:
                     slots.pop(key)
                     inflight -= 1
@@ -187,7 +188,12 @@ class PipelineEngine:
                 slot = slots.pop(key)
                 grads = [g if g is not None else torch.zeros_like(x)
                          for x, g in zip(slot.inputs, slot.input_grads) if x.is_floating_point()]
-                comm.send(grads, self._peer(a.peer), f"gradients of chunk {a.chunk - 1} microbatch {a.mb}")
+                sends.append(comm.send(grads, self._peer(a.peer),
+                                       f"gradients of chunk {a.chunk - 1} microbatch {a.mb}"))
+            if sends:  # drop finished sends so their buffers can be freed
+                sends = [s for s in sends if not s.done()]
+        for s in sends:
+            s.wait()
         if train:
             for work, flat, grads in pending:
                 comm.wait(work, "data-parallel gradient all-reduce")

@@ -18,6 +18,7 @@ from threefold.errors import PlanError
 from threefold.runtime.module import ChunkModule
 
 MANIFEST = "manifest.json"
+BATCH_FILE = "batch.safetensors"   # the workload's example global batch, when saved
 
 
 @dataclass
@@ -39,6 +40,15 @@ class Artifact:
     def weights_path(self, chunk: int, tp_rank: int) -> str | None:
         rel = self.chunks[chunk].get("weights", {}).get(str(tp_rank))
         return os.path.join(self.root, rel) if rel else None
+
+
+def load_batch(art: Artifact) -> tuple | None:
+    path = os.path.join(art.root, BATCH_FILE)
+    if not os.path.isfile(path):
+        return None
+    from safetensors.torch import load_file
+    tensors = load_file(path)
+    return tuple(tensors[str(i)] for i in range(len(tensors)))
 
 
 def open_artifact(root: str) -> Artifact:

@@ -21,6 +21,18 @@ cannot deadlock even if every send blocks until its receive is posted (rendezvou
 for every ordered pair of ranks the messages sent from A to B appear in the same order as
 the receives B posts from A, so no tags are needed. `threefold.runtime.simulate.verify`
 proves both for a given schedule.
+
+How an executor runs a rank's list (pp-rank r of its pipeline; peers are pp-ranks):
+  ra c.i<q   receive the input of chunk c, microbatch i, from pp-rank q
+  F c.i      run chunk c on that input (chunk 0: microbatch i from the data loader); keep
+             what backward needs; the last chunk also computes the loss
+  sa c.i>q   send chunk c's output for microbatch i to pp-rank q
+  rg c.i<q   receive the gradient of chunk c's output for microbatch i
+  B c.i      backward through chunk c (the last chunk: from its loss); free its activations
+  sg c.i>q   send the gradient of chunk c's input for microbatch i to pp-rank q
+Blocking sends are safe; non-blocking sends (isend, waited before the buffer is reused or
+at the end of the step) are also safe and avoid the waits that blocking sends add to the
+interleaved schedule (`Report.rendezvous_makespan` says how much).
 """
 from __future__ import annotations
 
@@ -95,14 +107,6 @@ class Action:
         return text
 
     __repr__ = __str__
-
-
-def Forward(chunk: int, mb: int) -> Action:
-    return Action(Kind.FORWARD, chunk, mb)
-
-
-def Backward(chunk: int, mb: int) -> Action:
-    return Action(Kind.BACKWARD, chunk, mb)
 
 
 _ACTION_RE = re.compile(r"^(F|B|sa|ra|sg|rg)(\d+)\.(\d+)(?:([<>])(\d+))?$")

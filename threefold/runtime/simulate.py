@@ -30,15 +30,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Union
 
 from threefold.errors import PlanError
 from threefold.runtime.schedule import (COMPUTE, RECVS, SENDS, Action, Kind, Schedule, ScheduleError,
                                         inflight_bound)
 
-Durations = "None | Callable[[Action], float] | Mapping[int, tuple[float, float]]"
+# None (forward 1, backward 2, communication 0), action -> time, or chunk -> (fwd, bwd).
+Durations = Union[None, Callable[[Action], float], Mapping[int, tuple[float, float]]]
 
 
-def duration_fn(durations=None) -> Callable[[Action], float]:
+def duration_fn(durations: Durations = None) -> Callable[[Action], float]:
     """Turn the accepted duration forms into one callable action -> time."""
     if durations is None:
         return _unit
@@ -88,7 +90,7 @@ class Simulation:
         return self.idle / busy if busy else 0.0
 
 
-def simulate(schedule: Schedule, durations=None, *, comm: str = "eager") -> Simulation:
+def simulate(schedule: Schedule, durations: Durations = None, *, comm: str = "eager") -> Simulation:
     """Time every rank's list; ScheduleError if it cannot finish."""
     if comm not in ("eager", "rendezvous"):
         raise PlanError(f"comm={comm!r} is unknown: use eager or rendezvous")
@@ -223,7 +225,7 @@ class Report:
         }
 
 
-def verify(schedule: Schedule, durations=None) -> Report:
+def verify(schedule: Schedule, durations: Durations = None) -> Report:
     """Prove the schedule safe (see the module docstring) and time it; ScheduleError otherwise."""
     _check_placement(schedule)
     _check_matching(schedule)

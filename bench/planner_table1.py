@@ -1,0 +1,94 @@
+"""The planner against the paper's Table 1 (Narayanan et al., SC'21): prints Markdown.
+
+For each of the ten GPT models (V=51200, s=2048, DGX A100 80GB, the a100-80gb preset):
+the reported TFLOP/s per GPU; the model's prediction for the paper's own (tp, pp, dp) with
+recomputation, microbatch size and interleaving left to the planner; and the planner's own
+choice. `--sensitivity` adds how the error moves with the preset's one efficiency
+constant (matmul_fraction), to show that nothing is tuned per row.
+
+    python bench/planner_table1.py [--sensitivity]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from threefold.compiler.cluster import load_cluster
+from threefold.compiler.perf_model import gpt_model_cost
+from threefold.compiler.planner import Constraints, rank_plans
+
+# params (B), heads, hidden, layers, tp, pp, GPUs, batch, reported TFLOP/s per GPU
+TABLE1 = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
+
+
+def evaluate_rows(cluster):
+    rows = []
+    for params, heads, hidden, layers, tp, pp, gpus, batch, reported in TABLE1:
+        model = gpt_model_cost(layers, hidden, heads)
+        paper = rank_plans(model, batch, gpus, cluster, where=Constraints(tp=tp, pp=pp, recompute=True))[0]
+        best = rank_plans(model, batch, gpus, cluster)[0]
+        rows.append((params, tp, pp, gpus, batch, reported, paper, best))
+    return rows
+
+
+def _plan(e) -> str:
+    c = e.config
+    return (f"t={c.tp} p={c.pp} d={c.dp} b={c.microbatch_size}"
+            + (f" v={c.interleave}" if c.interleave > 1 else "") + (" rc" if c.recompute else ""))
+
+
+def markdown(rows, cluster) -> str:
+    peak = cluster.peak("bf16")
+    out = ["| Model | t, p, GPUs, batch | Reported TFLOP/s (% peak) | Predicted, paper's plan "
+           "(b, v chosen) | Error | Planner's choice | Its TFLOP/s | Its speed-up | Its GiB/GPU |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for params, tp, pp, gpus, batch, reported, paper, best in rows:
+        c = paper.config
+        err = paper.tflops_per_gpu / reported - 1
+        out.append(
+            f"| {params}B | {tp}, {pp}, {gpus}, {batch} | {reported} ({reported * 1e12 / peak:.0%}) | "
+            f"{paper.tflops_per_gpu:.1f} (b={c.microbatch_size}, v={c.interleave}) | {err:+.1%} | "
+            f"{_plan(best)} | {best.tflops_per_gpu:.1f} | {paper.iteration_s / best.iteration_s:.2f}x | "
+            f"{best.memory_bytes / 2**30:.1f} |")
+    errors = [abs(r[6].tflops_per_gpu / r[5] - 1) for r in rows]
+    out.append("")
+    out.append(f"Largest error {max(errors):.1%}, mean absolute error {sum(errors) / len(errors):.1%} "
+               f"(matmul_fraction = {cluster.matmul_fraction}).")
+    return "\n".join(out)
+
+
+def sensitivity(cluster) -> str:
+    out = ["| matmul_fraction | errors per row (1.7B .. 1008B) | largest |", "|---|---|---|"]
+    for fraction in (0.6, 0.65, 0.7, 0.75, 0.8):
+        rows = evaluate_rows(dataclasses.replace(cluster, matmul_fraction=fraction))
+        errs = [r[6].tflops_per_gpu / r[5] - 1 for r in rows]
+        out.append(f"| {fraction} | {' '.join(f'{e:+.0%}' for e in errs)} | {max(map(abs, errs)):.1%} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sensitivity", action="store_true", help="also sweep the matmul_fraction constant")
+    args = parser.parse_args(argv)
+    cluster = load_cluster("a100-80gb")
+    print(markdown(evaluate_rows(cluster), cluster))
+    if args.sensitivity:
+        print()
+        print(sensitivity(cluster))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Helpers for parity tests: the same SGD steps single-process and on local gloo ranks."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_workload(factory: str, **kwargs):
+    """factory: 'gpt', 'gpt2' or 'llama' (examples/), with keyword sizes."""
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    if factory == "gpt":
+        from examples.gpt import workload
+        return workload(**kwargs)
+    from examples import hf
+    return getattr(hf, factory)(**kwargs)
+
+
+def reference_losses(factory: str, kwargs: dict, steps: int, lr: float = 0.1) -> list[float]:
+    w = load_workload(factory, **kwargs)
+    model = w["model"]
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    out = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = w["loss_fn"](model(*w["inputs"]), w["target"])
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
+def parallel_losses(plans: list[str], factory: str, kwargs: dict, steps: int, lr: float = 0.1):
+    """Run on every rank of a launched job: each plan in turn (same world size)."""
+    import threefold
+    torch.set_num_threads(1)
+    results = []
+    for plan in plans:
+        w = load_workload(factory, **kwargs)
+        pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
+        opt = torch.optim.SGD(pm.parameters(), lr=lr)
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad()
+            losses.append(pm.step(*w["inputs"], target=w["target"]))
+            opt.step()
+        results.append({"plan": plan, "losses": losses, "peak_inflight": pm.stats.peak_inflight})
+    return results
+
+
+def max_rel_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))

@@ -1,0 +1,344 @@
+"""The planner and its performance model: validated against the paper's Table 1 and takeaways.
+
+Narayanan et al., SC'21 (arXiv 2104.04473), Table 1: GPT models with V=51200, s=2048 on
+DGX A100 80GB nodes, all with activation recomputation. Each row is (parameters in
+billions, heads, hidden, layers, tp, pp, GPUs, global batch, achieved TFLOP/s per GPU).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from threefold.cli.main import main
+from threefold.compiler.cluster import cluster_from_toml, load_cluster, preset_names
+from threefold.compiler.perf_model import Config, eq3_flops, estimate, gpt_model_cost
+from threefold.compiler.plan_svg import simulate
+from threefold.compiler.planner import Constraints, best_plan, legal_configs, rank_plans, to_plan
+from threefold.errors import PlanError
+from threefold.plan import Plan
+
+TABLE1 = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
+ROW_IDS = [f"{row[0]}B" for row in TABLE1]
+GPT_EXAMPLE = str(Path(__file__).resolve().parent.parent / "examples" / "gpt.py")
+
+
+@pytest.fixture(scope="module")
+def a100():
+    return load_cluster("a100-80gb")
+
+
+def paper_plan(row, cluster):
+    """The paper's (tp, pp, dp) with recomputation; b and v left to the planner."""
+    _, heads, hidden, layers, tp, pp, gpus, batch, _ = row
+    model = gpt_model_cost(layers, hidden, heads)
+    plans = rank_plans(model, batch, gpus, cluster, where=Constraints(tp=tp, pp=pp, recompute=True))
+    assert plans, "the paper's plan must fit in 80 GB"
+    return model, plans[0]
+
+
+# ---- Table 1 -----------------------------------------------------------------------------
+@pytest.mark.parametrize("row", TABLE1, ids=ROW_IDS)
+def test_table1_paper_plan_within_15_percent(row, a100):
+    model, est = paper_plan(row, a100)
+    reported = row[-1]
+    assert est.config.dp == row[6] // (row[4] * row[5])
+    assert abs(model.params / 1e9 / row[0] - 1) < 0.05                     # the shapes are the paper's
+    assert est.tflops_per_gpu == pytest.approx(reported, rel=0.15), (
+        f"{row[0]}B: predicted {est.tflops_per_gpu:.1f} TFLOP/s/GPU vs reported {reported}")
+
+
+@pytest.mark.parametrize("row", TABLE1, ids=ROW_IDS)
+def test_table1_best_plan_fits_and_is_at_least_as_fast(row, a100):
+    model, paper = paper_plan(row, a100)
+    best = best_plan(model, row[7], row[6], a100)
+    assert best.fits and best.memory_bytes <= a100.usable_bytes
+    assert best.iteration_s <= paper.iteration_s * (1 + 1e-12)
+    assert best.config.tp * best.config.pp * best.config.dp == row[6]
+
+
+def test_compute_follows_eq3(a100):
+    """The GEMM FLOPs of the op table are exactly the paper's Eq. 3 (with and without recompute)."""
+    for _, heads, hidden, layers, *_ in TABLE1:
+        model = gpt_model_cost(layers, hidden, heads)
+        per_token = model.layers * model.layer_flops() * 4 + sum(o.flops_split for o in model.post_ops) * 3
+        assert per_token * 7 * 2048 == pytest.approx(eq3_flops(7, 2048, layers, hidden, 51200), rel=1e-12)
+        per_token = model.layers * model.layer_flops() * 3 + sum(o.flops_split for o in model.post_ops) * 3
+        assert per_token * 2048 == pytest.approx(eq3_flops(1, 2048, layers, hidden, 51200, False), rel=1e-12)
+
+
+def test_memory_model(a100):
+    """16 bytes per parameter plus Korthikanti et al.'s sbh(34 + 5as/h) per layer (tp=1, no recompute)."""
+    l, h, a, s, V, b = 4, 1024, 16, 512, 1000, 2
+    model = gpt_model_cost(l, h, a, V, s)
+    est = estimate(model, Config(1, 1, 1, b, 1, False, b), a100)
+    acts = l * s * b * h * (34 + 5 * a * s / h) + s * b * V * 6
+    assert est.memory_bytes == pytest.approx(model.params * 16 + acts, rel=1e-9)
+    # Recomputation keeps each layer's input (2sbh) plus one layer's full activations.
+    est = estimate(model, Config(1, 1, 1, b, 1, True, b), a100)
+    acts = l * 2 * s * b * h + s * b * h * (34 + 5 * a * s / h) + s * b * V * 6
+    assert est.memory_bytes == pytest.approx(model.params * 16 + acts, rel=1e-9)
+
+
+@pytest.mark.parametrize("pp,m,v", [(4, 8, 1), (4, 8, 2), (4, 16, 4), (8, 16, 2), (3, 9, 3), (4, 2, 1)])
+def test_bubble_formula_matches_simulated_schedule(pp, m, v):
+    """The model's (m + (p-1)/v) * t_stage is what Megatron's order gives when simulated."""
+    f, b = 1.0, 2.0
+    steps = simulate(pp, m, v, [(f / v, b / v)] * pp)
+    assert len(steps) == 2 * pp * v * m
+    assert max(end for _, _, end in steps.values()) == pytest.approx((m + (pp - 1) / v) * (f + b))
+
+
+# ---- takeaways ----------------------------------------------------------------------------
+def test_tp_stays_within_a_node(a100):
+    """Takeaway 1: allowed to span nodes, tp still stops at the node size (paper's Fig. 13:
+    a 162B model on 64 GPUs, t*p = 64), and the Table-1 rows keep tp <= 8."""
+    model = gpt_model_cost(32, 20480, 128)
+    speed = {}
+    for tp in (2, 4, 8, 16, 32):
+        plans = rank_plans(model, 128, 64, a100, tp_across_nodes=True,
+                           where=Constraints(tp=tp, pp=64 // tp, recompute=True))
+        speed[tp] = plans[0].tflops_per_gpu
+    assert max(speed, key=speed.get) == a100.gpus_per_node
+    assert speed[16] < 0.95 * speed[8] and speed[32] < speed[16]
+    for row in TABLE1[3:]:
+        model = gpt_model_cost(row[3], row[2], row[1])
+        best = best_plan(model, row[7], row[6], a100, tp_across_nodes=True, where=Constraints(recompute=True))
+        assert best.config.tp <= a100.gpus_per_node
+
+
+def test_pipeline_only_as_needed_and_data_parallel_takes_the_rest(a100):
+    """Takeaway 2: with the paper's recomputation, the model-parallel size t*p is the smallest
+    that fits (within 2x where layer counts force a coarser split) and never above the paper's;
+    dp takes the remaining GPUs. Models that fit without pipelining are not pipelined."""
+    for row in TABLE1:
+        model = gpt_model_cost(row[3], row[2], row[1])
+        plans = rank_plans(model, row[7], row[6], a100, where=Constraints(recompute=True))
+        smallest = min(e.config.tp * e.config.pp for e in plans)
+        best = plans[0].config
+        assert best.tp * best.pp <= min(2 * smallest, row[4] * row[5])
+        assert best.dp == row[6] // (best.tp * best.pp)
+    for row in TABLE1[:3]:
+        model = gpt_model_cost(row[3], row[2], row[1])
+        assert best_plan(model, row[7], row[6], a100).config.pp == 1
+
+
+def test_more_pipeline_stages_cost_throughput(a100):
+    """Paper Fig. 14 (5.9B model, 64 GPUs, t=1): throughput falls as p grows, at every batch."""
+    model = gpt_model_cost(32, 3840, 32)
+    for batch in (32, 128, 512):
+        speed = [rank_plans(model, batch, 64, a100, where=Constraints(tp=1, pp=p))[0].tflops_per_gpu
+                 for p in (2, 4, 8, 16, 32)]
+        assert speed == sorted(speed, reverse=True)
+
+
+def test_interleaving_helps_most_at_small_batch(a100):
+    """Paper Fig. 12 (175B, 96 GPUs, t=8, p=12): the interleaved schedule's gain shrinks with batch."""
+    model = gpt_model_cost(96, 12288, 96)
+    gains = []
+    for batch in (12, 48, 192, 768):
+        plain = rank_plans(model, batch, 96, a100, where=Constraints(tp=8, pp=12, interleave=1, recompute=True))
+        best = rank_plans(model, batch, 96, a100, where=Constraints(tp=8, pp=12, recompute=True))
+        gains.append(plain[0].iteration_s / best[0].iteration_s)
+    assert gains == sorted(gains, reverse=True)
+    assert gains[0] > 1.2 and gains[-1] < 1.02
+
+
+# ---- inputs and errors -------------------------------------------------------------------
+def test_presets_load():
+    assert {"a100-80gb", "h100-80gb", "h200"} <= set(preset_names())
+    a100, h100, h200 = (load_cluster(n) for n in ("a100-80gb", "h100-80gb", "h200"))
+    assert a100.peak("bf16") == 312e12 and a100.gpus_per_node == 8
+    assert a100.intra_node_bandwidth == 300e9 and a100.inter_node_bandwidth == 25e9
+    assert h100.peak("bf16") > a100.peak("bf16") and h200.hbm_bytes > h100.hbm_bytes
+    with pytest.raises(PlanError, match="dtype 'fp64'"):
+        a100.peak("fp64")
+
+
+GOOD_TOML = """
+gpus_per_node = 4
+hbm_bytes = 40e9
+hbm_bandwidth = 1.5e12
+intra_node_bandwidth = 100e9
+inter_node_bandwidth = 10e9
+matmul_fraction = 0.6
+[peak_flops]
+bf16 = 100e12
+"""
+
+
+def test_cluster_toml(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text(GOOD_TOML)
+    c = load_cluster(str(path))
+    assert c.gpus_per_node == 4 and c.peak("bf16") == 100e12 and c.kernel_launch_s > 0
+    with pytest.raises(PlanError, match="not valid TOML"):
+        cluster_from_toml("gpus_per_node = = 4")
+    with pytest.raises(PlanError, match="missing hbm_bandwidth"):
+        cluster_from_toml(GOOD_TOML.replace("hbm_bandwidth = 1.5e12", ""))
+    with pytest.raises(PlanError, match="missing peak_flops"):
+        cluster_from_toml(GOOD_TOML.split("[peak_flops]")[0])
+    with pytest.raises(PlanError, match="matmul_fraction"):
+        cluster_from_toml(GOOD_TOML.replace("0.6", "1.5"))
+    with pytest.raises(PlanError, match="hbm_bytes"):
+        cluster_from_toml(GOOD_TOML.replace("40e9", '"big"'))
+    with pytest.raises(PlanError, match="unknown key"):
+        cluster_from_toml(GOOD_TOML.replace("gpus_per_node", "nvlink_gbps = 1\ngpus_per_node"))
+    with pytest.raises(PlanError, match="unknown"):
+        load_cluster("a100-40gb")
+    with pytest.raises(PlanError, match="does not exist"):
+        load_cluster(str(tmp_path / "missing.toml"))
+
+
+def test_bad_inputs(a100):
+    model = gpt_model_cost(24, 2304, 24)
+    with pytest.raises(PlanError, match="gpus=12"):
+        rank_plans(model, 512, 12, a100)
+    with pytest.raises(PlanError, match="hidden=100"):
+        gpt_model_cost(2, 100, 3)
+    with pytest.raises(PlanError, match="no legal plan"):
+        rank_plans(model, 7, 16, a100, where=Constraints(tp=1, pp=1))
+    with pytest.raises(PlanError, match="fits"):
+        best_plan(gpt_model_cost(128, 25600, 160), 8, 8, a100)
+    with pytest.raises(PlanError, match="tp\\*pp"):
+        rank_plans(model, 512, 32, a100, where=Constraints(tp=8, pp=3))
+    for bad in ("tp=0", "sp=true", "tp", "recompute=maybe", "schedule=gpipe"):
+        with pytest.raises(PlanError):
+            Constraints.parse(bad)
+
+
+def test_legal_configs_respect_divisibility(a100):
+    model = gpt_model_cost(30, 3072, 24)  # 24 heads: tp in {1, 2, 4, 8}
+    configs = list(legal_configs(model, 96, 64, a100))
+    assert configs and all(24 % c.tp == 0 and c.tp <= 8 and 96 % c.dp == 0 for c in configs)
+    assert all(c.interleave == 1 or (30 % (c.pp * c.interleave) == 0 and c.microbatches % c.pp == 0)
+               for c in configs)
+    assert any(c.interleave > 1 for c in configs)
+
+
+def test_plan_round_trip(a100):
+    best = best_plan(gpt_model_cost(48, 8192, 64), 1536, 512, a100)
+    plan = to_plan(best)
+    assert Plan.parse(str(plan)) == plan and plan.world_size == 512
+    again = rank_plans(gpt_model_cost(48, 8192, 64), 1536, 512, a100, where=Constraints.parse(str(plan)))
+    assert again[0].config == best.config
+
+
+# ---- the command --------------------------------------------------------------------------
+SHAPE = ["--layers", "48", "--hidden", "8192", "--heads", "64", "--batch", "1536", "--gpus", "512"]
+KEYS = {"tp", "pp", "dp", "microbatch_size", "interleave", "recompute", "predicted_tflops_per_gpu",
+        "memory_per_gpu_bytes", "bubble_fraction", "fits"}
+
+
+def test_cli_json(capsys):
+    assert main(["plan", *SHAPE, "--json", "--top", "5"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    plans = data["plans"]
+    assert len(plans) == 5 and all(KEYS <= set(p) for p in plans)
+    assert all(p["fits"] is True and p["tp"] * p["pp"] * p["dp"] == 512 for p in plans)
+    assert [p["iteration_s"] for p in plans] == sorted(p["iteration_s"] for p in plans)
+    types = {"tp": int, "microbatch_size": int, "recompute": bool, "predicted_tflops_per_gpu": float,
+             "memory_per_gpu_bytes": int, "bubble_fraction": float, "fits": bool}
+    assert all(isinstance(plans[0][k], t) for k, t in types.items())
+
+
+def test_cli_evaluate(capsys):
+    assert main(["plan", *SHAPE, "--json", "--top", "0", "--evaluate", "tp=8,pp=2"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert plans and all(p["tp"] == 8 and p["pp"] == 2 and p["dp"] == 32 for p in plans)
+    fitting = [p for p in plans if p["fits"]]
+    assert plans[: len(fitting)] == fitting
+    assert [p["iteration_s"] for p in fitting] == sorted(p["iteration_s"] for p in fitting)
+    # Nothing matching fits: the check runs and fails (exit 1).
+    assert main(["plan", *SHAPE, "--evaluate", "tp=1,pp=1"]) == 1
+    capsys.readouterr()
+
+
+def test_cli_table_and_svg(tmp_path, capsys):
+    svg = tmp_path / "best.svg"
+    assert main(["plan", "--layers", "8", "--hidden", "1024", "--heads", "16", "--seq", "1024",
+                 "--batch", "32", "--gpus", "16", "--evaluate", "pp=4,v=2,tp=1,b=1", "--svg", str(svg)]) == 0
+    out = capsys.readouterr().out
+    assert "TFLOP/s/GPU" in out and "best: tp=1,pp=4" in out and "why:" in out
+    root = ET.parse(svg).getroot()
+    rects = [e for e in root.iter() if e.tag.endswith("rect")]
+    assert len(rects) == 1 + 2 * 4 * 2 * 8   # background + F and B per (stage, chunk, microbatch)
+
+
+SHAPE_1T = ["--layers", "128", "--hidden", "25600", "--heads", "160", "--batch", "3072"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([*SHAPE, "--cluster", "tpu-v9"], "tpu-v9"),
+    ([*SHAPE_1T, "--gpus", "12"], "gpus=12"),
+    ([*SHAPE, "--evaluate", "zz=3"], "zz"),
+    ([*SHAPE, "--cluster", "nowhere/cluster.toml"], "does not exist"),
+    ([f"{GPT_EXAMPLE}:workload", *SHAPE], "not both"),
+    ([*SHAPE_1T, "--gpus", "8"], "fits"),
+    ([*SHAPE, "--top", "-1"], "--top"),
+])
+def test_cli_bad_input_exit_2(argv, message, capsys):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_malformed_cluster_file(tmp_path, capsys):
+    path = tmp_path / "bad.toml"
+    path.write_text("gpus_per_node = [\n")
+    assert main(["plan", *SHAPE, "--cluster", str(path)]) == 2
+    assert "not valid TOML" in capsys.readouterr().err
+
+
+def test_cli_needs_a_model(capsys):
+    assert main(["plan", "--batch", "8", "--gpus", "8"]) == 2
+    assert "--layers" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--layers", "2", "--hidden", "64", "--heads", "4", "--gpus", "8"])   # no --batch
+    assert exc.value.code == 2
+    capsys.readouterr()
+
+
+def test_cli_help(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--batch", "--gpus", "--cluster", "--evaluate", "--json", "--svg", "--tp-across-nodes",
+                 "a100-80gb", "h200"):
+        assert flag in text
+
+
+# ---- models from a SPEC -------------------------------------------------------------------
+def test_spec_model_cost_matches_gpt_shape(a100):
+    from threefold.compiler.spec_cost import model_cost_from_spec
+    spec = model_cost_from_spec(f"{GPT_EXAMPLE}:workload(n_layer=3,n_embd=64,n_head=4,vocab_size=96,seq=16)")
+    shape = gpt_model_cost(3, 64, 4, 96, 16)
+    assert spec.layers == 3 and spec.seq_len == 16 and spec.tied_embedding
+    assert spec.layer_flops() == pytest.approx(shape.layer_flops(), rel=0.02)   # + bias adds
+    assert spec.layer_params == shape.layer_params
+    assert spec.tp_allreduce_bytes == shape.tp_allreduce_bytes and spec.boundary_bytes == shape.boundary_bytes
+    assert 4 in spec.tp_divides
+    best = best_plan(spec, 64, 8, a100)
+    assert best.fits and 4 % best.config.tp == 0
+
+
+def test_spec_without_tracer_is_a_plan_error(monkeypatch):
+    from threefold.compiler.spec_cost import model_cost_from_spec
+    monkeypatch.setitem(sys.modules, "threefold.compiler.trace", None)
+    with pytest.raises(PlanError, match="SPEC models need the tracer"):
+        model_cost_from_spec(f"{GPT_EXAMPLE}:workload")

@@ -1,0 +1,57 @@
+"""A rank that dies mid-step makes every other rank fail loudly, naming it, within 60 s."""
+import os
+import time
+
+import pytest
+
+from threefold.runtime.launch import LaunchError, launch
+
+VICTIM = 2
+
+
+def _train_then_die(victim: int):
+    import signal
+
+    import torch
+
+    import threefold
+    from tests.parity import load_workload
+    w = load_workload("gpt", n_layer=4, n_embd=16, n_head=2, seq=8, batch=8)
+    pm = threefold.parallelize(w["model"], "pp=4,m=4", w["inputs"], w["loss_fn"], target=w["target"])
+    pm.step(*w["inputs"], target=w["target"])          # one healthy step
+    if torch.distributed.get_rank() == victim:
+        # die in the middle of the next step: during the forward of microbatch 2
+        for mod in pm.engine.modules.values():
+            original = mod.forward
+            calls = {"n": 0}
+
+            def dying_forward(*args, _orig=original, _calls=calls):
+                _calls["n"] += 1
+                if _calls["n"] == 3:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return _orig(*args)
+            mod.forward = dying_forward
+    start = time.monotonic()
+    try:
+        pm.step(*w["inputs"], target=w["target"])
+    except Exception as exc:
+        raise RuntimeError(f"{exc} [after {time.monotonic() - start:.1f} s]") from None
+    return "finished"
+
+
+@pytest.mark.timeout(240)
+def test_dead_rank_makes_the_others_fail_naming_it(monkeypatch):
+    monkeypatch.setenv("THREEFOLD_TIMEOUT", "50")
+    with pytest.raises(LaunchError) as info:
+        launch(_train_then_die, 4, VICTIM, timeout=200, grace=70)
+    errors = info.value.errors
+    assert set(errors) == {0, 1, 2, 3}, errors
+    assert "died" in errors[VICTIM]
+    for rank in (0, 1, 3):
+        msg = errors[rank]
+        assert f"rank {rank}: " in msg and "failed" in msg, msg
+        assert f"rank {VICTIM}" in msg, msg   # directly, or via the failure a neighbour posted
+        seconds = float(msg.split("[after ")[1].split(" s]")[0])
+        assert seconds < 60, msg
+    # direct neighbours of the dead stage name it as the peer they lost
+    assert f"rank {VICTIM} failed" in errors[1] or f"rank {VICTIM} failed" in errors[3]

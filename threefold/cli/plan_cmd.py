@@ -1,0 +1,175 @@
+"""`threefold plan`: choose tp, pp, dp, microbatch size, interleaving and recomputation.
+
+Prints the best plans for a model, a global batch and a cluster, ranked by predicted
+throughput, with what each costs (see threefold/compiler/perf_model.py for the model).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from threefold.compiler.cluster import REQUIRED, load_cluster, preset_names
+from threefold.compiler.perf_model import gpt_model_cost
+from threefold.compiler.planner import Constraints, describe, plan_record, rank_plans, to_plan
+from threefold.errors import PlanError
+
+SHARES = ("compute", "bubble", "tp", "pp", "dp", "optimizer")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan", help="choose tp/pp/dp, microbatch size, interleaving and recompute for a cluster",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Enumerate every legal (tp, pp, dp, microbatch size b, interleave v, recompute) for a\n"
+        "model on a cluster; estimate memory per GPU (weights, grads, Adam states, the schedule's\n"
+        "in-flight activations) and time per iteration with the performance model of Narayanan et\n"
+        "al. (SC'21): compute (Eq. 3 FLOPs on a roofline), pipeline bubble, tensor-parallel\n"
+        "all-reduces, pipeline sends with scatter/gather, data-parallel all-reduce. Plans that do\n"
+        "not fit are dropped; the rest are ranked by predicted time per iteration (throughput).\n"
+        "TFLOP/s count the FLOPs a plan executes (Eq. 3: recomputation adds a forward pass).",
+        epilog="model: give a SPEC (path/file.py:factory, costs from the traced program) or a GPT shape "
+        "(--layers --hidden --heads [--vocab --seq]).\n"
+        f"cluster: a preset ({', '.join(preset_names())}) or a TOML file with keys "
+        f"{', '.join(REQUIRED)} (optional: kernel_launch_s, intra_node_latency_s, inter_node_latency_s, "
+        "reserved_bytes).\n"
+        "examples:\n"
+        "  threefold plan --layers 128 --hidden 25600 --heads 160 --batch 3072 --gpus 3072\n"
+        "  threefold plan --layers 96 --hidden 12288 --heads 96 --batch 1536 --gpus 1024 --evaluate tp=8,pp=16\n"
+        "  threefold plan examples/gpt.py:workload --batch 64 --gpus 8 --cluster h100-80gb --json")
+    p.add_argument("spec", nargs="?", metavar="SPEC",
+                   help="workload path/file.py:factory (model costs from the traced program)")
+    shape = p.add_argument_group("GPT shape (instead of a SPEC)")
+    shape.add_argument("--layers", type=int, help="transformer layers l")
+    shape.add_argument("--hidden", type=int, help="hidden size h")
+    shape.add_argument("--heads", type=int, help="attention heads a (tp must divide it)")
+    shape.add_argument("--vocab", type=int, default=51200, help="vocabulary size V (default 51200)")
+    shape.add_argument("--seq", type=int, default=2048, help="sequence length s (default 2048)")
+    p.add_argument("--batch", type=int, required=True, help="global batch size in sequences B")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs to use (tp*pp*dp)")
+    p.add_argument("--cluster", default="a100-80gb",
+                   help="preset name or cluster TOML file (default a100-80gb, the paper's DGX A100 cluster)")
+    p.add_argument("--dtype", default="bf16", help="compute dtype for peak FLOP/s (default bf16)")
+    p.add_argument("--tp-across-nodes", action="store_true",
+                   help="also consider tensor parallelism spanning nodes (over InfiniBand)")
+    p.add_argument("--evaluate", metavar="PLAN",
+                   help="score only plans matching a partial plan, e.g. tp=8,pp=64 (keys tp, pp, dp, m, "
+                        "b, v, schedule, recompute); plans that do not fit are listed too")
+    p.add_argument("--top", type=int, default=10, help="plans to show (default 10; 0 = all)")
+    p.add_argument("--json", action="store_true",
+                   help='print only JSON: {"plans": [{tp, pp, dp, microbatch_size, interleave, recompute, '
+                        'predicted_tflops_per_gpu, memory_per_gpu_bytes, bubble_fraction, fits, ...}]}, best first')
+    p.add_argument("--svg", metavar="FILE", help="draw the best plan's pipeline timeline to FILE")
+    p.set_defaults(func=run)
+
+
+def model_from_args(args):
+    shape = [args.layers, args.hidden, args.heads]
+    if args.spec and any(v is not None for v in shape):
+        raise PlanError("plan takes a SPEC or a GPT shape (--layers --hidden --heads), not both: drop one")
+    if args.spec:
+        from threefold.compiler.spec_cost import model_cost_from_spec
+        return model_cost_from_spec(args.spec)
+    if any(v is None for v in shape):
+        missing = [n for n, v in zip(("--layers", "--hidden", "--heads"), shape) if v is None]
+        raise PlanError(f"plan needs a model: give a SPEC, or {', '.join(missing)} for a GPT shape")
+    return gpt_model_cost(args.layers, args.hidden, args.heads, args.vocab, args.seq)
+
+
+def run(args) -> int:
+    if args.top < 0:
+        raise PlanError(f"--top {args.top} is invalid: give a count, or 0 for all plans")
+    model = model_from_args(args)
+    cluster = load_cluster(args.cluster)
+    where = Constraints.parse(args.evaluate) if args.evaluate else Constraints()
+    plans = rank_plans(model, args.batch, args.gpus, cluster, args.dtype, args.tp_across_nodes,
+                       where, include_unfit=bool(args.evaluate))
+    if not plans:
+        raise PlanError(f"no plan for {model.name} fits in {cluster.usable_bytes / 2**30:.1f} GiB per GPU "
+                        f"on {args.gpus} GPUs of {cluster.name}: add GPUs, lower --batch, allow "
+                        "--tp-across-nodes, or use a larger-memory cluster")
+    shown = plans if args.top == 0 else plans[: args.top]
+    if args.svg and plans[0].fits:
+        from threefold.compiler.plan_svg import timeline_svg
+        with open(args.svg, "w") as f:
+            f.write(timeline_svg(plans[0]))
+    if args.json:
+        print(json.dumps({"model": model.name, "params": model.params, "cluster": cluster.name,
+                          "gpus": args.gpus, "batch": args.batch, "dtype": args.dtype,
+                          "plans": [plan_record(e) for e in shown]}, indent=2))
+    else:
+        _print_report(model, cluster, args, plans, shown, where)
+    if args.evaluate and not plans[0].fits:
+        return 1   # a check that ran and failed: nothing matching the plan fits
+    return 0
+
+
+def _row(rank: int, e) -> list[str]:
+    c = e.config
+    shares = " ".join(f"{k} {e.shares[k]:.0%}" for k in SHARES if e.shares[k] >= 0.005)
+    return [str(rank), f"tp={c.tp} pp={c.pp} dp={c.dp} b={c.microbatch_size} v={c.interleave}"
+            + (" rc" if c.recompute else ""), f"{e.tflops_per_gpu:.1f}", f"{e.peak_fraction:.0%}",
+            f"{e.memory_bytes / 2**30:.1f}" + ("" if e.fits else " !"), f"{e.bubble_fraction:.1%}",
+            f"{e.iteration_s:.3g}", shares]
+
+
+HEADERS = ["#", "plan (rc = recompute)", "TFLOP/s/GPU", "% peak", "GiB/GPU", "bubble", "iter s", "time shares"]
+
+
+def _print_report(model, cluster, args, plans, shown, where) -> None:
+    peak = cluster.peak(args.dtype)
+    best = plans[0]
+    lines = [f"model {model.name}: {model.params / 1e9:.2f}B parameters; batch {args.batch} on "
+             f"{args.gpus} GPUs of {cluster.name} ({peak / 1e12:.0f} TFLOP/s {args.dtype} peak, "
+             f"{cluster.usable_bytes / 2**30:.1f} GiB usable)"]
+    lines.append("ranked by predicted time per iteration; TFLOP/s count executed FLOPs (Eq. 3, so "
+                 "recompute plans run more of them)")
+    if where != Constraints():
+        lines.append(f"evaluating plans matching {describe(where)}; '!' marks plans that do not fit")
+    rows = [_row(i + 1, e) for i, e in enumerate(shown)]
+    why = explain(plans, where) if best.fits else []
+    footer = [f"best: {to_plan(best)} (microbatch size {best.config.microbatch_size})"] + why
+    if sys.stdout.isatty():
+        from rich.console import Console
+        from rich.table import Table
+        console = Console()
+        for line in lines:
+            console.print(line, highlight=False)
+        table = Table(*HEADERS, show_lines=False)
+        for r in rows:
+            table.add_row(*r)
+        console.print(table)
+        for line in footer:
+            console.print(line, highlight=False)
+        return
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADERS)]
+    print("\n".join(lines))
+    print("  ".join(h.ljust(w) for h, w in zip(HEADERS, widths)).rstrip())
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+    print("\n".join(footer))
+
+
+def explain(plans, where: Constraints = Constraints()) -> list[str]:
+    """Why the best plan: for each knob, the fastest fitting plan that sets it differently."""
+    best = plans[0]
+    out = []
+    for key, label in (("tp", "tp"), ("pp", "pp"), ("microbatch_size", "b"), ("interleave", "v"),
+                       ("recompute", "recompute")):
+        mine = getattr(best.config, key)
+        if getattr(where, key) is not None:
+            out.append(f"  {label}={_fmt(mine)}: fixed by --evaluate")
+            continue
+        other = next((e for e in plans if e.fits and getattr(e.config, key) != mine), None)
+        if other is None:
+            out.append(f"  {label}={_fmt(mine)}: the only value that fits")
+            continue
+        slower = other.iteration_s / best.iteration_s - 1
+        verdict = f"is {slower:.1%} slower" if slower >= 0.0005 else "is as fast (a tie)"
+        out.append(f"  {label}={_fmt(mine)}: the best plan with {label}={_fmt(getattr(other.config, key))} "
+                   f"({to_plan(other)}, b={other.config.microbatch_size}) {verdict}")
+    return ["why:"] + out
+
+
+def _fmt(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)

@@ -1,0 +1,71 @@
+"""`threefold run DIR`: train a saved artifact, without the compiler or the model's source."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from threefold.errors import PlanError
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "run", help="train a compiled artifact on local ranks or under torchrun",
+        description="Load the per-rank modules and weight shards of an artifact made by "
+        "`threefold compile` and train them with plain SGD on the artifact's saved batch. "
+        "Needs only the runtime: the model's source is not imported. Under torchrun "
+        "(`torchrun --nproc-per-node=N -m threefold run DIR`) each process is one rank.")
+    p.add_argument("dir", metavar="DIR", help="artifact directory (threefold compile --out DIR)")
+    p.add_argument("--steps", type=int, default=3, help="SGD steps (default 3)")
+    p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
+    p.add_argument("--json", action="store_true", help="print {'plan', 'losses'} as JSON")
+    p.set_defaults(func=run)
+
+
+def _run_rank(root: str, steps: int, lr: float) -> list[float]:
+    from threefold.runtime.loader import load_batch, load_chunk, open_artifact
+    from threefold.runtime.mesh import Mesh
+    from threefold.runtime.session import check_world, default_device, local_chunks, make_engine
+    torch.set_num_threads(1)
+    art = open_artifact(root)
+    mesh = Mesh(**art.manifest["mesh"])
+    rank = check_world(mesh, art.plan)
+    coord = mesh.coord(rank)
+    device = default_device()
+    modules = {c: load_chunk(art, c, coord.tp, device) for c in local_chunks(art.manifest, coord.pp)}
+    engine = make_engine(art.manifest, modules, rank, device)
+    batch = load_batch(art)
+    opt = torch.optim.SGD(engine.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        losses.append(engine.step(batch))
+        opt.step()
+    return losses
+
+
+def run(args) -> int:
+    from threefold.cli.jobs import run_on_ranks
+    from threefold.runtime.loader import BATCH_FILE, open_artifact
+    import os
+    art = open_artifact(args.dir)
+    if not art.chunks or not art.chunks[0].get("weights"):
+        raise PlanError(f"artifact {args.dir!r} has no weights (compiled on the meta device?); "
+                        "compile a model with real weights to run it")
+    if not os.path.isfile(os.path.join(art.root, BATCH_FILE)):
+        raise PlanError(f"artifact {args.dir!r} has no saved batch ({BATCH_FILE}); "
+                        "recompile it with `threefold compile`")
+    if not art.manifest.get("has_loss"):
+        raise PlanError(f"artifact {args.dir!r} was compiled without a loss: run trains, so compile with loss_fn")
+    mesh = art.manifest["mesh"]
+    world = mesh["tp"] * mesh["dp"] * mesh["pp"]
+    losses = run_on_ranks(_run_rank, world, art.root, args.steps, args.lr)[0]
+    from threefold.cli.jobs import is_main_rank
+    if not is_main_rank():
+        return 0
+    if args.json:
+        print(json.dumps({"plan": art.plan, "losses": losses}))
+    else:
+        for i, loss in enumerate(losses, start=1):
+            print(f"step {i}: loss {loss:.6f}")
+    return 0

@@ -1,0 +1,152 @@
+"""`threefold train [SPEC] --plan PLAN --steps N`: the main job.
+
+Without a SPEC it trains the embedded small GPT (threefold/models/gpt.py) on the embedded
+character corpus (threefold/data/corpus.txt), a fresh random window batch each step. With a
+SPEC it trains that workload on its own batch. Runs on local gloo ranks, or under torchrun.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+from threefold.errors import PlanError
+from threefold.plan import Plan
+
+DEFAULT_PLAN = "pp=2,m=4"
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "train", help="train a model with a plan (default: a small GPT on the embedded corpus)",
+        description="Train with tensor/pipeline/data parallelism. Without SPEC: a 4-layer GPT on "
+        "the character corpus that ships with threefold. Shows a progress bar with loss and "
+        "tokens/s, prints a summary, and writes OUT/loss.png and OUT/losses.json.")
+    p.add_argument("spec", metavar="SPEC", nargs="?", default=None,
+                   help="workload path/to/file.py:factory (default: the embedded GPT and corpus)")
+    p.add_argument("--plan", default=DEFAULT_PLAN, help=f"parallel plan (default {DEFAULT_PLAN!r})")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--batch", type=int, default=16, help="global batch, sequences (embedded job)")
+    p.add_argument("--seq", type=int, default=64, help="sequence length (embedded job)")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and batches")
+    p.add_argument("--out", default="runs/train", help="directory for loss.png and losses.json")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=run)
+
+
+def _embedded(batch: int, seq: int, seed: int):
+    from threefold.corpus import CharCorpus
+    from threefold.models.gpt import GPT, GPTConfig, lm_loss
+    corpus = CharCorpus()
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=corpus.vocab_size, block_size=seq, n_layer=4, n_head=4, n_embd=64))
+    return model, lm_loss, lambda step: corpus.batch(batch, seq, step, seed)
+
+
+def _train_rank(spec, plan, steps, lr, batch, seq, seed, show):
+    import threefold
+    from threefold.cli.jobs import is_main_rank
+    torch.set_num_threads(1)
+    if spec is None:
+        model, loss_fn, data = _embedded(batch, seq, seed)
+    else:
+        from threefold.workload import load_spec
+        w = load_spec(spec)
+        if w.loss_fn is None or w.target is None:
+            raise PlanError(f"SPEC {spec!r} has no loss_fn/target; training needs both")
+        model, loss_fn = w.model, w.loss_fn
+        data = lambda step: (*w.inputs, w.target)  # noqa: E731
+    example = data(0)
+    pm = threefold.parallelize(model, plan, example[:-1], loss_fn, target=example[-1])
+    opt = torch.optim.AdamW(pm.parameters(), lr=lr)
+    tokens_per_step = example[0].numel()
+    losses, seconds = [], []
+    progress = _Progress(steps, enabled=show and is_main_rank())
+    with progress:
+        for step in range(steps):
+            *inputs, target = data(step)
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            loss = pm.step(*inputs, target=target)
+            opt.step()
+            seconds.append(time.perf_counter() - t0)
+            losses.append(loss)
+            progress.update(loss, tokens_per_step / seconds[-1])
+    return {"losses": losses, "seconds": seconds, "tokens_per_step": tokens_per_step}
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool):
+        self.enabled = enabled
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("loss {task.fields[loss]:.4f}"),
+                                TextColumn("{task.fields[tps]:,.0f} tok/s"), TimeRemainingColumn())
+            self.task = self.bar.add_task("train", total=total, loss=float("nan"), tps=0.0)
+
+    def __enter__(self):
+        if self.enabled:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.bar.__exit__(*exc)
+
+    def update(self, loss: float, tps: float) -> None:
+        if self.enabled:
+            self.bar.update(self.task, advance=1, loss=loss, tps=tps)
+
+
+def run(args) -> int:
+    from threefold.cli.jobs import run_on_ranks
+    plan = Plan.parse(args.plan)
+    if args.steps < 1:
+        raise PlanError(f"--steps {args.steps} is invalid: use 1 or more")
+    if args.spec is not None:
+        from threefold.workload import resolve_spec
+        resolve_spec(args.spec)  # bad SPECs fail here, before any rank starts
+    result = run_on_ranks(_train_rank, plan.world_size, args.spec, str(plan), args.steps, args.lr,
+                          args.batch, args.seq, args.seed, not args.json)[0]
+    from threefold.cli.jobs import is_main_rank
+    if not is_main_rank():
+        return 0
+    losses, seconds = result["losses"], result["seconds"]
+    steady = seconds[1:] or seconds
+    summary = {
+        "plan": str(plan), "steps": len(losses), "first_loss": losses[0], "final_loss": losses[-1],
+        "tokens_per_second": result["tokens_per_step"] * len(steady) / sum(steady),
+        "seconds": sum(seconds), "out": os.path.abspath(args.out),
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "losses.json"), "w") as f:
+        json.dump({"plan": str(plan), "losses": losses, "seconds": seconds}, f)
+    summary["plot"] = _plot(losses, plan, os.path.join(args.out, "loss.png"))
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"trained {summary['steps']} steps with plan {plan}: loss {summary['first_loss']:.4f} -> "
+              f"{summary['final_loss']:.4f}, {summary['tokens_per_second']:,.0f} tokens/s, "
+              f"{summary['seconds']:.1f} s")
+        print(f"loss curve: {summary['plot']}")
+    return 0
+
+
+def _plot(losses: list[float], plan: Plan, path: str) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
+    ax.plot(range(1, len(losses) + 1), losses, color="#2463eb", linewidth=1.4)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(f"threefold train  ({plan})", fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return os.path.abspath(path)

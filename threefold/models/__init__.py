@@ -1,0 +1,1 @@
+"""Models that ship with threefold (the main job trains threefold.models.gpt)."""
