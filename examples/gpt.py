@@ -126,3 +126,13 @@ def gpt_medium_meta(n_layer: int = 24):
     """GPT-2 medium-sized shape on the meta device (no memory), for cost and balance studies."""
     return workload(n_layer=n_layer, n_embd=1024, n_head=16, vocab_size=50304, seq=1024,
                     batch=1, device="meta")
+
+
+def paper_1t(n_layer: int = 128, seq: int = 2048, batch: int = 1):
+    """The 1T-parameter GPT of Narayanan et al. (SC'21), Table 1, on the meta device.
+
+    128 layers, hidden 25600, 160 heads, vocab 51200, sequence 2048; one microbatch of
+    `batch` sequences. Nothing is allocated: it exists to measure the compiler at scale.
+    """
+    return workload(n_layer=n_layer, n_embd=25600, n_head=160, vocab_size=51200, seq=seq,
+                    batch=batch, device="meta")

@@ -101,6 +101,10 @@ def test_bubble_formula_matches_simulated_schedule(pp, m, v):
     steps = simulate(pp, m, v, [(f / v, b / v)] * pp)
     assert len(steps) == 2 * pp * v * m
     assert max(end for _, _, end in steps.values()) == pytest.approx((m + (pp - 1) / v) * (f + b))
+    for stage in range(pp):   # a stage runs one step at a time, each chunk on its own stage
+        spans = sorted((start, end) for (_, c, _), (r, start, end) in steps.items() if r == stage)
+        assert all(a[1] <= b_[0] + 1e-9 for a, b_ in zip(spans, spans[1:]))
+        assert all(r == c % pp for (_, c, _), (r, _, _) in steps.items())
 
 
 # ---- takeaways ----------------------------------------------------------------------------

@@ -89,10 +89,16 @@ def run(args) -> int:
                         f"on {args.gpus} GPUs of {cluster.name}: add GPUs, lower --batch, allow "
                         "--tp-across-nodes, or use a larger-memory cluster")
     shown = plans if args.top == 0 else plans[: args.top]
-    if args.svg and plans[0].fits:
-        from threefold.compiler.plan_svg import timeline_svg
-        with open(args.svg, "w") as f:
-            f.write(timeline_svg(plans[0]))
+    if args.svg:
+        if plans[0].fits:
+            from threefold.compiler.plan_svg import timeline_svg
+            try:
+                with open(args.svg, "w") as f:
+                    f.write(timeline_svg(plans[0]))
+            except OSError as exc:
+                raise PlanError(f"--svg {args.svg!r} cannot be written ({exc.strerror}): give a writable path") from None
+        else:
+            print(f"threefold plan: no timeline written to {args.svg}: no matching plan fits", file=sys.stderr)
     if args.json:
         print(json.dumps({"model": model.name, "params": model.params, "cluster": cluster.name,
                           "gpus": args.gpus, "batch": args.batch, "dtype": args.dtype,
@@ -106,14 +112,18 @@ def run(args) -> int:
 
 def _row(rank: int, e) -> list[str]:
     c = e.config
-    shares = " ".join(f"{k} {e.shares[k]:.0%}" for k in SHARES if e.shares[k] >= 0.005)
-    return [str(rank), f"tp={c.tp} pp={c.pp} dp={c.dp} b={c.microbatch_size} v={c.interleave}"
-            + (" rc" if c.recompute else ""), f"{e.tflops_per_gpu:.1f}", f"{e.peak_fraction:.0%}",
+    shares = "/".join(f"{100 * e.shares[k]:.0f}" for k in SHARES)
+    return [str(rank), f"tp{c.tp} pp{c.pp} dp{c.dp} b{c.microbatch_size} v{c.interleave}"
+            + (" rc" if c.recompute else ""), f"{e.tflops_per_gpu:.1f} ({e.peak_fraction:.0%})",
             f"{e.memory_bytes / 2**30:.1f}" + ("" if e.fits else " !"), f"{e.bubble_fraction:.1%}",
             f"{e.iteration_s:.3g}", shares]
 
 
-HEADERS = ["#", "plan (rc = recompute)", "TFLOP/s/GPU", "% peak", "GiB/GPU", "bubble", "iter s", "time shares"]
+# Two-line headers keep the terminal table within 80 columns; plain text joins the lines.
+HEADERS = ["#", "plan", "TFLOP/s/GPU\n(% peak)", "GiB\n/GPU", "bubble", "iter\ns", "time\nshares %"]
+LEGEND = ("rc = recompute; time shares % = " + "/".join(SHARES)
+          + "; ranked by predicted time per iteration; TFLOP/s count executed FLOPs (Eq. 3: "
+          "recompute adds a forward)")
 
 
 def _print_report(model, cluster, args, plans, shown, where) -> None:
@@ -122,29 +132,31 @@ def _print_report(model, cluster, args, plans, shown, where) -> None:
     lines = [f"model {model.name}: {model.params / 1e9:.2f}B parameters; batch {args.batch} on "
              f"{args.gpus} GPUs of {cluster.name} ({peak / 1e12:.0f} TFLOP/s {args.dtype} peak, "
              f"{cluster.usable_bytes / 2**30:.1f} GiB usable)"]
-    lines.append("ranked by predicted time per iteration; TFLOP/s count executed FLOPs (Eq. 3, so "
-                 "recompute plans run more of them)")
     if where != Constraints():
         lines.append(f"evaluating plans matching {describe(where)}; '!' marks plans that do not fit")
     rows = [_row(i + 1, e) for i, e in enumerate(shown)]
     why = explain(plans, where) if best.fits else []
-    footer = [f"best: {to_plan(best)} (microbatch size {best.config.microbatch_size})"] + why
+    footer = [LEGEND, f"best: {to_plan(best)} (microbatch size {best.config.microbatch_size})"] + why
     if sys.stdout.isatty():
         from rich.console import Console
         from rich.table import Table
         console = Console()
         for line in lines:
             console.print(line, highlight=False)
-        table = Table(*HEADERS, show_lines=False)
+        from rich import box
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+        for header in HEADERS:
+            table.add_column(header, no_wrap=True)
         for r in rows:
             table.add_row(*r)
         console.print(table)
         for line in footer:
             console.print(line, highlight=False)
         return
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADERS)]
+    headers = [h.replace("\n/", "/").replace("\n", " ") for h in HEADERS]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     print("\n".join(lines))
-    print("  ".join(h.ljust(w) for h, w in zip(HEADERS, widths)).rstrip())
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip())
     for r in rows:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
     print("\n".join(footer))

@@ -36,6 +36,12 @@ def build_sources(prog: Program) -> dict[str, str]:
     if prog.kernels:
         from threefold.codegen.triton import kernels_source
         files["kernels.py"] = kernels_source(list(prog.kernels.values()))
+    debug_dir = os.environ.get("THREEFOLD_DEBUG_DIR")
+    if debug_dir:  # every generated file, next to the per-pass program dumps
+        os.makedirs(debug_dir, exist_ok=True)
+        for name, text in files.items():
+            with open(os.path.join(debug_dir, name), "w") as f:
+                f.write(text)
     return files
 
 
@@ -147,6 +153,7 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
         "inputs": [spec(n) for n in inputs],
         "outputs": [{"shape": list(m.shape), "dtype": str(m.dtype).replace("torch.", "")} for m in prog.output_meta],
         "ties": prog.ties,
+        "tp_grad_sync": list(prog.tp_grad_sync),
         "schedule": {"kind": plan.schedule, "microbatches": plan.microbatches, "interleave": plan.interleave},
         "chunks": chunks,
         "files": hashes,

@@ -142,6 +142,8 @@ class _ClassWriter:
         if isinstance(a, (list, tuple)):
             inner = ", ".join(self._arg(x) for x in a)
             return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
+        if type(a).__name__ == "GroupRef":  # a process group, bound by the runtime
+            return f"self.{a.name}_group"
         if isinstance(a, torch.device):
             return "dev"  # the module's own device, whatever device the model was traced on
         if isinstance(a, torch.dtype):

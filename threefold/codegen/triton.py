@@ -101,11 +101,13 @@ class KernelWriter:
                 "rmask = rows < M",
                 "mask = rmask[:, None] & cmask[None, :]",
                 "offs = rows[:, None] * N + cols[None, :]"]
-        if self.dims:
+        if self.general:   # the row's index along each leading dim
             body.append("rest = rows")
             for d in range(self.ndim - 2, 0, -1):
                 body += [f"i{d} = rest % D{d}", f"rest = rest // D{d}"]
             body.append("i0 = rest")
+        elif self.has_causal and self.ndim >= 2:
+            body.append(f"i{self.ndim - 2} = rows % D{self.ndim - 2}  # the row's index along dim -2")
         for k in self.general:
             terms = " + ".join(f"i{d} * x{k}_s{d}" for d in range(self.ndim - 1)) or "rows * 0"
             body.append(f"off{k} = ({terms})[:, None] + cols[None, :] * x{k}_s{self.ndim - 1}")
@@ -334,6 +336,18 @@ class KernelWriter:
         ]
 
 
+def bind_kernels(gm, kernels_module) -> int:
+    """Point every FusedRegion node of `gm` at `kernels_module.<kernel_name>` (so running gm
+    runs the generated kernels); returns how many nodes were rebound."""
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, FusedRegion):
+            node.target = getattr(kernels_module, node.target.kernel_name)
+            count += 1
+    gm.recompile()
+    return count
+
+
 def _def(name: str, params: list[str]) -> str:
     return _wrap(f"def {name}(", params, "):", indent=8)
 
@@ -380,4 +394,4 @@ def _py(a) -> str:
     return repr(a)
 
 
-__all__ = ["kernels_source", "KernelWriter", "lit"]
+__all__ = ["kernels_source", "bind_kernels", "KernelWriter", "lit"]

@@ -360,8 +360,12 @@ rule("rms_norm")(RmsNorm)
 
 
 class Mean:  # mean(x, [-1], keepdim=True): a [BLOCK_M, 1] value
+    # Gradients of a value broadcast along the row are held per element, as if the value
+    # were copied into every column (whatever consumed it wrote one term per column); the
+    # row value's own gradient is their sum, so the backward sums g over the valid columns.
     fwd = staticmethod(lambda r: ([], f"{_rsum(r.x(0))} / N"))
-    bwd = staticmethod(lambda r, out, g: ([], [f"{g} / N"] + [None] * (len(r.a) - 1)))
+    bwd = staticmethod(lambda r, out, g: (
+        [], [f"{_rsum(f'tl.broadcast_to({g}, (BLOCK_M, BLOCK_N))')} / N"] + [None] * (len(r.a) - 1)))
 
 
 rule("mean")(Mean)

@@ -1,6 +1,8 @@
 """Compile entry points: a model or SPEC plus a plan -> a compiled Program (and sources)."""
 from __future__ import annotations
 
+from typing import Callable
+
 from threefold.compiler.pipeline import run_passes
 from threefold.compiler.program import Program
 from threefold.compiler.trace import trace
@@ -25,8 +27,11 @@ def microbatch(values, parts: int, what: str):
     return one(values)
 
 
-def compile_workload(workload: Workload | str, plan: Plan | str | None = None) -> Program:
-    """Trace a workload at microbatch size and run the pass pipeline for `plan`."""
+def compile_workload(workload: Workload | str, plan: Plan | str | None = None,
+                     progress: Callable[[str], None] | None = None) -> Program:
+    """Trace a workload at microbatch size and run the pass pipeline for `plan`.
+
+    `progress(stage)` is told "trace" and then each pass's name as it starts."""
     if isinstance(workload, str):
         workload = load_spec(workload)
     workload = Workload.coerce(workload)
@@ -35,5 +40,7 @@ def compile_workload(workload: Workload | str, plan: Plan | str | None = None) -
     name = type(workload.model).__name__
     inputs = microbatch(tuple(workload.inputs), parts, name)
     target = microbatch(workload.target, parts, name) if workload.loss_fn is not None else None
+    if progress is not None:
+        progress("trace")
     prog = trace(workload.model, inputs, target, workload.loss_fn, plan)
-    return run_passes(prog)
+    return run_passes(prog, progress=progress)

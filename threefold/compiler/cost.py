@@ -272,8 +272,9 @@ def chunk_costs(prog: Program) -> list[ChunkCost]:
             c.params += t.numel()
             c.param_bytes += t.numel() * t.element_size()
         c.boundary_in_bytes = sum(meta_of(nodes[v]).nbytes for v in chunk.inputs)
-        c.boundary_out_bytes = sum(meta_of(nodes[v]).nbytes for v in chunk.outputs
-                                   if meta_of(nodes[v]) is not None and v != "loss")
+        if chunk is not prog.chunks[-1]:  # the last chunk's outputs (the loss) go nowhere
+            c.boundary_out_bytes = sum(meta_of(nodes[v]).nbytes for v in chunk.outputs
+                                       if meta_of(nodes[v]) is not None)
         out.append(c)
     return out
 

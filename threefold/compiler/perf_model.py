@@ -246,8 +246,7 @@ def inflight_chunks(pp: int, m: int, v: int, stage: int = 0) -> int:
     return min(v * m, 2 * (pp - stage - 1) + (v - 1) * pp + 1)
 
 
-def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16",
-             tp_across_nodes: bool = False) -> Estimate:
+def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16") -> Estimate:
     """Predicted time and memory of one iteration (see the module docstring)."""
     t, p, d, b, v = cfg.tp, cfg.pp, cfg.dp, cfg.microbatch_size, cfg.interleave
     m = cfg.microbatches
@@ -263,7 +262,6 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
     tp_bw = cluster.intra_node_bandwidth if tp_in_node else g * cluster.inter_node_bandwidth
     tp_lat = cluster.intra_node_latency_s if tp_in_node else cluster.inter_node_latency_s
     one_ar = _ring_allreduce_s(model.tp_allreduce_bytes / model.tp_allreduces_per_layer * tokens, t, tp_bw, tp_lat)
-    layer_tp = one_ar * model.tp_allreduces_per_layer * (passes - 1)   # fwd, bwd (+ recompute fwd)
     # Boundary transfer: scatter/gather sends 1/t over the slower link, then all-gathers.
     boundary = model.boundary_bytes * tokens
     stride = t * d                               # ranks between consecutive pipeline stages

@@ -17,18 +17,14 @@ from threefold.compiler.program import Program, format_program, tf
 from threefold.errors import PlanError
 from threefold.passes.extract_chunks import extract_chunks
 from threefold.passes.pipeline_split import split_pipeline
+from threefold.passes.tensor_parallel import tensor_parallel
 
 Pass = Callable[[Program], Program]
 
 
 def default_passes() -> list[Pass]:
-    passes: list[Pass] = [annotate_costs]
-    try:  # tensor parallelism (passes/tensor_parallel.py) slots in before the cut
-        from threefold.passes.tensor_parallel import tensor_parallel
-        passes.append(tensor_parallel)
-    except ImportError:
-        pass
-    passes += [split_pipeline, extract_chunks]
+    # costs are of local (per-tp-rank) shapes, so they come after tensor parallelism
+    passes: list[Pass] = [tensor_parallel, annotate_costs, split_pipeline, extract_chunks]
     try:
         from threefold.passes.fusion import fuse
         passes.append(fuse)
@@ -41,7 +37,10 @@ class PassFailed(RuntimeError):
     pass
 
 
-def run_passes(prog: Program, passes: list[Pass] | None = None) -> Program:
+def run_passes(prog: Program, passes: list[Pass] | None = None,
+               progress: Callable[[str], None] | None = None) -> Program:
+    """Apply `passes` (default: the standard list) in order; `progress(name)` is told each
+    pass's name before it runs (the CLI shows it)."""
     passes = default_passes() if passes is None else passes
     debug_dir = os.environ.get("THREEFOLD_DEBUG_DIR")
     if debug_dir:
@@ -50,6 +49,8 @@ def run_passes(prog: Program, passes: list[Pass] | None = None) -> Program:
     done: list[str] = []
     for i, p in enumerate(passes, start=1):
         name = p.__name__
+        if progress is not None:
+            progress(name)
         start = time.perf_counter()
         try:
             prog = p(prog)

@@ -146,7 +146,7 @@ def rank_plans(model: ModelCost, batch: int, gpus: int, cluster: Cluster, dtype:
     """Estimates of every legal (matching) configuration, fastest first; unfit ones last
     (only when `include_unfit`)."""
     cluster.peak(dtype)  # unknown dtype -> PlanError before any work
-    results = [estimate(model, cfg, cluster, dtype, tp_across_nodes)
+    results = [estimate(model, cfg, cluster, dtype)
                for cfg in legal_configs(model, batch, gpus, cluster, tp_across_nodes, where)]
     if not results:
         raise PlanError(f"no legal plan for {model.name} with batch={batch} on gpus={gpus}"

@@ -79,6 +79,8 @@ class Program:
     kernels: dict = field(default_factory=dict)         # fused-kernel name -> region (fusion pass)
     # FQN -> fn(full tensor, tp_rank) -> this rank's shard (tensor parallel pass); absent = whole
     shard_fns: dict = field(default_factory=dict)
+    # parameters applied to sharded activations (sequence-parallel norms): grads summed over tp
+    tp_grad_sync: list = field(default_factory=list)
 
     @property
     def graph(self) -> fx.Graph:
@@ -125,22 +127,34 @@ def format_program(prog: Program) -> str:
     lines = [f"program {prog.name}  plan: {prog.plan}"]
     if prog.ties:
         lines.append("tied: " + "; ".join(f"{k} = {', '.join(v)}" for k, v in prog.ties.items()))
-    for node in prog.graph.nodes:
-        ann = {k: v for k, v in tf(node).items() if k not in ("fqn", "kind", "cost")}
-        meta = meta_of(node)
-        shape = f"{list(meta.shape)}:{str(meta.dtype).replace('torch.', '')}" if meta else ""
-        if node.op == "placeholder":
-            what = f"{tf(node).get('kind', '?')} {tf(node).get('fqn', node.name)}"
-            lines.append(f"  %{node.name} = {what}  {shape}")
-        elif node.op == "output":
-            lines.append(f"  return {node.args[0]}")
-        else:
-            args = ", ".join(_fmt_arg(a) for a in node.args)
-            note = "  " + " ".join(f"{k}={v}" for k, v in ann.items()) if ann else ""
-            lines.append(f"  %{node.name} = {_target_name(node.target)}({args})  {shape}{note}")
+    lines += [format_node(node) for node in prog.graph.nodes]
     for chunk in prog.chunks:
         lines.append(f"chunk {chunk.index}: {len(chunk.nodes)} ops, in={chunk.inputs} out={chunk.outputs}")
     return "\n".join(lines)
+
+
+def format_chunk(chunk: Chunk) -> str:
+    """One chunk's own graph (after extract_chunks), in format_program's style."""
+    lines = [f"chunk {chunk.index}: {len(chunk.nodes)} ops, {len(chunk.recomputed)} recomputed, "
+             f"in={chunk.inputs} out={chunk.outputs}"]
+    if chunk.gm is not None:
+        lines += [format_node(node) for node in chunk.gm.graph.nodes]
+    return "\n".join(lines)
+
+
+def format_node(node: fx.Node) -> str:
+    ann = {k: v for k, v in tf(node).items()
+           if k not in ("fqn", "kind", "cost", "input_index") and v not in ("", None)}
+    meta = meta_of(node)
+    shape = f"{list(meta.shape)}:{str(meta.dtype).replace('torch.', '')}" if meta else ""
+    if node.op == "placeholder":
+        what = f"{tf(node).get('kind', '?')} {tf(node).get('fqn', node.name)}"
+        return f"  %{node.name} = {what}  {shape}"
+    if node.op == "output":
+        return f"  return {_fmt_arg(node.args[0])}"
+    args = ", ".join(_fmt_arg(a) for a in node.args)
+    note = "  " + " ".join(f"{k}={v}" for k, v in ann.items()) if ann else ""
+    return f"  %{node.name} = {_target_name(node.target)}({args})  {shape}{note}"
 
 
 def _target_name(target) -> str:

@@ -154,8 +154,17 @@ def _last_dim(node, dim) -> bool:
     return len(dims) == 1 and isinstance(dims[0], int) and dims[0] % max(nd, 1) == nd - 1
 
 
+ASSERT_META = "aten._assert_tensor_metadata.default"
+
+
+def _users(node) -> list:
+    """Users that compute something: export's dtype asserts on intermediates do not count."""
+    return [u for u in node.users if not (u.op == "call_function" and str(u.target) == ASSERT_META)]
+
+
 def _sole_user(node):
-    return next(iter(node.users)) if len(node.users) == 1 else None
+    users = _users(node) if isinstance(node, fx.Node) else []
+    return users[0] if len(users) == 1 else None
 
 
 def _is(node, *targets) -> bool:
@@ -208,7 +217,7 @@ class _Finder:
                 if i == _mask_pos(n) and _causal_form(a):
                     continue
                 if (_fusible(a) and a not in members and a not in self.region_of
-                        and all(u in members for u in a.users)
+                        and all(u in members for u in _users(a))
                         and pattern_of(_val(a).shape, shape) != "invalid"):
                     members.add(a)
                     work.append(a)
@@ -232,7 +241,7 @@ class _Finder:
                         pat = pattern_of(av.shape, shape)
                         if pat == "invalid":
                             continue
-                        internal_only = all(u in members for u in a.users)
+                        internal_only = all(u in members for u in _users(a))
                         if (pat != "full" or av.dtype == torch.bool) and not internal_only:
                             continue
                         if self._creates_cycle(members | {a}):
@@ -244,7 +253,7 @@ class _Finder:
 
     def _creates_cycle(self, members: set) -> bool:
         """Would collapsing `members` (and every region already chosen) make a cycle?"""
-        stack = [u for m in members for u in m.users if u not in members]
+        stack = [u for m in members for u in _users(m) if u not in members]
         seen = set()
         while stack:
             n = stack.pop()
@@ -328,7 +337,7 @@ def _match_rms(mean: fx.Node):
         wv = _val(w)
         if wv is not None and wv.dim() == 1 and wv.shape[0] == _val(cur).shape[-1] and _fusible(o):
             members.append(o)
-    if _is(xc, *CASTS) and _fusible(xc) and all(u in members for u in xc.users):
+    if _is(xc, *CASTS) and _fusible(xc) and all(u in members for u in _users(xc)):
         members.insert(0, xc)
     if not all(_val(n) is not None and (_val(n).dtype in FLOAT_DTYPES) for n in members):
         return None
@@ -354,7 +363,7 @@ def _match_rotary(cat: fx.Node):
     if not (_last_dim(x, s1.args[1]) and s1.args[2] == h and s1.args[3] >= d
             and _last_dim(x, b.args[1]) and b.args[2] in (0, None) and b.args[3] == h):
         return None
-    if any(len(s) > 4 and s.args[4] != 1 for s in (s1, b)):
+    if any(len(s.args) > 4 and s.args[4] != 1 for s in (s1, b)):
         return None
     if not (_sole_user(s1) is a and _sole_user(a) is cat and _sole_user(b) is cat):
         return None
@@ -373,7 +382,7 @@ def _match_rotary(cat: fx.Node):
 # ---- step 4: rewrite -----------------------------------------------------------------------
 def _rewrite(graph: fx.Graph, order: dict, members: list, extra: dict, names: dict):
     mset = set(members)
-    outputs = [n for n in members if any(u not in mset for u in n.users)]
+    outputs = [n for n in members if any(u not in mset for u in _users(n))]
     if not outputs:
         return None
     shape = tuple(_val(outputs[-1]).shape)
@@ -445,6 +454,9 @@ def _rewrite(graph: fx.Graph, order: dict, members: list, extra: dict, names: di
             o.replace_all_uses_with(g, delete_user_cb=lambda u: u not in mset)
             prev = g
     for n in reversed(members):
+        for u in list(n.users):   # dtype asserts on values that no longer exist
+            if u not in mset:
+                graph.erase_node(u)
         graph.erase_node(n)
     for n in sorted(set(chains), key=order.__getitem__, reverse=True):
         if not n.users:

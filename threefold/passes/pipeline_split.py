@@ -185,8 +185,8 @@ def _minmax_partition(prefix: list[int], cands: list[int], k: int) -> list[int] 
     """Cut positions (from cands) into k non-empty chunks minimizing the max chunk sum.
 
     Binary search finds the smallest feasible max; among partitions that reach it we pick
-    the one whose chunks are closest to equal shares of what is left (so 4 layers on pp=3
-    become 2+1+1, not 2+2+sliver)."""
+    one whose chunks are close to equal shares of what is left (so 4 layers on pp=3 become
+    2+1+1, not 2+2+sliver)."""
     total = prefix[-1]
     if _min_chunks(prefix, cands, total) is None or len(cands) < k - 1:
         return None
@@ -198,7 +198,14 @@ def _minmax_partition(prefix: list[int], cands: list[int], k: int) -> list[int] 
             lo = mid + 1
         else:
             hi = mid
-    return _balanced_cuts(prefix, cands, k, lo)
+    # Fill from the front and from the back; keep the partition whose chunk costs, sorted
+    # from the largest, are smaller (a heavy LM head at the end is best left alone at the
+    # back, a heavy embedding at the front).
+    n = len(prefix) - 1
+    forward = _balanced_cuts(prefix, cands, k, lo)
+    mirrored = [total - prefix[n - i] for i in range(n + 1)]
+    backward = sorted(n - c for c in _balanced_cuts(mirrored, sorted(n - c for c in cands), k, lo))
+    return min(forward, backward, key=lambda cuts: sorted(_chunk_flops(prefix, cuts), reverse=True))
 
 
 def _min_chunks(prefix: list[int], cands: list[int], limit: int) -> int | None:

@@ -61,6 +61,8 @@ class PipelineEngine:
         self.num_chunks = manifest["num_chunks"]
         self.chunk_meta = manifest["chunks"]
         self.has_loss = manifest["has_loss"]
+        for mod in modules.values():
+            mod.tp_group = groups.tp
         self._share_local_ties()
         self._plan_grad_sync()
         self.stats = StepStats()
@@ -199,6 +201,7 @@ class PipelineEngine:
                 comm.wait(work, "data-parallel gradient all-reduce")
                 _unflatten_into(flat, grads, scale=1.0 / self.mesh.dp)
             self._sum_tied()
+            self._sync_tp_grads()
         loss = self._global_loss(losses, m) if self.has_loss else float("nan")
         self.stats = StepStats(time.perf_counter() - start, peak, loss)
         self.last_outputs = outputs
@@ -253,6 +256,13 @@ class PipelineEngine:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             comm.all_reduce(p.grad, self.groups.ties[stages], f"tied gradient {fqn}")
+
+    def _sync_tp_grads(self) -> None:
+        """Parameters applied to sequence shards: each tp rank has part of the gradient."""
+        for fqn in self.manifest.get("tp_grad_sync", []):
+            p = self.params.get(fqn)
+            if p is not None and p.grad is not None and self.groups.tp is not None:
+                comm.all_reduce(p.grad, self.groups.tp, f"sequence-parallel gradient {fqn}")
 
     def _global_loss(self, losses: list[torch.Tensor], m: int) -> float:
         total = torch.zeros((), dtype=torch.float64, device=self.device)

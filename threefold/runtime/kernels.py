@@ -36,6 +36,8 @@ ROW_TILE = 4096          # elements per tile for row kernels (BLOCK_M * BLOCK_N,
 EW_TILE = 4096           # elements per tile for elementwise kernels
 EW_MAX_BLOCK_N = 512     # widest column block of an elementwise tile
 
+launches = {"triton": 0}   # how many Triton launches were prepared (tests check the path taken)
+
 
 # ---- dispatch ---------------------------------------------------------------------
 def kernels_mode() -> str:
@@ -59,7 +61,40 @@ def use_triton(*tensors) -> bool:
         return True
     if any(t.is_cuda for t in ts):
         return False                      # mixed devices: let eager raise its usual error
-    return mode == "triton" and interpreting()
+    if mode == "triton" and interpreting():
+        _interpret_triton_library()
+        return True
+    return False
+
+
+_INTERPRETED: dict = {}
+
+
+def _interpret_triton_library() -> None:
+    """Let an interpreted kernel call Triton's own library (tl.sum, tl.rand, tl.cdiv, ...).
+
+    `triton.jit` picks compiled or interpreted when it runs, so the library is fixed when
+    triton is first imported (torch.export imports it). A kernels.py imported later with
+    TRITON_INTERPRET=1 is interpreted, but its calls into the compiled library would raise.
+    Calling a compiled JITFunction from Python is otherwise always an error, so while
+    TRITON_INTERPRET=1 we run such calls through the interpreter instead.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+    if getattr(JITFunction, "_threefold_interpretable", False):
+        return
+    compiled_call = JITFunction.__call__
+
+    def call(self, *args, **kwargs):
+        if not interpreting():
+            return compiled_call(self, *args, **kwargs)
+        fn = _INTERPRETED.get(self.fn)
+        if fn is None:
+            fn = _INTERPRETED[self.fn] = InterpretedFunction(self.fn)
+        return fn(*args, **kwargs)
+
+    JITFunction.__call__ = call
+    JITFunction._threefold_interpretable = True
 
 
 def or_else(tensor, fallback):
@@ -203,6 +238,7 @@ def prepare(spec: KernelSpec, xs) -> "tuple[Launch, list[torch.Tensor]] | None":
     launch.args = [m, n] + (list(shape[:-1]) if spec.dims else []) + strides
     if spec.seed:
         launch.args.append(new_seed())
+    launches["triton"] += 1
     _choose_tiles(launch, m, n, xs[0].is_cuda)
     return launch, ops
 

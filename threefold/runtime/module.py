@@ -16,6 +16,7 @@ class ChunkModule(torch.nn.Module):
     INPUTS: list[str] = []       # boundary values received, in forward's argument order
     USER_INPUTS: list[int] = []  # batch entries read directly (model inputs, then target)
     OUTPUTS: list[str] = []      # values returned (boundary values sent on, or the loss)
+    tp_group = None              # tensor-parallel process group, set by the runtime
 
     def __init__(self, device: torch.device | str = "cpu"):
         super().__init__()

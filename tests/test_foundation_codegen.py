@@ -1,0 +1,164 @@
+"""Codegen and artifacts: golden generated code, reload in a fresh process, debug dumps, runner."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import threefold
+from foundation_helpers import ROOT, workload
+from threefold.codegen.artifact import build_sources, save_artifact
+from threefold.codegen.python import content_hash
+from threefold.compiler.api import compile_workload
+from threefold.compiler.cost import annotate_costs
+from threefold.compiler.pipeline import PassFailed, run_passes
+from threefold.compiler.trace import trace
+
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "gpt_tiny_pp2")
+UPDATE = os.environ.get("THREEFOLD_UPDATE_GOLDEN") == "1"
+TINY = dict(n_layer=2, n_embd=16, n_head=2, vocab_size=32, seq=8, batch=2)
+
+
+def _golden(name: str, text: str) -> None:
+    path = os.path.join(GOLDEN, name)
+    if UPDATE:
+        os.makedirs(GOLDEN, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+    with open(path) as f:
+        expected = f.read()
+    assert text == expected, (f"{name} differs from tests/golden/gpt_tiny_pp2/{name}; if the change "
+                              "is intended, rerun with THREEFOLD_UPDATE_GOLDEN=1 and review the diff")
+
+
+@pytest.fixture(scope="module")
+def tiny_prog():
+    return compile_workload(workload("gpt", **TINY), "pp=2")
+
+
+def test_generated_code_matches_golden(tiny_prog):
+    sources = build_sources(tiny_prog)
+    assert sorted(sources) == ["chunk00_tp0.py", "chunk01_tp0.py"]
+    for name, text in sources.items():
+        _golden(name, text)
+
+
+def test_inspect_json_matches_golden(tiny_prog):
+    from threefold.cli.inspect_cmd import chunk_report
+    _golden("inspect.json", json.dumps(chunk_report(tiny_prog), indent=2) + "\n")
+
+
+def test_generated_header_and_names(tiny_prog):
+    text = build_sources(tiny_prog)["chunk01_tp0.py"]
+    header = text.split('"""')[1]
+    assert "plan:    tp=1,pp=2" in header and "pipeline stage 1" in header and "tp rank 0 of 1" in header
+    assert "covers:  h.1" in header and "lm_head" in header
+    assert content_hash(text) and len(content_hash(text)) == 16
+    # parameters under their original FQNs; value names from the source graph
+    assert "'h.1.attn.c_attn.weight': ([48, 16], 'float32')" in text
+    assert "'wte.weight'" in text  # the tied LM head reads the embedding's weight
+    assert "= aten.linear.default(" in text and "cross_entropy_loss = aten.cross_entropy_loss" in text
+    assert "def forward(self, add_2, target):" in text  # boundary value, then the batch's target
+    assert "USER_INPUTS = [1]" in text
+
+
+def test_content_hash_changes_with_the_code(tiny_prog):
+    a = build_sources(tiny_prog)
+    b = build_sources(compile_workload(workload("gpt", **{**TINY, "n_embd": 32}), "pp=2"))
+    assert content_hash(a["chunk00_tp0.py"]) != content_hash(b["chunk00_tp0.py"])
+
+
+_FRESH = r"""
+import sys
+sys.modules["examples"] = None   # the model's source cannot be imported here
+import torch
+from threefold.runtime.loader import load_chunk, open_artifact
+art = open_artifact(sys.argv[1])
+batch = torch.load(sys.argv[2])
+values = ()
+for i in range(len(art.chunks)):
+    mod = load_chunk(art, i)
+    values = mod(*values, *(batch[j] for j in mod.USER_INPUTS))
+leaked = [m for m in sys.modules if m.startswith(("threefold.compiler", "threefold.passes",
+                                                   "threefold.codegen", "examples."))]
+assert not leaked, leaked
+print(repr(values[0].item()))
+"""
+
+
+@pytest.mark.parametrize("plan", ["pp=3", "pp=2,v=2,schedule=interleaved"])
+def test_artifact_reloads_in_a_fresh_process(tmp_path, plan):
+    w = workload("gpt", n_layer=4)
+    prog = compile_workload(w, plan)
+    art = save_artifact(prog, str(tmp_path / "art"))
+    manifest = art.manifest
+    assert manifest["plan"] == str(threefold.Plan.parse(plan))
+    assert manifest["chunks"][0]["shared_params"] == {"wte.weight": [0, len(prog.chunks) - 1]}
+    assert all(os.path.isfile(os.path.join(art.root, c["weights"]["0"])) for c in manifest["chunks"])
+    batch_file = tmp_path / "batch.pt"
+    torch.save(tuple(w["inputs"]) + (w["target"],), batch_file)
+    script = tmp_path / "fresh.py"
+    script.write_text(_FRESH)
+    out = subprocess.run([sys.executable, str(script), art.root, str(batch_file)], cwd=str(tmp_path),
+                         capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    ref = w["loss_fn"](w["model"](*w["inputs"]), w["target"]).item()
+    assert float(out.stdout.strip()) == pytest.approx(ref, rel=1e-6)
+
+
+def test_meta_model_artifact_has_no_weights(tmp_path):
+    prog = compile_workload(workload("gpt", n_layer=2, n_embd=1024, n_head=16, seq=64, batch=1,
+                                     device="meta"), "pp=2")
+    art = save_artifact(prog, str(tmp_path / "art"))
+    assert not os.path.exists(os.path.join(art.root, "weights"))
+    assert all(c["weights"] == {} for c in art.chunks)
+
+
+def test_debug_dir_gets_every_pass_and_generated_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("THREEFOLD_DEBUG_DIR", str(tmp_path))
+    prog = compile_workload(workload("gpt", **TINY), "pp=2")
+    build_sources(prog)
+    files = sorted(os.listdir(tmp_path))
+    assert files[0] == "00_traced.txt"
+    for i, (name, _) in enumerate(prog.pass_log[1:], start=1):  # pass_log[0] is export
+        assert f"{i:02d}_{name}.txt" in files
+    assert {"chunk00_tp0.py", "chunk01_tp0.py"} <= set(files)
+    assert "%p_wte_weight = param wte.weight" in (tmp_path / "00_traced.txt").read_text()
+
+
+def test_runner_names_the_failing_pass_and_those_before():
+    w = workload("gpt", n_layer=1)
+    prog = trace(w["model"], w["inputs"], w["target"], w["loss_fn"])
+
+    def breaks_things(p):
+        raise RuntimeError("boom")
+
+    with pytest.raises(PassFailed, match=r"pass breaks_things failed after \[annotate_costs\]: RuntimeError: boom"):
+        run_passes(prog, [annotate_costs, breaks_things])
+
+
+def test_runner_checks_invariants_after_each_pass():
+    w = workload("gpt", n_layer=1)
+    prog = trace(w["model"], w["inputs"], w["target"], w["loss_fn"])
+
+    def drops_shapes(p):
+        for node in p.graph.nodes:
+            if node.op == "call_function":
+                node.meta.pop("val", None)
+                break
+        return p
+
+    with pytest.raises(PassFailed, match="pass drops_shapes failed after \\[\\]: AssertionError: node .* has no shape"):
+        run_passes(prog, [drops_shapes])
+
+
+def test_layering_examples_import_nothing_from_threefold():
+    # examples/ are plain PyTorch that users copy from: no threefold imports
+    for name in ("gpt.py", "hf.py"):
+        with open(os.path.join(ROOT, "examples", name)) as f:
+            assert "threefold" not in f.read().split('"""', 2)[-1]

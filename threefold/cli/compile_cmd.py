@@ -1,0 +1,95 @@
+"""`threefold compile SPEC --plan PLAN --out DIR`: compile a workload and save the artifact.
+
+The artifact directory holds manifest.json, one generated module per (chunk, tp rank) and
+the weight shards (none for models built on the meta device); `threefold train` and the
+runtime load it without the model's source. Progress (the stage and pass running) shows on
+stderr while a terminal is attached.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from threefold.plan import Plan
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "compile", help="compile a workload for a plan into an artifact directory",
+        description="Trace the workload, run the compiler passes for PLAN, generate one Python "
+        "module per (pipeline chunk, tp rank) and write them with manifest.json and the weight "
+        "shards (safetensors, keyed by the model's parameter names) into DIR, replacing it.")
+    p.add_argument("spec", metavar="SPEC", help="workload: path/to/file.py:factory or pkg.module:factory")
+    p.add_argument("--plan", default="", help="e.g. 'tp=2,pp=4,m=8' (default: one chunk)")
+    p.add_argument("--out", required=True, metavar="DIR", help="artifact directory to write")
+    p.add_argument("--no-weights", action="store_true", help="write code and manifest only")
+    p.add_argument("--json", action="store_true", help="print one JSON summary object")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from threefold.codegen.artifact import build_sources, save_artifact
+    from threefold.compiler.api import compile_workload
+    from threefold.workload import load_spec
+
+    plan = Plan.parse(args.plan)
+    timings: dict[str, float] = {}
+    with _Progress() as progress:
+        start = time.perf_counter()
+        progress("load SPEC")
+        workload = load_spec(args.spec)
+        timings["load"] = time.perf_counter() - start
+        prog = compile_workload(workload, plan, progress=progress)
+        progress("codegen")
+        t = time.perf_counter()
+        sources = build_sources(prog)
+        timings["codegen"] = time.perf_counter() - t
+        progress("write artifact")
+        t = time.perf_counter()
+        art = save_artifact(prog, args.out, sources, weights=not args.no_weights)
+        timings["write"] = time.perf_counter() - t
+        timings["total"] = time.perf_counter() - start
+    for name, seconds in prog.pass_log:
+        timings[name] = seconds
+    with_weights = any(c.get("weights") for c in art.chunks)
+    summary = {
+        "out": art.root, "model": prog.name, "plan": str(plan), "chunks": len(prog.chunks),
+        "files": sorted(art.manifest["files"]), "weights": with_weights,
+        "seconds": {k: round(v, 3) for k, v in timings.items()},
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    why = "" if with_weights else (" (meta model: no weights)" if prog.is_meta else " (--no-weights)")
+    print(f"compiled {prog.name} for plan {plan} into {art.root}: {len(prog.chunks)} chunks, "
+          f"{len(summary['files'])} modules, weights {'saved' if with_weights else 'not saved'}{why}")
+    passes = "  ".join(f"{name} {seconds:.2f}s" for name, seconds in prog.pass_log)
+    print(f"time: total {timings['total']:.2f}s = load {timings['load']:.2f}s  {passes}  "
+          f"codegen {timings['codegen']:.2f}s  write {timings['write']:.2f}s")
+    return 0
+
+
+class _Progress:
+    """A rich status line on stderr naming the running stage (silent when not a terminal)."""
+
+    def __enter__(self):
+        self._status = None
+        try:
+            from rich.console import Console
+            console = Console(stderr=True)
+            if console.is_terminal:
+                self._status = console.status("compiling")
+                self._status.__enter__()
+        except ImportError:
+            pass
+        return self
+
+    def __call__(self, stage: str) -> None:
+        if self._status is not None:
+            label = "trace (torch.export)" if stage == "trace" else stage
+            self._status.update(f"compiling: {label}")
+
+    def __exit__(self, *exc):
+        if self._status is not None:
+            self._status.__exit__(*exc)
+        return False

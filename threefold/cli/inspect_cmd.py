@@ -1,0 +1,116 @@
+"""`threefold inspect SPEC --plan PLAN`: how the compiler cuts a model, chunk by chunk.
+
+Prints one row per pipeline chunk (its ranks, ops, parameters, forward FLOPs, activation
+bytes kept for backward, boundary bytes received and sent) and the FLOPs imbalance
+(max/mean over chunks; 1.00 is perfect). `--graph` adds each chunk's graph, `--json` prints
+one JSON object instead.
+"""
+from __future__ import annotations
+
+import json
+
+from threefold.plan import Plan
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "inspect", help="compile a workload for a plan and show its pipeline chunks",
+        description="Trace the workload (at microbatch size), run the compiler passes for PLAN "
+        "and print a table per chunk: ranks, ops, params, forward FLOPs, activation bytes, "
+        "boundary bytes in and out, then the FLOPs imbalance (max/mean). Nothing is written.")
+    p.add_argument("spec", metavar="SPEC", help="workload: path/to/file.py:factory or pkg.module:factory")
+    p.add_argument("--plan", default="", help="e.g. 'pp=4' or 'pp=2,v=2,schedule=interleaved' (default: one chunk)")
+    p.add_argument("--graph", action="store_true", help="also print each chunk's graph")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from threefold.compiler.api import compile_workload
+    plan = Plan.parse(args.plan)
+    prog = compile_workload(args.spec, plan)
+    report = chunk_report(prog)
+    if args.json:
+        if args.graph:
+            from threefold.compiler.program import format_chunk
+            for row, chunk in zip(report["chunks"], prog.chunks):
+                row["graph"] = format_chunk(chunk)
+        print(json.dumps(report, indent=2))
+        return 0
+    print(format_report(prog, report))
+    if args.graph:
+        from threefold.compiler.program import format_chunk
+        for chunk in prog.chunks:
+            print()
+            print(format_chunk(chunk))
+    return 0
+
+
+def chunk_ranks(plan: Plan, index: int) -> list[int]:
+    """Global ranks that run chunk `index` (Megatron layout: tp fastest, then dp, then pp)."""
+    stage = index % plan.pp
+    return sorted(t + plan.tp * (d + plan.dp * stage) for d in range(plan.dp) for t in range(plan.tp))
+
+
+def chunk_report(prog) -> dict:
+    """The `inspect --json` object: {"plan", "chunks": [...], "imbalance"}."""
+    from threefold.compiler.cost import chunk_costs, imbalance
+    costs = chunk_costs(prog)
+    plan = prog.plan
+    chunks = [{
+        "index": chunk.index,
+        "stage": chunk.index % plan.pp,
+        "ranks": chunk_ranks(plan, chunk.index),
+        "ops": c.ops,
+        "params": c.params,
+        "flops": c.flops,
+        "activation_bytes": c.activation_bytes,
+        "boundary_in_bytes": c.boundary_in_bytes,
+        "boundary_out_bytes": c.boundary_out_bytes,
+    } for chunk, c in zip(prog.chunks, costs)]
+    return {"plan": str(plan), "chunks": chunks,
+            "imbalance": round(imbalance([c.flops for c in costs]), 6)}
+
+
+def format_report(prog, report: dict) -> str:
+    headers = ["chunk", "stage", "ranks", "ops", "params", "fwd FLOPs", "activations",
+               "boundary in", "boundary out"]
+    rows = [[str(r["index"]), str(r["stage"]), _ranks(r["ranks"]), str(r["ops"]),
+             human(r["params"]), human(r["flops"]), human_bytes(r["activation_bytes"]),
+             human_bytes(r["boundary_in_bytes"]), human_bytes(r["boundary_out_bytes"])]
+            for r in report["chunks"]]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
+    lines = [f"{prog.name}  plan: {report['plan']}  ({len(rows)} chunks)"]
+    lines.append("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    total = sum(r["flops"] for r in report["chunks"])
+    lines.append(f"FLOPs imbalance (max/mean): {report['imbalance']:.3f}   total forward FLOPs: {human(total)}")
+    if prog.ties:
+        shared = [fqn for fqn in prog.ties if sum(fqn in c.params for c in prog.chunks) > 1]
+        if shared:
+            lines.append(f"tied parameters held by several chunks (grads summed): {', '.join(shared)}")
+    lines += [f"note: {n}" for n in prog.notes]
+    return "\n".join(lines)
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    text = ",".join(map(str, ranks))
+    return text if len(text) <= 16 else f"{ranks[0]},{ranks[1]},..,{ranks[-1]}"
+
+
+def human(x: float) -> str:
+    """1234567 -> '1.23M' (SI prefixes; FLOPs and parameter counts)."""
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return str(int(x))
+
+
+def human_bytes(x: float) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{int(x)} B"

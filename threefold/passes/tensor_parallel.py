@@ -1,0 +1,516 @@
+"""Megatron tensor parallelism derived from an unmodified ATen graph.
+
+Every value gets a placement (tp_placement.py): Replicate, Partial or Shard(dim). We walk
+the graph once in order, writing a new graph of *local* (per-tp-rank) shapes:
+
+* A matmul with a parameter weight (aten.linear, GPT-2's addmm with an [in, out] Conv1D
+  weight, mm/matmul) whose input is replicated becomes column-parallel: its weight is split
+  on the output features, the input passes through f (identity forward, all-reduce
+  backward; one f per input value, shared by q/k/v or gate/up). If its output feeds a
+  split (a fused QKV), the weight is split block-wise so each rank gets its own q, k, v.
+* A weight matmul whose input is sharded on the contracted dim becomes row-parallel: its
+  output is Partial and is reduced at once by g (all-reduce forward, identity backward),
+  or under sequence parallelism by a reduce-scatter; the bias is added after.
+* Everything in between follows per-op rules in RULES (elementwise, views and reshapes,
+  splits, attention matmuls, softmax, norms ...). An op with no rule on a sharded input
+  is a PlanError naming the op and the module FQN.
+* An embedding indexed by user input (token ids) is vocab-parallel; a cross-entropy over
+  vocab-sharded logits becomes the vocab-parallel cross-entropy. Vocabularies t does not
+  divide are padded (padding never wins the softmax and gets no gradient).
+* Sequence parallelism (plan.sp): replicated activations of [batch, seq, hidden] are kept
+  as sequence shards; all-gather before column-parallel matmuls, reduce-scatter after
+  row-parallel ones; parameters applied to shards get their gradients summed over tp.
+Weights are cut from the full model's tensors by prog.shard_fns, so tp=1 and tp=t start
+identical.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_map
+
+from threefold.compiler.cost import op_name
+from threefold.compiler.program import Program, tf
+from threefold.errors import PlanError
+from threefold.passes.tp_placement import (P, R, Partial, Replicate, Shard, local_size, padded,
+                                           reshape_groups, scaled_size)
+from threefold.runtime import tp_ops
+from threefold.runtime.tp_ops import TP
+
+aten = torch.ops.aten
+
+
+def tensor_parallel(prog: Program) -> Program:
+    """Needs: a traced program. Guarantees: for tp>1, local shapes, TP collectives inserted,
+    prog.shard_fns for every sharded parameter, prog.tp_grad_sync for shard-applied ones."""
+    if prog.plan.tp == 1:
+        return prog
+    _Rewriter(prog).run()
+    return prog
+
+
+def _to_meta(v):
+    if isinstance(v, torch.Tensor):
+        return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="meta")
+    if isinstance(v, (list, tuple)):
+        return type(v)(_to_meta(x) for x in v)
+    return v
+
+
+class _Rewriter:
+    def __init__(self, prog: Program):
+        self.prog = prog
+        self.t = prog.plan.tp
+        self.sp = prog.plan.sp
+        self.old = prog.graph
+        self.new = fx.Graph()
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.place: dict[fx.Node, object] = {}
+        self.val: dict[fx.Node, object] = {}
+        self.decisions: dict[str, tuple[int, tuple[int, ...], int]] = {}  # fqn -> (dim, blocks, padded)
+        self.param_nodes: dict[str, fx.Node] = {}
+        self.cache: dict[tuple, fx.Node] = {}
+        self.user_derived: set[fx.Node] = set()
+        self.shard_uses: set[str] = set()      # R params applied to shards (grad sum over tp)
+        self.replicated_uses: set[str] = set()
+        self.current: fx.Node | None = None
+
+    # ---- driver ----------------------------------------------------------------------
+    def run(self) -> None:
+        for old in self.old.nodes:
+            self.current = old
+            if old.op == "placeholder":
+                new = self.new.placeholder(old.name)
+                new.meta = dict(old.meta)
+                new.meta["tf"] = dict(tf(old))
+                self.env[old] = new
+                self.place[new] = R
+                self.val[new] = _to_meta(old.meta.get("val"))
+                if tf(old).get("kind") == "param":
+                    self.param_nodes[tf(old)["fqn"]] = new
+                if tf(old).get("kind") == "input":
+                    self.user_derived.add(old)
+            elif old.op == "output":
+                self._output(old)
+            else:
+                if any(a in self.user_derived for a in old.all_input_nodes):
+                    self.user_derived.add(old)
+                before = len(self.new.nodes)
+                new = self._visit(old)
+                # keep the source graph's value names (generated code reads like the model)
+                created = list(self.new.nodes)[before:]
+                if new in created and new.name != old.name:
+                    new._rename(old.name)
+                self.env[old] = new
+        self._finish()
+
+    def _finish(self) -> None:
+        prog = self.prog
+        for fqn, (dim, blocks, pad) in self.decisions.items():
+            node = self.param_nodes[fqn]
+            node.meta["val"] = self._param_local(fqn)
+            tf(node)["placement"] = str(Shard(dim, blocks))
+            prog.shard_fns[fqn] = _ShardFn(dim, blocks, pad, self.t)
+        both = self.shard_uses & self.replicated_uses
+        if both:
+            raise PlanError(f"parameter {sorted(both)[0]} is applied both to sharded and to replicated "
+                            f"activations under tp={self.t}; threefold cannot split its gradient")
+        prog.tp_grad_sync = sorted(self.shard_uses - set(self.decisions))
+        gm = fx.GraphModule(prog.gm, self.new)
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list)):
+                if node.users:
+                    raise AssertionError(f"tensor parallel pass left {node.name} without a shape")
+        prog.gm = gm
+
+    # ---- emitting --------------------------------------------------------------------
+    def emit(self, target, args, kwargs=None, place=R, val=None, src: fx.Node | None = None,
+             collective: dict | None = None) -> fx.Node:
+        kwargs = kwargs or {}
+        node = self.new.call_function(target, tuple(args), dict(kwargs))
+        if val is None:
+            val = self._meta_eval(target, args, kwargs)
+        node.meta["val"] = val
+        src = src or self.current
+        if src is not None:
+            node.meta["nn_module_stack"] = src.meta.get("nn_module_stack", {})
+            node.meta["tf"] = {k: v for k, v in tf(src).items() if k in ("module",)}
+        tf(node)["placement"] = str(place) if not isinstance(place, list) else "(" + ", ".join(map(str, place)) + ")"
+        if collective:
+            tf(node)["collective"] = collective
+        self.place[node] = place
+        self.val[node] = val
+        return node
+
+    def _meta_eval(self, target, args, kwargs):
+        def conv(a):
+            if isinstance(a, fx.Node):
+                return self.val[a]
+            if isinstance(a, torch.device):
+                return torch.device("meta")
+            return a
+        try:
+            return _to_meta(target(*tree_map(conv, tuple(args)), **tree_map(conv, dict(kwargs))))
+        except PlanError:
+            raise
+        except Exception as exc:
+            raise PlanError(f"tp={self.t}: {self._where()} cannot run on local shapes "
+                            f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
+
+    def _where(self, node: fx.Node | None = None) -> str:
+        node = node or self.current
+        fqn = tf(node).get("module", "") if node is not None else ""
+        return f"op {op_name(node)} ({node.name}) in module {fqn or '<top>'}" if node is not None else "graph"
+
+    def copy_node(self, old: fx.Node, args=None, kwargs=None, place=R, val=None) -> fx.Node:
+        args = self._map(old.args) if args is None else args
+        kwargs = self._map(old.kwargs) if kwargs is None else kwargs
+        return self.emit(old.target, args, kwargs, place, val)
+
+    def _map(self, a):
+        return fx.node.map_arg(a, lambda n: self.env[n])
+
+    # ---- redistribution --------------------------------------------------------------
+    def f(self, x: fx.Node) -> fx.Node:
+        return self._cached(("f", x), lambda: self.emit(
+            tp_ops.f, (x, TP), place=Replicate(), val=self.val[x],
+            collective=_coll("all_reduce", "backward", self.val[x])))
+
+    def g(self, x: fx.Node) -> fx.Node:
+        return self.emit(tp_ops.g, (x, TP), place=R, val=self.val[x],
+                         collective=_coll("all_reduce", "forward", self.val[x]))
+
+    def reduce_scatter(self, x: fx.Node, dim: int) -> fx.Node:
+        v = self.val[x]
+        shape = list(v.shape)
+        shape[dim] = local_size(shape[dim], self.t, f"sequence parallelism at {self._where()}")
+        out = torch.empty(shape, dtype=v.dtype, device="meta")
+        return self.emit(tp_ops.reduce_scatter, (x, dim, TP), place=Shard(dim, seq=True), val=out,
+                         collective=_coll("reduce_scatter", "forward", v, back="all_gather"))
+
+    def gather_seq(self, x: fx.Node, dim: int) -> fx.Node:
+        def make():
+            v = self.val[x]
+            shape = list(v.shape)
+            shape[dim] *= self.t
+            out = torch.empty(shape, dtype=v.dtype, device="meta")
+            return self.emit(tp_ops.all_gather_seq, (x, dim, TP), place=Replicate(gathered=True), val=out,
+                             collective=_coll("all_gather", "forward", out, back="reduce_scatter"))
+        return self._cached(("ag", x, dim), make)
+
+    def scatter(self, x: fx.Node, dim: int, seq: bool = False) -> fx.Node:
+        def make():
+            v = self.val[x]
+            shape = list(v.shape)
+            shape[dim] = local_size(shape[dim], self.t, f"{self._where()} (dim {dim} of {list(v.shape)})")
+            out = torch.empty(shape, dtype=v.dtype, device="meta")
+            return self.emit(tp_ops.scatter, (x, dim, TP), place=Shard(dim, seq=seq), val=out,
+                             collective=_coll("all_gather", "backward", v) if _needs_grad(v) else None)
+        return self._cached(("scatter", x, dim), make)
+
+    def gather(self, x: fx.Node, dim: int) -> fx.Node:
+        v = self.val[x]
+        shape = list(v.shape)
+        shape[dim] *= self.t
+        out = torch.empty(shape, dtype=v.dtype, device="meta")
+        return self.emit(tp_ops.gather, (x, dim, TP), place=R, val=out,
+                         collective=_coll("all_gather", "forward", out))
+
+    def _cached(self, key, make):
+        if key not in self.cache:
+            self.cache[key] = make()
+        return self.cache[key]
+
+    def to_replicated(self, x: fx.Node) -> fx.Node:
+        p = self.place[x]
+        if isinstance(p, Replicate):
+            return x
+        if isinstance(p, Partial):
+            return self.g(x)
+        if isinstance(p, Shard) and p.seq:
+            return self.gather_seq(x, p.dim)
+        raise PlanError(f"tp={self.t}: {self._where()} needs a replicated input but gets one "
+                        f"sharded {p}; no rule moves it")
+
+    # ---- parameters ------------------------------------------------------------------
+    def decide(self, fqn: str, dim: int, blocks: tuple[int, ...], pad: int) -> None:
+        want = (dim, blocks, pad)
+        have = self.decisions.get(fqn)
+        if have is not None and have != want:
+            raise PlanError(f"parameter {fqn} (tied or reused) would be split two ways under tp={self.t} "
+                            f"({have} and {want}); untie it or keep tp=1 for it")
+        self.decisions[fqn] = want
+
+    def _param_local(self, fqn: str):
+        dim, blocks, pad = self.decisions[fqn]
+        full = self.prog.state[fqn]
+        shape = list(full.shape)
+        shape[dim] = sum(b // self.t for b in blocks) if blocks else pad // self.t
+        return torch.empty(shape, dtype=full.dtype, device="meta")
+
+    def param_arg(self, old_arg: fx.Node) -> fx.Node:
+        new = self.env[old_arg]
+        fqn = tf(old_arg).get("fqn")
+        if fqn in self.decisions:
+            self.val[new] = self._param_local(fqn)
+        return new
+
+    # ---- visiting --------------------------------------------------------------------
+    def _visit(self, old: fx.Node) -> fx.Node:
+        name = op_name(old)
+        weight = _param_weight(old, name)
+        if weight is not None:
+            return self.weight_matmul(old, name, *weight)
+        if name == "embedding" and _is_param(old.args[0]) and old.args[1] in self.user_derived:
+            return self.embedding(old)
+        inputs = [self.env[a] for a in old.all_input_nodes]
+        if all(isinstance(self.place[i], Replicate) and not self.place[i].gathered for i in inputs):
+            self._note_param_uses(old, sharded=False)
+            return self.copy_node(old, val=_to_meta(old.meta.get("val")))
+        rule = RULES.get(name)
+        if rule is None:
+            raise PlanError(f"tp={self.t}: no tensor-parallel rule for {self._where()} on a sharded input "
+                            f"({', '.join(str(self.place[i]) for i in inputs)}); use tp=1 or restructure it")
+        return rule(self, old)
+
+    def _note_param_uses(self, old: fx.Node, sharded: bool) -> None:
+        for a in old.all_input_nodes:
+            if _is_param(a) and tf(a)["fqn"] not in self.decisions:
+                (self.shard_uses if sharded else self.replicated_uses).add(tf(a)["fqn"])
+
+    def weight_matmul(self, old, name, x_old, w_old, b_old, out_dim):
+        x = self.env[x_old]
+        px = self.place[x]
+        fqn = tf(w_old)["fqn"]
+        w_shape = list(self.prog.state[fqn].shape)
+        in_dim = 1 - out_dim
+        if isinstance(px, Partial):
+            x, px = self.g(x), R
+        if (isinstance(px, Replicate) or (isinstance(px, Shard) and px.seq)) \
+                and fqn not in self.decisions and not self._worth_sharding(old):
+            # GQA k/v projections whose heads tp does not divide: every rank computes them whole
+            self.prog.notes.append(f"{tf(old).get('module') or fqn}: kept replicated under tp={self.t} "
+                                   "(its heads do not divide by tp)")
+            self.replicated_uses.add(fqn)
+            whole = self._cached(("gather", x), lambda: self.gather(x, px.dim)) if isinstance(px, Shard) else x
+            args = _replace(self._map(old.args), self.env[x_old], whole)
+            return self.copy_node(old, args=args, val=_to_meta(old.meta.get("val")))
+        if isinstance(px, Shard) and px.seq:
+            x, px = self.gather_seq(x, px.dim), Replicate(gathered=True)
+        if isinstance(px, Replicate):
+            return self.column(old, name, x, px, w_old, b_old, fqn, w_shape, out_dim)
+        last = len(self.val[x].shape) - 1
+        if isinstance(px, Shard) and px.dim == last:
+            return self.row(old, name, x, px, w_old, b_old, fqn, w_shape, in_dim)
+        raise PlanError(f"tp={self.t}: {self._where()} multiplies weight {fqn} with an input sharded "
+                        f"{px}; only replicated (column-parallel) or last-dim-sharded (row-parallel) inputs work")
+
+    def _worth_sharding(self, old) -> bool:
+        """False when the output is split into heads that tp does not divide (GQA k/v)."""
+        heads = _head_count(old)
+        return heads is None or heads % self.t == 0
+
+    def column(self, old, name, x, px, w_old, b_old, fqn, w_shape, out_dim):
+        out = w_shape[out_dim]
+        blocks = _split_blocks(old, out)
+        what = f"tp={self.t}: output features of {fqn}"
+        if blocks:
+            for b in blocks:
+                local_size(b, self.t, what + f" (block of {b} of a fused projection)")
+            pad = out
+        elif out % self.t:
+            if not _feeds_cross_entropy(old):
+                local_size(out, self.t, what)  # raises
+            pad = padded(out, self.t)
+            self.prog.notes.append(f"{fqn}: vocabulary {out} padded to {pad} for tp={self.t}")
+        else:
+            pad = out
+        self.decide(fqn, out_dim, blocks, pad)
+        if b_old is not None:
+            self.decide(tf(b_old)["fqn"], 0, blocks, pad)
+        xin = x if px.gathered else self.f(x)
+        args = self._map(old.args)
+        args = _replace(args, self.env[x_old_of(old, name)], xin)
+        w, b = self.param_arg(w_old), self.param_arg(b_old) if b_old is not None else None
+        node = self.emit(old.target, args, self._map(old.kwargs), place=Shard(len(old.meta["val"].shape) - 1, blocks))
+        return node
+
+    def row(self, old, name, x, px, w_old, b_old, fqn, w_shape, in_dim):
+        self.decide(fqn, in_dim, px.blocks, w_shape[in_dim])
+        w = self.param_arg(w_old)
+        target = {"linear": aten.linear.default, "addmm": aten.mm.default}.get(name, old.target)
+        partial = self.emit(target, (x, w), place=P)
+        partial._rename(f"{old.name}_partial")
+        rank = len(self.val[partial].shape)
+        if self.sp and rank == 3:
+            out = self.reduce_scatter(partial, 1)
+        else:
+            out = self.g(partial)
+        if b_old is not None:
+            b = self.env[b_old]
+            self._note_param_uses(old, sharded=isinstance(self.place[out], Shard))
+            out = self.emit(aten.add.Tensor, (out, b), place=self.place[out])
+        return out
+
+    def embedding(self, old):
+        w_old, ids_old = old.args[0], old.args[1]
+        fqn = tf(w_old)["fqn"]
+        rows = self.prog.state[fqn].shape[0]
+        pad = padded(rows, self.t)
+        if pad != rows:
+            self.prog.notes.append(f"{fqn}: vocabulary {rows} padded to {pad} for tp={self.t}")
+        self.decide(fqn, 0, (), pad)
+        w = self.param_arg(w_old)
+        ids = self.env[ids_old]
+        full = _to_meta(old.meta["val"])
+        if self.sp and full.dim() == 3:
+            shape = list(full.shape)
+            shape[1] = local_size(shape[1], self.t, f"sequence parallelism at {self._where()} (sequence length)")
+            val = torch.empty(shape, dtype=full.dtype, device="meta")
+            return self.emit(tp_ops.vocab_parallel_embedding, (w, self.to_replicated(ids), TP, 1),
+                             place=Shard(1, seq=True), val=val,
+                             collective=_coll("reduce_scatter", "forward", full, back="all_gather"))
+        return self.emit(tp_ops.vocab_parallel_embedding, (w, self.to_replicated(ids), TP), place=R, val=full,
+                         collective=_coll("all_reduce", "forward", full))
+
+    def _output(self, old: fx.Node) -> None:
+        outs = []
+        for o in old.args[0]:
+            n = self.env[o] if isinstance(o, fx.Node) else o
+            if isinstance(n, fx.Node):
+                p = self.place[n]
+                if isinstance(p, Partial):
+                    n = self.g(n)
+                elif isinstance(p, Shard):
+                    n = self.gather(n, p.dim)
+                    full = o.meta["val"]
+                    if tuple(self.val[n].shape) != tuple(full.shape):  # vocabulary padding
+                        n = self.emit(aten.slice.Tensor, (n, p.dim, 0, full.shape[p.dim]), place=R)
+            outs.append(n)
+        self.new.output(tuple(outs))
+
+
+# ---- pattern helpers -----------------------------------------------------------------
+
+def _is_param(a) -> bool:
+    return isinstance(a, fx.Node) and a.op == "placeholder" and tf(a).get("kind") == "param"
+
+
+def _param_weight(old: fx.Node, name: str):
+    """(x, weight, bias, out_dim) for matmuls with a 2-D parameter weight, else None."""
+    a = old.args
+    if name == "linear" and _is_param(a[1]) and len(_shape(a[1])) == 2:
+        bias = a[2] if len(a) > 2 and _is_param(a[2]) else None
+        return a[0], a[1], bias, 0
+    if name == "addmm" and _is_param(a[2]) and len(_shape(a[2])) == 2 and not old.kwargs:
+        return a[1], a[2], a[0] if _is_param(a[0]) else None, 1
+    if name in ("mm", "matmul") and _is_param(a[1]) and len(_shape(a[1])) == 2:
+        return a[0], a[1], None, 1
+    return None
+
+
+def x_old_of(old: fx.Node, name: str) -> fx.Node:
+    return old.args[1] if name == "addmm" else old.args[0]
+
+
+def _replace(args, before, after):
+    return tuple(after if a is before else a for a in args)
+
+
+def _shape(node: fx.Node) -> list[int]:
+    return list(node.meta["val"].shape)
+
+
+_PASS_THROUGH = {"add", "_to_copy", "to", "contiguous", "clone", "alias", "view", "reshape",
+                 "_unsafe_view", "dropout", "type_as"}
+
+
+def _chain(old: fx.Node, limit: int = 6):
+    """Single-user successors of a matmul output that keep its last dim."""
+    node = old
+    for _ in range(limit):
+        if len(node.users) != 1:
+            return
+        user = next(iter(node.users))
+        yield user
+        if op_name(user) not in _PASS_THROUGH or not isinstance(user.meta.get("val"), torch.Tensor):
+            return
+        if user.meta["val"].shape[-1] != old.meta["val"].shape[-1]:
+            return
+        node = user
+
+
+def _split_blocks(old: fx.Node, out: int) -> tuple[int, ...]:
+    for user in _chain(old):
+        name = op_name(user)
+        if name in ("split", "split_with_sizes", "chunk"):
+            rank = len(user.args[0].meta["val"].shape)
+            dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
+            if dim % rank != rank - 1:
+                return ()
+            if name == "split":
+                size = user.args[1]
+                sizes = [size] * (out // size) + ([out % size] if out % size else [])
+            elif name == "chunk":
+                k = user.args[1]
+                sizes = [out // k] * k
+            else:
+                sizes = list(user.args[1])
+            return tuple(sizes) if len(sizes) > 1 else ()
+    return ()
+
+
+def _head_count(old: fx.Node) -> int | None:
+    """Heads, if the matmul output is viewed as [..., heads, head_dim] right away."""
+    last = old.meta["val"].shape[-1]
+    for user in _chain(old):
+        if op_name(user) in ("view", "reshape", "_unsafe_view"):
+            shape = list(user.meta["val"].shape)
+            if len(shape) >= 2 and shape[-2] * shape[-1] == last and shape[-1] != last:
+                return shape[-2]
+    return None
+
+
+def _feeds_cross_entropy(old: fx.Node) -> bool:
+    for user in _chain(old):
+        if op_name(user) in ("cross_entropy_loss", "cross_entropy"):
+            return True
+    return False
+
+
+def _needs_grad(v) -> bool:
+    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
+
+
+def _coll(kind: str, phase: str, v, back: str | None = None) -> dict:
+    numel = int(v.numel()) if isinstance(v, torch.Tensor) else 0
+    c = {"kind": kind, "group": "tp", "phase": phase, "elements": numel}
+    if back:
+        c["backward"] = back
+    return c
+
+
+class _ShardFn:
+    """Cut rank r's piece of a full parameter: split on `dim`, block-wise, zero-padded."""
+
+    def __init__(self, dim: int, blocks: tuple[int, ...], pad: int, t: int):
+        self.dim, self.blocks, self.pad, self.t = dim, blocks, pad, t
+
+    def __call__(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        if self.blocks:
+            pieces = full.split(list(self.blocks), dim=self.dim)
+            return torch.cat([p.chunk(self.t, dim=self.dim)[rank] for p in pieces], dim=self.dim).contiguous()
+        size = full.shape[self.dim]
+        if self.pad != size:
+            shape = list(full.shape)
+            shape[self.dim] = self.pad - size
+            full = torch.cat([full, full.new_zeros(shape)], dim=self.dim)
+        return full.chunk(self.t, dim=self.dim)[rank].contiguous()
+
+    def __repr__(self):
+        return f"shard(dim={self.dim}, blocks={list(self.blocks)}, padded={self.pad}, t={self.t})"
+
+
+from threefold.passes.tp_rules import RULES  # noqa: E402  (rules use the helpers above)

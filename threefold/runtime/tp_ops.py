@@ -1,0 +1,242 @@
+"""Tensor-parallel operations that generated code calls (Megatron's f, g and friends).
+
+Each takes the tensor-parallel process group last (`self.tp_group` in generated code);
+with group None (one tp rank) every op is the identity. All are autograd functions whose
+backward is the matching collective, so the compiled graph stays differentiable.
+
+  f              identity forward, all-reduce backward     (replicated input -> column-parallel)
+  g              all-reduce forward, identity backward     (row-parallel output -> replicated)
+  scatter        this rank's slice forward, all-gather backward   (replicated -> sharded)
+  gather         all-gather forward, slice backward               (sharded -> replicated)
+  reduce_scatter reduce-scatter forward, all-gather backward      (partial -> sequence shard)
+  all_gather_seq all-gather forward, reduce-scatter backward      (sequence shard -> column input)
+  vocab_parallel_embedding / vocab_parallel_cross_entropy: the vocabulary split over ranks
+  tp_dropout     dropout whose mask differs per tp rank (sharded regions; see DESIGN notes)
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class GroupRef:
+    """Placeholder for a process group in the compiled graph; codegen writes self.<name>_group."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"GroupRef({self.name!r})"
+
+
+TP = GroupRef("tp")
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if group is None:
+        return x
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    if group is None:
+        return x
+    parts = [torch.empty_like(x.contiguous()) for _ in range(_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _slice(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    if group is None:
+        return x
+    return x.chunk(_size(group), dim=dim)[_rank(group)].contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    if group is None:
+        return x
+    # gloo has no reduce_scatter: all-reduce then keep this rank's slice (same numbers)
+    return _slice(_all_reduce(x, group), dim, group)
+
+
+class _F(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _G(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _slice(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _slice(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _AllGatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+def f(x, group):
+    return _F.apply(x, group) if group is not None else x
+
+
+def g(x, group):
+    return _G.apply(x, group) if group is not None else x
+
+
+def scatter(x, dim, group):
+    return _Scatter.apply(x, dim, group) if group is not None else x
+
+
+def gather(x, dim, group):
+    return _Gather.apply(x, dim, group) if group is not None else x
+
+
+def reduce_scatter(x, dim, group):
+    return _ReduceScatter.apply(x, dim, group) if group is not None else x
+
+
+def all_gather_seq(x, dim, group):
+    return _AllGatherSeq.apply(x, dim, group) if group is not None else x
+
+
+def vocab_parallel_embedding(weight, ids, group, seq_dim=None):
+    """Embedding with the vocabulary split across ranks: each rank looks up the ids that
+    fall in its row range (others masked to zero), then the partial results are summed
+    (all-reduce; or reduce-scatter along seq_dim under sequence parallelism)."""
+    rows = weight.shape[0]
+    start = _rank(group) * rows
+    local = ids - start
+    outside = (local < 0) | (local >= rows)
+    out = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
+    out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+    if seq_dim is not None:
+        return reduce_scatter(out, seq_dim, group)
+    return g(out, group)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Cross-entropy over logits split along the class (vocabulary) dim, per row.
+
+    Three all-reduces of per-row scalars (max, target logit, sum of exponentials) replace
+    the gather of the full logits; columns at or past `vocab` (padding) are ignored.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, vocab, group):
+        n_local = logits.shape[-1]
+        start = _rank(group) * n_local
+        logits = logits.float()
+        valid_cols = (torch.arange(n_local, device=logits.device) + start) < vocab
+        masked = logits.masked_fill(~valid_cols, float("-inf"))
+        row_max = masked.max(dim=-1).values
+        if group is not None:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = masked - row_max.unsqueeze(-1)
+        local_t = target - start
+        in_range = (local_t >= 0) & (local_t < n_local)
+        picked = shifted.gather(-1, local_t.clamp(0, n_local - 1).unsqueeze(-1)).squeeze(-1)
+        picked = picked.masked_fill(~in_range, 0.0)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        if group is not None:
+            dist.all_reduce(picked, group=group)
+            dist.all_reduce(sum_exp, group=group)
+        loss = sum_exp.log() - picked
+        keep = target != ignore_index
+        loss = loss.masked_fill(~keep, 0.0)
+        count = keep.sum().clamp(min=1)
+        ctx.save_for_backward(exp, sum_exp, local_t, in_range, keep, count)
+        ctx.n_local = n_local
+        return loss.sum() / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        exp, sum_exp, local_t, in_range, keep, count = ctx.saved_tensors
+        probs = exp / sum_exp.unsqueeze(-1)
+        onehot = torch.zeros_like(probs)
+        onehot.scatter_(-1, local_t.clamp(0, ctx.n_local - 1).unsqueeze(-1),
+                        in_range.unsqueeze(-1).to(probs.dtype))
+        scale = (keep.to(probs.dtype) / count).unsqueeze(-1) * grad
+        return (probs - onehot) * scale, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, target, ignore_index, vocab, group, dtype=None):
+    """Mean cross-entropy of (N, V/t) logit shards against (N,) targets."""
+    loss = _VocabParallelCE.apply(logits, target, ignore_index, vocab, group)
+    return loss.to(dtype) if dtype is not None else loss
+
+
+def tp_dropout(x, p: float, train: bool, group, seed: int = 2718):
+    """Dropout in a tensor-parallel region: a generator seeded per tp rank, so the shards of
+    one tensor get independent masks (Megatron's model-parallel RNG), while dropout in
+    replicated regions keeps using the shared default generator."""
+    if not train or p == 0.0:
+        return x
+    gen = _generators.get((x.device, _rank(group)))
+    if gen is None:
+        gen = torch.Generator(device=x.device).manual_seed(seed + _rank(group))
+        _generators[(x.device, _rank(group))] = gen
+    keep = torch.rand(x.shape, generator=gen, device=x.device) >= p
+    return x * keep / (1.0 - p)
+
+
+_generators: dict = {}
