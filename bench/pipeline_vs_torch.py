@@ -60,6 +60,7 @@ class Config:
     warmup: int = 4
     iters: int = 12
     profile: bool = False
+    ablations: bool = False     # also time threefold with two proposed runtime changes
 
     @property
     def schedules(self) -> list[tuple[str, int]]:
@@ -229,6 +230,88 @@ def measure_activations(step, modules, params) -> tuple[int, int]:
 
 # ---- one rank of the launched job --------------------------------------------------------
 
+class LazyReceives:
+    """A proposed engine change, emulated around an unchanged engine: each receive is posted
+    (irecv) where the action list has it, and waited only just before the forward or
+    backward that reads it, so the sends listed after it go out at once and the transfer
+    overlaps compute. Posting order is the list's, so the verified matching still holds."""
+
+    def __init__(self, pm):
+        self.pm, self.pending = pm, {}
+
+    def __enter__(self):
+        from threefold.runtime import comm, engine
+        self.saved = (comm.recv, engine.PipelineEngine._backward)
+        backward = engine.PipelineEngine._backward
+
+        def recv(specs, peer, what, device):
+            out = []
+            for shape, dtype in specs:
+                t = torch.empty(shape, dtype=dtype, device=device)
+                self.pending[id(t)] = (t, dist.irecv(t, src=peer))
+                out.append(t)
+            return out
+
+        def lazy_backward(eng, slot, is_last, m):
+            self.wait(slot.output_grads)
+            return backward(eng, slot, is_last, m)
+        comm.recv, engine.PipelineEngine._backward = recv, lazy_backward
+        for mod in self.pm.engine.modules.values():
+            def forward(*args, _inner=mod.forward, **kwargs):
+                self.wait(args)
+                return _inner(*args, **kwargs)
+            mod.forward = forward
+        return self
+
+    def wait(self, tensors) -> None:
+        for t in tensors:
+            entry = self.pending.pop(id(t), None)
+            if entry is not None:
+                entry[1].wait()
+
+    def __exit__(self, *exc):
+        from threefold.runtime import comm, engine
+        comm.recv, engine.PipelineEngine._backward = self.saved
+        for mod in self.pm.engine.modules.values():
+            mod.__dict__.pop("forward", None)
+        for _, work in self.pending.values():
+            work.wait()
+        self.pending.clear()
+
+
+def sends_first(schedule):
+    """The same schedule with, between two computes, every send posted before any receive.
+
+    A proposed change (not what threefold runs): the generator orders a rank's messages
+    that fall at the same simulated time activations-first, so e.g. 1F1B's `ra1.4<0
+    sg1.1>0` makes the gradient rank 0 waits for leave only after activation 1.4 has
+    arrived. threefold's engine posts sends with isend, so moving them earlier cannot
+    deadlock it (checked below by the simulator with non-blocking sends, and the per-pair
+    message order is unchanged); it does break the schedule IR's stronger promise that the
+    lists survive sends that block until received (the verifier's rendezvous check), so
+    the engine-side form of the change is: post receives early (irecv) and wait for them
+    just before the compute that reads them.
+    """
+    from threefold.runtime.schedule import Schedule
+    from threefold.runtime.simulate import _check_matching, simulate
+    lists = []
+    for acts in schedule.actions:
+        out, run = [], []
+        for a in acts + [None]:
+            if a is None or a.is_compute:
+                out += [x for x in run if x.is_send] + [x for x in run if x.is_recv]
+                run = []
+                if a is not None:
+                    out.append(a)
+            else:
+                run.append(a)
+        lists.append(out)
+    new = Schedule(schedule.name, schedule.pp, schedule.v, schedule.m, lists)
+    _check_matching(new)
+    simulate(new, comm="eager")
+    return new
+
+
 def rank_job(cfg: Config) -> dict:
     import threefold
     torch.set_num_threads(1)
@@ -247,7 +330,12 @@ def rank_job(cfg: Config) -> dict:
         last = (PP * v - 1) % PP == rank
         idx, target = tw["inputs"][0], tw["target"]
 
-        def ours():
+        base_schedule = pm.engine.schedule
+
+        def ours(schedule=base_schedule):
+            if pm.engine.schedule is not schedule:
+                pm.engine.schedule = schedule
+                pm.engine._plan_grad_sync()
             pm.zero_grad()
             return pm.step(*w["inputs"], target=w["target"])
 
@@ -269,22 +357,37 @@ def rank_job(cfg: Config) -> dict:
             loss.backward()
             return float(loss.detach())
 
-        times = {"threefold": [], "torch": [], "eager": []}
-        losses = {"threefold": None, "torch": None, "eager": None}
+        contenders = [("threefold", ours), ("torch", theirs), ("eager", eager)]
+        if cfg.ablations:
+            reordered = sends_first(base_schedule)
+
+            def ours_lazy():
+                with LazyReceives(pm):
+                    return ours()
+            contenders[1:1] = [("threefold+sends_first", lambda: ours(reordered)),
+                               ("threefold+irecv", ours_lazy)]
+        times = {name: [] for name, _ in contenders}
+        cpu = {name: [] for name, _ in contenders}
+        losses = {name: None for name, _ in contenders}
+        n = len(contenders)
         for it in range(cfg.warmup + cfg.iters):
-            order = [("threefold", ours), ("torch", theirs)]
-            if it % 2:
+            # Every contender takes every position equally often, forwards and backwards.
+            order = contenders[it % n:] + contenders[:it % n]
+            if (it // n) % 2:
                 order.reverse()
-            order.insert(it % 3, ("eager", eager))
             for name, fn in order:
                 dist.barrier()
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 loss = fn()
+                c = time.process_time() - c
                 dist.barrier()
                 dt = time.perf_counter() - t
                 if it >= cfg.warmup:
                     times[name].append(dt)
+                    cpu[name].append(c)
                 losses[name] = loss
+        pm.engine.schedule = base_schedule
+        pm.engine._plan_grad_sync()
         # Activations: one extra, untimed, instrumented iteration of each.
         ours_mods = [pm.engine.modules[c] for c in sorted(pm.engine.modules)]
         peak_ours, bytes_ours = measure_activations(ours, ours_mods, pm.parameters())
@@ -292,9 +395,8 @@ def rank_job(cfg: Config) -> dict:
         peak_theirs, bytes_theirs = measure_activations(
             theirs, mods, [p for m in mods for p in m.parameters()])
         dist.barrier()
-        res = {"plan": plan, "compile_s": compile_s, "times": times,
-               "loss_threefold": losses["threefold"], "loss_torch": losses["torch"],
-               "loss_eager": losses["eager"],
+        res = {"plan": plan, "compile_s": compile_s, "times": times, "cpu": cpu,
+               "losses": losses,
                "engine_peak_inflight": pm.stats.peak_inflight,
                "saved_peak_threefold": peak_ours, "saved_bytes_threefold": bytes_ours,
                "saved_peak_torch": peak_theirs, "saved_bytes_torch": bytes_theirs}
@@ -306,61 +408,119 @@ def rank_job(cfg: Config) -> dict:
     return out
 
 
-def profile_sides(pm, ours, sched, stages, theirs, iters: int = 3) -> dict:
-    """Per step on this rank: wall time and the time inside each kind of action, for both.
+def profile_sides(pm, ours, sched, stages, theirs, iters: int = 4) -> dict:
+    """Per step on this rank, both systems alternating: wall and CPU (this thread) time
+    inside each kind of action, and for the whole step.
 
     threefold: its chunk forwards (the last one includes the loss), backwards, blocking
     receives, posted sends and the loss all-reduce. torch: its stages' forward_one_chunk,
-    backward_one_chunk and loss. What is left is waiting for peers and Python overhead.
+    backward_one_chunk and loss. "rest" is the step's wall time outside those: waiting for
+    peers inside torch's schedule, and Python overhead in both.
     """
     from threefold.runtime import comm, engine as eng
     E = eng.PipelineEngine
-    ours_patch = [(comm, "recv", "recv (blocking)"), (comm, "send", "isend (post)"),
-                  (E, "_backward", "backward"), (E, "_global_loss", "loss all-reduce")]
-    ours_patch += [(mod, "forward", "forward") for mod in pm.engine.modules.values()]
-    theirs_patch = [(st, "forward_one_chunk", "forward") for st in stages]
-    theirs_patch += [(st, "backward_one_chunk", "backward") for st in stages]
-    theirs_patch += [(sched, "_compute_loss", "loss")]
-    out = {}
-    for name, step, patch in (("threefold", ours, ours_patch), ("torch", theirs, theirs_patch)):
-        totals: dict[str, float] = {}
-        saved = [(obj, attr, obj.__dict__.get(attr, _MISSING)) for obj, attr, _ in patch]
+    patches = {
+        "threefold": [(comm, "recv", "recv"), (comm, "send", "isend"), (E, "_backward", "backward"),
+                      (E, "_global_loss", "loss all-reduce")]
+        + [(mod, "forward", "forward") for mod in pm.engine.modules.values()],
+        "torch": [(st, "forward_one_chunk", "forward") for st in stages]
+        + [(st, "backward_one_chunk", "backward") for st in stages] + [(sched, "_compute_loss", "loss")],
+    }
+    steps = {"threefold": ours, "torch": theirs}
+    wall = {n: {} for n in steps}
+    cpu = {n: {} for n in steps}
 
-        def timed(label, fn):
-            def inner(*a, **k):
-                t = time.perf_counter()
-                try:
-                    return fn(*a, **k)
-                finally:
-                    totals[label] = totals.get(label, 0.0) + time.perf_counter() - t
-            return inner
-        for obj, attr, label in patch:
-            setattr(obj, attr, timed(label, getattr(obj, attr)))
-        wall = 0.0
-        try:
-            for _ in range(iters):
+    def timed(side, label, fn):
+        def inner(*a, **k):
+            t, c = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                wall[side][label] = wall[side].get(label, 0.0) + time.perf_counter() - t
+                cpu[side][label] = cpu[side].get(label, 0.0) + time.thread_time() - c
+        return inner
+
+    for i in range(iters):
+        for side in (["threefold", "torch"] if i % 2 == 0 else ["torch", "threefold"]):
+            patch = patches[side]
+            saved = [(obj, attr, obj.__dict__.get(attr, _MISSING)) for obj, attr, _ in patch]
+            for obj, attr, label in patch:
+                setattr(obj, attr, timed(side, label, getattr(obj, attr)))
+            try:
                 dist.barrier()
-                t = time.perf_counter()
-                step()
-                wall += time.perf_counter() - t
-        finally:
-            for obj, attr, old in saved:
-                if old is _MISSING:
-                    delattr(obj, attr)
-                else:
-                    setattr(obj, attr, old)
-        per = {k: v / iters for k, v in totals.items()}
-        per["step"] = wall / iters
-        per["rest"] = per["step"] - sum(v for k, v in per.items() if k != "step")
-        out[name] = per
-        dist.barrier()
+                t, c = time.perf_counter(), time.process_time()
+                steps[side]()
+                wall[side]["step"] = wall[side].get("step", 0.0) + time.perf_counter() - t
+                cpu[side]["step"] = cpu[side].get("step", 0.0) + time.process_time() - c
+            finally:
+                for obj, attr, old in saved:
+                    if old is _MISSING:
+                        delattr(obj, attr)
+                    else:
+                        setattr(obj, attr, old)
+    out = {}
+    for side in steps:
+        per = {k: [wall[side][k] / iters, cpu[side][k] / iters] for k in wall[side]}
+        per["rest"] = [per["step"][0] - sum(v[0] for k, v in per.items() if k != "step"), None]
+        out[side] = per
+    dist.barrier()
     return out
 
 
 _MISSING = object()
 
 
-# ---- parent: eager baseline, simulator, report ------------------------------------------
+# ---- parent: compute-only check, simulator, report ---------------------------------------
+
+def chunk_check(cfg: Config, reps: int = 30) -> dict:
+    """One process, one thread, no communication: a middle chunk as threefold generates it
+    against the torch stage holding the same blocks, forward+backward on one microbatch,
+    alternating. Separates generated-code speed from the runtime's."""
+    import tempfile
+    from threefold.codegen.artifact import build_sources, chunk_state
+    from threefold.compiler.api import compile_workload
+    from threefold.plan import Plan
+    from threefold.runtime.loader import import_file
+    from threefold.workload import Workload
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        w = build_workload(cfg)
+        prog = compile_workload(Workload(w["model"], w["inputs"], w["target"], w["loss_fn"]),
+                                Plan.parse(threefold_plan(cfg, "1f1b", 1)))
+        root = tempfile.mkdtemp(prefix="threefold-bench-")
+        for name, text in build_sources(prog).items():
+            with open(os.path.join(root, name), "w") as f:
+                f.write(text)
+        entry = prog.chunks[1]
+        cls = getattr(import_file(os.path.join(root, "chunk01_tp0.py")), "Chunk1")
+        ours = cls()
+        ours.load_state(chunk_state(prog, entry, 0))
+        lo, hi = layer_splits(cfg, 1)[:2]
+        theirs = TorchStage(build_workload(cfg)["model"], lo, hi, False, False)
+        mb = cfg.batch // cfg.microbatches
+        x = torch.randn(mb, cfg.seq, cfg.n_embd)
+        g = torch.randn(mb, cfg.seq, cfg.n_embd)
+
+        def run(fn):
+            xi = x.clone().requires_grad_(True)
+            out = fn(xi)
+            torch.autograd.backward(out[0] if isinstance(out, (tuple, list)) else out, g)
+
+        times = {"threefold": [], "torch": []}
+        for i in range(reps + 3):
+            for name, mod in (("threefold", ours), ("torch", theirs))[:: 1 if i % 2 else -1]:
+                t = time.perf_counter()
+                run(mod)
+                if i >= 3:
+                    times[name].append(time.perf_counter() - t)
+        a, b = statistics.median(times["threefold"]), statistics.median(times["torch"])
+        return {"blocks": f"h.{lo}..h.{hi - 1}", "microbatch": mb, "threefold_ms": a * 1e3, "torch_ms": b * 1e3,
+                "ratio": a / b, "threefold_min_ms": min(times["threefold"]) * 1e3,
+                "torch_min_ms": min(times["torch"]) * 1e3}
+    finally:
+        torch.set_num_threads(old)
+
 
 def simulated(cfg: Config) -> dict:
     from threefold.runtime.schedule import inflight_bound, make_schedule
@@ -376,70 +536,82 @@ def simulated(cfg: Config) -> dict:
 
 
 def summarize(cfg: Config, ranks: list[dict], sim: dict) -> dict:
+    """Medians per contender: wall time (rank 0, barrier to barrier) and CPU time summed over
+    the 4 ranks; ratios to torch (of the medians, and the median of adjacent pairs) and to eager."""
     rows = {}
-    all_eager = []
     for kind, v in cfg.schedules:
         per = [r["schedules"][kind] for r in ranks]
         r0 = per[0]
-        ours = statistics.median(r0["times"]["threefold"])
-        theirs = statistics.median(r0["times"]["torch"])
-        eager1 = statistics.median(r0["times"]["eager"])
-        all_eager += r0["times"]["eager"]
-        lt = next(p["loss_torch"] for p in per if p["loss_torch"] is not None)
+        names = list(r0["times"])
+        wall = {n: r0["times"][n] for n in names}
+        cpu = {n: [sum(c) for c in zip(*(p["cpu"][n] for p in per))] for n in names}
+        med = {n: statistics.median(wall[n]) for n in names}
+        cpu_med = {n: statistics.median(cpu[n]) for n in names}
+        contenders = {}
+        for n in names:
+            contenders[n] = {
+                "wall_s": med[n], "wall_min_s": min(wall[n]), "cpu_s": cpu_med[n],
+                "vs_torch": med[n] / med["torch"],
+                "vs_torch_paired": statistics.median(x / y for x, y in zip(wall[n], wall["torch"])),
+                "vs_eager": med[n] / med["eager"],
+                "cpu_vs_eager": cpu_med[n] / cpu_med["eager"],
+                "loss": next((p["losses"][n] for p in per if p["losses"][n] is not None), None),
+            }
         rows[kind] = {
-            "plan": r0["plan"], "v": v,
-            "threefold_s": ours, "torch_s": theirs, "eager_s": eager1, "ratio": ours / theirs,
-            "paired_ratio": statistics.median(a / b for a, b in zip(r0["times"]["threefold"],
-                                                                    r0["times"]["torch"])),
-            "threefold_vs_eager": ours / eager1, "torch_vs_eager": theirs / eager1,
-            "threefold_min_s": min(r0["times"]["threefold"]), "torch_min_s": min(r0["times"]["torch"]),
-            "loss_threefold": r0["loss_threefold"], "loss_torch": lt, "loss_eager": r0["loss_eager"],
+            "plan": r0["plan"], "v": v, "contenders": contenders,
             "compile_s": max(p["compile_s"] for p in per),
             "engine_peak_inflight": [p["engine_peak_inflight"] for p in per],
             "saved_peak_threefold": [p["saved_peak_threefold"] for p in per],
             "saved_peak_torch": [p["saved_peak_torch"] for p in per],
             "saved_mib_threefold": [p["saved_bytes_threefold"] / 2**20 for p in per],
             "saved_mib_torch": [p["saved_bytes_torch"] / 2**20 for p in per],
+            "raw_wall_s": wall, "raw_cpu_s": cpu,
             **sim[kind],
         }
         if cfg.profile:
             rows[kind]["profile"] = {r: p["profile"] for r, p in enumerate(per)}
-    return {"config": asdict(cfg), "ranks": PP, "eager_1thread_s": statistics.median(all_eager),
-            "goal_ratio": 0.9, "schedules": rows}
+    return {"config": asdict(cfg), "ranks": PP, "cores": os.cpu_count(), "goal_vs_torch": 0.9,
+            "schedules": rows}
 
 
 def report(s: dict) -> str:
     c = s["config"]
     lines = [f"GPT n_layer={c['n_layer']} n_embd={c['n_embd']} n_head={c['n_head']} vocab={c['vocab_size']} "
-             f"seq={c['seq']} batch={c['batch']} m={c['microbatches']}, {s['ranks']} gloo ranks x 1 thread, "
-             f"{os.cpu_count()} cores; medians of {c['iters']} alternating iterations after {c['warmup']} warm-up",
-             f"eager single-process step (fwd+bwd, whole batch, 1 thread, alternated with the pipelines "
-             f"on rank 0 while the others wait): {s['eager_1thread_s']*1e3:.0f} ms; "
+             f"seq={c['seq']} batch={c['batch']} m={c['microbatches']}; {s['ranks']} gloo ranks x 1 thread on "
+             f"{s['cores']} cores; medians of {c['iters']} rotating iterations after {c['warmup']} warm-up; "
              f"load average before/after {s['loadavg'][0]:.1f}/{s['loadavg'][1]:.1f}",
+             "wall = rank 0, barrier to barrier; cpu = process CPU time summed over the 4 ranks; "
+             "eager = the whole batch on rank 0, 1 thread, while the others wait",
              "",
-             f"{'schedule':<15} {'threefold ms':>12} {'torch ms':>9} {'eager ms':>9} {'ours/theirs':>11} {'paired':>6} "
-             f"{'ours/eager':>10} {'theirs/eager':>12} {'loss ours':>10} {'loss torch':>10} {'loss eager':>10}"]
+             f"{'schedule':<16} {'contender':<22} {'wall ms':>8} {'cpu ms':>8} {'/torch':>7} {'paired':>7} "
+             f"{'/eager':>7} {'cpu/eager':>9} {'loss':>9}"]
     for kind, r in s["schedules"].items():
-        lines.append(f"{kind + ' v=' + str(r['v']):<15} {r['threefold_s']*1e3:>12.0f} {r['torch_s']*1e3:>9.0f} "
-                     f"{r['eager_s']*1e3:>9.0f} {r['ratio']:>11.3f} {r['paired_ratio']:>6.3f} {r['threefold_vs_eager']:>10.3f} "
-                     f"{r['torch_vs_eager']:>12.3f} {r['loss_threefold']:>10.5f} {r['loss_torch']:>10.5f} "
-                     f"{r['loss_eager']:>10.5f}")
-    lines += ["", f"{'schedule':<15} {'sim bubble':>10} {'(p-1)/(vm)':>10}   peak live activations per stage "
+        for n, x in r["contenders"].items():
+            loss = f"{x['loss']:.5f}" if x["loss"] is not None else "-"
+            lines.append(f"{kind + ' v=' + str(r['v']):<16} {n:<22} {x['wall_s']*1e3:>8.0f} {x['cpu_s']*1e3:>8.0f} "
+                         f"{x['vs_torch']:>7.3f} {x['vs_torch_paired']:>7.3f} {x['vs_eager']:>7.3f} "
+                         f"{x['cpu_vs_eager']:>9.3f} {loss:>9}")
+    lines += ["", f"{'schedule':<16} {'sim bubble':>10} {'(p-1)/(vm)':>10}   peak live activations per stage "
               "(engine counter | saved-tensor count threefold | torch | bound)"]
     for kind, r in s["schedules"].items():
-        lines.append(f"{kind + ' v=' + str(r['v']):<15} {r['bubble_ratio']:>10.4f} {r['formula']:>10.4f}   "
+        lines.append(f"{kind + ' v=' + str(r['v']):<16} {r['bubble_ratio']:>10.4f} {r['formula']:>10.4f}   "
                      f"{r['engine_peak_inflight']} | {r['saved_peak_threefold']} | {r['saved_peak_torch']} | "
                      f"{r['bound']}")
-    lines.append("")
     lines.append("saved activation MiB at peak per stage (threefold | torch):")
     for kind, r in s["schedules"].items():
-        lines.append(f"  {kind:<12} {[round(x, 1) for x in r['saved_mib_threefold']]} | "
+        lines.append(f"  {kind:<14} {[round(x, 1) for x in r['saved_mib_threefold']]} | "
                      f"{[round(x, 1) for x in r['saved_mib_torch']]}")
+    if "chunk_check" in s:
+        k = s["chunk_check"]
+        lines.append(f"compute only, one process, {k['blocks']} fwd+bwd on a microbatch of {k['microbatch']}: "
+                     f"threefold generated chunk {k['threefold_ms']:.1f} ms (min {k['threefold_min_ms']:.1f}), "
+                     f"torch stage {k['torch_ms']:.1f} ms (min {k['torch_min_ms']:.1f}), ratio {k['ratio']:.3f}")
     for kind, r in s["schedules"].items():
         for rank, prof in sorted(r.get("profile", {}).items()):
             for side, per in prof.items():
                 lines.append(f"profile {kind} rank {rank} {side:<9}: " + ", ".join(
-                    f"{k} {v*1e3:.0f}" for k, v in per.items()) + " (ms per step)")
+                    f"{k} {w*1e3:.0f}" + (f"/{c*1e3:.0f}" if c is not None else "")
+                    for k, (w, c) in per.items()) + " (ms per step, wall/cpu)")
     return "\n".join(lines)
 
 
@@ -447,7 +619,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small model, few iterations (< 1 minute)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
-    ap.add_argument("--profile", action="store_true", help="add threefold per-action times per rank")
+    ap.add_argument("--profile", action="store_true", help="add per-action times per rank, both systems")
+    ap.add_argument("--ablations", action="store_true",
+                    help="also time threefold with sends posted before receives, and with receives "
+                         "posted early and waited late (proposed runtime changes)")
     for f in ("n_layer", "n_embd", "n_head", "seq", "batch", "microbatches", "warmup", "iters"):
         ap.add_argument("--" + f.replace("_", "-"), type=int, dest=f)
     args = ap.parse_args(argv)
@@ -455,6 +630,7 @@ def main(argv=None) -> int:
     over.update({k: v for k, v in vars(args).items()
                  if k in Config.__dataclass_fields__ and v is not None})
     over["profile"] = args.profile
+    over["ablations"] = args.ablations
     cfg = Config(**over)
     if cfg.batch % cfg.microbatches:
         raise SystemExit(f"batch={cfg.batch} must be a multiple of m={cfg.microbatches}")
@@ -464,6 +640,8 @@ def main(argv=None) -> int:
     load0 = os.getloadavg()[0]
     ranks = launch(rank_job, PP, cfg, threads=1, timeout=1800)
     s = summarize(cfg, ranks, simulated(cfg))
+    if cfg.profile:
+        s["chunk_check"] = chunk_check(cfg)
     s["loadavg"] = [load0, os.getloadavg()[0]]
     s["bench_wall_s"] = time.perf_counter() - t0
     print(json.dumps(s, indent=2) if args.json else report(s) + f"\n(bench wall {s['bench_wall_s']:.0f} s)")

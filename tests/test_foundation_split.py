@@ -191,3 +191,19 @@ def test_balanced_among_optimal_partitions():
     cuts = _minmax_partition(prefix, [1, 2, 3], 3)
     sizes = sorted(b - a for a, b in zip([0] + cuts, cuts + [4]))
     assert sizes == [1, 1, 2]
+
+
+def test_in_place_buffer_updates_are_kept():
+    """BatchNorm's running stats and num_batches_tracked += 1 run once, in their chunk."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                                torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    w = {"model": model, "inputs": (torch.randn(4, 8),), "target": torch.randn(4, 8), "loss_fn": F.mse_loss}
+    prog = compile_workload(w, "pp=2")
+    mods = chunk_modules(prog)
+    (loss,) = run_in_order(mods, (w["inputs"][0], w["target"]))
+    torch.testing.assert_close(loss, F.mse_loss(model(*w["inputs"]), w["target"]), rtol=1e-5, atol=0)
+    buffers = {k: b for mod in mods for k, b in mod.named_buffers()}
+    for fqn, b in model.named_buffers():
+        torch.testing.assert_close(buffers[fqn], b, msg=fqn)
+    assert int(buffers["1.num_batches_tracked"]) == 1

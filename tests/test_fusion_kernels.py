@@ -12,7 +12,7 @@ from threefold.compiler.trace import trace
 from threefold.passes.fusion import fuse_graph
 from threefold.runtime import kernels as rt
 
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: None}
 
 
 @pytest.fixture
@@ -47,26 +47,41 @@ def _as_tuple(y):
     return y if isinstance(y, tuple) else (y,)
 
 
-def check_kernel(region, module, xs, tol, seed=1):
-    """Run the generated kernel and the region's eager ops on copies of xs; compare outputs
-    and the gradients of every floating input."""
+def _run(fn, xs, gouts=None, seed=1):
+    """Outputs of fn(*xs) and the gradients of its floating inputs (for random output grads)."""
+    leaves = [x.clone().requires_grad_(x.is_floating_point()) for x in xs]
+    ys = _as_tuple(fn(*leaves))
+    if gouts is None:
+        g = torch.Generator().manual_seed(seed)
+        gouts = [torch.randn(y.shape, generator=g).to(y.dtype) for y in ys]
+    torch.autograd.backward(ys, [g.to(y.dtype) for g, y in zip(gouts, ys)])
+    return [y.detach() for y in ys], [x.grad for x in leaves if x.is_floating_point()], gouts
+
+
+def check_kernel(region, module, xs, tol=None):
+    """The generated kernel against the region's eager ops: outputs and input gradients.
+
+    fp32: within `tol`. bf16: eager rounds after every op and the kernel only at the end,
+    so both are measured against fp32 eager on the same inputs, and the kernel's error
+    may be at most 1.5x eager's (or 1% of the values' scale)."""
     fn = getattr(module, region.kernel_name)
-    a = [x.clone().requires_grad_(x.is_floating_point()) for x in xs]
-    b = [x.clone().requires_grad_(x.is_floating_point()) for x in xs]
     before = rt.launches["triton"]
-    ya, yb = _as_tuple(fn(*a)), _as_tuple(region(*b))
+    yf, gf, gouts = _run(fn, xs)
     assert rt.launches["triton"] > before, "the Triton path did not run"
-    for u, v in zip(ya, yb):
+    ye, ge, _ = _run(region, xs, gouts)
+    for u, v in zip(yf, ye):
         assert u.dtype == v.dtype and u.shape == v.shape
-        torch.testing.assert_close(u, v, **tol)
-    g = torch.Generator().manual_seed(seed)
-    gouts = [torch.randn(y.shape, generator=g).to(y.dtype) for y in ya]
-    torch.autograd.backward(ya, gouts)
-    torch.autograd.backward(yb, gouts)
-    for k, (u, v) in enumerate(zip(a, b)):
-        if u.is_floating_point():
-            assert u.grad is not None, f"input {k} got no gradient"
-            torch.testing.assert_close(u.grad, v.grad, **tol, msg=lambda m: f"grad of input {k}: {m}")
+    assert all(g is not None for g in gf), "an input got no gradient"
+    if tol is not None:
+        for k, (u, v) in enumerate(zip(yf + gf, ye + ge)):
+            torch.testing.assert_close(u, v, **tol, msg=lambda m: f"value {k} (outputs, then grads): {m}")
+        return
+    yr, gr, _ = _run(region, [x.float() if x.is_floating_point() else x for x in xs], gouts)
+    for k, (u, v, r) in enumerate(zip(yf + gf, ye + ge, yr + gr)):
+        err_fused = (u.float() - r).abs().max().item()
+        err_eager = (v.float() - r).abs().max().item()
+        scale = max(1.0, r.abs().max().item())
+        assert err_fused <= max(1.5 * err_eager, 1e-2 * scale), (k, err_fused, err_eager)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

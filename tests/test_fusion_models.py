@@ -85,6 +85,17 @@ class Elementwise(nn.Module):
         return (y / (1.0 + gen * gen)).relu() + torch.sqrt(x * x + 1.0)
 
 
+class ElementwiseMath(nn.Module):
+    """Every other elementwise op the pass fuses, in one chain."""
+
+    def forward(self, x, y, m):
+        a = torch.exp(-x) + torch.log(y * y + 1.0) - torch.erf(x) * torch.sin(y) / (2.0 - torch.cos(x))
+        b = (y * y + 1.0).reciprocal().pow(3) + (y * y + 0.5).pow(-0.5) + (x * x + 0.1).sqrt().pow(-1)
+        c = torch.where(m, a, b) - F.silu(x) + torch.sigmoid(y).pow(2) * 0.5 - 1.5
+        d = (c * 1.5).to(torch.bfloat16).to(x.dtype)
+        return d.masked_fill(m, 0.25) / (1.0 + torch.rsqrt(y * y + 1.0)) + torch.relu(x).clone()
+
+
 def _ln(n):
     m = nn.LayerNorm(n)
     with torch.no_grad():
@@ -117,6 +128,9 @@ CASES = {
                     lambda dt: (Elementwise(), (torch.randn(3, 5, 37, dtype=dt), torch.randn(37, dtype=dt),
                                                 torch.randn(3, 5, 1, dtype=dt), torch.randn((), dtype=dt),
                                                 torch.randn(3, 1, 37, dtype=dt)))),
+    "elementwise_math": ("elementwise", None,
+                         lambda dt: (ElementwiseMath(), (torch.randn(3, 37, dtype=dt), torch.randn(3, 37, dtype=dt),
+                                                         torch.rand(3, 37) > 0.5))),
 }
 
 

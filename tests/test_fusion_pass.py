@@ -167,17 +167,21 @@ def test_patterns(shape, out, pattern):
 
 
 def test_dispatch_rules(monkeypatch):
-    t = torch.zeros(2)
+    class InterpretedFunction:      # what triton.jit makes under TRITON_INTERPRET=1
+        pass
+
+    kernel, t = InterpretedFunction(), torch.zeros(2)
     monkeypatch.delenv("THREEFOLD_KERNELS", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert not rt.use_triton(t)                                  # CPU: eager
+    assert not rt.use_triton(kernel, t)                          # CPU: eager
     monkeypatch.setenv("THREEFOLD_KERNELS", "triton")
-    assert not rt.use_triton(t)                                  # ... unless interpreting
+    assert not rt.use_triton(kernel, t)                          # ... unless interpreting
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert rt.use_triton(t)
-    assert not rt.use_triton(torch.zeros(2, device="meta"))
+    assert rt.use_triton(kernel, t)
+    assert not rt.use_triton(object(), t)                        # a compiled kernel cannot take CPU tensors
+    assert not rt.use_triton(kernel, torch.zeros(2, device="meta"))
     monkeypatch.setenv("THREEFOLD_KERNELS", "eager")
-    assert not rt.use_triton(t)
+    assert not rt.use_triton(kernel, t)
 
 
 def test_runtime_kernels_does_not_import_the_compiler():

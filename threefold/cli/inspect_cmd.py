@@ -17,7 +17,8 @@ def register(sub) -> None:
         "inspect", help="compile a workload for a plan and show its pipeline chunks",
         description="Trace the workload (at microbatch size), run the compiler passes for PLAN "
         "and print a table per chunk: ranks, ops, params, forward FLOPs, activation bytes, "
-        "boundary bytes in and out, then the FLOPs imbalance (max/mean). Nothing is written.")
+        "boundary bytes in and out (all per tp rank), then the FLOPs imbalance (max/mean). "
+        "Nothing is written.")
     p.add_argument("spec", metavar="SPEC", help="workload: path/to/file.py:factory or pkg.module:factory")
     p.add_argument("--plan", default="", help="e.g. 'pp=4' or 'pp=2,v=2,schedule=interleaved' (default: one chunk)")
     p.add_argument("--graph", action="store_true", help="also print each chunk's graph")
@@ -80,7 +81,8 @@ def format_report(prog, report: dict) -> str:
              human_bytes(r["boundary_in_bytes"]), human_bytes(r["boundary_out_bytes"])]
             for r in report["chunks"]]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
-    lines = [f"{prog.name}  plan: {report['plan']}  ({len(rows)} chunks)"]
+    per_rank = "; figures per tp rank" if prog.plan.tp > 1 else ""
+    lines = [f"{prog.name}  plan: {report['plan']}  ({len(rows)} chunks{per_rank})"]
     lines.append("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]

@@ -115,7 +115,8 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
 
     def spec(node):
         val = node.meta["val"]
-        return {"name": node.name, "shape": list(val.shape), "dtype": str(val.dtype).replace("torch.", "")}
+        return {"name": node.name, "shape": list(val.shape), "dtype": str(val.dtype).replace("torch.", ""),
+                "placement": node.meta.get("tf", {}).get("placement", "R")}
 
     holders: dict[str, list[int]] = {}
     for c in prog.chunks:
@@ -154,6 +155,7 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
         "outputs": [{"shape": list(m.shape), "dtype": str(m.dtype).replace("torch.", "")} for m in prog.output_meta],
         "ties": prog.ties,
         "tp_grad_sync": list(prog.tp_grad_sync),
+        "scatter_gather": bool(plan.scatter_gather and plan.tp > 1),
         "schedule": {"kind": plan.schedule, "microbatches": plan.microbatches, "interleave": plan.interleave},
         "chunks": chunks,
         "files": hashes,

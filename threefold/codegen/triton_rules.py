@@ -42,6 +42,13 @@ class R:
         return self.a[i] if self.is_val[i] else lit(self.a[i])
 
 
+def store_cast(expr: str, dtype) -> str:
+    """`expr` (fp32) converted for a store into a tensor of `dtype`."""
+    if dtype == torch.bfloat16:
+        return f"_round_bf16({expr}).to(tl.bfloat16)"
+    return f"{expr}.to({TL_DTYPES[dtype]})"
+
+
 def lit(c) -> str:
     if isinstance(c, bool):
         return "1.0" if c else "0.0"
@@ -278,13 +285,18 @@ class Cast:  # compute stays fp32; a cast to 16 bits rounds, as eager does
         x, src, dst = r.a[0], r.dtypes[0], r.op.dtype
         if src == torch.bool:
             return [], f"{x}.to(tl.float32)"
-        if dst in (torch.float16, torch.bfloat16):
-            return [], f"{x}.to({TL_DTYPES[dst]}).to(tl.float32)"
+        if dst == torch.bfloat16:
+            return [], f"_round_bf16({x})"
+        if dst == torch.float16:
+            return [], f"{x}.to(tl.float16).to(tl.float32)"
         return [], x
 
     @staticmethod
-    def bwd(r, out, g):
-        return [], [None if r.dtypes[0] == torch.bool else g] + [None] * (len(r.a) - 1)
+    def bwd(r, out, g):   # autograd casts the gradient back to the source dtype: round like it
+        src = r.dtypes[0]
+        grad = {torch.bool: None, torch.bfloat16: f"_round_bf16({g})",
+                torch.float16: f"{g}.to(tl.float16).to(tl.float32)"}.get(src, g)
+        return [], [grad] + [None] * (len(r.a) - 1)
 
 
 rule("cast")(Cast)

@@ -195,9 +195,9 @@ def _saved_values(node: fx.Node, name: str) -> list[tuple[str, int]]:
             if m is not None and not (a.op == "placeholder" and tf(a).get("kind") in ("param", "buffer")
                                       or name in ("mul", "div") and not m.dtype.is_floating_point):
                 out.append((a.name, m.nbytes))
-    if name in ("mul", "div") and len(out) == 1:
-        out = []  # times a constant: backward needs only the constant
-    return out
+    if name in ("mul", "div") and sum(isinstance(a, fx.Node) for a in node.args[:2]) < 2:
+        return []  # times a constant: backward needs only the constant
+    return list(dict(out).items())  # a value passed twice (x * x) is kept once
 
 
 def op_name(node: fx.Node) -> str:
@@ -251,8 +251,10 @@ class ChunkCost:
 
 
 def chunk_costs(prog: Program) -> list[ChunkCost]:
-    """Sum node costs per chunk (parameters counted once per chunk that holds them)."""
+    """Sum node costs per chunk, per tp rank (parameters counted once per chunk holding them)."""
     nodes = {n.name: n for n in prog.graph.nodes}
+    param_nodes = {tf(n)["fqn"]: n for n in prog.graph.nodes
+                   if n.op == "placeholder" and tf(n).get("kind") == "param" and meta_of(n) is not None}
     out = []
     for chunk in prog.chunks:
         c = ChunkCost()
@@ -267,10 +269,10 @@ def chunk_costs(prog: Program) -> list[ChunkCost]:
                 if value not in kept:
                     kept.add(value)
                     c.activation_bytes += nbytes
-        for fqn in chunk.params:
-            t = prog.state[fqn]
-            c.params += t.numel()
-            c.param_bytes += t.numel() * t.element_size()
+        for fqn in chunk.params:  # this tp rank's share: the placeholder's (local) shape
+            m = meta_of(param_nodes[fqn]) if fqn in param_nodes else TensorMeta.of(prog.state[fqn])
+            c.params += m.numel
+            c.param_bytes += m.nbytes
         c.boundary_in_bytes = sum(meta_of(nodes[v]).nbytes for v in chunk.inputs)
         if chunk is not prog.chunks[-1]:  # the last chunk's outputs (the loss) go nowhere
             c.boundary_out_bytes = sum(meta_of(nodes[v]).nbytes for v in chunk.outputs

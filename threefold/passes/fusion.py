@@ -21,15 +21,13 @@ import torch
 import torch.fx as fx
 
 from threefold.compiler.program import Program, tf
-from threefold.passes.fusion_regions import (ELEMENTWISE, FLOAT_DTYPES, POW_EXPONENTS, FusedRegion,
-                                             Op, Ref, RegionInput, classify)
+from threefold.passes.fusion_patterns import (causal_form, fusible, half_to_float, last_dim, mask_pos, match_rms,
+                                              match_rotary, users, val_of)
+from threefold.passes.fusion_regions import ELEMENTWISE, FLOAT_DTYPES, FusedRegion, Op, Ref, RegionInput, classify
 from threefold.runtime.kernels import MAX_ROW, pattern_of
 
 SOFTMAX = ("aten.softmax.int", "aten._softmax.default")
 NORMS = ("aten.layer_norm.default", "aten.rms_norm.default")
-CASTS = ("aten._to_copy.default", "aten.to.dtype")
-_VIEWISH = ("aten.unsqueeze.default", "aten.view.default", "aten.reshape.default",
-            "aten.expand.default", "aten.alias.default", "aten.detach.default")
 
 
 def fuse(prog: Program) -> Program:
@@ -81,12 +79,14 @@ def fuse_graph(gm: fx.GraphModule, names: dict | None = None) -> list[FusedRegio
 
 # ---- step 1: bias out of linear ------------------------------------------------------------
 def split_linear_bias(graph: fx.Graph) -> None:
+    """linear(x, w, b) with only elementwise users -> linear(x, w) + add(., b), so the bias add
+    can join the users' fused kernel (the value keeps the linear's name)."""
     for node in list(graph.nodes):
         if node.op != "call_function" or str(node.target) != "aten.linear.default":
             continue
         if len(node.args) < 3 or not isinstance(node.args[2], fx.Node) or not node.users:
             continue
-        if not all(_fusible(u) for u in node.users):
+        if not all(fusible(u) for u in node.users):
             continue
         x, w, b = node.args[:3]
         with graph.inserting_before(node):
@@ -96,79 +96,9 @@ def split_linear_bias(graph: fx.Graph) -> None:
             new.meta.update({k: v for k, v in node.meta.items() if k != "tf"})
             new.meta["tf"] = dict(tf(node))
         node.replace_all_uses_with(add)
+        name = node.name
         graph.erase_node(node)
-
-
-# ---- what may be fused ---------------------------------------------------------------------
-def _val(node):
-    v = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
-def _fusible(node) -> bool:
-    """An elementwise ATen op over float/bool tensors that a fused kernel can compute."""
-    if not isinstance(node, fx.Node) or node.op != "call_function":
-        return False
-    t = str(node.target)
-    v = _val(node)
-    if t not in ELEMENTWISE or v is None or v.dim() == 0:
-        return False
-    short = ELEMENTWISE[t]
-    if v.dtype not in FLOAT_DTYPES and not (short == "not" and v.dtype == torch.bool):
-        return False
-    for a in list(node.args) + list(node.kwargs.values()):
-        if isinstance(a, fx.Node):
-            av = _val(a)
-            if av is None or (av.dtype not in FLOAT_DTYPES and av.dtype != torch.bool):
-                return False
-            if pattern_of(av.shape, v.shape) == "invalid":
-                return False
-        elif not isinstance(a, (int, float, bool, str, torch.dtype, type(None), torch.memory_format)):
-            return False
-    if short == "div" and node.kwargs.get("rounding_mode") is not None:
-        return False
-    if short == "pow" and node.args[1] not in POW_EXPONENTS:
-        return False
-    if short == "dropout" and not (0 <= float(node.args[1]) < 1):
-        return False
-    if t == "aten._to_copy.default" and (set(node.kwargs) - {"dtype"} or len(node.args) > 1):
-        return False
-    if short == "cast" and v.dtype == torch.bool:
-        return False
-    return True
-
-
-def _half_to_float(node) -> bool:
-    return str(node.target) == "aten._softmax.default" and len(node.args) > 2 and node.args[2] is True
-
-
-def _mask_pos(node):
-    """Which argument of a masked_fill / where is the bool mask (None for other ops)."""
-    short = ELEMENTWISE.get(str(node.target)) if isinstance(node, fx.Node) else None
-    return {"masked_fill": 1, "where": 0}.get(short)
-
-
-def _last_dim(node, dim) -> bool:
-    nd = _val(node).dim()
-    dims = list(dim) if isinstance(dim, (list, tuple)) else [dim]
-    return len(dims) == 1 and isinstance(dims[0], int) and dims[0] % max(nd, 1) == nd - 1
-
-
-ASSERT_META = "aten._assert_tensor_metadata.default"
-
-
-def _users(node) -> list:
-    """Users that compute something: export's dtype asserts on intermediates do not count."""
-    return [u for u in node.users if not (u.op == "call_function" and str(u.target) == ASSERT_META)]
-
-
-def _sole_user(node):
-    users = _users(node) if isinstance(node, fx.Node) else []
-    return users[0] if len(users) == 1 else None
-
-
-def _is(node, *targets) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and str(node.target) in targets
+        add.name = name            # the value keeps its name (chunk boundaries refer to it)
 
 
 class _Finder:
@@ -191,34 +121,34 @@ class _Finder:
             if node in self.region_of or node.op != "call_function":
                 continue
             t = str(node.target)
-            v = _val(node)
+            v = val_of(node)
             if v is None or v.dtype not in FLOAT_DTYPES or v.dim() == 0 or v.shape[-1] > MAX_ROW:
                 continue
-            if t in SOFTMAX and _last_dim(node, node.args[1]) and not _half_to_float(node):
+            if t in SOFTMAX and last_dim(node, node.args[1]) and not half_to_float(node):
                 self._add(self._grow_softmax(node))
             elif t in NORMS and len(node.args[1]) == 1:
                 self._add([node])
             elif t == "aten.mean.dim":
-                members = _match_rms(node)
+                members = match_rms(node)
                 if members and not any(m in self.region_of for m in members):
                     self._add(members)
             elif t == "aten.cat.default":
-                match = _match_rotary(node)
+                match = match_rotary(node)
                 if match and not any(m in self.region_of for m in match[0]):
                     self._add(*match)
 
     def _grow_softmax(self, sm: fx.Node) -> list[fx.Node]:
         members = {sm}
         work = [sm]
-        shape = _val(sm).shape
+        shape = val_of(sm).shape
         while work:
             n = work.pop()
             for i, a in enumerate(n.args):
-                if i == _mask_pos(n) and _causal_form(a):
+                if i == mask_pos(n) and causal_form(a):
                     continue
-                if (_fusible(a) and a not in members and a not in self.region_of
-                        and all(u in members for u in _users(a))
-                        and pattern_of(_val(a).shape, shape) != "invalid"):
+                if (fusible(a) and a not in members and a not in self.region_of
+                        and all(u in members for u in users(a))
+                        and pattern_of(val_of(a).shape, shape) != "invalid"):
                     members.add(a)
                     work.append(a)
         return list(members)
@@ -226,22 +156,22 @@ class _Finder:
     # -- step 3 ------------------------------------------------------------------------------
     def find_elementwise_regions(self) -> None:
         for root in reversed(list(self.graph.nodes)):
-            if root in self.region_of or not _fusible(root) or _val(root).dtype == torch.bool:
+            if root in self.region_of or not fusible(root) or val_of(root).dtype == torch.bool:
                 continue
-            shape = _val(root).shape
+            shape = val_of(root).shape
             members = {root}
             changed = True
             while changed:
                 changed = False
                 for n in sorted(members, key=self.order.__getitem__, reverse=True):
                     for a in n.all_input_nodes:
-                        if a in members or a in self.region_of or not _fusible(a):
+                        if a in members or a in self.region_of or not fusible(a):
                             continue
-                        av = _val(a)
+                        av = val_of(a)
                         pat = pattern_of(av.shape, shape)
                         if pat == "invalid":
                             continue
-                        internal_only = all(u in members for u in _users(a))
+                        internal_only = all(u in members for u in users(a))
                         if (pat != "full" or av.dtype == torch.bool) and not internal_only:
                             continue
                         if self._creates_cycle(members | {a}):
@@ -253,7 +183,7 @@ class _Finder:
 
     def _creates_cycle(self, members: set) -> bool:
         """Would collapsing `members` (and every region already chosen) make a cycle?"""
-        stack = [u for m in members for u in _users(m) if u not in members]
+        stack = [u for m in members for u in users(m) if u not in members]
         seen = set()
         while stack:
             n = stack.pop()
@@ -272,120 +202,13 @@ class _Finder:
         return False
 
 
-# ---- pattern matchers ----------------------------------------------------------------------
-def _causal_form(node):
-    """If `node` is a bool tril/triu(ones) mask (sliced from the top left, maybe negated or
-    given leading dims), return (form, diagonal, negate, chain nodes); else None."""
-    v = _val(node)
-    if v is None or v.dtype != torch.bool or v.dim() < 2:
-        return None
-    chain, negate, n = [], False, node
-    while isinstance(n, fx.Node) and n.op == "call_function":
-        t = str(n.target)
-        src = n.args[0] if n.args else None
-        sv = _val(src)
-        if t in ("aten.bitwise_not.default", "aten.logical_not.default"):
-            negate = not negate
-        elif t == "aten.slice.Tensor":
-            dim = n.args[1] if len(n.args) > 1 else 0
-            start = n.args[2] if len(n.args) > 2 else None
-            step = n.args[4] if len(n.args) > 4 else 1
-            if sv is None or dim % sv.dim() < sv.dim() - 2 or start not in (None, 0) or step != 1:
-                return None
-        elif t in _VIEWISH:
-            if sv is None or sv.dim() < 2 or tuple(sv.shape[-2:]) != tuple(_val(n).shape[-2:]):
-                return None
-        elif t in ("aten.tril.default", "aten.triu.default"):
-            ok = _is(src, "aten.ones.default") or (_is(src, "aten.full.default") and src.args[1] in (1, True))
-            if not ok or sv is None or sv.dim() != 2:
-                return None
-            diag = n.args[1] if len(n.args) > 1 else n.kwargs.get("diagonal", 0)
-            return ("tril" if "tril" in t else "triu", int(diag), negate, chain + [n, src])
-        else:
-            return None
-        chain.append(n)
-        n = src
-    return None
-
-
-def _match_rms(mean: fx.Node):
-    """x * rsqrt(mean(x^2, -1, keepdim) + eps) [-> cast] [* w]: the decomposed RMSNorm."""
-    args = mean.args
-    if len(args) < 3 or args[2] is not True or mean.kwargs.get("dtype") is not None or not _last_dim(mean, args[1]):
-        return None
-    p = args[0]
-    if not _is(p, "aten.pow.Tensor_Scalar") or p.args[1] != 2 or _sole_user(p) is not mean:
-        return None
-    xc = p.args[0]
-    add = _sole_user(mean)
-    if not _is(add, "aten.add.Tensor", "aten.add.Scalar") or add.args[0] is not mean or isinstance(add.args[1], fx.Node):
-        return None
-    r = _sole_user(add)
-    if not _is(r, "aten.rsqrt.default"):
-        return None
-    m = _sole_user(r)
-    if not _is(m, "aten.mul.Tensor") or set(m.args) != {xc, r}:
-        return None
-    members, cur = [p, mean, add, r, m], m
-    c = _sole_user(cur)
-    if _is(c, *CASTS) and _fusible(c):
-        members.append(c)
-        cur = c
-    o = _sole_user(cur)
-    if _is(o, "aten.mul.Tensor"):
-        w = o.args[1] if o.args[0] is cur else o.args[0]
-        wv = _val(w)
-        if wv is not None and wv.dim() == 1 and wv.shape[0] == _val(cur).shape[-1] and _fusible(o):
-            members.append(o)
-    if _is(xc, *CASTS) and _fusible(xc) and all(u in members for u in _users(xc)):
-        members.insert(0, xc)
-    if not all(_val(n) is not None and (_val(n).dtype in FLOAT_DTYPES) for n in members):
-        return None
-    return members
-
-
-def _match_rotary(cat: fx.Node):
-    """x * cos + cat(-x[..., h:], x[..., :h]) * sin (either operand order) -> members, extra."""
-    if len(cat.args) < 2 or len(cat.args[0]) != 2 or not _last_dim(cat, cat.args[1]):
-        return None
-    a, b = cat.args[0]
-    if not (_is(a, "aten.neg.default") and _is(b, "aten.slice.Tensor")):
-        return None
-    s1 = a.args[0]
-    if not _is(s1, "aten.slice.Tensor") or s1.args[0] is not b.args[0]:
-        return None
-    x = b.args[0]
-    xv = _val(x)
-    d = xv.shape[-1] if xv is not None else 0
-    h = d // 2
-    if d < 2 or d % 2 or d & (d - 1):
-        return None
-    if not (_last_dim(x, s1.args[1]) and s1.args[2] == h and s1.args[3] >= d
-            and _last_dim(x, b.args[1]) and b.args[2] in (0, None) and b.args[3] == h):
-        return None
-    if any(len(s.args) > 4 and s.args[4] != 1 for s in (s1, b)):
-        return None
-    if not (_sole_user(s1) is a and _sole_user(a) is cat and _sole_user(b) is cat):
-        return None
-    u = _sole_user(cat)
-    w = _sole_user(u) if _is(u, "aten.mul.Tensor") else None
-    if not _is(w, "aten.add.Tensor") or len(w.args) != 2:
-        return None
-    t = w.args[1] if w.args[0] is u else w.args[0]
-    if not _is(t, "aten.mul.Tensor") or x not in t.args or _sole_user(t) is not w:
-        return None
-    if not all(_fusible(n) for n in (u, t, w)) or _val(w).dtype not in FLOAT_DTYPES:
-        return None
-    return [s1, a, b, cat, u, t, w], {"rotate": {cat: x}, "skip": {s1, a, b}}
-
-
 # ---- step 4: rewrite -----------------------------------------------------------------------
 def _rewrite(graph: fx.Graph, order: dict, members: list, extra: dict, names: dict):
     mset = set(members)
-    outputs = [n for n in members if any(u not in mset for u in _users(n))]
+    outputs = [n for n in members if any(u not in mset for u in users(n))]
     if not outputs:
         return None
-    shape = tuple(_val(outputs[-1]).shape)
+    shape = tuple(val_of(outputs[-1]).shape)
     rotate, skip = extra.get("rotate", {}), extra.get("skip", set())
     inputs: list[fx.Node] = []
     ops: list[Op] = []
@@ -396,7 +219,7 @@ def _rewrite(graph: fx.Graph, order: dict, members: list, extra: dict, names: di
         if isinstance(a, fx.Node):
             if a in value:
                 return value[a]
-            form = _causal_form(a) if pos == _mask_pos(user) else None
+            form = causal_form(a) if pos == mask_pos(user) else None
             like = [b for i, b in enumerate(user.args) if i != pos and isinstance(b, fx.Node)]
             if form is not None and like:
                 chains.extend(form[3])
@@ -414,15 +237,15 @@ def _rewrite(graph: fx.Graph, order: dict, members: list, extra: dict, names: di
         if n in skip:
             continue
         if n in rotate:
-            ops.append(Op("rotate_half", (ref(rotate[n], 0, n),), dtype=_val(n).dtype, node=n.name))
+            ops.append(Op("rotate_half", (ref(rotate[n], 0, n),), dtype=val_of(n).dtype, node=n.name))
         else:
             args = tuple(ref(a, i, n) for i, a in enumerate(n.args))
             kwargs = tuple(sorted((k, ref(v, -1, n)) for k, v in n.kwargs.items()))
-            ops.append(Op(str(n.target), args, kwargs, dtype=_val(n).dtype, node=n.name))
+            ops.append(Op(str(n.target), args, kwargs, dtype=val_of(n).dtype, node=n.name))
         value[n] = Ref("v", len(ops) - 1)
     rins = []
     for a in inputs:
-        av = _val(a)
+        av = val_of(a)
         pat = pattern_of(av.shape, shape)
         if pat == "invalid" or (av.dtype not in FLOAT_DTYPES and av.dtype != torch.bool):
             return None
@@ -441,18 +264,20 @@ def _rewrite(graph: fx.Graph, order: dict, members: list, extra: dict, names: di
     fused.meta.update({k: v for k, v in last.meta.items() if k in ("nn_module_stack", "stack_trace")})
     fused.meta["tf"] = {**tf(last), "fused": region.kernel_name}
     if len(outputs) == 1:
-        fused.meta["val"] = _val(outputs[0])
+        fused.meta["val"] = val_of(outputs[0])
         outputs[0].replace_all_uses_with(fused, delete_user_cb=lambda u: u not in mset)
+        renames = [(fused, outputs[0].name)]
     else:
-        fused.meta["val"] = tuple(_val(o) for o in outputs)
-        prev = fused
+        fused.meta["val"] = tuple(val_of(o) for o in outputs)
+        prev, renames = fused, []
         for i, o in enumerate(outputs):
             with graph.inserting_after(prev):
                 g = graph.call_function(operator.getitem, (fused, i))
-            g.meta["val"] = _val(o)
+            g.meta["val"] = val_of(o)
             g.meta["tf"] = dict(fused.meta["tf"])
             o.replace_all_uses_with(g, delete_user_cb=lambda u: u not in mset)
             prev = g
+            renames.append((g, o.name))
     for n in reversed(members):
         for u in list(n.users):   # dtype asserts on values that no longer exist
             if u not in mset:
@@ -461,6 +286,8 @@ def _rewrite(graph: fx.Graph, order: dict, members: list, extra: dict, names: di
     for n in sorted(set(chains), key=order.__getitem__, reverse=True):
         if not n.users:
             graph.erase_node(n)
+    for node, name in renames:    # outputs keep their names: chunk boundaries refer to them
+        node.name = name
     return region
 
 

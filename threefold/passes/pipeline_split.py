@@ -66,8 +66,9 @@ def _free_nodes(graph: fx.Graph, num_chunks: int) -> set[fx.Node]:
     """Parameter-free compute nodes cheap enough to recompute in every chunk that needs them.
 
     A node is free when all its inputs are free nodes or non-parameter placeholders (user
-    inputs, buffers, constants) and its FLOPs are at most 1% of an average chunk's, so
-    copying it into each chunk costs little and its value never crosses a stage boundary."""
+    inputs, buffers, constants), it writes nothing in place, and its FLOPs are at most 1% of
+    an average chunk's, so copying it into each chunk costs little and its value never
+    crosses a stage boundary."""
     total = sum(tf(n)["cost"].flops for n in graph.nodes if n.op == "call_function" and "cost" in tf(n))
     cheap = max(total / max(num_chunks, 1) / 100, 1)
     free: set[fx.Node] = set()
@@ -75,12 +76,19 @@ def _free_nodes(graph: fx.Graph, num_chunks: int) -> set[fx.Node]:
         if node.op != "call_function" or node.target is PIPE_SPLIT_OP:
             continue
         cost = tf(node).get("cost")
-        if cost is not None and cost.flops > cheap:
+        if cost is not None and cost.flops > cheap or _mutates(node):
             continue
         if all((tf(a).get("kind") != "param") if a.op == "placeholder" else a in free
                for a in node.all_input_nodes):
             free.add(node)
     return free
+
+
+def _mutates(node: fx.Node) -> bool:
+    """In-place ops (a BatchNorm's num_batches_tracked += 1) run once, in a chunk of their own
+    position, never copied and never dropped for having no users."""
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
 
 
 def _layout(prog: Program, free: set[fx.Node]) -> _Layout:
@@ -307,7 +315,8 @@ def _build_chunks(prog: Program, layout: _Layout, free: set[fx.Node], cuts: list
 
 
 def _drop_markers(prog: Program) -> None:
-    for node in list(prog.graph.nodes):
-        if node.op == "call_function" and node.target is PIPE_SPLIT_OP:
-            prog.graph.erase_node(node)
-    prog.gm.recompile()
+    markers = [n for n in prog.graph.nodes if n.op == "call_function" and n.target is PIPE_SPLIT_OP]
+    for node in markers:
+        prog.graph.erase_node(node)
+    if markers:
+        prog.gm.recompile()

@@ -175,7 +175,7 @@ class _Rewriter:
     # ---- redistribution --------------------------------------------------------------
     def f(self, x: fx.Node) -> fx.Node:
         return self._cached(("f", x), lambda: self.emit(
-            tp_ops.f, (x, TP), place=Replicate(), val=self.val[x],
+            tp_ops.f, (x, TP), place=Replicate(partial_grad=True), val=self.val[x],
             collective=_coll("all_reduce", "backward", self.val[x])))
 
     def g(self, x: fx.Node) -> fx.Node:

@@ -19,10 +19,11 @@ from threefold.errors import PlanError
 
 @dataclass(frozen=True)
 class Replicate:
-    gathered: bool = False   # all-gathered from sequence shards: its backward already reduces
+    gathered: bool = False      # all-gathered from sequence shards: its backward already reduces
+    partial_grad: bool = False  # f's output: equal values, but each rank's gradient is a summand
 
     def __str__(self):
-        return "R*" if self.gathered else "R"
+        return "R*" if self.gathered else "R(f)" if self.partial_grad else "R"
 
 
 @dataclass(frozen=True)

@@ -17,18 +17,12 @@ import torch
 import torch.distributed as dist
 
 from threefold.runtime import comm
+from threefold.runtime.boundary import Boundary
 from threefold.runtime.comm import Groups
 from threefold.runtime.module import ChunkModule
 from threefold.runtime.schedule import Kind, Schedule
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
-
 BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket size (Megatron/DDP-like)
-
-
-def _specs(entries: list[dict]) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    return [(tuple(e["shape"]), _DTYPES[e["dtype"]]) for e in entries]
 
 
 @dataclass
@@ -66,6 +60,7 @@ class PipelineEngine:
         self._share_local_ties()
         self._plan_grad_sync()
         self.stats = StepStats()
+        self._boundaries: dict = {}
 
     # -- set-up ----------------------------------------------------------------------------
     def _share_local_ties(self) -> None:
@@ -137,8 +132,9 @@ class PipelineEngine:
             key = (a.chunk, a.mb)
             if a.kind is Kind.RECV_ACT:
                 peer = self._peer(a.peer)
-                tensors = comm.recv(_specs(self.chunk_meta[a.chunk]["inputs"]), peer,
-                                    f"activations of chunk {a.chunk - 1} microbatch {a.mb}", self.device)
+                b = self._boundary(a.chunk, "inputs")
+                tensors = b.unpack(comm.recv(b.recv_specs(), peer,
+                                             f"activations of chunk {a.chunk - 1} microbatch {a.mb}", self.device))
                 for t in tensors:
                     if train and t.is_floating_point():
                         t.requires_grad_(True)
@@ -164,7 +160,7 @@ class PipelineEngine:
                         inflight -= 1
             elif a.kind is Kind.SEND_ACT:
                 slot = slots[key]
-                sends.append(comm.send(slot.outputs, self._peer(a.peer),
+                sends.append(comm.send(self._boundary(a.chunk, "outputs").pack(slot.outputs), self._peer(a.peer),
                                        f"activations of chunk {a.chunk} microbatch {a.mb}"))
                 if not train:
                     slots.pop(key)
@@ -173,11 +169,9 @@ class PipelineEngine:
                     _release_outputs(slot.outputs, self.chunk_meta[a.chunk].get("releasable", []))
             elif a.kind is Kind.RECV_GRAD:
                 slot = slots[key]
-                specs = [(tuple(o.shape) if o.numel() else tuple(e["shape"]), o.dtype)
-                         for o, e in zip(slot.outputs, self.chunk_meta[a.chunk]["outputs"])
-                         if o.is_floating_point()]
-                slot.output_grads = comm.recv(specs, self._peer(a.peer),
-                                              f"gradients of chunk {a.chunk} microbatch {a.mb}", self.device)
+                b = self._boundary(a.chunk, "outputs", grads=True)
+                slot.output_grads = b.unpack(comm.recv(b.recv_specs(), self._peer(a.peer),
+                                             f"gradients of chunk {a.chunk} microbatch {a.mb}", self.device))
             elif a.kind is Kind.BACKWARD:
                 slot = slots[key]
                 self._backward(slot, a.chunk == last, m)
@@ -190,7 +184,7 @@ class PipelineEngine:
                 slot = slots.pop(key)
                 grads = [g if g is not None else torch.zeros_like(x)
                          for x, g in zip(slot.inputs, slot.input_grads) if x.is_floating_point()]
-                sends.append(comm.send(grads, self._peer(a.peer),
+                sends.append(comm.send(self._boundary(a.chunk, "inputs", grads=True).pack(grads), self._peer(a.peer),
                                        f"gradients of chunk {a.chunk - 1} microbatch {a.mb}"))
             if sends:  # drop finished sends so their buffers can be freed
                 sends = [s for s in sends if not s.done()]
@@ -237,6 +231,13 @@ class PipelineEngine:
             for mb, piece in zip(out, local.chunk(m)):
                 mb.append(piece)
         return [tuple(mb) for mb in out]
+
+    def _boundary(self, chunk: int, side: str, grads: bool = False) -> Boundary:
+        key = (chunk, side, grads)
+        if key not in self._boundaries:
+            self._boundaries[key] = Boundary(self.chunk_meta[chunk][side], self.groups.tp,
+                                             self.manifest.get("scatter_gather", False), grads)
+        return self._boundaries[key]
 
     def _peer(self, stage: int) -> int:
         return self.mesh.rank(self.coord.tp, self.coord.dp, stage)

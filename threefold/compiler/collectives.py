@@ -1,0 +1,45 @@
+"""Which collectives each chunk runs, per microbatch (for `inspect --json`).
+
+Tensor-parallel collectives are read off the chunk graphs (the TP pass tags every comm node
+with tf['collective']); pipeline point-to-point transfers come from the chunk boundaries;
+the data-parallel gradient all-reduce runs once per step, so per microbatch it counts 1/m.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from threefold.compiler.program import Program, meta_of
+
+
+def chunk_collectives(prog: Program) -> list[list[dict]]:
+    plan = prog.plan
+    out = []
+    by_name = {n.name: n for n in prog.graph.nodes}
+    for i, chunk in enumerate(prog.chunks):
+        counts: Counter = Counter()
+        if chunk.gm is not None:
+            for node in chunk.gm.graph.nodes:
+                c = node.meta.get("tf", {}).get("collective")
+                if not c:
+                    continue
+                n = c.get("count", 1)
+                counts[(c["kind"], c["group"], c["phase"], c["elements"])] += n
+                if c.get("backward"):
+                    counts[(c["backward"], c["group"], "backward", c["elements"])] += n
+        if plan.pp > 1:
+            sent = sum(meta_of(by_name[v]).numel for v in chunk.outputs if i < len(prog.chunks) - 1)
+            got = sum(meta_of(by_name[v]).numel for v in chunk.inputs)
+            if sent:
+                counts[("send", "pp", "forward", sent)] += 1
+                counts[("recv", "pp", "backward", sent)] += 1
+            if got:
+                counts[("recv", "pp", "forward", got)] += 1
+                counts[("send", "pp", "backward", got)] += 1
+        entries = [{"kind": k, "group": g, "phase": p, "count_per_microbatch": n, "elements": e}
+                   for (k, g, p, e), n in sorted(counts.items())]
+        if plan.dp > 1:
+            params = sum(prog.state[f].numel() for f in chunk.params)
+            entries.append({"kind": "all_reduce", "group": "dp", "phase": "backward",
+                            "count_per_microbatch": round(1 / plan.microbatches, 6), "elements": params})
+        out.append(entries)
+    return out

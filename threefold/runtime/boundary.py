@@ -1,0 +1,61 @@
+"""What crosses a pipeline boundary, and in what form.
+
+With tensor parallelism every tp rank of a stage holds the same replicated boundary
+tensors. Sending all of them from every tp rank would move each byte t times; instead
+(paper, section 4.1) each tp rank sends 1/t of the flattened tensor to its peer and the
+receiving tp ranks all-gather the pieces. The same holds for the gradients going back.
+Sequence-parallel boundaries are already split per rank and are sent as they are.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
+
+
+class Boundary:
+    """The tensors of one chunk boundary (a chunk's inputs or outputs), as the manifest lists them."""
+
+    def __init__(self, entries: list[dict], tp_group, scatter_gather: bool, grads: bool = False):
+        if grads:
+            entries = [e for e in entries if _DTYPES[e["dtype"]].is_floating_point]
+        self.entries = entries
+        self.group = tp_group
+        self.t = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.r = dist.get_rank(tp_group) if tp_group is not None else 0
+        self.split = [scatter_gather and self.t > 1 and e.get("placement", "R") == "R"
+                      and _numel(e["shape"]) % self.t == 0 for e in entries]
+
+    def pack(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What this rank sends: its 1/t piece of each split tensor, others whole."""
+        return [t.reshape(-1).chunk(self.t)[self.r] if s else t for t, s in zip(tensors, self.split)]
+
+    def recv_specs(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        return [((_numel(e["shape"]) // self.t,) if s else tuple(e["shape"]), _DTYPES[e["dtype"]])
+                for e, s in zip(self.entries, self.split)]
+
+    def unpack(self, received: list[torch.Tensor]) -> list[torch.Tensor]:
+        out = []
+        for t, e, s in zip(received, self.entries, self.split):
+            if s:
+                pieces = [torch.empty_like(t) for _ in range(self.t)]
+                dist.all_gather(pieces, t, group=self.group)
+                t = torch.cat(pieces).view(e["shape"])
+            out.append(t)
+        return out
+
+    @property
+    def saved_fraction(self) -> float:
+        """Share of point-to-point bytes scatter/gather saves (for inspect and benches)."""
+        total = sum(_numel(e["shape"]) for e in self.entries) or 1
+        saved = sum(_numel(e["shape"]) * (1 - 1 / self.t) for e, s in zip(self.entries, self.split) if s)
+        return saved / total
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
