@@ -1,31 +1,38 @@
 """threefold's pipeline runtime against torch.distributed.pipelining, on 4 local gloo ranks.
 
 The same model (an untied examples/gpt.py GPT), the same layer-aligned split, the same
-schedule and microbatches, run by both systems inside one launched 4-rank job with their
-iterations alternating (ABBA order, a barrier on the default group before and after each
-timed iteration, the same barrier for both). Reported:
+schedule and microbatches, run by both systems inside one launched 4-rank job, their
+iterations interleaved (the order rotates every iteration, so each contender takes each
+position equally often; a barrier on the default group before and after every timed
+iteration, the same barrier for all). Reported:
 
-  * median iteration time, threefold / torch, for 1F1B (pp=4, v=1) and interleaved 1F1B
-    (pp=4, v=2); goal <= 0.9;
+  * median iteration time (rank 0, barrier to barrier), threefold / torch, for 1F1B
+    (pp=4, v=1) and interleaved 1F1B (pp=4, v=2), also as the median and quartiles of
+    the ratios of adjacent pairs; goal <= 0.9;
   * each against the single-process eager step (forward + backward, no optimizer) of the
-    same model on the whole batch, single-threaded, run on rank 0 as a third contender in
-    the same alternation (the other ranks wait in the barrier), so all three see the same
-    machine load. With 4 ranks on 2 cores the best a pipeline can do is about half of
-    that time (0.5x);
+    same model on the whole batch, one thread, run on rank 0 as one more contender in the
+    same rotation (the other ranks wait in the barrier), so all see the same machine
+    load. 4 single-threaded ranks on 2 cores can at best take about half its time;
+  * CPU time per iteration summed over the ranks (process time: compute, communication
+    threads, Python), which unlike wall time barely moves with other jobs' load;
   * the simulated bubble of each schedule against the paper's (p-1)/(v*m);
   * peak live activations per stage: threefold's own counter (`pm.stats.peak_inflight`),
     an independent count from autograd's saved-tensor hooks (forwards whose saved tensors
     are still alive) for both systems, and the bound `schedule.inflight_bound`;
-  * a loss check: both systems compute the same loss on the same weights.
+  * the loss of each contender (all equal: same weights, same batch).
 
     python bench/pipeline_vs_torch.py [--quick] [--json] [--iters N] [--warmup N]
-    python bench/pipeline_vs_torch.py --profile    # adds threefold per-action times (rank 1)
+    python bench/pipeline_vs_torch.py --profile     # per-action wall/CPU per rank, both
+                                                    # systems; generated chunk vs torch
+                                                    # stage in one process; microbatching cost
+    python bench/pipeline_vs_torch.py --ablations   # threefold with two proposed changes
 
 Both systems split at the same block boundaries: threefold through `split=h.k+...` in the
 plan, torch through hand-built `PipelineStage`s holding the same blocks (the first stage
 also holds the embeddings, the last ln_f and lm_head; torch applies the loss outside the
 stage, threefold inside its last chunk). lm_head is untied from wte because torch's
-pipelining cannot share one parameter between stages.
+pipelining cannot share one parameter between stages. torch's p2p runs on its own gloo
+group so the two systems' messages never meet.
 """
 from __future__ import annotations
 
@@ -61,10 +68,12 @@ class Config:
     iters: int = 12
     profile: bool = False
     ablations: bool = False     # also time threefold with two proposed runtime changes
+    only: str = ""              # "1f1b" or "interleaved": run just that schedule
 
     @property
     def schedules(self) -> list[tuple[str, int]]:
-        return [("1f1b", 1), ("interleaved", 2)]
+        both = [("1f1b", 1), ("interleaved", 2)]
+        return [s for s in both if s[0] == self.only] if self.only else both
 
 
 QUICK = dict(n_embd=64, seq=32, batch=8, warmup=2, iters=4)
@@ -312,6 +321,32 @@ def sends_first(schedule):
     return new
 
 
+def run_rotation(contenders, warmup: int, iters: int):
+    """Time each contender `iters` times after `warmup` rounds, interleaved: every contender
+    takes every position equally often, forwards and backwards. Per contender: wall times
+    (barrier to barrier), this process's CPU times, and the last loss it returned."""
+    times = {name: [] for name, _ in contenders}
+    cpu = {name: [] for name, _ in contenders}
+    losses = {name: None for name, _ in contenders}
+    n = len(contenders)
+    for it in range(warmup + iters):
+        order = contenders[it % n:] + contenders[:it % n]
+        if (it // n) % 2:
+            order.reverse()
+        for name, fn in order:
+            dist.barrier()
+            t, c = time.perf_counter(), time.process_time()
+            loss = fn()
+            c = time.process_time() - c
+            dist.barrier()
+            dt = time.perf_counter() - t
+            if it >= warmup:
+                times[name].append(dt)
+                cpu[name].append(c)
+            losses[name] = loss
+    return times, cpu, losses
+
+
 def rank_job(cfg: Config) -> dict:
     import threefold
     torch.set_num_threads(1)
@@ -366,26 +401,7 @@ def rank_job(cfg: Config) -> dict:
                     return ours()
             contenders[1:1] = [("threefold+sends_first", lambda: ours(reordered)),
                                ("threefold+irecv", ours_lazy)]
-        times = {name: [] for name, _ in contenders}
-        cpu = {name: [] for name, _ in contenders}
-        losses = {name: None for name, _ in contenders}
-        n = len(contenders)
-        for it in range(cfg.warmup + cfg.iters):
-            # Every contender takes every position equally often, forwards and backwards.
-            order = contenders[it % n:] + contenders[:it % n]
-            if (it // n) % 2:
-                order.reverse()
-            for name, fn in order:
-                dist.barrier()
-                t, c = time.perf_counter(), time.process_time()
-                loss = fn()
-                c = time.process_time() - c
-                dist.barrier()
-                dt = time.perf_counter() - t
-                if it >= cfg.warmup:
-                    times[name].append(dt)
-                    cpu[name].append(c)
-                losses[name] = loss
+        times, cpu, losses = run_rotation(contenders, cfg.warmup, cfg.iters)
         pm.engine.schedule = base_schedule
         pm.engine._plan_grad_sync()
         # Activations: one extra, untimed, instrumented iteration of each.
@@ -403,7 +419,6 @@ def rank_job(cfg: Config) -> dict:
         if cfg.profile:
             res["profile"] = profile_sides(pm, ours, sched, stages, theirs)
         out["schedules"][kind] = res
-        del pm, sched, stages, mods
         dist.barrier()
     return out
 
@@ -515,9 +530,31 @@ def chunk_check(cfg: Config, reps: int = 30) -> dict:
                 if i >= 3:
                     times[name].append(time.perf_counter() - t)
         a, b = statistics.median(times["threefold"]), statistics.median(times["torch"])
+        # What microbatching alone costs: the whole model, the whole batch at once against
+        # m microbatches one after another (gradients accumulated), CPU time.
+        model, loss_fn = w["model"], w["loss_fn"]
+        idx, target = w["inputs"][0], w["target"]
+
+        def whole():
+            loss_fn(model(idx), target).backward()
+
+        def micro():
+            for xi, ti in zip(idx.chunk(cfg.microbatches), target.chunk(cfg.microbatches)):
+                (loss_fn(model(xi), ti) / cfg.microbatches).backward()
+        cpu = {"whole": [], "micro": []}
+        for i in range(6):
+            for name, fn in (("whole", whole), ("micro", micro))[:: 1 if i % 2 else -1]:
+                model.zero_grad(set_to_none=True)
+                c = time.process_time()
+                fn()
+                if i:
+                    cpu[name].append(time.process_time() - c)
+        cw, cm = statistics.median(cpu["whole"]), statistics.median(cpu["micro"])
         return {"blocks": f"h.{lo}..h.{hi - 1}", "microbatch": mb, "threefold_ms": a * 1e3, "torch_ms": b * 1e3,
                 "ratio": a / b, "threefold_min_ms": min(times["threefold"]) * 1e3,
-                "torch_min_ms": min(times["torch"]) * 1e3}
+                "torch_min_ms": min(times["torch"]) * 1e3,
+                "eager_whole_cpu_ms": cw * 1e3, "eager_microbatched_cpu_ms": cm * 1e3,
+                "microbatching_cost": cm / cw}
     finally:
         torch.set_num_threads(old)
 
@@ -549,10 +586,12 @@ def summarize(cfg: Config, ranks: list[dict], sim: dict) -> dict:
         cpu_med = {n: statistics.median(cpu[n]) for n in names}
         contenders = {}
         for n in names:
+            pairs = sorted(x / y for x, y in zip(wall[n], wall["torch"]))
+            q1, _, q3 = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else (pairs[0],) * 3
             contenders[n] = {
                 "wall_s": med[n], "wall_min_s": min(wall[n]), "cpu_s": cpu_med[n],
                 "vs_torch": med[n] / med["torch"],
-                "vs_torch_paired": statistics.median(x / y for x, y in zip(wall[n], wall["torch"])),
+                "vs_torch_paired": statistics.median(pairs), "vs_torch_paired_iqr": [q1, q3],
                 "vs_eager": med[n] / med["eager"],
                 "cpu_vs_eager": cpu_med[n] / cpu_med["eager"],
                 "loss": next((p["losses"][n] for p in per if p["losses"][n] is not None), None),
@@ -583,13 +622,13 @@ def report(s: dict) -> str:
              "wall = rank 0, barrier to barrier; cpu = process CPU time summed over the 4 ranks; "
              "eager = the whole batch on rank 0, 1 thread, while the others wait",
              "",
-             f"{'schedule':<16} {'contender':<22} {'wall ms':>8} {'cpu ms':>8} {'/torch':>7} {'paired':>7} "
+             f"{'schedule':<16} {'contender':<22} {'wall ms':>8} {'cpu ms':>8} {'/torch':>7} {'paired (IQR)':>20} "
              f"{'/eager':>7} {'cpu/eager':>9} {'loss':>9}"]
     for kind, r in s["schedules"].items():
         for n, x in r["contenders"].items():
             loss = f"{x['loss']:.5f}" if x["loss"] is not None else "-"
             lines.append(f"{kind + ' v=' + str(r['v']):<16} {n:<22} {x['wall_s']*1e3:>8.0f} {x['cpu_s']*1e3:>8.0f} "
-                         f"{x['vs_torch']:>7.3f} {x['vs_torch_paired']:>7.3f} {x['vs_eager']:>7.3f} "
+                         f"{x['vs_torch']:>7.3f} {x['vs_torch_paired']:>7.3f} ({x['vs_torch_paired_iqr'][0]:.2f}-{x['vs_torch_paired_iqr'][1]:.2f}) {x['vs_eager']:>7.3f} "
                          f"{x['cpu_vs_eager']:>9.3f} {loss:>9}")
     lines += ["", f"{'schedule':<16} {'sim bubble':>10} {'(p-1)/(vm)':>10}   peak live activations per stage "
               "(engine counter | saved-tensor count threefold | torch | bound)"]
@@ -606,6 +645,9 @@ def report(s: dict) -> str:
         lines.append(f"compute only, one process, {k['blocks']} fwd+bwd on a microbatch of {k['microbatch']}: "
                      f"threefold generated chunk {k['threefold_ms']:.1f} ms (min {k['threefold_min_ms']:.1f}), "
                      f"torch stage {k['torch_ms']:.1f} ms (min {k['torch_min_ms']:.1f}), ratio {k['ratio']:.3f}")
+        lines.append(f"microbatching alone, one process: eager whole batch {k['eager_whole_cpu_ms']:.0f} ms CPU, "
+                     f"{c['microbatches']} microbatches accumulated {k['eager_microbatched_cpu_ms']:.0f} ms CPU "
+                     f"(x{k['microbatching_cost']:.3f})")
     for kind, r in s["schedules"].items():
         for rank, prof in sorted(r.get("profile", {}).items()):
             for side, per in prof.items():
@@ -623,6 +665,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ablations", action="store_true",
                     help="also time threefold with sends posted before receives, and with receives "
                          "posted early and waited late (proposed runtime changes)")
+    ap.add_argument("--only", choices=["1f1b", "interleaved"], default="", help="run just one schedule")
     for f in ("n_layer", "n_embd", "n_head", "seq", "batch", "microbatches", "warmup", "iters"):
         ap.add_argument("--" + f.replace("_", "-"), type=int, dest=f)
     args = ap.parse_args(argv)
@@ -631,6 +674,7 @@ def main(argv=None) -> int:
                  if k in Config.__dataclass_fields__ and v is not None})
     over["profile"] = args.profile
     over["ablations"] = args.ablations
+    over["only"] = args.only
     cfg = Config(**over)
     if cfg.batch % cfg.microbatches:
         raise SystemExit(f"batch={cfg.batch} must be a multiple of m={cfg.microbatches}")

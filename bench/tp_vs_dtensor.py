@@ -6,10 +6,14 @@ their iterations alternating (ABBA order, a barrier on the default group before 
 each timed iteration). Reported:
 
   * median iteration time (zero_grad + forward + backward + whatever gradient sync each
-    needs; no optimizer), threefold / DTensor; goal <= 0.7;
+    needs; no optimizer), threefold / DTensor; goal <= 0.7; also the median of the
+    per-iteration ratios ("paired") and the ratio of process CPU time per step;
   * each against the single-process eager step (forward + backward of the whole model on
-    the whole batch, one thread), timed in the parent before and after the 2-rank job.
-    Two ranks on two cores can at best halve it (0.5x) where all compute is split;
+    the whole batch, one thread): timed in the parent before and after the 2-rank job, and
+    on rank 0 as a third contender in the same alternation (rank 1 waits in the barrier),
+    which sees the same machine load. Two ranks on two free cores can at best halve it
+    (0.5x) where all compute is split; on a shared machine the CPU-time ratio is the one
+    that load does not distort;
   * lines of user code each system needs (counted from the functions in the "user code"
     section below, without blank lines, comments and docstrings);
   * communication per transformer layer per microbatch: the all-reduces threefold's
@@ -20,7 +24,10 @@ each timed iteration). Reported:
   * a correctness gate before any timing: both losses equal the single-process loss within
     1e-4 and sampled gradients match it.
 
-    python bench/tp_vs_dtensor.py [--quick] [--json] [--profile] [--iters N] [--warmup N]
+    python bench/tp_vs_dtensor.py [--quick | --sweep] [--json] [--profile] [--iters N] [--warmup N]
+    python bench/tp_vs_dtensor.py --n-embd 128 --seq 64    # one other size
+    --sweep: h = 64, 128, 256 in turn and a summary table; --profile: threefold's time split
+    (compute / all-reduce), torch.profiler op table and cProfile of both sides, rank 0
 
 DTensor side: Megatron's split on every block via parallelize_module (attn.c_attn and
 mlp.c_fc ColwiseParallel, attn.c_proj and mlp.c_proj RowwiseParallel). The fused QKV
@@ -75,7 +82,7 @@ class Config:
     profile: bool = False
 
 
-QUICK = dict(n_layer=2, n_embd=64, seq=32, batch=4, warmup=2, iters=4)
+QUICK = dict(n_layer=2, n_embd=64, seq=32, batch=4, warmup=3, iters=10)
 
 
 def build_workload(cfg: Config) -> dict:
@@ -264,6 +271,10 @@ def rank_job(cfg: Config, ref: dict) -> dict:
     if cfg.profile:
         out["profile"] = {name: profile(fn) for name, fn in (("threefold", ours), ("dtensor", theirs))}
         out["breakdown"] = breakdown(cfg, ours, counts["threefold"])
+        out["ops"] = {"threefold": op_profile(ours), "dtensor": op_profile(theirs)}
+        if ew is not None:
+            out["ops"]["eager"] = op_profile(eager, sync=False)
+        dist.barrier()
     return out
 
 
@@ -325,6 +336,32 @@ def breakdown(cfg: Config, ours, counted: dict, iters: int = 10) -> dict:
         out[name] = {"wall_s": statistics.median(wall), "cpu_s": statistics.median(cpu)}
     out["all_reduce_calls"] = calls
     return out
+
+
+def op_profile(fn, iters: int = 5, sync: bool = True) -> dict:
+    """torch.profiler self CPU time per op (ms per step, calls per step); for collectives and
+    the f/g functions that is mostly time spent waiting for the peer."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    if sync:
+        dist.barrier()
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            if sync:
+                dist.barrier()
+            fn()
+    return {e.key: (e.self_cpu_time_total / iters / 1e3, e.count // iters) for e in prof.key_averages()
+            if e.key not in ("gloo:barrier", "c10d::barrier")}
+
+
+def op_table(ops: dict, top: int = 16) -> str:
+    sides = list(ops)
+    keys = sorted(set().union(*ops.values()), key=lambda k: -max(ops[s].get(k, (0, 0))[0] for s in sides))
+    lines = [f"{'op (self CPU ms per step, calls)':<42} " + " ".join(f"{s:>16}" for s in sides),
+             f"{'total':<42} " + " ".join(f"{sum(v[0] for v in ops[s].values()):>16.1f}" for s in sides)]
+    for k in keys[:top]:
+        lines.append(f"{k[:42]:<42} " + " ".join(
+            f"{ops[s].get(k, (0, 0))[0]:>10.1f} {ops[s].get(k, (0, 0))[1]:>5}" for s in sides))
+    return "\n".join(lines)
 
 
 def profile(fn, iters: int = 5, top: int = 22) -> str:
@@ -422,6 +459,7 @@ def summarize(cfg: Config, ranks: list[dict], before: dict, after: dict) -> dict
     if cfg.profile:
         s["profile"] = r0["profile"]
         s["breakdown"] = {r["rank"]: r["breakdown"] for r in ranks}
+        s["ops"] = r0["ops"]
     return s
 
 
@@ -486,26 +524,15 @@ def report(s: dict) -> str:
                      f"{ms(bd['compute_only']['wall_s'])}/{ms(bd['compute_only']['cpu_s'])}, "
                      f"{bd['all_reduce_calls']} bare gloo all-reduces of b*s*h {ms(bd['bare_all_reduces']['wall_s'])}/"
                      f"{ms(bd['bare_all_reduces']['cpu_s'])}")
+    if "ops" in s:
+        lines += ["", "torch.profiler, rank 0, 5 steps each:", op_table(s["ops"])]
     for side, text in s.get("profile", {}).items():
         lines += ["", f"cProfile rank 0, 5 steps, {side} (own time):", text.rstrip()]
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="small model, few iterations (< 1 minute)")
-    ap.add_argument("--json", action="store_true", help="print the figures as JSON")
-    ap.add_argument("--profile", action="store_true", help="add cProfile of 5 steps of each side (rank 0)")
-    for f in ("n_layer", "n_embd", "n_head", "seq", "batch", "warmup", "iters"):
-        ap.add_argument("--" + f.replace("_", "-"), type=int, dest=f)
-    args = ap.parse_args(argv)
-    over = dict(QUICK) if args.quick else {}
-    over.update({k: v for k, v in vars(args).items() if k in Config.__dataclass_fields__ and v is not None})
-    over["profile"] = args.profile
-    cfg = Config(**over)
-    if cfg.n_head % TP:
-        raise SystemExit(f"n_head={cfg.n_head} must be divisible by tp={TP}")
-
+def run(cfg: Config) -> dict:
+    """The parent's part for one model size: reference, eager timing, the 2-rank job."""
     from threefold.runtime.launch import launch
     t0 = time.perf_counter()
     threads = torch.get_num_threads()
@@ -519,8 +546,60 @@ def main(argv=None) -> int:
     s = summarize(cfg, ranks, before, after)
     s["loadavg"] = [load0, os.getloadavg()[0]]
     s["bench_wall_s"] = time.perf_counter() - t0
-    print(json.dumps(s, indent=2) if args.json else report(s) + f"\n(bench wall {s['bench_wall_s']:.0f} s)")
-    return 0 if "timing" in s else 1
+    return s
+
+
+def sweep_table(runs: list[dict]) -> str:
+    lines = [f"{'model (L, h, s, b)':<20} {'ours/DTensor':>12} {'paired':>7} {'CPU ratio':>9} "
+             f"{'ours/eager':>10} {'DTensor/eager':>13} {'CPU ours/eager':>14} {'CPU DT/eager':>12} {'load':>9}"]
+    for s in runs:
+        c = s["config"]
+        name = f"{c['n_layer']}, {c['n_embd']}, {c['seq']}, {c['batch']}"
+        t = s.get("timing")
+        if t is None:
+            lines.append(f"{name:<20} correctness check failed")
+            continue
+        lines.append(f"{name:<20} {t['ratio']:>12.3f} {t['paired_ratio']:>7.3f} {t['cpu_ratio']:>9.3f} "
+                     f"{t['threefold_vs_eager_in_job']:>10.3f} {t['dtensor_vs_eager_in_job']:>13.3f} "
+                     f"{t['cpu_threefold_vs_eager']:>14.3f} {t['cpu_dtensor_vs_eager']:>12.3f} "
+                     f"{s['loadavg'][0]:>4.1f}/{s['loadavg'][1]:<4.1f}")
+    lines.append("(wall ratios: rank 0 medians; vs eager: eager on rank 0 in the same alternation; "
+                 "CPU: process CPU time per step, busier rank)")
+    return "\n".join(lines)
+
+
+SWEEP = [dict(n_embd=64, seq=32, batch=4), dict(n_embd=128, seq=64, batch=8), dict(n_embd=256, seq=128, batch=8)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small model, few iterations (< 1 minute)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="three model sizes (h=64, 128, 256) and a summary table (about 2 minutes)")
+    ap.add_argument("--json", action="store_true", help="print the figures as JSON")
+    ap.add_argument("--profile", action="store_true",
+                    help="add a cProfile of 5 steps of each side and threefold's time breakdown")
+    for f in ("n_layer", "n_embd", "n_head", "seq", "batch", "warmup", "iters"):
+        ap.add_argument("--" + f.replace("_", "-"), type=int, dest=f)
+    args = ap.parse_args(argv)
+    over = dict(QUICK) if args.quick else {}
+    over.update({k: v for k, v in vars(args).items() if k in Config.__dataclass_fields__ and v is not None})
+    over["profile"] = args.profile
+    sizes = [{**over, **size} for size in SWEEP] if args.sweep else [over]
+    runs = []
+    for size in sizes:
+        cfg = Config(**size)
+        if cfg.n_head % TP:
+            raise SystemExit(f"n_head={cfg.n_head} must be divisible by tp={TP}")
+        s = run(cfg)
+        runs.append(s)
+        if not args.json:
+            print(report(s) + f"\n(bench wall {s['bench_wall_s']:.0f} s)\n", flush=True)
+    if args.json:
+        print(json.dumps(runs if args.sweep else runs[0], indent=2))
+    elif args.sweep:
+        print(sweep_table(runs))
+    return 0 if all("timing" in s for s in runs) else 1
 
 
 if __name__ == "__main__":

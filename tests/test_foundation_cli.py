@@ -40,7 +40,7 @@ def test_inspect_json_schema(capsys):
     assert set(report) == {"plan", "chunks", "imbalance"}
     assert report["plan"] == "tp=1,pp=2,dp=2,m=1,v=1,schedule=1f1b"
     keys = {"index", "stage", "ranks", "ops", "params", "flops", "activation_bytes",
-            "boundary_in_bytes", "boundary_out_bytes"}
+            "boundary_in_bytes", "boundary_out_bytes", "collectives"}
     assert [set(c) for c in report["chunks"]] == [keys, keys]
     assert [c["ranks"] for c in report["chunks"]] == [[0, 1], [2, 3]]  # rank = tp + tp*(dp + dp*pp)
     first, last = report["chunks"]
@@ -70,7 +70,8 @@ def test_compile_writes_an_artifact(capsys, tmp_path):
     assert out.startswith("compiled GPT for plan tp=1,pp=2")
     manifest = json.loads((out_dir / "manifest.json").read_text())
     assert manifest["num_chunks"] == 2 and manifest["plan"].startswith("tp=1,pp=2")
-    assert sorted(os.listdir(out_dir)) == ["chunk00_tp0.py", "chunk01_tp0.py", "manifest.json", "weights"]
+    assert sorted(os.listdir(out_dir)) == ["batch.safetensors", "chunk00_tp0.py", "chunk01_tp0.py",
+                                           "manifest.json", "weights"]
     code, out, _ = _run(capsys, "compile", TINY, "--plan", "pp=2", "--out", str(out_dir), "--json",
                         "--no-weights")
     assert code == 0 and json.loads(out)["weights"] is False

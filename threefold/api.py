@@ -13,12 +13,13 @@ import tempfile
 
 import torch
 
-from threefold.codegen.artifact import build_manifest, build_sources, chunk_state
+from threefold.codegen.artifact import build_manifest, build_sources
 from threefold.compiler.api import compile_workload
 from threefold.errors import PlanError
 from threefold.plan import Plan
 from threefold.runtime.loader import import_file
 from threefold.runtime.mesh import Mesh
+from threefold.runtime.shard import ShardSpec
 from threefold.runtime.session import check_world, default_device, local_chunks, make_engine
 from threefold.runtime.schedule import forward_only
 from threefold.workload import Workload
@@ -102,9 +103,8 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
     if any(p.is_meta for p in model.parameters()):
         raise PlanError(f"{type(model).__name__} is on the meta device: it can be compiled "
                         "(threefold compile) but training needs real weights; build it on a device")
-    prog = compile_workload(Workload(model, example_inputs, target, loss_fn), plan)
-    sources = build_sources(prog)
-    manifest = build_manifest(prog, sources, {}, with_weights=False)
+    prog, payload = _compile_once(rank, Workload(model, example_inputs, target, loss_fn), plan)
+    sources, manifest = payload["sources"], payload["manifest"]
     root = workdir or tempfile.mkdtemp(prefix=f"threefold-rank{rank}-")
     os.makedirs(root, exist_ok=True)
     for name, text in sources.items():
@@ -112,13 +112,58 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
             f.write(text)
     dev = torch.device(device) if device is not None else default_device()
     coord = mesh.coord(rank)
+    full = _full_state(model, payload["constants"])
+    shards = {fqn: ShardSpec.from_json(d) for fqn, d in manifest.get("shards", {}).items()}
     modules = {}
     for c in local_chunks(manifest, coord.pp):
         entry = manifest["chunks"][c]
-        mod_file = os.path.join(root, entry["modules"][str(coord.tp)])
-        cls = getattr(import_file(mod_file), entry["class"])
+        cls = getattr(import_file(os.path.join(root, entry["modules"][str(coord.tp)])), entry["class"])
         module = cls(device=dev)
-        module.load_state({k: v.to(dev) for k, v in chunk_state(prog, prog.chunks[c], coord.tp).items()})
+        state = {}
+        for fqn in list(cls.PARAMS) + list(cls.BUFFERS):
+            t = full[fqn]
+            state[fqn] = (shards[fqn](t, coord.tp) if fqn in shards else t).to(dev)
+        module.load_state(state)
         modules[c] = module
     engine = make_engine(manifest, modules, rank, dev)
     return ParallelModule(engine, plan, manifest, prog)
+
+
+def _compile_once(rank: int, workload: Workload, plan: Plan):
+    """Rank 0 compiles; the sources and manifest reach the other ranks by broadcast.
+
+    Tracing is deterministic, so every rank could compile for itself; doing it once saves
+    (world - 1) compiles, which on a shared machine is most of the start-up time.
+    """
+    import torch.distributed as dist
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    prog, payload = None, None
+    if rank == 0:
+        try:
+            prog = compile_workload(workload, plan)
+            sources = build_sources(prog)
+            payload = {"sources": sources,
+                       "manifest": build_manifest(prog, sources, {}, with_weights=False),
+                       "constants": {k: v for k, v in prog.state.items() if k.startswith("_const.")}}
+        except PlanError as exc:
+            payload = {"error": str(exc), "plan_error": True}
+        except Exception as exc:
+            payload = {"error": f"compiling on rank 0 failed: {type(exc).__name__}: {exc}", "plan_error": False}
+            if world > 1:
+                dist.broadcast_object_list([payload], src=0)
+            raise
+    if world > 1:
+        box = [payload]
+        dist.broadcast_object_list(box, src=0)
+        payload = box[0]
+    if "error" in payload:
+        raise (PlanError if payload["plan_error"] else RuntimeError)(payload["error"])
+    return prog, payload
+
+
+def _full_state(model: torch.nn.Module, constants: dict) -> dict:
+    """Full tensors by canonical FQN (tied parameters under their first name)."""
+    state = {name: p.detach() for name, p in model.named_parameters()}
+    state.update({name: b.detach() for name, b in model.named_buffers()})
+    state.update(constants)
+    return state

@@ -46,7 +46,8 @@ def run(args) -> int:
         timings["codegen"] = time.perf_counter() - t
         progress("write artifact")
         t = time.perf_counter()
-        art = save_artifact(prog, args.out, sources, weights=not args.no_weights)
+        batch = tuple(workload.inputs) + ((workload.target,) if workload.loss_fn is not None else ())
+        art = save_artifact(prog, args.out, sources, weights=not args.no_weights, batch=batch)
         timings["write"] = time.perf_counter() - t
         timings["total"] = time.perf_counter() - start
     for name, seconds in prog.pass_log:

@@ -55,8 +55,10 @@ def chunk_ranks(plan: Plan, index: int) -> list[int]:
 
 def chunk_report(prog) -> dict:
     """The `inspect --json` object: {"plan", "chunks": [...], "imbalance"}."""
+    from threefold.compiler.collectives import chunk_collectives
     from threefold.compiler.cost import chunk_costs, imbalance
     costs = chunk_costs(prog)
+    collectives = chunk_collectives(prog)
     plan = prog.plan
     chunks = [{
         "index": chunk.index,
@@ -68,7 +70,8 @@ def chunk_report(prog) -> dict:
         "activation_bytes": c.activation_bytes,
         "boundary_in_bytes": c.boundary_in_bytes,
         "boundary_out_bytes": c.boundary_out_bytes,
-    } for chunk, c in zip(prog.chunks, costs)]
+        "collectives": colls,
+    } for chunk, c, colls in zip(prog.chunks, costs, collectives)]
     return {"plan": str(plan), "chunks": chunks,
             "imbalance": round(imbalance([c.flops for c in costs]), 6)}
 

@@ -155,6 +155,8 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
         "outputs": [{"shape": list(m.shape), "dtype": str(m.dtype).replace("torch.", "")} for m in prog.output_meta],
         "ties": prog.ties,
         "tp_grad_sync": list(prog.tp_grad_sync),
+        # how each sharded parameter is cut per tp rank (runtime/shard.py)
+        "shards": {fqn: spec.to_json() for fqn, spec in prog.shard_fns.items()},
         "scatter_gather": bool(plan.scatter_gather and plan.tp > 1),
         "schedule": {"kind": plan.schedule, "microbatches": plan.microbatches, "interleave": plan.interleave},
         "chunks": chunks,

@@ -27,8 +27,8 @@ def chunk_collectives(prog: Program) -> list[list[dict]]:
                 if c.get("backward"):
                     counts[(c["backward"], c["group"], "backward", c["elements"])] += n
         if plan.pp > 1:
-            sent = sum(meta_of(by_name[v]).numel for v in chunk.outputs if i < len(prog.chunks) - 1)
-            got = sum(meta_of(by_name[v]).numel for v in chunk.inputs)
+            sent = sum(_p2p_elements(by_name[v], plan) for v in chunk.outputs if i < len(prog.chunks) - 1)
+            got = sum(_p2p_elements(by_name[v], plan) for v in chunk.inputs)
             if sent:
                 counts[("send", "pp", "forward", sent)] += 1
                 counts[("recv", "pp", "backward", sent)] += 1
@@ -38,8 +38,19 @@ def chunk_collectives(prog: Program) -> list[list[dict]]:
         entries = [{"kind": k, "group": g, "phase": p, "count_per_microbatch": n, "elements": e}
                    for (k, g, p, e), n in sorted(counts.items())]
         if plan.dp > 1:
-            params = sum(prog.state[f].numel() for f in chunk.params)
+            params = sum(meta_of(n).numel for n in chunk.gm.graph.nodes
+                         if n.op == "placeholder" and n.meta.get("tf", {}).get("kind") == "param")
             entries.append({"kind": "all_reduce", "group": "dp", "phase": "backward",
                             "count_per_microbatch": round(1 / plan.microbatches, 6), "elements": params})
         out.append(entries)
     return out
+
+
+def _p2p_elements(node, plan) -> int:
+    """Elements one rank sends for a boundary value: 1/t of replicated ones under
+    scatter/gather (runtime/boundary.py), the whole value otherwise."""
+    n = meta_of(node).numel
+    placement = node.meta.get("tf", {}).get("placement", "R")
+    if plan.tp > 1 and plan.scatter_gather and placement == "R" and n % plan.tp == 0:
+        return n // plan.tp
+    return n

@@ -56,14 +56,14 @@ def _out_metas(node: fx.Node) -> list[TensorMeta]:
 # --- FLOP rules: f(node, input metas, output metas) -> flops ------------------------------
 
 def _matmul_flops(node, ins, outs):
-    a, b = ins[0], ins[1]
+    a = ins[0]  # (..., m, k) @ (..., k, n)
     k = a.shape[-1] if len(a.shape) >= 1 else 1
     return 2 * _numel(outs[0].shape) * k
 
 
 def _linear_flops(node, ins, outs):
     # input (..., in), weight (out, in): 2 * tokens * in * out, plus the bias add
-    x, w = ins[0], ins[1]
+    w = ins[1]
     flops = 2 * _numel(outs[0].shape) * int(w.shape[-1])
     return flops + (_numel(outs[0].shape) if len(ins) > 2 else 0)
 

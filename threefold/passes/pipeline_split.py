@@ -21,7 +21,6 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 
 from threefold.compiler.program import Chunk, Program, compute_nodes, meta_of, tf

@@ -37,6 +37,7 @@ from threefold.errors import PlanError
 from threefold.passes.tp_placement import (P, R, Partial, Replicate, Shard, local_size, padded,
                                            reshape_groups, scaled_size)
 from threefold.runtime import tp_ops
+from threefold.runtime.shard import ShardSpec
 from threefold.runtime.tp_ops import TP
 
 aten = torch.ops.aten
@@ -112,7 +113,7 @@ class _Rewriter:
             node = self.param_nodes[fqn]
             node.meta["val"] = self._param_local(fqn)
             tf(node)["placement"] = str(Shard(dim, blocks))
-            prog.shard_fns[fqn] = _ShardFn(dim, blocks, pad, self.t)
+            prog.shard_fns[fqn] = ShardSpec(dim, blocks, pad, self.t)
         both = self.shard_uses & self.replicated_uses
         if both:
             raise PlanError(f"parameter {sorted(both)[0]} is applied both to sharded and to replicated "
@@ -490,27 +491,6 @@ def _coll(kind: str, phase: str, v, back: str | None = None) -> dict:
     if back:
         c["backward"] = back
     return c
-
-
-class _ShardFn:
-    """Cut rank r's piece of a full parameter: split on `dim`, block-wise, zero-padded."""
-
-    def __init__(self, dim: int, blocks: tuple[int, ...], pad: int, t: int):
-        self.dim, self.blocks, self.pad, self.t = dim, blocks, pad, t
-
-    def __call__(self, full: torch.Tensor, rank: int) -> torch.Tensor:
-        if self.blocks:
-            pieces = full.split(list(self.blocks), dim=self.dim)
-            return torch.cat([p.chunk(self.t, dim=self.dim)[rank] for p in pieces], dim=self.dim).contiguous()
-        size = full.shape[self.dim]
-        if self.pad != size:
-            shape = list(full.shape)
-            shape[self.dim] = self.pad - size
-            full = torch.cat([full, full.new_zeros(shape)], dim=self.dim)
-        return full.chunk(self.t, dim=self.dim)[rank].contiguous()
-
-    def __repr__(self):
-        return f"shard(dim={self.dim}, blocks={list(self.blocks)}, padded={self.pad}, t={self.t})"
 
 
 from threefold.passes.tp_rules import RULES  # noqa: E402  (rules use the helpers above)

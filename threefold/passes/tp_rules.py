@@ -313,7 +313,7 @@ def cross_entropy(rw, old):
     node = rw.emit(tp_ops.vocab_parallel_cross_entropy, (logits, target, ignore, vocab, TP),
                    place=Replicate(), val=out,
                    collective={"kind": "all_reduce", "group": "tp", "phase": "forward", "elements": n,
-                               "count": 3})
+                               "count": 2})
     return node
 
 

@@ -179,7 +179,7 @@ class PipelineEngine:
                 if a.chunk == 0 or not slot.inputs:
                     slots.pop(key)
                 if i in self._reduce_after:
-                    pending.append(self._start_reduce(self._reduce_after[i]))
+                    pending.extend(self._start_reduce(self._reduce_after[i]))
             elif a.kind is Kind.SEND_GRAD:
                 slot = slots.pop(key)
                 grads = [g if g is not None else torch.zeros_like(x)
@@ -243,13 +243,25 @@ class PipelineEngine:
         return self.mesh.rank(self.coord.tp, self.coord.dp, stage)
 
     # -- gradient synchronisation ----------------------------------------------------------
-    def _start_reduce(self, fqns: list[str]):
+    def _start_reduce(self, fqns: list[str]) -> list:
+        """Start async dp all-reduces of these gradients, in buckets of <= BUCKET_BYTES."""
         grads = [self.params[f].grad for f in fqns if self.params[f].grad is not None]
         if self.groups.dp is None or not grads:
-            return _Done(), torch.empty(0), []
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        work = comm.all_reduce(flat, self.groups.dp, "gradients", async_op=True)
-        return work, flat, grads
+            return []
+        buckets, current, size = [], [], 0
+        for g in grads:
+            nbytes = g.numel() * g.element_size()
+            if current and size + nbytes > BUCKET_BYTES:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(g)
+            size += nbytes
+        buckets.append(current)
+        started = []
+        for bucket in buckets:
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            started.append((comm.all_reduce(flat, self.groups.dp, "gradients", async_op=True), flat, bucket))
+        return started
 
     def _sum_tied(self) -> None:
         for fqn, stages in self._tied:
@@ -266,18 +278,21 @@ class PipelineEngine:
                 comm.all_reduce(p.grad, self.groups.tp, f"sequence-parallel gradient {fqn}")
 
     def _global_loss(self, losses: list[torch.Tensor], m: int) -> float:
+        """Mean loss over the global batch, the same on every rank.
+
+        The last stage's ranks hold the microbatch losses (every tp rank the same ones).
+        Without pipelining a dp all-reduce suffices; with it, one all-reduce over the world
+        brings the loss to the other stages too.
+        """
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for l in losses:
-            total += l.double()
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        for loss in losses:
+            total += loss.double()
+        if self.mesh.pp > 1:
             comm.all_reduce(total, None, "the loss")
-        # every (tp, dp) rank of the last stage contributed its m microbatch losses
-        return float(total) / (m * self.mesh.dp * self.mesh.tp)
-
-
-class _Done:
-    def wait(self):
-        return True
+            return float(total) / (m * self.mesh.dp * self.mesh.tp)
+        if self.mesh.dp > 1:
+            comm.all_reduce(total, self.groups.dp, "the loss")
+        return float(total) / (m * self.mesh.dp)
 
 
 def _unflatten_into(flat: torch.Tensor, grads: list[torch.Tensor], scale: float) -> None:

@@ -176,8 +176,8 @@ def vocab_parallel_embedding(weight, ids, group, seq_dim=None):
 class _VocabParallelCE(torch.autograd.Function):
     """Cross-entropy over logits split along the class (vocabulary) dim, per row.
 
-    Three all-reduces of per-row scalars (max, target logit, sum of exponentials) replace
-    the gather of the full logits; columns at or past `vocab` (padding) are ignored.
+    Two all-reduces of per-row scalars (the max; then the target logit and the sum of
+    exponentials together) replace the gather of the full logits; columns at or past `vocab` (padding) are ignored.
     """
 
     @staticmethod
@@ -197,9 +197,10 @@ class _VocabParallelCE(torch.autograd.Function):
         picked = picked.masked_fill(~in_range, 0.0)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
-        if group is not None:
-            dist.all_reduce(picked, group=group)
-            dist.all_reduce(sum_exp, group=group)
+        if group is not None:  # one message for both per-row sums
+            both = torch.stack([picked, sum_exp])
+            dist.all_reduce(both, group=group)
+            picked, sum_exp = both[0], both[1]
         loss = sum_exp.log() - picked
         keep = target != ignore_index
         loss = loss.masked_fill(~keep, 0.0)

@@ -1,0 +1,38 @@
+"""Cut one tensor-parallel rank's piece of a full parameter (runtime side, no compiler).
+
+A `ShardSpec` is what the tensor-parallel pass decided for a parameter: the dim it is
+split on, the pieces of a fused projection (`blocks`, each split separately so every rank
+gets its own q, k and v), and the padded size of a vocabulary t does not divide. It is
+stored in the manifest, so any rank can cut its shard from the full weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    dim: int
+    blocks: tuple[int, ...]
+    padded: int
+    t: int
+
+    def __call__(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        if self.blocks:
+            pieces = full.split(list(self.blocks), dim=self.dim)
+            return torch.cat([p.chunk(self.t, dim=self.dim)[rank] for p in pieces], dim=self.dim).contiguous()
+        size = full.shape[self.dim]
+        if self.padded != size:
+            shape = list(full.shape)
+            shape[self.dim] = self.padded - size
+            full = torch.cat([full, full.new_zeros(shape)], dim=self.dim)
+        return full.chunk(self.t, dim=self.dim)[rank].contiguous()
+
+    def to_json(self) -> dict:
+        return {"dim": self.dim, "blocks": list(self.blocks), "padded": self.padded, "t": self.t}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ShardSpec":
+        return cls(d["dim"], tuple(d["blocks"]), d["padded"], d["t"])
