@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from threefold.cli.main import main
+from threefold.compiler.paper_table1 import TABLE1
 from threefold.compiler.cluster import cluster_from_toml, load_cluster, preset_names
 from threefold.compiler.perf_model import Config, eq3_flops, estimate, gpt_model_cost
 from threefold.compiler.plan_svg import simulate
@@ -21,18 +22,6 @@ from threefold.compiler.planner import Constraints, best_plan, legal_configs, ra
 from threefold.errors import PlanError
 from threefold.plan import Plan
 
-TABLE1 = [
-    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
-    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
-    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
-    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
-]
 ROW_IDS = [f"{row[0]}B" for row in TABLE1]
 GPT_EXAMPLE = str(Path(__file__).resolve().parent.parent / "examples" / "gpt.py")
 
