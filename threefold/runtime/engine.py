@@ -33,6 +33,21 @@ class StepStats:
 
 
 @dataclass
+class _StepState:
+    """Everything one call of step() tracks while it walks the action list."""
+    micro: list[tuple]                                   # this dp rank's microbatches
+    m: int
+    train: bool
+    slots: dict = field(default_factory=dict)           # (chunk, mb) -> _Slot
+    sends: list = field(default_factory=list)           # comm.PendingSend not yet complete
+    reductions: list = field(default_factory=list)      # (work, flat, grads) dp all-reduces
+    losses: list = field(default_factory=list)
+    outputs: list = field(default_factory=list)         # forward-only outputs (no loss)
+    inflight: int = 0
+    peak: int = 0
+
+
+@dataclass
 class _Slot:
     """What one (chunk, microbatch) keeps between its forward and its backward."""
     inputs: list[torch.Tensor]
@@ -119,87 +134,90 @@ class PipelineEngine:
         """Run all microbatches of the global `batch` (model inputs..., target); mean loss."""
         start = time.perf_counter()
         schedule = schedule or self.schedule
-        m = schedule.m
-        micro = self._microbatches(batch, m)
-        slots: dict[tuple[int, int], _Slot] = {}
-        pending: list[tuple[object, list[torch.Tensor], list[torch.Tensor]]] = []
-        losses: list[torch.Tensor] = []
-        outputs: list[list[torch.Tensor]] = []
-        inflight = peak = 0
-        sends: list[comm.PendingSend] = []
-        last = self.num_chunks - 1
+        st = _StepState(micro=self._microbatches(batch, schedule.m), m=schedule.m, train=train)
+        handlers = {Kind.RECV_ACT: self._recv_act, Kind.FORWARD: self._forward,
+                    Kind.SEND_ACT: self._send_act, Kind.RECV_GRAD: self._recv_grad,
+                    Kind.BACKWARD: self._backward_action, Kind.SEND_GRAD: self._send_grad}
         for i, a in enumerate(schedule.actions[self.stage]):
-            key = (a.chunk, a.mb)
-            if a.kind is Kind.RECV_ACT:
-                peer = self._peer(a.peer)
-                b = self._boundary(a.chunk, "inputs")
-                tensors = b.unpack(comm.recv(b.recv_specs(), peer,
-                                             f"activations of chunk {a.chunk - 1} microbatch {a.mb}", self.device))
-                for t in tensors:
-                    if train and t.is_floating_point():
-                        t.requires_grad_(True)
-                slots[key] = _Slot(inputs=tensors)
-            elif a.kind is Kind.FORWARD:
-                slot = slots.setdefault(key, _Slot(inputs=[]))
-                mod = self.modules[a.chunk]
-                user = [micro[a.mb][j] for j in mod.USER_INPUTS]
-                with torch.set_grad_enabled(train):
-                    outs = list(mod(*slot.inputs, *user))
-                inflight += 1
-                peak = max(peak, inflight)
-                if a.chunk == last:
-                    if self.has_loss:
-                        losses.append(outs[0].detach())
-                    else:
-                        outputs.append([o.detach() for o in outs])
-                slot.outputs = outs
-                if not train:
-                    slot.inputs = []
-                    if a.chunk == last:
-                        slots.pop(key)
-                        inflight -= 1
-            elif a.kind is Kind.SEND_ACT:
-                slot = slots[key]
-                sends.append(comm.send(self._boundary(a.chunk, "outputs").pack(slot.outputs), self._peer(a.peer),
-                                       f"activations of chunk {a.chunk} microbatch {a.mb}"))
-                if not train:
-                    slots.pop(key)
-                    inflight -= 1
-                else:
-                    _release_outputs(slot.outputs, self.chunk_meta[a.chunk].get("releasable", []))
-            elif a.kind is Kind.RECV_GRAD:
-                slot = slots[key]
-                b = self._boundary(a.chunk, "outputs", grads=True)
-                slot.output_grads = b.unpack(comm.recv(b.recv_specs(), self._peer(a.peer),
-                                             f"gradients of chunk {a.chunk} microbatch {a.mb}", self.device))
-            elif a.kind is Kind.BACKWARD:
-                slot = slots[key]
-                self._backward(slot, a.chunk == last, m)
-                inflight -= 1
-                if a.chunk == 0 or not slot.inputs:
-                    slots.pop(key)
-                if i in self._reduce_after:
-                    pending.extend(self._start_reduce(self._reduce_after[i]))
-            elif a.kind is Kind.SEND_GRAD:
-                slot = slots.pop(key)
-                grads = [g if g is not None else torch.zeros_like(x)
-                         for x, g in zip(slot.inputs, slot.input_grads) if x.is_floating_point()]
-                sends.append(comm.send(self._boundary(a.chunk, "inputs", grads=True).pack(grads), self._peer(a.peer),
-                                       f"gradients of chunk {a.chunk - 1} microbatch {a.mb}"))
-            if sends:  # drop finished sends so their buffers can be freed
-                sends = [s for s in sends if not s.done()]
-        for s in sends:
+            handlers[a.kind](st, a)
+            if a.kind is Kind.BACKWARD and i in self._reduce_after:
+                st.reductions.extend(self._start_reduce(self._reduce_after[i]))
+            if st.sends:  # drop finished sends so their buffers can be freed
+                st.sends = [s for s in st.sends if not s.done()]
+        for s in st.sends:
             s.wait()
         if train:
-            for work, flat, grads in pending:
+            for work, flat, grads in st.reductions:
                 comm.wait(work, "data-parallel gradient all-reduce")
                 _unflatten_into(flat, grads, scale=1.0 / self.mesh.dp)
             self._sum_tied()
             self._sync_tp_grads()
-        loss = self._global_loss(losses, m) if self.has_loss else float("nan")
-        self.stats = StepStats(time.perf_counter() - start, peak, loss)
-        self.last_outputs = outputs
+        loss = self._global_loss(st.losses, st.m) if self.has_loss else float("nan")
+        self.stats = StepStats(time.perf_counter() - start, st.peak, loss)
+        self.last_outputs = st.outputs
         return loss
+
+    # One method per action kind; each reads and updates the step's state.
+    def _recv_act(self, st: "_StepState", a) -> None:
+        b = self._boundary(a.chunk, "inputs")
+        tensors = b.unpack(comm.recv(b.recv_specs(), self._peer(a.peer),
+                                     f"activations of chunk {a.chunk - 1} microbatch {a.mb}", self.device))
+        for t in tensors:
+            if st.train and t.is_floating_point():
+                t.requires_grad_(True)
+        st.slots[(a.chunk, a.mb)] = _Slot(inputs=tensors)
+
+    def _forward(self, st: "_StepState", a) -> None:
+        key = (a.chunk, a.mb)
+        slot = st.slots.setdefault(key, _Slot(inputs=[]))
+        mod = self.modules[a.chunk]
+        user = [st.micro[a.mb][j] for j in mod.USER_INPUTS]
+        with torch.set_grad_enabled(st.train):
+            outs = list(mod(*slot.inputs, *user))
+        st.inflight += 1
+        st.peak = max(st.peak, st.inflight)
+        is_last = a.chunk == self.num_chunks - 1
+        if is_last:
+            if self.has_loss:
+                st.losses.append(outs[0].detach())
+            else:
+                st.outputs.append([o.detach() for o in outs])
+        slot.outputs = outs
+        if not st.train:
+            slot.inputs = []
+            if is_last:
+                st.slots.pop(key)
+                st.inflight -= 1
+
+    def _send_act(self, st: "_StepState", a) -> None:
+        slot = st.slots[(a.chunk, a.mb)]
+        st.sends.append(comm.send(self._boundary(a.chunk, "outputs").pack(slot.outputs), self._peer(a.peer),
+                                  f"activations of chunk {a.chunk} microbatch {a.mb}"))
+        if not st.train:
+            st.slots.pop((a.chunk, a.mb))
+            st.inflight -= 1
+        else:
+            _release_outputs(slot.outputs, self.chunk_meta[a.chunk].get("releasable", []))
+
+    def _recv_grad(self, st: "_StepState", a) -> None:
+        slot = st.slots[(a.chunk, a.mb)]
+        b = self._boundary(a.chunk, "outputs", grads=True)
+        slot.output_grads = b.unpack(comm.recv(b.recv_specs(), self._peer(a.peer),
+                                               f"gradients of chunk {a.chunk} microbatch {a.mb}", self.device))
+
+    def _backward_action(self, st: "_StepState", a) -> None:
+        slot = st.slots[(a.chunk, a.mb)]
+        self._backward(slot, a.chunk == self.num_chunks - 1, st.m)
+        st.inflight -= 1
+        if a.chunk == 0 or not slot.inputs:  # nothing to send back
+            st.slots.pop((a.chunk, a.mb))
+
+    def _send_grad(self, st: "_StepState", a) -> None:
+        slot = st.slots.pop((a.chunk, a.mb))
+        grads = [g if g is not None else torch.zeros_like(x)
+                 for x, g in zip(slot.inputs, slot.input_grads) if x.is_floating_point()]
+        st.sends.append(comm.send(self._boundary(a.chunk, "inputs", grads=True).pack(grads), self._peer(a.peer),
+                                  f"gradients of chunk {a.chunk - 1} microbatch {a.mb}"))
 
     def _backward(self, slot: _Slot, is_last: bool, m: int) -> None:
         if is_last and self.has_loss:
