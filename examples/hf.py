@@ -56,3 +56,40 @@ def llama(n_layer: int = 2, hidden: int = 64, n_head: int = 4, n_kv_head: int = 
         model = LogitsOnly(LlamaForCausalLM(cfg))
     inputs, target = _batch(vocab_size, batch, seq, seed, device)
     return {"model": model, "inputs": (inputs,), "target": target, "loss_fn": lm_loss}
+
+
+# Tiny configurations of other decoder architectures, for robustness tests: each exercises
+# something the two above do not (OPT: padding_idx, offset learned positions, 2-D MLP
+# input; GPT-NeoX: fused QKV laid out per head, partial rotary; Gemma: scaled embeddings,
+# RMSNorm with 1 + weight, GeGLU; Mistral/Qwen2: GQA with biases or sliding-window config;
+# GPT-J: interleaved rotary built with stack; Phi: parallel attention and MLP).
+_TINY = {
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+            num_attention_heads=4, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(hidden_size=32, intermediate_size=64,
+                 num_hidden_layers=2, num_attention_heads=4)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(hidden_size=32, intermediate_size=64,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(hidden_size=32, intermediate_size=64,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(hidden_size=32, intermediate_size=64,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(n_embd=32, n_layer=2, n_head=4, rotary_dim=4)),
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(hidden_size=32, intermediate_size=64,
+            num_hidden_layers=2, num_attention_heads=4)),
+}
+
+
+def causal_lm(arch: str = "opt", vocab_size: int = 128, seq: int = 8, batch: int = 4, seed: int = 0):
+    """SPEC factory `examples/hf.py:causal_lm(arch="opt")`: a tiny model of that architecture."""
+    import transformers
+    if arch not in _TINY:
+        raise ValueError(f"unknown arch {arch!r}: choose one of {', '.join(sorted(_TINY))}")
+    config_cls, model_cls, kwargs = _TINY[arch]
+    torch.manual_seed(seed)
+    positions = {"n_positions": 32} if arch == "gptj" else {"max_position_embeddings": 32}
+    cfg = getattr(transformers, config_cls)(vocab_size=vocab_size, use_cache=False,
+                                             attn_implementation="eager", **positions, **kwargs)
+    model = LogitsOnly(getattr(transformers, model_cls)(cfg))
+    inputs, target = _batch(vocab_size, batch, seq, seed, "cpu")
+    return {"model": model, "inputs": (inputs,), "target": target, "loss_fn": lm_loss}

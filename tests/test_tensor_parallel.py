@@ -119,3 +119,15 @@ def test_sequence_length_not_divisible_under_sp_is_a_plan_error():
     w = load_workload("gpt", n_layer=1, n_embd=16, n_head=2, seq=7, batch=2)
     with pytest.raises(threefold.PlanError, match="size 7"):
         compile_workload(w, "tp=2,sp=true")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("arch", ["opt", "gpt_neox", "gemma", "mistral", "qwen2", "gptj", "phi"])
+def test_other_decoder_architectures_match_single_process(arch):
+    """Models the passes were not written against: the rules must be general."""
+    kwargs = {"arch": arch}
+    ref = reference_losses("causal_lm", kwargs, STEPS)
+    plans = ["pp=2,m=2", "tp=2", "tp=2,sp=true"]
+    results = launch(parallel_losses, 2, plans, "causal_lm", kwargs, STEPS, timeout=500)
+    for r in results[0]:
+        assert max_rel_diff(r["losses"], ref) < 1e-5, (arch, r["plan"], r["losses"], ref)

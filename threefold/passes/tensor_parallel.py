@@ -77,6 +77,7 @@ class _Rewriter:
         self.shard_uses: set[str] = set()      # R params applied to shards (grad sum over tp)
         self.replicated_uses: set[str] = set()
         self.current: fx.Node | None = None
+        self._sources_memo: dict[fx.Node, frozenset | None] = {}
 
     # ---- driver ----------------------------------------------------------------------
     def run(self) -> None:
@@ -276,10 +277,39 @@ class _Rewriter:
                             f"({', '.join(str(self.place[i]) for i in inputs)}); use tp=1 or restructure it")
         return rule(self, old)
 
-    def _note_param_uses(self, old: fx.Node, sharded: bool) -> None:
-        for a in old.all_input_nodes:
-            if _is_param(a) and tf(a)["fqn"] not in self.decisions:
-                (self.shard_uses if sharded else self.replicated_uses).add(tf(a)["fqn"])
+    def _note_param_uses(self, old: fx.Node, sharded: bool, skip: set = frozenset()) -> None:
+        """Record replicated parameters (or values made from them alone, like Gemma's
+        1 + weight) that this op applies to activations. Applied to shards, each rank
+        holds only part of their gradient, which the runtime then sums over tp."""
+        sources = [self._param_sources(a) for a in old.all_input_nodes]
+        if all(src is not None for src in sources):
+            return  # parameters transformed among themselves: not a use yet
+        for a, src in zip(old.all_input_nodes, sources):
+            if a in skip:
+                continue
+            for fqn in src or ():
+                if fqn not in self.decisions:
+                    (self.shard_uses if sharded else self.replicated_uses).add(fqn)
+
+    def _param_sources(self, old: fx.Node) -> frozenset | None:
+        """The parameters a value is computed from, if it depends on nothing else
+        (buffers and constants allowed); None for activations."""
+        memo = self._sources_memo
+        if old in memo:
+            return memo[old]
+        if old.op == "placeholder":
+            kind = tf(old).get("kind")
+            out = frozenset([tf(old)["fqn"]]) if kind == "param" else frozenset() if kind == "buffer" else None
+        else:
+            out = frozenset()
+            for a in old.all_input_nodes:
+                src = self._param_sources(a)
+                if src is None:
+                    out = None
+                    break
+                out |= src
+        memo[old] = out
+        return out
 
     def weight_matmul(self, old, name, x_old, w_old, b_old, out_dim):
         x = self.env[x_old]
@@ -363,6 +393,10 @@ class _Rewriter:
         if pad != rows:
             self.prog.notes.append(f"{fqn}: vocabulary {rows} padded to {pad} for tp={self.t}")
         self.decide(fqn, 0, (), pad)
+        padding_idx = old.args[2] if len(old.args) > 2 else old.kwargs.get("padding_idx", -1)
+        if (old.args[3] if len(old.args) > 3 else old.kwargs.get("scale_grad_by_freq", False)):
+            raise PlanError(f"tp={self.t}: embedding {fqn} uses scale_grad_by_freq, which the "
+                            "vocab-parallel embedding does not support; turn it off or use tp=1")
         w = self.param_arg(w_old)
         ids = self.env[ids_old]
         full = _to_meta(old.meta["val"])
@@ -370,10 +404,11 @@ class _Rewriter:
             shape = list(full.shape)
             shape[1] = local_size(shape[1], self.t, f"sequence parallelism at {self._where()} (sequence length)")
             val = torch.empty(shape, dtype=full.dtype, device="meta")
-            return self.emit(tp_ops.vocab_parallel_embedding, (w, self.to_replicated(ids), TP, 1),
+            return self.emit(tp_ops.vocab_parallel_embedding, (w, self.to_replicated(ids), TP, 1, padding_idx),
                              place=Shard(1, seq=True), val=val,
                              collective=_coll("reduce_scatter", "forward", full, back="all_gather"))
-        return self.emit(tp_ops.vocab_parallel_embedding, (w, self.to_replicated(ids), TP), place=R, val=full,
+        args = (w, self.to_replicated(ids), TP) + ((None, padding_idx) if padding_idx >= 0 else ())
+        return self.emit(tp_ops.vocab_parallel_embedding, args, place=R, val=full,
                          collective=_coll("all_reduce", "forward", full))
 
     def _output(self, old: fx.Node) -> None:

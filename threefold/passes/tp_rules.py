@@ -53,6 +53,8 @@ def elementwise(rw, old):
             if shard is not None and shard != cand:
                 _fail(rw, f"combines values sharded {shard} and {cand}")
             shard = cand
+    sliced = set()
+
     def fix(a):
         if not isinstance(a, fx.Node) or not isinstance(rw.place[a], Replicate):
             return a
@@ -60,14 +62,18 @@ def elementwise(rw, old):
         if k >= 0 and rw.val[a].shape[k] != 1:
             if shard.blocks:
                 _fail(rw, "mixes a block-sharded value with a replicated one")
+            sliced.add(a)
             return rw.scatter(a, k, seq=shard.seq)
         return a
     args = tuple(fix(a) for a in args)
     kwargs = {k: fix(v) for k, v in kwargs.items()}
-    rw._note_param_uses(old, sharded=True)
+    # A sliced operand's gradient is made whole by the slice's backward (an all-gather);
+    # operands broadcast over the shard (a norm weight, 1 + weight) get partial gradients.
+    rw._note_param_uses(old, sharded=True, skip={o for o in old.all_input_nodes if rw.env[o] in sliced})
     name = op_name(old)
     if name == "dropout" and old.args[1] != 0.0:
-        return rw.emit(tp_ops.tp_dropout, (args[0], args[1], args[2], TP), place=shard)
+        return rw.emit(tp_ops.tp_dropout, (args[0], args[1], args[2], TP), place=shard,
+                       val=rw.val[args[0]])
     return rw.emit(old.target, args, kwargs, place=shard)
 
 
@@ -128,8 +134,9 @@ def reshape(rw, old):
         if s.dim in gi:
             lead_in = next(i for i in gi if src_global[i] != 1)
             if lead_in != s.dim:
-                if s.seq:  # a sequence shard can always be gathered back (GPT-2's x.view(-1, C))
-                    whole = rw.gather_seq(x, s.dim)
+                if s.seq:  # a sequence shard can always be gathered back (GPT-2's x.view(-1, C));
+                    # a plain gather (slice in backward) is right whatever reads the result
+                    whole = rw._cached(("gather", x), lambda: rw.gather(x, s.dim))
                     return rw.emit(old.target, (whole,) + tuple(rw._map(old.args[1:])),
                                    rw._map(old.kwargs), place=rw.place[whole])
                 _fail(rw, f"reshapes {src_global} -> {dst_global} with sharded dim {s.dim} not leading its group")
@@ -144,6 +151,8 @@ def reshape(rw, old):
             break
     else:
         _fail(rw, "reshapes a sharded value in a way threefold cannot follow")
+    if op_name(old) == "flatten":  # same layout as a reshape to the flattened shape
+        return rw.emit(aten.reshape.default, (x, dst_local), place=s.moved(lead_out))
     args = (x, dst_local) + tuple(rw._map(old.args[2:]))
     return rw.emit(old.target, args, rw._map(old.kwargs), place=s.moved(lead_out))
 
@@ -218,6 +227,19 @@ def cat(rw, old):
         _fail(rw, "concatenates along the sharded dim")
     fixed = [a if isinstance(rw.place[a], Shard) else rw.scatter(a, s.dim, s.seq) for a in tensors]
     return rw.emit(old.target, (fixed,) + tuple(rw._map(old.args[1:])), rw._map(old.kwargs), place=s)
+
+
+def stack(rw, old):
+    tensors = [rw.env[a] for a in old.args[0]]
+    n = _rank(rw.val[tensors[0]])
+    dim = (old.args[1] if len(old.args) > 1 else 0) % (n + 1)
+    shards = {rw.place[a] for a in tensors if isinstance(rw.place[a], Shard)}
+    if len(shards) != 1:
+        _fail(rw, "stacks values sharded differently")
+    s = shards.pop()
+    fixed = [a if isinstance(rw.place[a], Shard) else rw.scatter(a, s.dim, s.seq) for a in tensors]
+    return rw.emit(old.target, (fixed,) + tuple(rw._map(old.args[1:])), rw._map(old.kwargs),
+                   place=s.moved(s.dim + (1 if dim <= s.dim else 0)))
 
 
 def softmax(rw, old):
@@ -330,9 +352,9 @@ RULES = {name: elementwise for name in _ELEMENTWISE}
 RULES.update({
     "_assert_tensor_metadata": lambda rw, old: rw.env[old.args[0]],
     "transpose": transpose, "t": t, "permute": permute, "unsqueeze": unsqueeze, "squeeze": squeeze,
-    "view": reshape, "reshape": reshape, "_unsafe_view": reshape, "expand": expand,
+    "view": reshape, "reshape": reshape, "_unsafe_view": reshape, "flatten": reshape, "expand": expand,
     "split": split, "split_with_sizes": split, "chunk": split, "getitem": getitem,
-    "slice": slice_, "select": select, "cat": cat,
+    "slice": slice_, "select": select, "cat": cat, "stack": stack,
     "softmax": softmax, "_softmax": softmax, "_safe_softmax": softmax, "log_softmax": softmax,
     "_log_softmax": softmax,
     "sum": reduction, "mean": reduction, "amax": reduction, "amin": reduction,

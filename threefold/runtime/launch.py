@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -47,7 +48,9 @@ def _worker(rank: int, world: int, port: int, fn, args, queue, threads: int) -> 
     torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=default_timeout())
-        result = fn(*args)
+        # Plain pickle copies tensors into the bytes; the queue's own pickler would share
+        # their storage, which vanishes when this process exits.
+        result = pickle.dumps(fn(*args))
         queue.put((rank, "ok", result))
     except BaseException as exc:  # report everything, including KeyboardInterrupt
         msg = f"{type(exc).__name__}: {exc}"
@@ -82,7 +85,7 @@ def launch(fn, nprocs: int, *args, threads: int = 1, timeout: float | None = Non
             now = time.monotonic()
             for r, p in enumerate(procs):
                 if r not in results and not p.is_alive():
-                    _drain(queue, results)
+                    _drain(queue, results, wait=5.0 if p.exitcode == 0 else 0.5)
                     if r not in results:
                         results[r] = ("error", f"rank {r} died (exit code {p.exitcode})")
             if first_failure is None and any(s == "error" for s, _ in results.values()):
@@ -109,13 +112,16 @@ def launch(fn, nprocs: int, *args, threads: int = 1, timeout: float | None = Non
         err = LaunchError(f"{len(errors)} of {nprocs} ranks failed:\n" + "\n".join(lines))
         err.errors = errors
         raise err from None
-    return [results[r][1] for r in range(nprocs)]
+    return [pickle.loads(results[r][1]) for r in range(nprocs)]
 
 
-def _drain(queue, results) -> None:
+def _drain(queue, results, wait: float = 0.0) -> None:
+    """Collect what the ranks reported. A rank that has exited may still have its result
+    in flight through the queue's pipe (large results), so callers can wait a little."""
     while True:
         try:
-            rank, status, value = queue.get_nowait()
+            rank, status, value = queue.get(timeout=wait) if wait else queue.get_nowait()
         except Exception:
             return
         results[rank] = (status, value)
+        wait = 0.0

@@ -158,15 +158,17 @@ def all_gather_seq(x, dim, group):
     return _AllGatherSeq.apply(x, dim, group) if group is not None else x
 
 
-def vocab_parallel_embedding(weight, ids, group, seq_dim=None):
+def vocab_parallel_embedding(weight, ids, group, seq_dim=None, padding_idx=-1):
     """Embedding with the vocabulary split across ranks: each rank looks up the ids that
     fall in its row range (others masked to zero), then the partial results are summed
-    (all-reduce; or reduce-scatter along seq_dim under sequence parallelism)."""
+    (all-reduce; or reduce-scatter along seq_dim under sequence parallelism).
+    `padding_idx` (global; -1 for none) keeps its row's gradient at zero, as in nn.Embedding."""
     rows = weight.shape[0]
     start = _rank(group) * rows
     local = ids - start
     outside = (local < 0) | (local >= rows)
-    out = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
+    local_pad = padding_idx - start if padding_idx >= 0 and 0 <= padding_idx - start < rows else -1
+    out = torch.ops.aten.embedding.default(weight, local.masked_fill(outside, 0), local_pad)
     out = out.masked_fill(outside.unsqueeze(-1), 0.0)
     if seq_dim is not None:
         return reduce_scatter(out, seq_dim, group)
