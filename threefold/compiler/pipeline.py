@@ -16,6 +16,7 @@ from threefold.compiler.cost import annotate_costs
 from threefold.compiler.program import Program, format_program, tf
 from threefold.errors import PlanError
 from threefold.passes.extract_chunks import extract_chunks
+from threefold.passes.fusion import fuse
 from threefold.passes.pipeline_split import split_pipeline
 from threefold.passes.tensor_parallel import tensor_parallel
 
@@ -23,14 +24,9 @@ Pass = Callable[[Program], Program]
 
 
 def default_passes() -> list[Pass]:
-    # costs are of local (per-tp-rank) shapes, so they come after tensor parallelism
-    passes: list[Pass] = [tensor_parallel, annotate_costs, split_pipeline, extract_chunks]
-    try:
-        from threefold.passes.fusion import fuse
-        passes.append(fuse)
-    except ImportError:
-        pass
-    return passes
+    """The standard lowering, in order. Costs are of local (per-tp-rank) shapes, so they
+    come after tensor parallelism; fusion works on each chunk's own graph."""
+    return [tensor_parallel, annotate_costs, split_pipeline, extract_chunks, fuse]
 
 
 class PassFailed(RuntimeError):
