@@ -78,10 +78,11 @@ def chunk_report(prog) -> dict:
 
 def format_report(prog, report: dict) -> str:
     headers = ["chunk", "stage", "ranks", "ops", "params", "fwd FLOPs", "activations",
-               "boundary in", "boundary out"]
+               "boundary in", "boundary out", "tp collectives/mb"]
     rows = [[str(r["index"]), str(r["stage"]), _ranks(r["ranks"]), str(r["ops"]),
              human(r["params"]), human(r["flops"]), human_bytes(r["activation_bytes"]),
-             human_bytes(r["boundary_in_bytes"]), human_bytes(r["boundary_out_bytes"])]
+             human_bytes(r["boundary_in_bytes"]), human_bytes(r["boundary_out_bytes"]),
+             _tp_collectives(r["collectives"])]
             for r in report["chunks"]]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
     per_rank = "; figures per tp rank" if prog.plan.tp > 1 else ""
@@ -97,6 +98,13 @@ def format_report(prog, report: dict) -> str:
             lines.append(f"tied parameters held by several chunks (grads summed): {', '.join(shared)}")
     lines += [f"note: {n}" for n in prog.notes]
     return "\n".join(lines)
+
+
+def _tp_collectives(entries: list[dict]) -> str:
+    """'fwd 5, bwd 4' tensor-parallel collectives per microbatch ('-' without tp)."""
+    fwd = sum(e["count_per_microbatch"] for e in entries if e["group"] == "tp" and e["phase"] == "forward")
+    bwd = sum(e["count_per_microbatch"] for e in entries if e["group"] == "tp" and e["phase"] == "backward")
+    return f"fwd {fwd}, bwd {bwd}" if fwd or bwd else "-"
 
 
 def _ranks(ranks: list[int]) -> str:
