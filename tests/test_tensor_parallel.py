@@ -31,6 +31,8 @@ def test_tensor_parallel_matches_single_process(model, world):
     kwargs = MODELS[model]
     ref = reference_losses(model, kwargs, STEPS)
     plans = _plans(world)
+    if world == 4 and model == "gpt":  # boundary tensors sent whole instead of 1/t + all-gather
+        plans.append("tp=2,pp=2,m=2,scatter_gather=false")
     results = launch(parallel_losses, world, plans, model, kwargs, STEPS, timeout=800)
     for r in results[0]:
         assert max_rel_diff(r["losses"], ref) < 1e-5, (model, r["plan"], r["losses"], ref)
