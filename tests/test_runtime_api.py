@@ -9,7 +9,7 @@ import torch
 
 import threefold
 from threefold.runtime.launch import launch
-from tests.parity import load_workload, max_rel_diff, reference_losses
+from tests.parity import load_workload, max_rel_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KW = {"n_layer": 2, "n_embd": 16, "n_head": 2, "seq": 8, "batch": 4}
@@ -26,7 +26,6 @@ def test_runtime_imports_nothing_from_the_compiler():
 
 
 def _decorated_and_inference():
-    import threefold
     from tests.parity import load_workload
     torch.set_num_threads(1)
     w = load_workload("gpt", **KW)

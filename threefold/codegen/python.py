@@ -76,7 +76,8 @@ class _ClassWriter:
             self.names[n] = _ident(n.name if tf(n)["kind"] in ("boundary", "input")
                                    else "p_" + tf(n)["fqn"].replace(".", "_"))
         lines = [f"    def forward(self, {', '.join(self.names[n] for n in args)}):"]
-        lines.append("        dev = self.device")
+        self.uses_device = False
+        dev_line = len(lines)
         for n in state:
             lines.append(f"        {self.names[n]} = self.p({tf(n)['fqn']!r})")
         out_line = None
@@ -89,6 +90,8 @@ class _ClassWriter:
                 outs = node.args[0]
                 out_line = "        return (" + "".join(self._arg(o) + ", " for o in outs) + ")"
         lines.append(out_line)
+        if self.uses_device:  # ops that create tensors run on the module's own device
+            lines.insert(dev_line, "        dev = self.device")
 
         def spec(n):
             val = n.meta["val"]
@@ -145,6 +148,7 @@ class _ClassWriter:
         if type(a).__name__ == "GroupRef":  # a process group, bound by the runtime
             return f"self.{a.name}_group"
         if isinstance(a, torch.device):
+            self.uses_device = True
             return "dev"  # the module's own device, whatever device the model was traced on
         if isinstance(a, torch.dtype):
             return str(a)

@@ -25,7 +25,6 @@ identical.
 """
 from __future__ import annotations
 
-import operator
 
 import torch
 import torch.fx as fx
@@ -34,8 +33,7 @@ from torch.utils._pytree import tree_map
 from threefold.compiler.cost import op_name
 from threefold.compiler.program import Program, tf
 from threefold.errors import PlanError
-from threefold.passes.tp_placement import (P, R, Partial, Replicate, Shard, local_size, padded,
-                                           reshape_groups, scaled_size)
+from threefold.passes.tp_placement import (P, R, Partial, Replicate, Shard, local_size, padded)
 from threefold.runtime import tp_ops
 from threefold.runtime.shard import ShardSpec
 from threefold.runtime.tp_ops import TP
@@ -364,9 +362,10 @@ class _Rewriter:
         xin = x if px.gathered else self.f(x)
         args = self._map(old.args)
         args = _replace(args, self.env[x_old_of(old, name)], xin)
-        w, b = self.param_arg(w_old), self.param_arg(b_old) if b_old is not None else None
-        node = self.emit(old.target, args, self._map(old.kwargs), place=Shard(len(old.meta["val"].shape) - 1, blocks))
-        return node
+        self.param_arg(w_old)  # the weight's (and bias's) local shapes, for the shape check
+        if b_old is not None:
+            self.param_arg(b_old)
+        return self.emit(old.target, args, self._map(old.kwargs), place=Shard(len(old.meta["val"].shape) - 1, blocks))
 
     def row(self, old, name, x, px, w_old, b_old, fqn, w_shape, in_dim):
         self.decide(fqn, in_dim, px.blocks, w_shape[in_dim])

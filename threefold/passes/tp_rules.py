@@ -11,7 +11,6 @@ import torch
 import torch.fx as fx
 
 from threefold.compiler.cost import op_name
-from threefold.compiler.program import tf
 from threefold.errors import PlanError
 from threefold.passes.tp_placement import Partial, Replicate, Shard, reshape_groups, scaled_size
 from threefold.runtime import tp_ops

@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from threefold.runtime import comm
 from threefold.runtime.boundary import Boundary

@@ -5,7 +5,7 @@ rank:    pipeline stage 1 (model chunk 1, virtual 0), tp rank 0 of 1
 covers:  h.1, ln_f, lm_head, <top>
 Generated from the traced graph; edit the model, not this file.
 """
-# content-hash: 6116798e52fa6eb1
+# content-hash: 15fd8af14d2fc866
 import torch
 
 from threefold.runtime.module import ChunkModule
@@ -39,7 +39,6 @@ class Chunk1(ChunkModule):
     OUTPUTS = ['cross_entropy_loss']
 
     def forward(self, add_2, target):
-        dev = self.device
         p_wte_weight = self.p('wte.weight')
         p_h_1_ln_1_weight = self.p('h.1.ln_1.weight')
         p_h_1_ln_1_bias = self.p('h.1.ln_1.bias')
