@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import operator
 import logging
 import os
 import re
@@ -281,7 +282,7 @@ def _inline_higher_order_ops(gm: fx.GraphModule) -> None:
                             o.meta["val"] = src.meta.get("val")
                             o.meta["nn_module_stack"] = src.meta.get("nn_module_stack", {})
             for user in list(node.users):
-                if user.op == "call_function" and user.target is __import__("operator").getitem:
+                if user.op == "call_function" and user.target is operator.getitem:
                     user.replace_all_uses_with(outputs[user.args[1]])
                     graph.erase_node(user)
             if node.users:
