@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from threefold.errors import PlanError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+LOSS_MODES = ("exact", "microbatch_mean")
+BATCHNORM_MODES = ("exact", "local")
 
 # Short keys accepted by Plan.parse and used by str(plan).
 _ALIASES = {"m": "microbatches", "v": "interleave"}
@@ -31,6 +33,13 @@ class Plan:
     fuse: bool | None = None    # fused Triton kernels; None = on when the model is on a GPU
     recompute: bool = False     # activation recomputation per chunk
     split_points: tuple[str, ...] = field(default_factory=tuple)  # FQNs to start new chunks at
+    # How microbatch/dp losses combine: "exact" (numerator and denominator derived from the
+    # loss graph; a PlanError where the loss is not separable) or "microbatch_mean" (opt-in:
+    # the mean of per-microbatch losses, Megatron's behaviour).
+    loss: str = "exact"
+    # Training-mode BatchNorm with m*dp > 1: "exact" (a PlanError: statistics would be per
+    # microbatch) or "local" (opt-in: statistics per microbatch and dp rank).
+    batchnorm: str = "exact"
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp", "microbatches", "interleave"):
@@ -47,6 +56,9 @@ class Plan:
                             "pipeline stages; set pp>1 or v=1")
         if self.sp and self.tp == 1:
             raise PlanError("plan sp=true needs tp>1: sequence parallelism shards along the tensor-parallel group")
+        for name, allowed in (("loss", LOSS_MODES), ("batchnorm", BATCHNORM_MODES)):
+            if getattr(self, name) not in allowed:
+                raise PlanError(f"plan {name}={getattr(self, name)!r} is unknown: use one of {', '.join(allowed)}")
         if isinstance(self.split_points, (list, str)):
             pts = (self.split_points,) if isinstance(self.split_points, str) else tuple(self.split_points)
             object.__setattr__(self, "split_points", pts)
@@ -92,7 +104,7 @@ class Plan:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value == getattr(default, f.name) and f.name in ("split_points", "fuse", "recompute",
-                                                                 "scatter_gather", "sp"):
+                                                                 "scatter_gather", "sp", "loss", "batchnorm"):
                 continue
             key = _SHORT.get(f.name, f.name)
             if f.name == "split_points":
@@ -117,7 +129,7 @@ def _parse_value(name: str, value: str, previous):
         if name == "fuse" and low in ("auto", "none"):
             return None
         raise PlanError(f"plan {name}={value!r} is invalid: use true or false")
-    if name == "schedule":
+    if name in ("schedule", "loss", "batchnorm"):
         return value.lower()
     try:
         return int(value)
