@@ -1,0 +1,69 @@
+"""The model zoo: architectures nobody wrote the compiler's passes against.
+
+`ZOO = {name: factory}`; each factory(seed=0) returns a workload dict {model, inputs,
+target, loss_fn} (as examples/hf.py does), tiny (hidden 32, 2 layers, vocab 96, seq 8,
+batch 4), seeded and dropout-free unless the case is about dropout. The comment after each
+entry says what awkward part it exercises. `tests/zoo/matrix.py` runs them under plans.
+"""
+from __future__ import annotations
+
+from tests.zoo import handwritten_attention as _hwa
+from tests.zoo import handwritten_semantics as _hws
+from tests.zoo import hf_decoders as _hf
+from tests.zoo import hf_other as _hfo
+from tests.zoo import torch_nn as _nn
+
+_D = _hf.FACTORIES
+
+ZOO = {
+    # Hugging Face decoders (transformers 5.x, eager attention, built from local configs)
+    "gpt2": _D["gpt2"],                  # Conv1D (x @ W with W [in, out]), fused c_attn split, tied head
+    "llama": _D["llama"],                # GQA via repeat_kv (expand + reshape), rotary, SwiGLU
+    "mistral": _D["mistral"],            # GQA + sliding-window mask
+    "qwen2": _D["qwen2"],                # GQA with q/k/v biases
+    "qwen3": _D["qwen3"],                # per-head RMSNorm on q and k (norm over head_dim)
+    "gpt_neox": _D["gpt_neox"],          # fused QKV laid out per head, partial rotary, parallel residual
+    "opt": _D["opt"],                    # padding_idx, offset learned positions, 2-D MLP input
+    "bloom": _D["bloom"],                # alibi, batch x heads reshape, baddbmm, fused QKV per head
+    "gpt_bigcode": _D["gpt_bigcode"],    # multi-query attention: split_with_sizes of c_attn
+    "falcon_new": _D["falcon_new"],      # new_decoder_architecture: grouped fused QKV, parallel attn
+    "falcon_old": _D["falcon_old"],      # multi-query fused QKV, parallel attn, mlp_output += attention_output
+    "olmo": _D["olmo"],                  # non-parametric LayerNorm, clip_qkv -> clamp_ in place
+    "olmo2": _D["olmo2"],                # q/k RMSNorm over the full projection width, post-norms
+    "gemma": _D["gemma"],                # scaled embeddings, RMSNorm (1 + w), GeGLU, tied head
+    "gemma2": _D["gemma2"],              # logit soft-capping (tanh), sliding window, pre/post norms
+    "phi": _D["phi"],                    # parallel attention and MLP, partial rotary, biased head
+    "phi3": _D["phi3"],                  # fused qkv_proj and gate_up_proj sliced in forward
+    "stablelm": _D["stablelm"],          # partial rotary, LayerNorm with bias, GQA
+    "gptj": _D["gptj"],                  # interleaved rotary built with stack/flatten, parallel block
+    "codegen": _D["codegen"],            # fused qkv reshaped into mp_num=4 groups, interleaved rotary
+    "mixtral": _D["mixtral"],            # MoE: router softmax, top-k, per-expert index/gather/scatter
+    "qwen2_moe": _D["qwen2_moe"],        # MoE with shared expert and sigmoid shared gate
+    "bert_mlm": _hfo.bert_mlm,           # encoder, masked LM with ignore_index=-100, uneven labels per row
+    "t5": _hfo.t5,                       # encoder-decoder, two inputs, relative position bias, cross attn
+    # torch.nn modules
+    "nn_encoder_seq_first": _nn.transformer_encoder_seq_first,  # batch_first=False: batch is dim 1
+    "nn_multihead_attention": _nn.multihead_attention,          # packed in_proj_weight, unflatten
+    "nn_decoder": _nn.transformer_decoder,                      # nn.TransformerDecoder, cross attention
+    # hand-written layouts
+    "hw_nanogpt": _hwa.FACTORIES["hw_nanogpt"],                 # y.transpose(1, 2).contiguous().view(B, T, C)
+    "hw_fused_qkv_index": _hwa.FACTORIES["hw_fused_qkv_index"], # qkv[..., :C] slices of a fused projection
+    "hw_gqa_repeat_interleave": _hwa.FACTORIES["hw_gqa_repeat_interleave"],  # GQA by repeat_interleave, SDPA
+    "hw_param_matmul": _hwa.FACTORIES["hw_param_matmul"],       # x @ W.T with W an nn.Parameter (no Linear)
+    "hw_moe_softmax": _hwa.FACTORIES["hw_moe_softmax"],         # softmax router, topk, scatter, dense experts
+    # hand-written training semantics
+    "hw_frozen": _hws.frozen_params,          # requires_grad=False embedding and first block
+    "hw_inplace_skip": _hws.inplace_skip,     # h += a on the block input (received boundary value)
+    "hw_sum_loss": _hws.sum_reduction,        # cross_entropy(reduction="sum")
+    "hw_label_smoothing": _hws.label_smoothing,  # label_smoothing=0.1 (sum over the vocab dim)
+    "hw_two_dropouts": _hws.two_dropouts,     # DROPOUT CASE: 4 same-shaped p=0.5 dropouts in series
+    "hw_batchnorm": _hws.batchnorm,           # BatchNorm1d train mode: PlanError expected when m>1 or dp>1
+}
+
+# Cases judged by distribution instead of exact parity (random masks differ from one process).
+DROPOUT_CASES = {"hw_two_dropouts"}
+
+
+def expected_planerror(arch: str, plan) -> bool:
+    """Cells where exact equality is impossible and the compiler must refuse (issue 10 item 1)."""
+    return arch == "hw_batchnorm" and (plan.microbatches > 1 or plan.dp > 1)
