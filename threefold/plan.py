@@ -83,9 +83,15 @@ class Plan:
             return text
         if text is None or not str(text).strip():
             return cls()
+        return cls(**cls.parse_fields(text))
+
+    @classmethod
+    def parse_fields(cls, text: str) -> dict:
+        """The items of a plan text as {field name: value}, each key and value checked by the
+        grammar but not the plan as a whole: a partial plan (the planner's --evaluate)."""
         kwargs: dict = {}
         fields = {f.name: f for f in dataclasses.fields(cls)}
-        for item in str(text).replace(" ", "").split(","):
+        for item in str(text or "").replace(" ", "").split(","):
             if not item:
                 continue
             if "=" not in item:
@@ -96,7 +102,7 @@ class Plan:
                 known = sorted(set(fields) | set(_ALIASES))
                 raise PlanError(f"plan key {key!r} is unknown: known keys are {', '.join(known)}")
             kwargs[name] = _parse_value(name, value, kwargs.get(name))
-        return cls(**kwargs)
+        return kwargs
 
     def __str__(self) -> str:
         parts = []
