@@ -40,6 +40,7 @@ class Plan:
     # Training-mode BatchNorm with m*dp > 1: "exact" (a PlanError: statistics would be per
     # microbatch) or "local" (opt-in: statistics per microbatch and dp rank).
     batchnorm: str = "exact"
+    strict: bool = False        # tp: an op with no sharded rule is a PlanError, not a gather/reduce fallback
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp", "microbatches", "interleave"):
@@ -110,7 +111,8 @@ class Plan:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value == getattr(default, f.name) and f.name in ("split_points", "fuse", "recompute",
-                                                                 "scatter_gather", "sp", "loss", "batchnorm"):
+                                                                 "scatter_gather", "sp", "loss", "batchnorm",
+                                                                 "strict"):
                 continue
             key = _SHORT.get(f.name, f.name)
             if f.name == "split_points":
@@ -126,7 +128,7 @@ def _parse_value(name: str, value: str, previous):
     if name == "split_points":
         # Several split points: repeat the key ('split=a,split=b') or join with '+'.
         return tuple(previous or ()) + tuple(v for v in value.split("+") if v)
-    if name in ("sp", "scatter_gather", "fuse", "recompute"):
+    if name in ("sp", "scatter_gather", "fuse", "recompute", "strict"):
         low = value.lower()
         if low in ("1", "true", "yes", "on"):
             return True
