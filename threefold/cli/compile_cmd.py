@@ -18,10 +18,15 @@ def register(sub) -> None:
         "compile", help="compile a workload for a plan into an artifact directory",
         description="Trace the workload, run the compiler passes for PLAN, generate one Python "
         "module per (pipeline chunk, tp rank) and write them with manifest.json and the weight "
-        "shards (safetensors, keyed by the model's parameter names) into DIR, replacing it.")
+        "shards (safetensors, keyed by the model's parameter names) into DIR. DIR is built in a "
+        "temporary sibling and renamed into place; an existing DIR is replaced only if threefold "
+        "wrote it (a non-empty directory of other files is refused unless --force, which moves it "
+        "aside; nothing is deleted).")
     p.add_argument("spec", metavar="SPEC", help="workload: path/to/file.py:factory or pkg.module:factory")
     p.add_argument("--plan", default="", help="e.g. 'tp=2,pp=4,m=8' (default: one chunk)")
     p.add_argument("--out", required=True, metavar="DIR", help="artifact directory to write")
+    p.add_argument("--force", action="store_true",
+                   help="write even if DIR holds files threefold did not write (DIR is moved aside)")
     p.add_argument("--no-weights", action="store_true", help="write code and manifest only")
     p.add_argument("--json", action="store_true", help="print one JSON summary object")
     p.set_defaults(func=run)
@@ -30,9 +35,11 @@ def register(sub) -> None:
 def run(args) -> int:
     from threefold.codegen.artifact import build_sources, save_artifact
     from threefold.compiler.api import compile_workload
+    from threefold.outdir import check_out_dir
     from threefold.workload import load_spec
 
     plan = Plan.parse(args.plan)
+    check_out_dir(args.out, args.force)        # before any work: a bad --out loses nothing
     timings: dict[str, float] = {}
     with _Progress() as progress:
         start = time.perf_counter()
@@ -47,7 +54,8 @@ def run(args) -> int:
         progress("write artifact")
         t = time.perf_counter()
         batch = tuple(workload.inputs) + ((workload.target,) if workload.loss_fn is not None else ())
-        art = save_artifact(prog, args.out, sources, weights=not args.no_weights, batch=batch)
+        art = save_artifact(prog, args.out, sources, weights=not args.no_weights, batch=batch,
+                            force=args.force)
         timings["write"] = time.perf_counter() - t
         timings["total"] = time.perf_counter() - start
     for name, seconds in prog.pass_log:
@@ -55,7 +63,7 @@ def run(args) -> int:
     with_weights = any(c.get("weights") for c in art.chunks)
     summary = {
         "out": art.root, "model": prog.name, "plan": str(plan), "chunks": len(prog.chunks),
-        "files": sorted(art.manifest["files"]), "weights": with_weights,
+        "files": sorted(f for f in art.manifest["files"] if f.endswith(".py")), "weights": with_weights,
         "seconds": {k: round(v, 3) for k, v in timings.items()},
     }
     if args.json:

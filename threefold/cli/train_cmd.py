@@ -6,12 +6,13 @@ SPEC it trains that workload on its own batch. Runs on local gloo ranks, or unde
 """
 from __future__ import annotations
 
-import json
 import os
+import sys
 import time
 
 import torch
 
+from threefold.cli.jsonout import dumps
 from threefold.errors import PlanError
 from threefold.plan import Plan
 
@@ -32,7 +33,10 @@ def register(sub) -> None:
     p.add_argument("--batch", type=int, default=16, help="global batch, sequences (embedded job)")
     p.add_argument("--seq", type=int, default=64, help="sequence length (embedded job)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and batches")
-    p.add_argument("--out", default="runs/train", help="directory for loss.png and losses.json")
+    p.add_argument("--out", default="runs/train", help="directory for loss.png and losses.json "
+                   "(checked before training; replaced only if threefold wrote it)")
+    p.add_argument("--force", action="store_true",
+                   help="write --out even if it holds other files (they are moved aside, not deleted)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=run)
 
@@ -104,9 +108,11 @@ class _Progress:
 
 def run(args) -> int:
     from threefold.cli.jobs import run_on_ranks
+    from threefold.outdir import check_out_dir
     plan = Plan.parse(args.plan)
     if args.steps < 1:
         raise PlanError(f"--steps {args.steps} is invalid: use 1 or more")
+    check_out_dir(args.out, args.force)     # a bad --out must fail before training, not after
     if args.spec is not None:
         from threefold.workload import resolve_spec
         resolve_spec(args.spec)  # bad SPECs fail here, before any rank starts
@@ -122,12 +128,19 @@ def run(args) -> int:
         "tokens_per_second": result["tokens_per_step"] * len(steady) / sum(steady),
         "seconds": sum(seconds), "out": os.path.abspath(args.out),
     }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "losses.json"), "w") as f:
-        json.dump({"plan": str(plan), "losses": losses, "seconds": seconds}, f)
-    summary["plot"] = _plot(losses, plan, os.path.join(args.out, "loss.png"))
+    from threefold.outdir import write_out_dir
+
+    def fill(tmp: str) -> None:
+        with open(os.path.join(tmp, "losses.json"), "w") as f:
+            f.write(dumps({"plan": str(plan), "losses": losses, "seconds": seconds}))
+        _plot(losses, plan, os.path.join(tmp, "loss.png"))
+
+    moved = write_out_dir(args.out, fill, kind="train", force=args.force)
+    if moved:
+        print(f"threefold train: moved the previous {args.out} aside to {moved}", file=sys.stderr)
+    summary["plot"] = os.path.join(os.path.abspath(args.out), "loss.png")
     if args.json:
-        print(json.dumps(summary))
+        print(dumps(summary))
     else:
         print(f"trained {summary['steps']} steps with plan {plan}: loss {summary['first_loss']:.4f} -> "
               f"{summary['final_loss']:.4f}, {summary['tokens_per_second']:,.0f} tokens/s, "

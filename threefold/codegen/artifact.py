@@ -4,8 +4,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 
 import torch
 
@@ -13,7 +11,7 @@ from threefold.codegen.python import content_hash, generate_module
 from threefold.compiler.program import Program
 from threefold.runtime.loader import BATCH_FILE, MANIFEST, Artifact, open_artifact
 
-FORMAT = 1
+FORMAT = 2   # 2: every file, weights and batch included, has a sha256 in "files"
 
 
 def chunk_state(prog: Program, chunk, tp_rank: int) -> dict[str, torch.Tensor]:
@@ -51,17 +49,20 @@ def module_file(chunk: int, tp_rank: int) -> str:
 
 def save_artifact(prog: Program, out_dir: str, sources: dict[str, str] | None = None,
                   weights: bool = True, extra: dict | None = None,
-                  batch: tuple | None = None) -> Artifact:
-    """Write manifest, sources and weight shards into out_dir (replaced atomically).
+                  batch: tuple | None = None, force: bool = False) -> Artifact:
+    """Write manifest, sources and weight shards into out_dir (see threefold/outdir.py:
+    built in a temporary sibling and renamed into place; a non-empty directory that is not
+    one of ours is refused unless `force`, which moves it aside rather than deleting it).
 
     `batch` (the workload's global batch: model inputs, then target) is saved as
-    batch.safetensors so `threefold run DIR` can train without the model's source.
+    batch.safetensors so `threefold run DIR` can train without the model's source. The
+    manifest's "files" holds the sha256 of every file written (sources, weights, batch);
+    the loader checks them before it imports or reads anything.
     """
+    from threefold.outdir import write_out_dir
     sources = sources or build_sources(prog)
-    parent = os.path.dirname(os.path.abspath(out_dir)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".threefold-", dir=parent)
-    try:
+
+    def fill(tmp: str) -> None:
         hashes = {}
         for name, text in sources.items():
             with open(os.path.join(tmp, name), "w") as f:
@@ -69,29 +70,32 @@ def save_artifact(prog: Program, out_dir: str, sources: dict[str, str] | None = 
             hashes[name] = hashlib.sha256(text.encode()).hexdigest()
         with_weights = weights and not prog.is_meta
         if with_weights:
-            from safetensors.torch import save_file
+            from safetensors.torch import save
             os.makedirs(os.path.join(tmp, "weights"))
             for chunk in prog.chunks:
                 for r in range(prog.plan.tp):
                     state = {k: v.detach().to("cpu").contiguous().clone()
                              for k, v in chunk_state(prog, chunk, r).items()}
-                    save_file(state, os.path.join(tmp, "weights", _weights_file(chunk.index, r)))
+                    rel = f"weights/{_weights_file(chunk.index, r)}"
+                    hashes[rel] = _write_bytes(os.path.join(tmp, rel), save(state))
         if batch is not None and with_weights:
-            from safetensors.torch import save_file
-            save_file({f"{i}": t.detach().to("cpu").contiguous() for i, t in enumerate(batch)},
-                      os.path.join(tmp, BATCH_FILE))
+            from safetensors.torch import save
+            data = save({f"{i}": t.detach().to("cpu").contiguous() for i, t in enumerate(batch)})
+            hashes[BATCH_FILE] = _write_bytes(os.path.join(tmp, BATCH_FILE), data)
         manifest = build_manifest(prog, sources, hashes, with_weights)
         if extra:
             manifest.update(extra)
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=2)
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    write_out_dir(out_dir, fill, kind="artifact", force=force)
     return open_artifact(out_dir)
+
+
+def _write_bytes(path: str, data: bytes) -> str:
+    with open(path, "wb") as f:
+        f.write(data)
+    return hashlib.sha256(data).hexdigest()
 
 
 def _releasable(chunk) -> list[bool]:
