@@ -26,20 +26,23 @@ class Workload:
     target: Any = None
     loss_fn: Callable | None = None
     name: str = ""
+    # Batch dimension of each input (model inputs, then the target), None = not split; or one
+    # int for all. None (default): found from the inputs (passes/batch_dims.py).
+    batch_dims: Any = None
 
     @classmethod
     def coerce(cls, value, name: str = "") -> "Workload":
         if isinstance(value, Workload):
             return value
         if isinstance(value, dict):
-            unknown = set(value) - {"model", "inputs", "target", "loss_fn", "name"}
+            unknown = set(value) - {"model", "inputs", "target", "loss_fn", "name", "batch_dims"}
             if unknown or "model" not in value or "inputs" not in value:
                 raise PlanError(f"workload {name!r} returned a dict with keys {sorted(value)}: it needs "
-                                "'model' and 'inputs' (and optionally 'target', 'loss_fn')")
+                                "'model' and 'inputs' (and optionally 'target', 'loss_fn', 'batch_dims')")
             inputs = value["inputs"]
             inputs = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
             return cls(value["model"], inputs, value.get("target"), value.get("loss_fn"),
-                       value.get("name", name))
+                       value.get("name", name), value.get("batch_dims"))
         raise PlanError(f"workload {name!r} returned {type(value).__name__}: return a dict with "
                         "keys model, inputs, target, loss_fn (or a threefold.Workload)")
 

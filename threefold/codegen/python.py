@@ -72,26 +72,16 @@ class _ClassWriter:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         args = [n for n in placeholders if tf(n)["kind"] in ("boundary", "input")]
         state = [n for n in placeholders if tf(n)["kind"] in ("param", "buffer")]
-        for n in placeholders:
-            self.names[n] = _ident(n.name if tf(n)["kind"] in ("boundary", "input")
-                                   else "p_" + tf(n)["fqn"].replace(".", "_"))
-        lines = [f"    def forward(self, {', '.join(self.names[n] for n in args)}):"]
-        self.uses_device = False
-        dev_line = len(lines)
-        for n in state:
-            lines.append(f"        {self.names[n]} = self.p({tf(n)['fqn']!r})")
-        out_line = None
-        for node in self.gm.graph.nodes:
-            if node.op == "call_function":
-                self.names[node] = _ident(node.name)
-                comment = "  # recomputed here" if tf(node).get("recomputed") else ""
-                lines.append(f"        {self.names[node]} = {self._call(node)}{comment}")
-            elif node.op == "output":
-                outs = node.args[0]
-                out_line = "        return (" + "".join(self._arg(o) + ", " for o in outs) + ")"
-        lines.append(out_line)
-        if self.uses_device:  # ops that create tensors run on the module's own device
-            lines.insert(dev_line, "        dev = self.device")
+        lines = self._method("forward", self.gm.graph)
+        den = self.prog.loss_denominator
+        is_last = self.chunk.index == len(self.prog.chunks) - 1
+        den_inputs = None
+        if is_last and den is not None:
+            # The loss's denominator (passes/loss_form.py): the runtime sums it over every
+            # microbatch and dp rank before the first backward of a step.
+            lines += [""] + self._method("loss_denominator", den.graph)
+            den_inputs = [tf(n)["input_index"] for n in den.graph.nodes
+                          if n.op == "placeholder" and tf(n)["kind"] == "input"]
 
         def spec(n):
             val = n.meta["val"]
@@ -102,15 +92,60 @@ class _ClassWriter:
         cls = [f"class Chunk{self.chunk.index}(ChunkModule):"]
         cls.append("    PARAMS = {" + "".join(f"\n        {tf(n)['fqn']!r}: {spec(n)}," for n in params)
                    + ("\n    }" if params else "}"))
+        frozen = [tf(n)["fqn"] for n in params if tf(n).get("frozen")]
+        if frozen:  # requires_grad=False in the model: no gradient, no optimizer state
+            cls.append(f"    FROZEN = {frozen!r}")
         cls.append("    BUFFERS = {" + "".join(f"\n        {tf(n)['fqn']!r}: {spec(n)}," for n in buffers)
                    + ("\n    }" if buffers else "}"))
         cls.append(f"    INPUTS = {[n.name for n in args if tf(n)['kind'] == 'boundary']!r}")
         cls.append(f"    USER_INPUTS = {[tf(n)['input_index'] for n in args if tf(n)['kind'] == 'input']!r}")
+        if den_inputs is not None:
+            cls.append(f"    DENOMINATOR_INPUTS = {den_inputs!r}")
         cls.append(f"    OUTPUTS = {list(self.chunk.outputs)!r}")
         cls.append("")
         imports = ["import torch", "", "from threefold.runtime.module import ChunkModule"]
         imports += sorted(self.imports)
         return "\n".join(imports + ["", "aten = torch.ops.aten", "", ""] + cls + lines) + "\n"
+
+    def _method(self, name: str, graph: fx.Graph) -> list[str]:
+        """`def name(self, <boundary and user inputs>)`: the graph's ops one per line."""
+        self.names = {}
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        args = [n for n in placeholders if tf(n)["kind"] in ("boundary", "input")]
+        state = [n for n in placeholders if tf(n)["kind"] in ("param", "buffer")]
+        for n in placeholders:
+            self.names[n] = _ident(n.name if tf(n)["kind"] in ("boundary", "input")
+                                   else "p_" + tf(n)["fqn"].replace(".", "_"))
+        lines = [f"    def {name}(self, {', '.join(self.names[n] for n in args)}):"]
+        self.uses_device = False
+        dev_line = len(lines)
+        for n in state:
+            lines.append(f"        {self.names[n]} = self.p({tf(n)['fqn']!r})")
+        lines += self._prologue(graph, args)
+        out_line = None
+        for node in graph.nodes:
+            if node.op == "call_function":
+                self.names[node] = _ident(node.name)
+                comment = "  # recomputed here" if tf(node).get("recomputed") else ""
+                lines.append(f"        {self.names[node]} = {self._call(node)}{comment}")
+            elif node.op == "output":
+                outs = node.args[0]
+                out_line = "        return (" + "".join(self._arg(o) + ", " for o in outs) + ")"
+        lines.append(out_line)
+        if self.uses_device:  # ops that create tensors run on the module's own device
+            lines.insert(dev_line, "        dev = self.device")
+        return lines
+
+    def _prologue(self, graph: fx.Graph, args: list[fx.Node]) -> list[str]:
+        """Copies of received and batch tensors that an op of this method writes in place
+        (`h += skip` on a received value): received tensors are autograd leaves, which may
+        not be written in place, and batch tensors are shared by every microbatch."""
+        lines = []
+        for n in _mutated_inputs(graph, args):
+            name = self.names[n]
+            lines.append(f"        {name} = {name}.clone()  # written in place below; keep the "
+                         "received/batch tensor intact")
+        return lines
 
     # -- expressions ---------------------------------------------------------------------
     def _call(self, node: fx.Node) -> str:
@@ -147,6 +182,14 @@ class _ClassWriter:
             return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
         if type(a).__name__ == "GroupRef":  # a process group, bound by the runtime
             return f"self.{a.name}_group"
+        if type(a).__name__ == "TrainFlag":  # train/eval follows the module's mode
+            return "self.training"
+        if type(a).__name__ == "TrainValue":
+            return f"({self._arg(a.value)} if self.training else {self._arg(a.eval_value)})"
+        if type(a).__name__ == "RngRef":  # this op's own seed (runtime/random_ops.py)
+            return f"self.rng_seed({a.index}, {a.per_tp_rank})"
+        if isinstance(a, torch._ops.OpOverload):  # an op passed to random_ops.seeded
+            return self._target(a)
         if isinstance(a, torch.device):
             self.uses_device = True
             return "dev"  # the module's own device, whatever device the model was traced on
@@ -163,6 +206,38 @@ class _ClassWriter:
         if isinstance(a, (int, bool, str)) or a is None:
             return repr(a)
         raise NotImplementedError(f"codegen cannot write the argument {a!r} ({type(a).__name__})")
+
+
+_VIEW_OPS = {"view", "_unsafe_view", "reshape", "slice", "select", "transpose", "t", "permute",
+             "unsqueeze", "squeeze", "expand", "as_strided", "narrow", "split", "split_with_sizes",
+             "unbind", "chunk", "alias", "diagonal", "unflatten", "flatten", "view_as", "movedim",
+             "unfold", "detach"}
+
+
+def _mutated_inputs(graph: fx.Graph, args: list[fx.Node]) -> list[fx.Node]:
+    """Placeholders written in place, directly or through a view of them."""
+    root: dict[fx.Node, fx.Node] = {a: a for a in args}
+    hit: list[fx.Node] = []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        srcs = [a for a in node.all_input_nodes if a in root]
+        schema = getattr(node.target, "_schema", None)
+        name = schema.name.split("::")[-1] if schema is not None else ""
+        if node.target is operator.getitem and srcs:
+            root[node] = root[srcs[0]]
+            continue
+        if schema is None or not srcs:
+            continue
+        if schema.is_mutable:
+            for i, a in enumerate(schema.arguments):
+                value = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+                if a.alias_info is not None and a.alias_info.is_write and value in root:
+                    if root[value] not in hit:
+                        hit.append(root[value])
+        if name in _VIEW_OPS and node.args and node.args[0] in root:
+            root[node] = root[node.args[0]]
+    return hit
 
 
 def _ident(name: str) -> str:

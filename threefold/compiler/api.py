@@ -7,24 +7,27 @@ from threefold.compiler.pipeline import run_passes
 from threefold.compiler.program import Program
 from threefold.compiler.trace import trace
 from threefold.errors import PlanError
+from threefold.passes.batch_dims import find_batch_dims
 from threefold.plan import Plan
 from threefold.workload import Workload, load_spec
 
 
-def microbatch(values, parts: int, what: str):
-    """The first of `parts` equal slices along dim 0 of each tensor (its shape is what we trace)."""
+def microbatch(values, parts: int, what: str, dims=None):
+    """The first of `parts` equal slices of each tensor along its batch dim (dims: one per
+    value, None = not split; default dim 0); its shape is what we trace."""
     import torch
 
-    def one(t):
-        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+    def one(t, d):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or d is None:
             return t
-        if t.shape[0] % parts:
-            raise PlanError(f"{what}: batch size {t.shape[0]} is not divisible by dp*m={parts}; "
+        if t.shape[d] % parts:
+            raise PlanError(f"{what}: batch size {t.shape[d]} is not divisible by dp*m={parts}; "
                             f"use a global batch that is a multiple of {parts}")
-        return t[: t.shape[0] // parts]
+        return t.narrow(d, 0, t.shape[d] // parts)
     if isinstance(values, tuple):
-        return tuple(one(v) for v in values)
-    return one(values)
+        dims = [0] * len(values) if dims is None else dims
+        return tuple(one(v, d) for v, d in zip(values, dims))
+    return one(values, 0 if dims is None else dims)
 
 
 def compile_workload(workload: Workload | str, plan: Plan | str | None = None,
@@ -38,9 +41,21 @@ def compile_workload(workload: Workload | str, plan: Plan | str | None = None,
     plan = Plan.parse(plan)
     parts = plan.dp * plan.microbatches
     name = type(workload.model).__name__
-    inputs = microbatch(tuple(workload.inputs), parts, name)
-    target = microbatch(workload.target, parts, name) if workload.loss_fn is not None else None
+    has_target = workload.loss_fn is not None
+    batch = tuple(workload.inputs) + ((workload.target,) if has_target else ())
+    notes: list[str] = []
+    declared = workload.batch_dims
+    if declared is not None and not isinstance(declared, int) and not has_target \
+            and len(declared) == len(batch) + 1:
+        declared = tuple(declared)[:-1]  # a target's entry given for a forward-only workload
+    dims = find_batch_dims(workload.model, batch, len(workload.inputs), parts, declared, name, notes)
+    sliced = microbatch(batch, parts, name, dims)
+    inputs, target = (sliced[:-1], sliced[-1]) if has_target else (sliced, None)
     if progress is not None:
         progress("trace")
     prog = trace(workload.model, inputs, target, workload.loss_fn, plan)
+    prog.batch_dims = list(dims)
+    rows = [sliced[i].shape[d] for i, d in enumerate(dims) if d is not None]
+    prog.micro_rows = rows[0] if rows else None
+    prog.notes.extend(notes)
     return run_passes(prog, progress=progress)

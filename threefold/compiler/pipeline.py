@@ -15,9 +15,12 @@ import torch
 from threefold.compiler.cost import annotate_costs
 from threefold.compiler.program import Program, format_program, tf
 from threefold.errors import PlanError
+from threefold.passes.batch_stats import check_batch_statistics
 from threefold.passes.extract_chunks import extract_chunks
 from threefold.passes.fusion import fuse
+from threefold.passes.loss_form import loss_form
 from threefold.passes.pipeline_split import split_pipeline
+from threefold.passes.random_ops import seed_random_ops
 from threefold.passes.tensor_parallel import tensor_parallel
 
 Pass = Callable[[Program], Program]
@@ -25,8 +28,10 @@ Pass = Callable[[Program], Program]
 
 def default_passes() -> list[Pass]:
     """The standard lowering, in order. Costs are of local (per-tp-rank) shapes, so they
-    come after tensor parallelism; fusion works on each chunk's own graph."""
-    return [tensor_parallel, annotate_costs, split_pipeline, extract_chunks, fuse]
+    come after tensor parallelism; fusion works on each chunk's own graph. The loss's
+    combination over microbatches and the batch-statistics check read the traced graph."""
+    return [check_batch_statistics, loss_form, tensor_parallel, annotate_costs, split_pipeline, extract_chunks, fuse,
+            seed_random_ops]
 
 
 class PassFailed(RuntimeError):

@@ -81,6 +81,13 @@ class Program:
     shard_fns: dict = field(default_factory=dict)
     # parameters applied to sharded activations (sequence-parallel norms): grads summed over tp
     tp_grad_sync: list = field(default_factory=list)
+    # how the loss combines microbatches and dp ranks (passes/loss_form.py; manifest "loss")
+    loss_form: dict | None = None
+    # graph of the loss denominator over user inputs (and buffers), or None (passes/loss_form.py)
+    loss_denominator: fx.GraphModule | None = None
+    # per user input (model inputs, then target): its batch dimension, None = not split
+    batch_dims: list | None = None
+    micro_rows: int | None = None    # rows (batch-dim length) of the traced microbatch
 
     @property
     def graph(self) -> fx.Graph:

@@ -169,6 +169,8 @@ def _to_program(ep, model, wrapper, num_model_inputs: int, has_loss: bool, plan:
                 continue
             placeholder_by_fqn[fqn] = node
             ann.update(kind="param", fqn=fqn)
+            if not params[fqn].requires_grad:  # frozen: stays frozen (no grad, no sync)
+                ann["frozen"] = True
             state[fqn] = params[fqn].detach()
         elif spec.kind == InputKind.BUFFER:
             fqn = _strip(spec.target)

@@ -41,6 +41,7 @@ class _StepState:
     sends: list = field(default_factory=list)           # comm.PendingSend not yet complete
     reductions: list = field(default_factory=list)      # (work, flat, grads) dp all-reduces
     losses: list = field(default_factory=list)
+    denominator: float = 1.0                            # the global loss denominator D
     outputs: list = field(default_factory=list)         # forward-only outputs (no loss)
     inflight: int = 0
     peak: int = 0
@@ -69,6 +70,11 @@ class PipelineEngine:
         self.num_chunks = manifest["num_chunks"]
         self.chunk_meta = manifest["chunks"]
         self.has_loss = manifest["has_loss"]
+        # how partial losses combine (compiler's passes/loss_form.py); old artifacts: mean
+        self.loss_form = manifest.get("loss") or {"denominator": {"kind": "const", "value": 1}}
+        self.batch_dims = manifest.get("batch_dims")
+        self._step_count = 0
+        self._rng_base = _shared_seed()
         for mod in modules.values():
             mod.tp_group = groups.tp
         self._share_local_ties()
@@ -116,10 +122,11 @@ class PipelineEngine:
         self._tied.sort()
 
     def parameters(self):
-        return list(self.params.values())
+        """Trainable parameters only: frozen ones (requires_grad=False) get no optimizer state."""
+        return [p for p in self.params.values() if p.requires_grad]
 
     def named_parameters(self):
-        return list(self.params.items())
+        return [(k, p) for k, p in self.params.items() if p.requires_grad]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params.values():
@@ -134,6 +141,10 @@ class PipelineEngine:
         start = time.perf_counter()
         schedule = schedule or self.schedule
         st = _StepState(micro=self._microbatches(batch, schedule.m), m=schedule.m, train=train)
+        for mod in self.modules.values():
+            mod.train(train)  # generated code reads self.training (dropout, batch norm)
+        st.denominator = self._global_denominator(st) if self.has_loss else 1.0
+        self._step_count += 1
         handlers = {Kind.RECV_ACT: self._recv_act, Kind.FORWARD: self._forward,
                     Kind.SEND_ACT: self._send_act, Kind.RECV_GRAD: self._recv_grad,
                     Kind.BACKWARD: self._backward_action, Kind.SEND_GRAD: self._send_grad}
@@ -151,7 +162,7 @@ class PipelineEngine:
                 _unflatten_into(flat, grads, scale=1.0 / self.mesh.dp)
             self._sum_tied()
             self._sync_tp_grads()
-        loss = self._global_loss(st.losses, st.m) if self.has_loss else float("nan")
+        loss = self._global_loss(st.losses, st.denominator) if self.has_loss else float("nan")
         self.stats = StepStats(time.perf_counter() - start, st.peak, loss)
         self.last_outputs = st.outputs
         return loss
@@ -171,6 +182,8 @@ class PipelineEngine:
         slot = st.slots.setdefault(key, _Slot(inputs=[]))
         mod = self.modules[a.chunk]
         user = [st.micro[a.mb][j] for j in mod.USER_INPUTS]
+        # random ops seed from (step, global microbatch): independent across dp ranks too
+        mod.rng_key = (self._rng_base, self._step_count, self.coord.dp * st.m + a.mb)
         with torch.set_grad_enabled(st.train):
             outs = list(mod(*slot.inputs, *user))
         st.inflight += 1
@@ -206,7 +219,7 @@ class PipelineEngine:
 
     def _backward_action(self, st: "_StepState", a) -> None:
         slot = st.slots[(a.chunk, a.mb)]
-        self._backward(slot, a.chunk == self.num_chunks - 1, st.m)
+        self._backward(slot, a.chunk == self.num_chunks - 1, st.denominator)
         st.inflight -= 1
         if a.chunk == 0 or not slot.inputs:  # nothing to send back
             st.slots.pop((a.chunk, a.mb))
@@ -218,9 +231,11 @@ class PipelineEngine:
         st.sends.append(comm.send(self._boundary(a.chunk, "inputs", grads=True).pack(grads), self._peer(a.peer),
                                   f"gradients of chunk {a.chunk - 1} microbatch {a.mb}"))
 
-    def _backward(self, slot: _Slot, is_last: bool, m: int) -> None:
+    def _backward(self, slot: _Slot, is_last: bool, denominator: float) -> None:
         if is_last and self.has_loss:
-            tensors, grads = [slot.outputs[0]], [torch.full_like(slot.outputs[0], 1.0 / m)]
+            # d(global loss)/d(numerator) = 1/D; times dp because the dp all-reduce averages
+            seed = self.mesh.dp / denominator
+            tensors, grads = [slot.outputs[0]], [torch.full_like(slot.outputs[0], seed)]
         else:
             pairs = [(o, g) for o, g in zip([o for o in slot.outputs if o.is_floating_point()],
                                             slot.output_grads) if o.requires_grad]
@@ -236,16 +251,19 @@ class PipelineEngine:
     def _microbatches(self, batch: tuple, m: int) -> list[tuple]:
         dp, d = self.mesh.dp, self.coord.dp
         out = [[] for _ in range(m)]
-        for t in batch:
-            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+        dims = self.batch_dims
+        for i, t in enumerate(batch):
+            # the batch dim found by the compiler (manifest); old artifacts: dim 0
+            bd = dims[i] if dims is not None and i < len(dims) else (0 if dims is None else None)
+            if not isinstance(t, torch.Tensor) or t.dim() == 0 or bd is None:
                 for mb in out:
-                    mb.append(t)
+                    mb.append(t.to(self.device) if isinstance(t, torch.Tensor) else t)
                 continue
-            n = t.shape[0]
+            n = t.shape[bd]
             if n % (dp * m):
-                raise ValueError(f"batch size {n} is not divisible by dp*m={dp * m}")
-            local = t.to(self.device).chunk(dp)[d]
-            for mb, piece in zip(out, local.chunk(m)):
+                raise ValueError(f"batch size {n} (dim {bd}) is not divisible by dp*m={dp * m}")
+            local = t.to(self.device).chunk(dp, dim=bd)[d]
+            for mb, piece in zip(out, local.chunk(m, dim=bd)):
                 mb.append(piece)
         return [tuple(mb) for mb in out]
 
@@ -283,6 +301,8 @@ class PipelineEngine:
     def _sum_tied(self) -> None:
         for fqn, stages in self._tied:
             p = self.params[fqn]
+            if not p.requires_grad:  # frozen: no gradient to sum
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             comm.all_reduce(p.grad, self.groups.ties[stages], f"tied gradient {fqn}")
@@ -294,22 +314,58 @@ class PipelineEngine:
             if p is not None and p.grad is not None and self.groups.tp is not None:
                 comm.all_reduce(p.grad, self.groups.tp, f"sequence-parallel gradient {fqn}")
 
-    def _global_loss(self, losses: list[torch.Tensor], m: int) -> float:
-        """Mean loss over the global batch, the same on every rank.
+    def _global_denominator(self, st: "_StepState") -> float:
+        """D: the loss's denominator over the global batch (see the manifest's "loss"),
+        known before the first backward so every microbatch's backward is seeded with 1/D.
 
-        The last stage's ranks hold the microbatch losses (every tp rank the same ones).
-        Without pipelining a dp all-reduce suffices; with it, one all-reduce over the world
-        brings the loss to the other stages too.
+        A per-microbatch constant c gives c*m*dp; a sum-reduced loss gives 1; a graph (the
+        number of targets != ignore_index) is evaluated on every microbatch by the last
+        chunk's module and summed over dp (only the last stage needs it)."""
+        den = self.loss_form["denominator"]
+        if den["kind"] == "one":
+            return 1.0
+        if den["kind"] == "const":
+            return float(den["value"]) * st.m * self.mesh.dp
+        last = self.modules.get(self.num_chunks - 1)
+        if last is None:
+            return float("nan")  # not the last stage: never seeds a loss backward
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        with torch.no_grad():
+            for mb in st.micro:
+                total += last.loss_denominator(*[mb[j] for j in last.DENOMINATOR_INPUTS])[0].double()
+        if self.mesh.dp > 1:
+            comm.all_reduce(total, self.groups.dp, "the loss denominator")
+        return float(total)
+
+    def _global_loss(self, losses: list[torch.Tensor], denominator: float) -> float:
+        """The loss over the global batch (sum of numerators / D), the same on every rank.
+
+        The last stage's ranks hold the microbatch numerators (every tp rank the same ones)
+        and divide by D. Without pipelining a dp all-reduce suffices; with it, one
+        all-reduce over the world brings the loss to the other stages too.
         """
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for loss in losses:
             total += loss.double()
+        if losses:
+            total /= denominator
         if self.mesh.pp > 1:
             comm.all_reduce(total, None, "the loss")
-            return float(total) / (m * self.mesh.dp * self.mesh.tp)
+            return float(total) / self.mesh.tp
         if self.mesh.dp > 1:
             comm.all_reduce(total, self.groups.dp, "the loss")
-        return float(total) / (m * self.mesh.dp)
+        return float(total)
+
+
+def _shared_seed() -> int:
+    """The base seed of random ops: rank 0's torch.initial_seed(), the same on every rank."""
+    import torch.distributed as dist
+    seed = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.int64)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.get_backend() == "nccl":
+            seed = seed.cuda()
+        dist.broadcast(seed, src=0)
+    return int(seed.item())
 
 
 def _unflatten_into(flat: torch.Tensor, grads: list[torch.Tensor], scale: float) -> None:

@@ -16,14 +16,18 @@ class ChunkModule(torch.nn.Module):
     INPUTS: list[str] = []       # boundary values received, in forward's argument order
     USER_INPUTS: list[int] = []  # batch entries read directly (model inputs, then target)
     OUTPUTS: list[str] = []      # values returned (boundary values sent on, or the loss)
+    FROZEN: list[str] = []       # parameters with requires_grad=False in the model
     tp_group = None              # tensor-parallel process group, set by the runtime
+    # (base seed, step, global microbatch): set by the engine before each forward
+    rng_key: tuple[int, int, int] = (0, 0, 0)
 
     def __init__(self, device: torch.device | str = "cpu"):
         super().__init__()
         device = torch.device(device)
         for fqn, (shape, dtype) in self.PARAMS.items():
             t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-            self._owner(fqn).register_parameter(fqn.rsplit(".", 1)[-1], torch.nn.Parameter(t))
+            param = torch.nn.Parameter(t, requires_grad=fqn not in self.FROZEN)
+            self._owner(fqn).register_parameter(fqn.rsplit(".", 1)[-1], param)
         for fqn, (shape, dtype) in self.BUFFERS.items():
             t = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
             self._owner(fqn).register_buffer(fqn.rsplit(".", 1)[-1], t)
@@ -45,6 +49,15 @@ class ChunkModule(torch.nn.Module):
             cache.update(self.named_buffers(remove_duplicate=False))
             self._state_cache = cache
         return cache[fqn]
+
+    def rng_seed(self, index: int, per_tp_rank: bool) -> int:
+        """The seed of random op `index` for this step and microbatch (runtime/random_ops.py)."""
+        from threefold.runtime.random_ops import mix_seed
+        tp_rank = -1
+        if per_tp_rank and self.tp_group is not None:
+            import torch.distributed as dist
+            tp_rank = dist.get_rank(self.tp_group)
+        return mix_seed(*self.rng_key, index, tp_rank)
 
     @property
     def device(self) -> torch.device:

@@ -1,0 +1,137 @@
+"""Find each user input's batch dimension (model inputs, then the target).
+
+Microbatches and dp ranks split the global batch along it, at trace time and in the
+engine. The rule, in order:
+  1. the workload declares `batch_dims` (an int for every tensor, or one entry per input,
+     None for an input that is not split);
+  2. candidates: a size B divisible by dp*m, and for each tensor input the dims of size B
+     (a tensor without one is not split); a unique candidate is the answer;
+  3. several candidates and real weights: a numeric check. The model runs (eval mode, no
+     grad) on the full batch and on the last 1/(dp*m) slice along each candidate; the batch
+     dim is the one whose slice gives a slice of the full output (the last slice, so a
+     causal model split along its sequence does not pass: it would lack the prefix);
+  4. still ambiguous: on the meta device, dim 0 when it is a candidate (with a note);
+     otherwise a PlanError asking for batch_dims.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from threefold.errors import PlanError
+
+
+def find_batch_dims(model: torch.nn.Module, batch: tuple, num_model_inputs: int, parts: int,
+                    declared=None, name: str = "", notes: list | None = None) -> list:
+    """One entry per batch entry: its batch dim, or None where it is not split."""
+    tensors = [i for i, t in enumerate(batch) if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if declared is not None:
+        return _declared(batch, declared, parts, name)
+    if parts == 1 or not tensors:
+        return [None] * len(batch)
+    cands = _candidates(batch, tensors, parts)
+    if not cands:
+        shapes = ", ".join(str(tuple(batch[i].shape)) for i in tensors)
+        raise PlanError(f"{name}: no dimension of the inputs ({shapes}) has a size divisible by "
+                        f"dp*m={parts}; use a global batch that is a multiple of {parts}, or declare batch_dims")
+    if len(cands) == 1:
+        return cands[0]
+    real = not any(p.is_meta for p in model.parameters()) and not any(
+        batch[i].is_meta for i in tensors)
+    if real:
+        passing = [c for c in cands if _slice_matches(model, batch[:num_model_inputs], c, parts)]
+        if len(passing) >= 1:
+            # Several can pass only when the model treats both dims as independent rows;
+            # then either split is exact, and we take the first (lowest dims).
+            return passing[0]
+    zeros = [c for c in cands if all(d in (None, 0) for d in c)]
+    if not real and zeros:
+        zero = max(zeros, key=lambda c: sum(d == 0 for d in c))
+        if notes is not None:
+            notes.append("batch dim ambiguous on the meta device; assumed dim 0 (declare batch_dims to override)")
+        return zero
+    shown = "; ".join(str(c) for c in cands[:4])
+    raise PlanError(f"{name}: cannot tell the batch dimension of the inputs (candidates per input: {shown}); "
+                    "declare batch_dims in the workload (e.g. batch_dims=(1, 0) for a [seq, batch] input "
+                    "and a [batch] target)")
+
+
+def _declared(batch, declared, parts, name) -> list:
+    if isinstance(declared, int):
+        declared = [declared if isinstance(t, torch.Tensor) and t.dim() > 0 else None for t in batch]
+    declared = list(declared)
+    if len(declared) != len(batch):
+        raise PlanError(f"{name}: batch_dims has {len(declared)} entries but the batch has {len(batch)} "
+                        "(model inputs, then the target)")
+    for i, (t, d) in enumerate(zip(batch, declared)):
+        if d is None:
+            continue
+        if not isinstance(t, torch.Tensor) or not -t.dim() <= d < t.dim():
+            raise PlanError(f"{name}: batch_dims[{i}]={d} is not a dimension of input {i}")
+        if t.shape[d] % parts:
+            raise PlanError(f"{name}: input {i} has {t.shape[d]} rows along batch dim {d}, not divisible "
+                            f"by dp*m={parts}; use a global batch that is a multiple of {parts}")
+    return [None if d is None else d % batch[i].dim() for i, d in enumerate(declared)]
+
+
+def _candidates(batch, tensors, parts) -> list[list]:
+    sizes = set(batch[tensors[0]].shape)
+    out = []
+    for size in sorted(s for s in sizes if s % parts == 0 and s >= parts):
+        per = []
+        for i in range(len(batch)):
+            if i not in tensors:
+                per.append([None])
+                continue
+            dims = [d for d, s in enumerate(batch[i].shape) if s == size]
+            per.append(dims or [None])
+        for combo in itertools.product(*per):
+            out.append(list(combo))
+    return out
+
+
+def split(t, dim, parts: int, index: int):
+    """The index-th of `parts` equal slices of t along dim (t itself when dim is None)."""
+    if dim is None or not isinstance(t, torch.Tensor):
+        return t
+    return t.chunk(parts, dim=dim)[index]
+
+
+def _slice_matches(model, inputs, dims, parts) -> bool:
+    """Does the last slice along `dims` give the matching slice of the full batch's output?"""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            full = _flat(model(*inputs))
+            part = _flat(model(*(split(t, d, parts, parts - 1) for t, d in zip(inputs, dims))))
+    except Exception:
+        return False
+    finally:
+        model.train(was_training)
+    if len(full) != len(part) or not full:
+        return False
+    for f, p in zip(full, part):
+        if not any(_is_last_slice(f, p, d) for d in range(f.dim())):
+            return False
+    return True
+
+
+def _is_last_slice(f: torch.Tensor, p: torch.Tensor, d: int) -> bool:
+    if f.dim() != p.dim() or any(a != b for k, (a, b) in enumerate(zip(f.shape, p.shape)) if k != d):
+        return False
+    n = p.shape[d]
+    if n >= f.shape[d]:
+        return False
+    return torch.allclose(f.narrow(d, f.shape[d] - n, n), p, rtol=1e-4, atol=1e-5)
+
+
+def _flat(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out.float()] if out.is_floating_point() else [out]
+    if isinstance(out, dict) or hasattr(out, "values") and not isinstance(out, (list, tuple)):
+        return [t for v in out.values() for t in _flat(v)]
+    if isinstance(out, (list, tuple)):
+        return [t for v in out for t in _flat(v)]
+    return []

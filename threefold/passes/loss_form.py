@@ -1,0 +1,258 @@
+"""Derive from the loss graph how the loss combines batch rows, so that microbatch and
+data-parallel partial results combine into exactly the single-process loss and gradients.
+
+The graph is traced on one microbatch. Its loss is `scale(R(rows))`: a final reduction R
+(cross-entropy / nll / mse / ... with reduction=mean or sum, aten.mean, aten.sum) under a
+chain of linear scale ops (mul/div by a constant, neg, dtype casts). We rewrite R into its
+sum form, so the chunk's output is a *numerator* (a sum over this microbatch's rows), and
+record the *denominator* in `prog.loss_form`:
+
+  {"kind": "graph"}     per microbatch, a function of user inputs only (the number of
+                        targets != ignore_index, or their class weights' sum); its graph is
+                        `prog.loss_denominator` and codegen writes it as a method
+  {"kind": "const", "value": c}  per microbatch, a constant (numel for mean over elements)
+  {"kind": "one"}       global denominator 1 (a sum-reduced loss)
+
+The runtime computes the global denominator D (the sum over every microbatch of every dp
+rank, or 1) before the step's first backward, seeds each microbatch's backward with 1/D and
+reports sum(numerators) / D. `loss=microbatch_mean` (plan) keeps the traced loss as it is
+with const 1 per microbatch: the mean of microbatch losses.
+Where no exact combination exists (a nonlinear function of a mean, two terms with their own
+denominators, a denominator that depends on parameters) and m*dp > 1, a PlanError names the
+op and the options.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from threefold.compiler.program import Program, tf
+from threefold.errors import PlanError
+
+aten = torch.ops.aten
+
+MEAN, SUM, NONE = 1, 2, 0  # at::Reduction
+_TARGET_COUNTED = {"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d"}
+_ELEMENT_MEAN = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+                 "binary_cross_entropy_with_logits", "soft_margin_loss", "kl_div",
+                 "hinge_embedding_loss", "margin_ranking_loss", "poisson_nll_loss"}
+_PASS_THROUGH = {"_to_copy", "to", "clone", "alias", "view", "reshape", "squeeze", "unsqueeze",
+                 "_unsafe_view", "detach"}  # detach is not linear but has no gradient either
+_FIX = ("set loss=microbatch_mean in the plan (the mean of per-microbatch losses), or use m=1 "
+        "and dp=1")
+
+
+def loss_form(prog: Program) -> Program:
+    """Needs: a traced graph whose output is the loss. Guarantees: the output is this
+    microbatch's numerator and prog.loss_form says how to combine it (see module doc)."""
+    if not prog.has_loss:
+        return prog
+    if prog.plan.loss == "microbatch_mean":
+        prog.loss_form = {"mode": "microbatch_mean", "denominator": {"kind": "const", "value": 1}}
+        return prog
+    parts = prog.plan.dp * prog.plan.microbatches
+    if parts == 1:  # one microbatch on one replica: nothing to combine, keep the loss as traced
+        prog.loss_form = {"mode": "whole", "denominator": {"kind": "const", "value": 1}}
+        return prog
+    out = next(n for n in prog.graph.nodes if n.op == "output")
+    node, divisor = out.args[0][0], 1.0
+    chain = []
+    while True:
+        name = _name(node)
+        if name in _PASS_THROUGH and _val(node).numel() == 1:
+            node = node.args[0]
+        elif name in ("mul", "div") and _is_number(node.args[1]) and isinstance(node.args[0], fx.Node):
+            divisor *= node.args[1] if name == "div" else 1.0
+            node = node.args[0]
+        elif name == "neg":
+            node = node.args[0]
+        else:
+            break
+        chain.append(name)
+    try:
+        form = _rewrite(prog, node, divisor)
+    except _NotSeparable as exc:
+        raise PlanError(f"{prog.name}: the loss is not a sum or mean over batch rows ({exc}), so "
+                        f"the {parts} microbatch/dp partial losses cannot be combined exactly; {_FIX}") from None
+    form["mode"] = "exact"
+    form["module"] = tf(node).get("module", "")
+    prog.loss_form = form
+    prog.gm.recompile()
+    return prog
+
+
+class _NotSeparable(Exception):
+    pass
+
+
+def _rewrite(prog: Program, node: fx.Node, divisor: float) -> dict:
+    name = _name(node)
+    op = f"aten.{name}"
+    if name in _TARGET_COUNTED or name in _ELEMENT_MEAN:
+        idx = _reduction_index(node)
+        reduction = _arg(node, idx, "reduction", MEAN)
+        if name == "kl_div" and reduction == MEAN:
+            pass  # aten kl_div's mean is over elements ('batchmean' arrives as sum / rows)
+        if reduction == SUM:
+            return _sum_form(prog, op, divisor)
+        if reduction != MEAN:
+            raise _NotSeparable(f"{op} with reduction={reduction} ends the loss")
+        _set_reduction(node, idx, SUM)
+        if name in _TARGET_COUNTED:
+            return _count_denominator(prog, node, op)
+        numel = _broadcast_numel(node)
+        return {"reduction": "mean", "op": op, "denominator": {"kind": "const", "value": numel}}
+    if name == "mean" and _val(node).numel() == 1:
+        x = node.args[0]
+        with prog.graph.inserting_after(node):
+            if node.target == aten.mean.default:
+                new = prog.graph.call_function(aten.sum.default, (x,), dict(node.kwargs))
+            else:
+                new = prog.graph.call_function(aten.sum.dim_IntList, tuple(node.args), dict(node.kwargs))
+        _take_place(node, new)
+        return {"reduction": "mean", "op": op, "denominator": {"kind": "const", "value": _val(x).numel()}}
+    if name == "sum" and _val(node).numel() == 1:
+        return _sum_form(prog, op, divisor)
+    raise _NotSeparable(f"its last op before the scalar is {op} in module "
+                        f"{tf(node).get('module', '') or '<top>'!r}")
+
+
+def _sum_form(prog: Program, op: str, divisor: float) -> dict:
+    """A sum over rows. Divided by a constant that is a multiple of the microbatch's row
+    count it is a per-row mean written by hand (kl_div 'batchmean', `.sum() / x.size(0)`):
+    export baked the microbatch size into the constant, so every microbatch counts 1."""
+    rows = prog.micro_rows
+    if rows and divisor != 1.0 and float(divisor).is_integer() and int(divisor) % rows == 0:
+        return {"reduction": "sum/rows", "op": op, "denominator": {"kind": "const", "value": 1}}
+    return {"reduction": "sum", "op": op, "denominator": {"kind": "one"}}
+
+
+def _count_denominator(prog: Program, loss: fx.Node, op: str) -> dict:
+    """Targets that count: (target != ignore_index), weighted by class weights when given."""
+    target = loss.args[1]
+    weight = _arg(loss, 2, "weight", None)
+    ignore = _arg(loss, 4, "ignore_index", -100)
+    tval = _val(target)
+    if tval.is_floating_point():  # class probabilities: the mean is over rows
+        x = _val(loss.args[0])
+        rows = x.numel() // x.shape[1] if x.dim() > 1 else 1
+        if weight is not None:
+            raise PlanError(f"{op} with class weights and probability targets: the combination over "
+                            f"microbatches is not implemented; {_FIX}")
+        return {"reduction": "mean", "op": op, "denominator": {"kind": "const", "value": rows}}
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    needed = [target] + ([weight] if isinstance(weight, fx.Node) else [])
+    order = {n: i for i, n in enumerate(prog.graph.nodes)}
+    sub = _ancestors(needed)
+    for n in sorted(sub, key=order.__getitem__):
+        if n.op == "placeholder":
+            kind = tf(n)["kind"]
+            if kind == "param":
+                raise PlanError(f"{op}: its denominator depends on parameter {tf(n)['fqn']!r}, so "
+                                f"microbatch losses cannot be combined exactly; {_FIX}")
+            ph = g.placeholder(n.name)
+            ph.meta = {"val": n.meta.get("val"), "tf": dict(tf(n))}
+            env[n] = ph
+        else:
+            new = g.node_copy(n, lambda a: env[a])
+            new.meta = {"val": n.meta.get("val"), "tf": dict(tf(n))}
+            env[n] = new
+    t = env[target]
+    keep = g.call_function(aten.ne.Scalar, (t, ignore))
+    if isinstance(weight, fx.Node):
+        safe = g.call_function(aten.where.self, (keep, t, g.call_function(aten.zeros_like.default, (t,))))
+        w = g.call_function(aten.index.Tensor, (env[weight], [safe]))
+        counted = g.call_function(aten.mul.Tensor, (w, keep))
+    else:
+        counted = keep
+    total = g.call_function(aten.sum.default, (counted,), {"dtype": torch.float64})
+    g.output((total,))
+    for n in g.nodes:
+        if n.op == "call_function":
+            n.meta.setdefault("tf", {})["module"] = tf(loss).get("module", "")
+    g.lint()
+    prog.loss_denominator = fx.GraphModule(torch.nn.Module(), g, class_name="LossDenominator")
+    return {"reduction": "mean", "op": op, "denominator": {"kind": "graph"},
+            "ignore_index": ignore, "weighted": weight is not None}
+
+
+def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _take_place(old: fx.Node, new: fx.Node) -> None:
+    new.meta = dict(old.meta)
+    new.meta["tf"] = dict(tf(old))
+    old.replace_all_uses_with(new)
+    old.graph.erase_node(old)
+
+
+def _set_reduction(node: fx.Node, idx: int, value: int) -> None:
+    schema = node.target._schema
+    args = list(node.args)
+    kwargs = dict(node.kwargs)
+    if idx < len(args):
+        args[idx] = value
+    else:  # fill defaults up to the reduction argument, positionally
+        for a in schema.arguments[len(args):idx]:
+            if a.name in kwargs:
+                args.append(kwargs.pop(a.name))
+            else:
+                args.append(a.default_value)
+        args.append(value)
+        kwargs.pop("reduction", None)
+    node.args, node.kwargs = tuple(args), kwargs
+
+
+def _reduction_index(node: fx.Node) -> int:
+    for i, a in enumerate(node.target._schema.arguments):
+        if a.name == "reduction":
+            return i
+    raise _NotSeparable(f"{node.target} has no reduction argument")
+
+
+def _arg(node: fx.Node, idx: int, name: str, default):
+    if idx < len(node.args):
+        return node.args[idx]
+    if name in node.kwargs:
+        return node.kwargs[name]
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and idx < len(schema.arguments) and schema.arguments[idx].has_default_value():
+        return schema.arguments[idx].default_value
+    return default
+
+
+def _broadcast_numel(node: fx.Node) -> int:
+    shapes = [tuple(_val(a).shape) for a in node.args[:2] if isinstance(a, fx.Node)]
+    n = 1
+    for s in torch.broadcast_shapes(*shapes):
+        n *= int(s)
+    return n
+
+
+def _name(node) -> str:
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return ""
+    if node.target is operator.getitem:
+        return "getitem"
+    schema = getattr(node.target, "_schema", None)
+    return schema.name.split("::")[-1] if schema is not None else getattr(node.target, "__name__", "")
+
+
+def _val(node: fx.Node) -> torch.Tensor:
+    return node.meta["val"]
+
+
+def _is_number(a) -> bool:
+    return isinstance(a, (int, float)) and not isinstance(a, bool)
