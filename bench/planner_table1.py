@@ -14,11 +14,11 @@ import argparse
 import dataclasses
 import sys
 
-from threefold.compiler.paper_table1 import TABLE1
-from threefold.compiler.cluster import load_cluster
-from threefold.compiler.perf_model import gpt_model_cost
-from threefold.compiler.planner import Constraints, rank_plans
-
+from threefold.planner.cluster import load_cluster
+from threefold.planner.constraints import Constraints
+from threefold.planner.gpt_cost import gpt_model_cost
+from threefold.planner.paper_table1 import TABLE1
+from threefold.planner.search import rank_plans
 
 
 def evaluate_rows(cluster):

@@ -1,7 +1,7 @@
 """`threefold plan`: choose tp, pp, dp, microbatch size, interleaving and recomputation.
 
 Prints the best plans for a model, a global batch and a cluster, ranked by predicted
-throughput, with what each costs (see threefold/compiler/perf_model.py for the model).
+throughput, with what each costs (see threefold/planner/estimate.py for the model).
 """
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import argparse
 import json
 import sys
 
-from threefold.compiler.cluster import REQUIRED, load_cluster, preset_names
-from threefold.compiler.perf_model import gpt_model_cost
-from threefold.compiler.planner import Constraints, describe, plan_record, rank_plans, to_plan
 from threefold.errors import PlanError
+from threefold.planner.cluster import REQUIRED, load_cluster, preset_names
+from threefold.planner.constraints import Constraints
+from threefold.planner.gpt_cost import gpt_model_cost
+from threefold.planner.record import plan_record
+from threefold.planner.search import rank_plans
 
 SHARES = ("compute", "bubble", "tp", "pp", "dp", "optimizer")
 
@@ -68,7 +70,7 @@ def model_from_args(args):
     if args.spec and any(v is not None for v in shape):
         raise PlanError("plan takes a SPEC or a GPT shape (--layers --hidden --heads), not both: drop one")
     if args.spec:
-        from threefold.compiler.spec_cost import model_cost_from_spec
+        from threefold.planner.spec_cost import model_cost_from_spec
         return model_cost_from_spec(args.spec)
     if any(v is None for v in shape):
         missing = [n for n, v in zip(("--layers", "--hidden", "--heads"), shape) if v is None]
@@ -91,7 +93,7 @@ def run(args) -> int:
     shown = plans if args.top == 0 else plans[: args.top]
     if args.svg:
         if plans[0].fits:
-            from threefold.compiler.plan_svg import timeline_svg
+            from threefold.planner.timeline import timeline_svg
             try:
                 with open(args.svg, "w") as f:
                     f.write(timeline_svg(plans[0]))
@@ -133,10 +135,10 @@ def _print_report(model, cluster, args, plans, shown, where) -> None:
              f"{args.gpus} GPUs of {cluster.name} ({peak / 1e12:.0f} TFLOP/s {args.dtype} peak, "
              f"{cluster.usable_bytes / 2**30:.1f} GiB usable)"]
     if where != Constraints():
-        lines.append(f"evaluating plans matching {describe(where)}; '!' marks plans that do not fit")
+        lines.append(f"evaluating plans matching {where}; '!' marks plans that do not fit")
     rows = [_row(i + 1, e) for i, e in enumerate(shown)]
     why = explain(plans, where) if best.fits else []
-    footer = [LEGEND, f"best: {to_plan(best)} (microbatch size {best.config.microbatch_size})"] + why
+    footer = [LEGEND, f"best: {best.config.plan} (microbatch size {best.config.microbatch_size})"] + why
     if sys.stdout.isatty():
         from rich.console import Console
         from rich.table import Table
@@ -179,7 +181,7 @@ def explain(plans, where: Constraints = Constraints()) -> list[str]:
         slower = other.iteration_s / best.iteration_s - 1
         verdict = f"is {slower:.1%} slower" if slower >= 0.0005 else "is as fast (a tie)"
         out.append(f"  {label}={_fmt(mine)}: the best plan with {label}={_fmt(getattr(other.config, key))} "
-                   f"({to_plan(other)}, b={other.config.microbatch_size}) {verdict}")
+                   f"({other.config.plan}, b={other.config.microbatch_size}) {verdict}")
     return ["why:"] + out
 
 

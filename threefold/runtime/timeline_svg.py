@@ -15,13 +15,14 @@ _BWD = ["#59a14f", "#3f8436", "#2a6623", "#184a14"]    # backward shades
 ROW, GAP, LEFT, TOP = 28, 6, 70, 46
 
 
-def render_svg(sim: Simulation, width: int = 1000) -> str:
+def render_svg(sim: Simulation, width: int = 1000, title: str | None = None) -> str:
+    """The timeline; `title` replaces the default heading (the planner names its plan there)."""
     s = sim.schedule
     span = sim.makespan or 1
     scale = (width - LEFT - 20) / span
     height = TOP + s.pp * (ROW + GAP) + 40
-    title = (f"{s.name}  pp={s.pp}  m={s.m}  v={s.v}   makespan {_num(sim.makespan)}   "
-             f"bubble {sim.bubble_fraction:.1%} of rank-time (idle/busy {sim.bubble_ratio:.3f})")
+    title = title or (f"{s.name}  pp={s.pp}  m={s.m}  v={s.v}   makespan {_num(sim.makespan)}   "
+                      f"bubble {sim.bubble_fraction:.1%} of rank-time (idle/busy {sim.bubble_ratio:.3f})")
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'font-family="monospace" font-size="11">',
            '<rect width="100%" height="100%" fill="white"/>',

@@ -2,7 +2,7 @@
 
 A cluster is a handful of physical numbers per GPU: peak FLOP/s per dtype, HBM capacity
 and bandwidth, GPUs per node, link bandwidths inside and across nodes, and the fraction
-of peak a large GEMM sustains. Presets ship as `threefold/clusters/<name>.toml`; a user
+of peak a large GEMM sustains. Presets ship as `threefold/planner/clusters/<name>.toml`; a user
 file has the same keys (see `REQUIRED` and `OPTIONAL`). Every problem with a file is a
 `PlanError` naming the file, the key and the fix.
 """
@@ -71,7 +71,7 @@ class Cluster:
 
 
 def preset_names() -> list[str]:
-    folder = resources.files("threefold") / "clusters"
+    folder = resources.files("threefold.planner") / "clusters"
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".toml"))
 
 
@@ -87,7 +87,7 @@ def load_cluster(name_or_path: str) -> Cluster:
     if text not in preset_names():
         raise PlanError(f"cluster preset {text!r} is unknown: use one of {', '.join(preset_names())} "
                         "or a path to a TOML file")
-    data = (resources.files("threefold") / "clusters" / f"{text}.toml").read_bytes()
+    data = (resources.files("threefold.planner") / "clusters" / f"{text}.toml").read_bytes()
     return cluster_from_toml(data, source=f"preset {text}")
 
 
@@ -114,7 +114,7 @@ def cluster_from_toml(data: bytes | str, source: str = "cluster TOML") -> Cluste
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
                 value == 0 and key in REQUIRED):
             raise PlanError(f"{source}: {key} = {value!r} is invalid: it must be a positive number "
-                            f"({REQUIRED.get(key, 'see OPTIONAL in threefold/compiler/cluster.py')})")
+                            f"({REQUIRED.get(key, 'see OPTIONAL in threefold/planner/cluster.py')})")
         values[key] = value
     if values["matmul_fraction"] > 1:
         raise PlanError(f"{source}: matmul_fraction = {values['matmul_fraction']} is invalid: "

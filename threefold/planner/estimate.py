@@ -1,0 +1,182 @@
+"""The performance model: what one training iteration of a plan costs in time.
+
+It follows the paper (Narayanan et al., SC'21, arXiv 2104.04473) and adds only physics:
+
+* Compute. A transformer layer is a list of ops (`model_cost.Op`), each with its FLOPs
+  and the bytes it moves per token. An op takes max(FLOPs / (peak * matmul_fraction),
+  bytes / HBM bandwidth, one kernel launch): a roofline. For a GPT shape the GEMM FLOPs
+  sum to exactly the paper's Eq. 3, 96 B s l h^2 (1 + s/6h + V/16lh) with activation
+  recomputation (72 B s l h^2 (1 + s/6h + V/12lh) without); the byte counts are those of
+  Megatron's kernels (fused softmax, bias-GeLU and bias-dropout-add; unfused attention
+  dropout), which is what makes small-hidden models slower per FLOP. Backward costs twice
+  the forward (two GEMMs per forward GEMM; gradient kernels read the saved input and the
+  incoming gradient); recomputation adds one forward.
+* Pipeline. Per microbatch a stage runs its layers forward and backward, its tp
+  all-reduces (2 per layer forward, 2 backward, 2 more when recomputing: paper sec. 3.2,
+  ring time 2(t-1)/t bytes / link bandwidth), and sends its boundary tensor to the next
+  and previous stage once per chunk (with the paper's scatter/gather, 1/t of it crosses
+  InfiniBand, then an NVLink all-gather). The iteration takes
+  m * t_slowest + (p-1)/v * t_mean: the paper's bubble (p-1)/(v m) (sec. 2.2), which the
+  runtime's schedule (runtime/schedule.py), simulated, reproduces exactly for any m >= p
+  (tests). tp spanning nodes (only when asked) runs its ring over the nodes' NICs:
+  g * inter-node bandwidth.
+  `bubble_fraction` is the share of the iteration a stage spends idle in fill and drain.
+* Data parallelism. One gradient all-reduce per iteration, not overlapped (as in the
+  paper's runs): ring time 2(d-1)/d bytes / bandwidth, the bandwidth being NVLink when
+  the group sits in one node, else k * inter-node bandwidth, k being the members of the
+  group per node, each with its own NIC. Then the optimizer step, a memory-bound pass
+  over ~32 bytes per local parameter. Tied embeddings add one all-reduce between the
+  first and last stage.
+* Memory per GPU: `memory.py` (parameters, optimizer state, and the activations the
+  runtime's schedule keeps in flight).
+
+Nothing here is fitted to the paper's Table 1, row by row or otherwise: constants are
+datasheet figures, the paper's bandwidths, and Megatron's byte counts. The one estimate is
+the cluster's `matmul_fraction` (see threefold/planner/clusters/a100-80gb.toml), one number per
+GPU type; bench/planner_table1.py --sensitivity shows what it does to the Table 1 errors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from threefold.plan import Plan
+from threefold.planner.cluster import Cluster
+from threefold.planner.memory import stage_memory, stage_params
+from threefold.planner.model_cost import GRAD_BYTES, OPTIMIZER_BYTES_PER_PARAM, ModelCost
+
+
+@dataclass(frozen=True)
+class Config:
+    """One point of the search space: a runtime Plan and the global batch it splits.
+
+    The microbatch size is derived, as the runtime derives it: batch / (dp * m)."""
+    plan: Plan
+    batch: int                      # global batch (sequences)
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.batch // (self.plan.dp * self.plan.microbatches)
+
+    # The plan's sizes under the names the model's formulas use.
+    tp = property(lambda self: self.plan.tp)
+    pp = property(lambda self: self.plan.pp)
+    dp = property(lambda self: self.plan.dp)
+    interleave = property(lambda self: self.plan.interleave)
+    recompute = property(lambda self: self.plan.recompute)
+    microbatches = property(lambda self: self.plan.microbatches)
+
+
+@dataclass
+class Estimate:
+    config: Config
+    iteration_s: float
+    flops_per_iteration: float      # counted as executed (Eq. 3 when recomputing)
+    tflops_per_gpu: float
+    peak_fraction: float
+    memory_bytes: float             # the fullest GPU (first or last stage)
+    fits: bool
+    bubble_fraction: float          # share of the iteration a stage idles in fill/drain
+    shares: dict = field(default_factory=dict)   # compute/bubble/tp/pp/dp/optimizer -> share of time
+    stage_times: list = field(default_factory=list)  # per stage: (forward, backward) s of one chunk
+    transfer_s: float = 0.0         # one boundary transfer between stages
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.config.batch / self.iteration_s
+
+
+def _ring_allreduce_s(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
+
+
+def _ops_s(ops, tokens, tp, cluster, dtype) -> float:
+    return sum(op.seconds(tokens, tp, cluster, dtype) for op in ops)
+
+
+def _layers_on_stages(layers: int, pp: int) -> list[int]:
+    base, extra = divmod(layers, pp)
+    return [base + (1 if r < extra else 0) for r in range(pp)]
+
+
+def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16") -> Estimate:
+    """Predicted time and memory of one iteration (see the module docstring)."""
+    t, p, d, b, v = cfg.tp, cfg.pp, cfg.dp, cfg.microbatch_size, cfg.interleave
+    m = cfg.microbatches
+    g = cluster.gpus_per_node
+    tokens = b * model.seq_len
+    passes = 4 if cfg.recompute else 3          # forward, backward (2x), recompute forward
+
+    # -- one microbatch through one stage ---------------------------------------------
+    layer_fwd = _ops_s(model.layer_ops, tokens, t, cluster, dtype)
+    pre_fwd = _ops_s(model.pre_ops, tokens, t, cluster, dtype)
+    post_fwd = _ops_s(model.post_ops, tokens, t, cluster, dtype)
+    tp_in_node = t <= g
+    tp_bw = cluster.intra_node_bandwidth if tp_in_node else g * cluster.inter_node_bandwidth
+    tp_lat = cluster.intra_node_latency_s if tp_in_node else cluster.inter_node_latency_s
+    one_ar = _ring_allreduce_s(model.tp_allreduce_bytes / model.tp_allreduces_per_layer * tokens, t, tp_bw, tp_lat)
+    # Boundary transfer: scatter/gather sends 1/t over the slower link, then all-gathers.
+    boundary = model.boundary_bytes * tokens
+    stride = t * d                               # ranks between consecutive pipeline stages
+    p2p_inter = p > 1 and (stride >= g or p * stride > g)
+    link = cluster.inter_node_bandwidth if p2p_inter else cluster.intra_node_bandwidth
+    lat = cluster.inter_node_latency_s if p2p_inter else cluster.intra_node_latency_s
+    xfer = 0.0
+    if p > 1:
+        xfer = boundary / t / link + lat
+        if t > 1:
+            xfer += (t - 1) / t * boundary / cluster.intra_node_bandwidth + (t - 1) * cluster.intra_node_latency_s
+    stage_layers = _layers_on_stages(model.layers, p)
+    ar_fwd = one_ar * model.tp_allreduces_per_layer            # one layer's forward all-reduces
+    compute, tp_time, fwd, bwd = [], [], [], []
+    for r, n in enumerate(stage_layers):
+        edge = (pre_fwd if r == 0 else 0.0) + (post_fwd if r == p - 1 else 0.0)
+        compute.append(n * layer_fwd * passes + edge * 3)
+        tp_time.append(n * ar_fwd * (passes - 1))
+        fwd.append(n * (layer_fwd + ar_fwd) + edge)
+        bwd.append(compute[-1] + tp_time[-1] - fwd[-1])      # backward, with the recomputed forward
+    p2p_time = [2 * v * xfer] * p                              # per chunk: activation in, gradient back
+    stage = [c + a + x for c, a, x in zip(compute, tp_time, p2p_time)]
+    slowest = max(range(p), key=lambda r: stage[r])
+    mean = sum(stage) / p
+    pipeline_s = m * stage[slowest] + (p - 1) / v * mean
+    bubble_s = (p - 1) / v * mean
+
+    # -- per-iteration work: gradients, tied embeddings, optimizer ---------------------
+    # Stage 0 holds the most layers (extra layers go first), the embedding and the most
+    # in-flight activations; the last stage holds the logits: the fullest GPU is one of them.
+    edges = sorted({0, p - 1})
+    local_params = {r: stage_params(model, stage_layers[r], r, p, t) for r in edges}
+    most = max(local_params.values())
+    dp_s = 0.0
+    if d > 1:
+        per_node = max(1, min(d, g // t)) if t <= g else 1
+        in_node = t * d <= g
+        bw = cluster.intra_node_bandwidth if in_node else per_node * cluster.inter_node_bandwidth
+        dp_lat = cluster.intra_node_latency_s if in_node else cluster.inter_node_latency_s
+        dp_s = _ring_allreduce_s(most * GRAD_BYTES, d, bw, dp_lat)
+    embed_s = 0.0
+    if p > 1 and model.tied_embedding:
+        embed_s = _ring_allreduce_s(model.pre_params / t * GRAD_BYTES, 2, link, lat)
+    opt_s = most * OPTIMIZER_BYTES_PER_PARAM / cluster.hbm_bandwidth
+    total = pipeline_s + dp_s + embed_s + opt_s
+
+    flops = model.flops_per_iteration(cfg.batch, cfg.recompute)
+    world = t * p * d
+    tflops = flops / total / world
+    shares = {
+        "compute": m * compute[slowest] / total,
+        "bubble": bubble_s / total,
+        "tp": m * tp_time[slowest] / total,
+        "pp": m * p2p_time[slowest] / total,
+        "dp": (dp_s + embed_s) / total,
+        "optimizer": opt_s / total,
+    }
+    mem = max(stage_memory(model, cfg, r, stage_layers[r], local_params[r]) for r in edges)
+    return Estimate(
+        config=cfg, iteration_s=total, flops_per_iteration=flops, tflops_per_gpu=tflops / 1e12,
+        peak_fraction=tflops / cluster.peak(dtype), memory_bytes=mem, fits=mem <= cluster.usable_bytes,
+        bubble_fraction=bubble_s / total, shares=shares,
+        stage_times=[(f / v, b_ / v) for f, b_ in zip(fwd, bwd)], transfer_s=xfer,
+    )

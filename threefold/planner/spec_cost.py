@@ -1,0 +1,216 @@
+"""`model_cost_from_spec`: the planner's `ModelCost` from a traced and tensor-parallel program.
+
+The SPEC's model is traced once at its example batch (on the meta device if the factory
+builds it there). The repeated blocks are found from module paths: the `prefix.<i>` family
+with the most members (`h.0`, `h.1`, ...) is the layer stack. Block 0's nodes become the
+per-layer ops, nodes before the first block the `pre` part, nodes after the last block the
+`post` part.
+
+How each op maps to tensor parallelism is the compiler's decision, not a guess: the
+tensor-parallel pass runs at a trial degree t (`tp_decisions.py`), every op of its output is
+costed on local shapes by `compiler/cost.py`, and an op whose activations are held as
+shards or partial sums (placements S and P) is split over tp (its local cost times t is
+the whole op's), any other runs whole on every rank. Parameters are sharded exactly when
+the pass cuts them (`shard_fns`); the tp all-reduces of a layer are the forward all-reduces
+the pass inserted into block 0; tp must divide every size the pass split there. Decisions
+that depend on t itself (a GQA projection kept whole when t does not divide its heads)
+are those of the trial degree. Bytes are rescaled from the traced dtype to 16-bit training.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import torch
+import torch.fx as fx
+
+from threefold.compiler import cost as cost_mod
+from threefold.compiler.program import Program, compute_nodes, meta_of, tf
+from threefold.errors import PlanError
+from threefold.planner import tp_decisions as tpd
+from threefold.planner.model_cost import ACT_BYTES, ModelCost, Op
+
+MATMUL_OPS = {"linear", "mm", "bmm", "matmul", "addmm", "baddbmm", "scaled_dot_product_attention",
+              "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+              "convolution", "conv1d", "conv2d"}
+
+
+def model_cost_from_spec(spec: str) -> ModelCost:
+    """ModelCost of the workload a SPEC names; PlanError when it cannot be derived."""
+    try:
+        from threefold.compiler.trace import trace
+        from threefold.workload import load_spec
+    except ImportError as exc:
+        raise PlanError(f"SPEC models need the tracer and cost model (threefold.compiler.trace/cost), "
+                        f"which are not available ({exc}): describe the model with --layers --hidden "
+                        "--heads --vocab --seq instead") from None
+    work = load_spec(spec)
+    return model_cost_from_program(trace(work.model, work.inputs, work.target, work.loss_fn), work.inputs, spec)
+
+
+def model_cost_from_program(traced: Program, inputs: tuple, name: str) -> ModelCost:
+    """ModelCost of a traced Program whose example inputs were `inputs`."""
+    first = inputs[0]
+    if not isinstance(first, torch.Tensor) or first.dim() < 1:
+        raise PlanError(f"SPEC {name!r}: the first input is not a batched tensor; the planner needs "
+                        "(batch, seq, ...) inputs to count tokens")
+    seq = int(first.shape[1]) if first.dim() >= 2 else 1
+    tokens = int(first.shape[0]) * seq
+
+    # -- structure, from the traced (global) graph ----------------------------------------
+    nodes = compute_nodes(traced.graph)
+    families: dict[str, set] = defaultdict(set)
+    for n in nodes:
+        m = re.match(r"^(.*?)\.?(\d+)(?:\.|$)", tf(n).get("module", "") or "")
+        if m:
+            families[m.group(1)].add(int(m.group(2)))
+    if not families or max(len(v) for v in families.values()) < 2:
+        raise PlanError(f"SPEC {name!r}: no repeated blocks found (module paths like 'h.0', 'h.1'); the "
+                        "planner models a stack of identical layers: describe it with --layers --hidden ...")
+    prefix = max(families, key=lambda k: len(families[k]))
+    pattern = re.compile(rf"^{re.escape(prefix)}\.?(\d+)(?:\.|$)")
+    groups = _groups(nodes, pattern)
+    indices, block0, block1 = groups["indices"], groups["block0"], {n.name for n in groups["block1"]}
+    # The boundary: what block 1 reads from outside itself (the residual stream).
+    boundary = {a.name: meta_of(a) for n in nodes if n.name in block1 for a in n.all_input_nodes
+                if a.name not in block1 and a.op == "call_function" and meta_of(a) is not None}
+    if not boundary:
+        raise PlanError(f"SPEC {name!r}: cannot find the tensor passed between blocks {prefix}.0 and {prefix}.1")
+    bmeta = max(boundary.values(), key=lambda m: m.numel)
+    param_elt = max((t.element_size() for t in traced.state.values() if t.is_floating_point()), default=4)
+    scale = ACT_BYTES / param_elt
+
+    # -- tensor parallelism, from the compiler's pass ---------------------------------------
+    sharded, t = tpd.shard_program(traced)
+    split_params = tpd.sharded_params(sharded)
+    local = _groups([n for n in compute_nodes(sharded.graph) if not tpd.is_communication(n)], pattern)
+    block0_all = [n for n in compute_nodes(sharded.graph) if _layer(n, pattern) == indices[0]]
+    costing = _Costing(t, tokens, scale, split_params)
+
+    def params_of(group) -> dict:
+        out = {}
+        for n in group:
+            for a in n.all_input_nodes:
+                if a.op == "placeholder" and tf(a).get("kind") == "param":
+                    out[tf(a)["fqn"]] = traced.state[tf(a)["fqn"]]
+        return out
+
+    layer_params, pre_params, post_params = (params_of(groups[k]) for k in ("block0", "pre", "post"))
+    tied = {f for group in traced.ties.values() for f in group} | set(traced.ties)
+    tied_embedding = any(f in tied for f in pre_params) and any(f in tied for f in post_params)
+    untied_post = {f: p for f, p in post_params.items() if f not in tied}
+
+    def numel(params: dict, split: bool) -> float:
+        return float(sum(p.numel() for f, p in params.items() if (f in split_params) == split))
+
+    allreduces = [tpd.forward_allreduces(n) for n in block0_all]
+    count = sum(k for k, _ in allreduces)
+    divides: set[int] = {1} if t == 1 else set()
+    for n in local["block0"]:
+        divides |= tpd.shard_sizes(n, t)
+    for fqn in layer_params:
+        spec = split_params.get(fqn)
+        if spec is not None:
+            divides |= set(spec.blocks) or {int(traced.state[fqn].shape[spec.dim])}
+    saved_split, saved_repl = costing.saved(local["block0"])
+    post_split, post_repl = costing.saved(local["post"])
+    return ModelCost(
+        name=name, layers=len(indices), seq_len=seq,
+        layer_ops=costing.ops(local["block0"]), pre_ops=costing.ops(local["pre"]),
+        post_ops=costing.ops(local["post"]),
+        layer_params=float(sum(p.numel() for p in layer_params.values())),
+        layer_params_repl=numel(layer_params, split=False),
+        pre_params=numel(pre_params, split=True), pre_params_repl=numel(pre_params, split=False),
+        post_params=numel(untied_post, split=True), post_params_repl=numel(untied_post, split=False),
+        tied_embedding=tied_embedding,
+        tp_allreduce_bytes=sum(k * e for k, e in allreduces) * ACT_BYTES / tokens,
+        tp_allreduces_per_layer=max(1, count),
+        boundary_bytes=bmeta.nbytes * scale / tokens,
+        act_split=saved_split, act_repl=saved_repl, act_input=bmeta.nbytes * scale / tokens,
+        post_act=post_split + post_repl,
+        tp_divides=tuple(sorted(divides)),
+    )
+
+
+def _layer(node: fx.Node, pattern: re.Pattern) -> int | None:
+    m = pattern.match(tf(node).get("module", "") or "")
+    return int(m.group(1)) if m else None
+
+
+def _groups(nodes, pattern) -> dict:
+    """Split graph-ordered nodes into block 0, block 1, before the first block and after the last."""
+    layer_of = {n.name: _layer(n, pattern) for n in nodes}
+    in_layers = [i for i, n in enumerate(nodes) if layer_of[n.name] is not None]
+    indices = sorted({layer_of[nodes[i].name] for i in in_layers})
+    first, last = min(in_layers), max(in_layers)
+    return {
+        "indices": indices,
+        "block0": [n for n in nodes if layer_of[n.name] == indices[0]],
+        "block1": [n for n in nodes if layer_of[n.name] == indices[1]],
+        "pre": [n for n in nodes[:first] if layer_of[n.name] is None],
+        "post": [n for n in nodes[last + 1:] if layer_of[n.name] is None],
+    }
+
+
+class _Costing:
+    """Local (per-tp-rank) node costs turned into the model's split/replicated per-token figures."""
+
+    def __init__(self, t: int, tokens: int, scale: float, split_params: dict):
+        self.t, self.tokens, self.scale, self.split_params = t, tokens, scale, split_params
+
+    def _activations(self, node: fx.Node) -> list[fx.Node]:
+        tensors = [a for a in _flat_nodes((node.args, node.kwargs)) if meta_of(a) is not None
+                   and not (a.op == "placeholder" and tf(a).get("kind") == "param")]
+        return tensors + ([node] if meta_of(node) is not None else [])
+
+    def op(self, node: fx.Node) -> Op | None:
+        c = cost_mod.node_cost(node)
+        t, per_token = self.t, self.scale / self.tokens
+        acts = self._activations(node)
+        split = any(tpd.is_split(a) for a in acts)
+        moved = c.bytes_read + c.bytes_written - c.param_bytes
+        moved_split = min(moved, sum(meta_of(a).nbytes for a in acts if tpd.is_split(a))) if moved > 0 else 0
+        weights_split = weights_repl = 0.0
+        for a in node.all_input_nodes:
+            if a.op == "placeholder" and tf(a).get("kind") == "param" and meta_of(a) is not None:
+                if tf(a)["fqn"] in self.split_params:
+                    weights_split += meta_of(a).nbytes * t * self.scale
+                else:
+                    weights_repl += meta_of(a).nbytes * self.scale
+        if c.flops == 0 and moved <= 0:
+            return None
+        flops = c.flops / self.tokens
+        return Op(cost_mod.op_name(node), flops_split=flops * t if split else 0.0,
+                  flops_repl=0.0 if split else flops, bytes_split=moved_split * t * per_token,
+                  bytes_repl=max(0, moved - moved_split) * per_token, weight_bytes=weights_split,
+                  weight_bytes_repl=weights_repl, matmul=cost_mod.op_name(node) in MATMUL_OPS)
+
+    def ops(self, group) -> tuple[Op, ...]:
+        return tuple(op for op in (self.op(n) for n in group) if op is not None)
+
+    def saved(self, group) -> tuple[float, float]:
+        """(split, replicated) activation bytes per token the group keeps for backward,
+        each value once."""
+        by_name = {n.name: n for n in group}
+        seen: dict[str, tuple[int, bool]] = {}
+        for n in group:
+            for value, nbytes in cost_mod.node_cost(n).saved:
+                owner = by_name.get(value.split(".")[0]) or _input_named(n, value.split(".")[0])
+                seen[value] = (nbytes, owner is not None and tpd.is_split(owner))
+        split = sum(b for b, s in seen.values() if s) * self.t
+        repl = sum(b for b, s in seen.values() if not s)
+        return split * self.scale / self.tokens, repl * self.scale / self.tokens
+
+
+def _input_named(node, name):
+    return next((a for a in node.all_input_nodes if a.name == name), None)
+
+
+def _flat_nodes(value) -> list[fx.Node]:
+    if isinstance(value, fx.Node):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [n for v in value for n in _flat_nodes(v)]
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in _flat_nodes(v)]
+    return []
