@@ -89,10 +89,18 @@ def test_weights_are_cut_from_the_full_model_and_fused_qkv_is_block_strided():
     assert torch.equal(shard1, torch.cat([q[4:], k[4:], v[4:]]))
 
 
-def test_heads_not_divisible_by_tp_is_a_plan_error():
+def test_heads_not_divisible_by_tp_is_a_plan_error_under_strict():
     w = load_workload("gpt", n_layer=1, n_embd=24, n_head=3, seq=4, batch=2)
     with pytest.raises(threefold.PlanError, match=r"size 3 .*tp=2|tp=2.*size 3"):
-        compile_workload(w, "tp=2")
+        compile_workload(w, "tp=2,strict=true")
+
+
+def test_heads_not_divisible_by_tp_keeps_attention_whole_with_a_note():
+    w = load_workload("gpt", n_layer=1, n_embd=24, n_head=3, seq=4, batch=2)
+    prog = compile_workload(w, "tp=2")
+    kept = prog.tp_report["replicated_weights"]
+    assert "view in h.0.attn" in kept["h.0.attn.c_attn.weight"], kept   # [.., 3 heads, 8] on 2 ranks
+    assert "h.0.mlp.c_fc.weight" in prog.shard_fns   # the MLP is still Megatron's
 
 
 class _NormBetween(torch.nn.Module):
@@ -108,13 +116,21 @@ class _NormBetween(torch.nn.Module):
         return self.down(self.norm(self.up(x)))
 
 
-def test_an_op_with_no_rule_on_a_sharded_input_names_the_op_and_module():
-    model = _NormBetween()
-    x = torch.randn(2, 8)
-    wl = {"model": model, "inputs": (x,), "target": torch.randn(2, 8),
-          "loss_fn": torch.nn.functional.mse_loss}
-    with pytest.raises(threefold.PlanError, match=r"layer_norm.*norm"):
-        compile_workload(wl, "tp=2")
+def _norm_between():
+    return {"model": _NormBetween(), "inputs": (torch.randn(2, 8),), "target": torch.randn(2, 8),
+            "loss_fn": torch.nn.functional.mse_loss}
+
+
+def test_an_op_with_no_rule_on_a_sharded_input_is_a_plan_error_under_strict():
+    with pytest.raises(threefold.PlanError, match=r"strict.*layer_norm.*norm"):
+        compile_workload(_norm_between(), "tp=2,strict=true")
+
+
+def test_an_op_with_no_rule_keeps_the_projection_feeding_it_whole_and_says_why():
+    prog = compile_workload(_norm_between(), "tp=2")
+    kept = prog.tp_report["replicated_weights"]
+    assert "layer_norm in norm" in kept["up.weight"], kept
+    assert any("up.weight" in n for n in prog.notes), prog.notes
 
 
 def test_sequence_length_not_divisible_under_sp_is_a_plan_error():

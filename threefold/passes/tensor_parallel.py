@@ -34,6 +34,7 @@ from threefold.compiler.cost import op_name
 from threefold.compiler.program import Program, tf
 from threefold.errors import PlanError
 from threefold.passes.tp_placement import (P, R, Partial, Replicate, Shard, local_size, padded)
+from threefold.passes.tp_redistribute import NoRule, fallback, replicated
 from threefold.runtime import tp_ops
 from threefold.runtime.shard import ShardSpec
 from threefold.runtime.tp_ops import TP
@@ -43,11 +44,26 @@ aten = torch.ops.aten
 
 def tensor_parallel(prog: Program) -> Program:
     """Needs: a traced program. Guarantees: for tp>1, local shapes, TP collectives inserted,
-    prog.shard_fns for every sharded parameter, prog.tp_grad_sync for shard-applied ones."""
+    prog.shard_fns for every sharded parameter, prog.tp_grad_sync for shard-applied ones,
+    prog.tp_report (sharded share, fallbacks); every op on inputs of the right layout."""
     if prog.plan.tp == 1:
         return prog
-    _Rewriter(prog).run()
+    # Megatron's pairing: a column-parallel matmul pays off only if its shards reach a
+    # row-parallel matmul (or another sharded consumer). When its shards run into an op with
+    # no sharded rule, rewrite with that projection replicated instead of gathering them.
+    avoid: dict[str, str] = {}   # fqn -> the op its shards could not pass
+    for _ in range(_MAX_RETRIES):
+        rw = _Rewriter(prog, avoid)
+        rw.run()
+        more = {fqn: why for fqn, why in rw.blamed.items() if fqn not in avoid}
+        if not more or prog.plan.strict:
+            break
+        avoid.update(more)
+    rw.commit()
     return prog
+
+
+_MAX_RETRIES = 8
 
 
 def _to_meta(v):
@@ -59,8 +75,19 @@ def _to_meta(v):
 
 
 class _Rewriter:
-    def __init__(self, prog: Program):
+    def __init__(self, prog: Program, avoid: dict[str, str] | None = None):
         self.prog = prog
+        self.avoid = dict(avoid or {})          # weights to keep replicated (see tensor_parallel)
+        self.fallbacks: list[dict] = []         # ops run on gathered inputs (tp_redistribute)
+        self.blamed: dict[str, str] = {}        # column weights whose shards hit a fallback -> where
+        self.origin: dict[fx.Node, frozenset] = {}     # sharded value -> column weights it came from
+        self.f_source: dict[fx.Node, fx.Node] = {}     # f(x) -> x
+        self.gathered_from: dict[fx.Node, fx.Node] = {}  # all_gather_seq(x) -> x
+        self.notes: list[str] = []
+        self.replicated_weights: dict[str, str] = {}   # fqn -> why it is kept whole
+        self.maybe_dead: list[fx.Node] = []
+        self.old_of: dict[fx.Node, fx.Node] = {}        # new node -> the source node it stands for
+        self._grad_memo: dict[fx.Node, bool] = {}
         self.t = prog.plan.tp
         self.sp = prog.plan.sp
         self.old = prog.graph
@@ -86,6 +113,7 @@ class _Rewriter:
                 new.meta = dict(old.meta)
                 new.meta["tf"] = dict(tf(old))
                 self.env[old] = new
+                self.old_of[new] = old
                 self.place[new] = R
                 self.val[new] = _to_meta(old.meta.get("val"))
                 if tf(old).get("kind") == "param":
@@ -104,19 +132,27 @@ class _Rewriter:
                 if new in created and new.name != old.name:
                     new._rename(old.name)
                 self.env[old] = new
+                self.old_of.setdefault(new, old)
         self._finish()
 
     def _finish(self) -> None:
-        prog = self.prog
+        for node in reversed(self.maybe_dead):   # transposes of parameters re-emitted per matmul
+            if not node.users:
+                self.new.erase_node(node)
         for fqn, (dim, blocks, pad) in self.decisions.items():
             node = self.param_nodes[fqn]
             node.meta["val"] = self._param_local(fqn)
             tf(node)["placement"] = str(Shard(dim, blocks))
-            prog.shard_fns[fqn] = ShardSpec(dim, blocks, pad, self.t)
         both = self.shard_uses & self.replicated_uses
         if both:
             raise PlanError(f"parameter {sorted(both)[0]} is applied both to sharded and to replicated "
                             f"activations under tp={self.t}; threefold cannot split its gradient")
+
+    def commit(self) -> None:
+        """Write this rewrite into the program (the last of the retries)."""
+        prog = self.prog
+        for fqn, (dim, blocks, pad) in self.decisions.items():
+            prog.shard_fns[fqn] = ShardSpec(dim, blocks, pad, self.t)
         prog.tp_grad_sync = sorted(self.shard_uses - set(self.decisions))
         gm = fx.GraphModule(prog.gm, self.new)
         for node in gm.graph.nodes:
@@ -124,6 +160,9 @@ class _Rewriter:
                 if node.users:
                     raise AssertionError(f"tensor parallel pass left {node.name} without a shape")
         prog.gm = gm
+        prog.tp_report = tp_report(self)
+        prog.notes.extend(self.notes)
+        prog.notes.extend(report_notes(prog.tp_report))
 
     # ---- emitting --------------------------------------------------------------------
     def emit(self, target, args, kwargs=None, place=R, val=None, src: fx.Node | None = None,
@@ -142,6 +181,10 @@ class _Rewriter:
             tf(node)["collective"] = collective
         self.place[node] = place
         self.val[node] = val
+        if isinstance(place, (Shard, list)):
+            src_origins = [self.origin[a] for a in node.all_input_nodes if a in self.origin]
+            if src_origins:
+                self.origin[node] = frozenset().union(*src_origins)
         return node
 
     def _meta_eval(self, target, args, kwargs):
@@ -174,9 +217,12 @@ class _Rewriter:
 
     # ---- redistribution --------------------------------------------------------------
     def f(self, x: fx.Node) -> fx.Node:
-        return self._cached(("f", x), lambda: self.emit(
-            tp_ops.f, (x, TP), place=Replicate(partial_grad=True), val=self.val[x],
-            collective=_coll("all_reduce", "backward", self.val[x])))
+        def make():
+            node = self.emit(tp_ops.f, (x, TP), place=Replicate(partial_grad=True), val=self.val[x],
+                             collective=_coll("all_reduce", "backward", self.val[x]))
+            self.f_source[node] = x
+            return node
+        return self._cached(("f", x), make)
 
     def g(self, x: fx.Node) -> fx.Node:
         return self.emit(tp_ops.g, (x, TP), place=R, val=self.val[x],
@@ -196,8 +242,10 @@ class _Rewriter:
             shape = list(v.shape)
             shape[dim] *= self.t
             out = torch.empty(shape, dtype=v.dtype, device="meta")
-            return self.emit(tp_ops.all_gather_seq, (x, dim, TP), place=Replicate(gathered=True), val=out,
+            node = self.emit(tp_ops.all_gather_seq, (x, dim, TP), place=Replicate(gathered=True), val=out,
                              collective=_coll("all_gather", "forward", out, back="reduce_scatter"))
+            self.gathered_from[node] = x
+            return node
         return self._cached(("ag", x, dim), make)
 
     def scatter(self, x: fx.Node, dim: int, seq: bool = False) -> fx.Node:
@@ -210,13 +258,43 @@ class _Rewriter:
                              collective=_coll("all_gather", "backward", v) if _needs_grad(v) else None)
         return self._cached(("scatter", x, dim), make)
 
-    def gather(self, x: fx.Node, dim: int) -> fx.Node:
-        v = self.val[x]
-        shape = list(v.shape)
-        shape[dim] *= self.t
-        out = torch.empty(shape, dtype=v.dtype, device="meta")
-        return self.emit(tp_ops.gather, (x, dim, TP), place=R, val=out,
-                         collective=_coll("all_gather", "forward", out))
+    def gather(self, x: fx.Node, dim: int, blocks: tuple[int, ...] = ()) -> fx.Node:
+        """All-gather a shard (block by block for a block-strided dim); backward slices."""
+        def make():
+            v = self.val[x]
+            shape = list(v.shape)
+            shape[dim] = sum(blocks) if blocks else shape[dim] * self.t
+            out = torch.empty(shape, dtype=v.dtype, device="meta")
+            target, args = (tp_ops.gather_blocks, (x, dim, list(blocks), TP)) if blocks else (tp_ops.gather, (x, dim, TP))
+            return self.emit(target, args, place=R, val=out, collective=_coll("all_gather", "forward", out))
+        return self._cached(("gather", x, dim, tuple(blocks)), make)
+
+    def scatter_blocks(self, x: fx.Node, dim: int, blocks: tuple[int, ...]) -> fx.Node:
+        def make():
+            v = self.val[x]
+            shape = list(v.shape)
+            shape[dim] = sum(local_size(b, self.t, f"{self._where()} (block of {b})") for b in blocks)
+            out = torch.empty(shape, dtype=v.dtype, device="meta")
+            return self.emit(tp_ops.scatter_blocks, (x, dim, list(blocks), TP), place=Shard(dim, tuple(blocks)),
+                             val=out, collective=_coll("all_gather", "backward", v) if _needs_grad(v) else None)
+        return self._cached(("scatter_blocks", x, dim, tuple(blocks)), make)
+
+    def scatter_like(self, x: fx.Node, dim: int, like: Shard) -> fx.Node:
+        """A replicated value cut on `dim` the way `like` is laid out (blocks included)."""
+        if like.blocks:
+            return self.scatter_blocks(x, dim, like.blocks)
+        return self.scatter(x, dim, like.seq)
+
+    def has_grad(self, old: fx.Node) -> bool:
+        """Whether a source value depends on a trainable parameter."""
+        memo = self._grad_memo
+        if old not in memo:
+            if old.op == "placeholder":
+                fqn = tf(old).get("fqn")
+                memo[old] = tf(old).get("kind") == "param" and getattr(self.prog.state.get(fqn), "requires_grad", True)
+            else:
+                memo[old] = any(self.has_grad(a) for a in old.all_input_nodes)
+        return memo[old]
 
     def _cached(self, key, make):
         if key not in self.cache:
@@ -231,17 +309,22 @@ class _Rewriter:
             return self.g(x)
         if isinstance(p, Shard) and p.seq:
             return self.gather_seq(x, p.dim)
-        raise PlanError(f"tp={self.t}: {self._where()} needs a replicated input but gets one "
-                        f"sharded {p}; no rule moves it")
+        return replicated(self, x)[0]
 
     # ---- parameters ------------------------------------------------------------------
     def decide(self, fqn: str, dim: int, blocks: tuple[int, ...], pad: int) -> None:
         want = (dim, blocks, pad)
+        if fqn in self.replicated_uses:
+            raise PlanError(f"parameter {fqn} (tied or reused) is used whole and would also be split "
+                            f"under tp={self.t}; untie it or keep tp=1 for it")
         have = self.decisions.get(fqn)
         if have is not None and have != want:
             raise PlanError(f"parameter {fqn} (tied or reused) would be split two ways under tp={self.t} "
                             f"({have} and {want}); untie it or keep tp=1 for it")
         self.decisions[fqn] = want
+        node = self.param_nodes[fqn]   # later readers other than its matmul see it as a shard
+        self.place[node] = Shard(dim, blocks)
+        self.val[node] = self._param_local(fqn)
 
     def _param_local(self, fqn: str):
         dim, blocks, pad = self.decisions[fqn]
@@ -263,17 +346,34 @@ class _Rewriter:
         weight = _param_weight(old, name)
         if weight is not None:
             return self.weight_matmul(old, name, *weight)
-        if name == "embedding" and _is_param(old.args[0]) and old.args[1] in self.user_derived:
+        if name == "embedding" and _is_param(old.args[0]) and old.args[1] in self.user_derived \
+                and tf(old.args[0])["fqn"] not in self.avoid:
             return self.embedding(old)
         inputs = [self.env[a] for a in old.all_input_nodes]
-        if all(isinstance(self.place[i], Replicate) and not self.place[i].gathered for i in inputs):
+        if all(isinstance(self.place[i], Replicate) and not self.place[i].gathered
+               and not self.place[i].partial_grad for i in inputs):
             self._note_param_uses(old, sharded=False)
             return self.copy_node(old, val=_to_meta(old.meta.get("val")))
-        rule = RULES.get(name)
+        rule = RULES.get(name) or (RULES.get(name[:-1]) if name.endswith("_") and name[:-1] in _IN_PLACE_OK else None)
         if rule is None:
-            raise PlanError(f"tp={self.t}: no tensor-parallel rule for {self._where()} on a sharded input "
-                            f"({', '.join(str(self.place[i]) for i in inputs)}); use tp=1 or restructure it")
-        return rule(self, old)
+            return fallback(self, old, "no sharded rule for " + name + " on inputs placed "
+                            + ", ".join(str(self.place[i]) for i in inputs))
+        mark = len(self.new.nodes)
+        uses = (set(self.shard_uses), set(self.replicated_uses))
+        try:
+            return rule(self, old)
+        except NoRule as exc:
+            self._rollback(mark)
+            self.shard_uses, self.replicated_uses = uses
+            return fallback(self, old, str(exc).split(": ", 1)[-1])
+
+    def _rollback(self, mark: int) -> None:
+        """Erase what a failed rule emitted (newest first) and forget it in the caches."""
+        created = list(self.new.nodes)[mark:]
+        gone = set(created)
+        for node in reversed(created):
+            self.new.erase_node(node)
+        self.cache = {k: v for k, v in self.cache.items() if v not in gone}
 
     def _note_param_uses(self, old: fx.Node, sharded: bool, skip: set = frozenset()) -> None:
         """Record replicated parameters (or values made from them alone, like Gemma's
@@ -317,13 +417,27 @@ class _Rewriter:
         in_dim = 1 - out_dim
         if isinstance(px, Partial):
             x, px = self.g(x), R
-        if (isinstance(px, Replicate) or (isinstance(px, Shard) and px.seq)) \
-                and fqn not in self.decisions and not self._worth_sharding(old):
-            # GQA k/v projections whose heads tp does not divide: every rank computes them whole
-            self.prog.notes.append(f"{tf(old).get('module') or fqn}: kept replicated under tp={self.t} "
-                                   "(its heads do not divide by tp)")
+        if isinstance(px, Replicate) and (px.partial_grad or px.gathered):
+            x, px = replicated(self, x)[0], R
+        whole_why = None
+        if fqn not in self.decisions and (isinstance(px, Replicate) or (isinstance(px, Shard) and px.seq)):
+            heads = _head_count(old)
+            if fqn in self.avoid:
+                whole_why = f"its shards would reach {self.avoid[fqn]}, which has no sharded rule"
+            elif w_shape[out_dim] % self.t and not _feeds_cross_entropy(old) and not _split_blocks(old, w_shape[out_dim]):
+                whole_why = f"its {w_shape[out_dim]} output features do not divide by tp"
+            elif heads is not None and heads % self.t:
+                if self.prog.plan.strict and heads > self.t:
+                    local_size(heads, self.t, f"tp={self.t}: heads of {fqn}")  # raises
+                whole_why = f"its {heads} heads do not divide by tp"
+        if whole_why is not None:
+            # GQA/MQA k/v projections whose heads tp does not divide, or projections whose
+            # shards would only be gathered again: every rank computes them whole
+            self.replicated_weights[fqn] = whole_why
             self.replicated_uses.add(fqn)
-            whole = self._cached(("gather", x), lambda: self.gather(x, px.dim)) if isinstance(px, Shard) else x
+            if b_old is not None:
+                self.replicated_uses.add(tf(b_old)["fqn"])
+            whole = replicated(self, x, x_old.meta.get("val"))[0]
             args = _replace(self._map(old.args), self.env[x_old], whole)
             return self.copy_node(old, args=args, val=_to_meta(old.meta.get("val")))
         if isinstance(px, Shard) and px.seq:
@@ -331,15 +445,11 @@ class _Rewriter:
         if isinstance(px, Replicate):
             return self.column(old, name, x, px, w_old, b_old, fqn, w_shape, out_dim)
         last = len(self.val[x].shape) - 1
-        if isinstance(px, Shard) and px.dim == last:
+        if isinstance(px, Shard) and px.dim == last and fqn not in self.decisions:
             return self.row(old, name, x, px, w_old, b_old, fqn, w_shape, in_dim)
-        raise PlanError(f"tp={self.t}: {self._where()} multiplies weight {fqn} with an input sharded "
-                        f"{px}; only replicated (column-parallel) or last-dim-sharded (row-parallel) inputs work")
-
-    def _worth_sharding(self, old) -> bool:
-        """False when the output is split into heads that tp does not divide (GQA k/v)."""
-        heads = _head_count(old)
-        return heads is None or heads % self.t == 0
+        # sharded on a batch dim (or the weight is already split another way): gather, then
+        # treat it as a replicated input
+        return fallback(self, old, f"multiplies weight {fqn} with an input sharded {px}")
 
     def column(self, old, name, x, px, w_old, b_old, fqn, w_shape, out_dim):
         out = w_shape[out_dim]
@@ -349,11 +459,13 @@ class _Rewriter:
             for b in blocks:
                 local_size(b, self.t, what + f" (block of {b} of a fused projection)")
             pad = out
+            if fqn in self.decisions and self.decisions[fqn][1] != blocks:
+                raise NoRule(f"tp={self.t}: {fqn} is already split as blocks {list(self.decisions[fqn][1])}")
         elif out % self.t:
             if not _feeds_cross_entropy(old):
                 local_size(out, self.t, what)  # raises
             pad = padded(out, self.t)
-            self.prog.notes.append(f"{fqn}: vocabulary {out} padded to {pad} for tp={self.t}")
+            self.notes.append(f"{fqn}: vocabulary {out} padded to {pad} for tp={self.t}")
         else:
             pad = out
         self.decide(fqn, out_dim, blocks, pad)
@@ -362,15 +474,31 @@ class _Rewriter:
         xin = x if px.gathered else self.f(x)
         args = self._map(old.args)
         args = _replace(args, self.env[x_old_of(old, name)], xin)
-        self.param_arg(w_old)  # the weight's (and bias's) local shapes, for the shape check
+        w_new = self.param_arg(w_old)  # the weight's (and bias's) local shapes, for the shape check
         if b_old is not None:
             self.param_arg(b_old)
-        return self.emit(old.target, args, self._map(old.kwargs), place=Shard(len(old.meta["val"].shape) - 1, blocks))
+        if name in ("mm", "matmul"):
+            args = self._transposed_weight(old, args, w_new)
+        out_node = self.emit(old.target, args, self._map(old.kwargs), place=Shard(len(old.meta["val"].shape) - 1, blocks))
+        self.origin[out_node] = frozenset([fqn])
+        return out_node
+
+    def _transposed_weight(self, old, args, w_new):
+        """`x @ W.T`: the matmul reads a transpose of the parameter; re-emit it on the shard."""
+        arg = old.args[1] if len(old.args) > 1 else None
+        if isinstance(arg, fx.Node) and not _is_param(arg) and op_name(arg) in _TRANSPOSES:
+            self.maybe_dead.append(self.env[arg])
+            t_new = self.emit(aten.t.default, (w_new,), place=R, src=arg)
+            return _replace(args, self.env[arg], t_new)
+        return args
 
     def row(self, old, name, x, px, w_old, b_old, fqn, w_shape, in_dim):
         self.decide(fqn, in_dim, px.blocks, w_shape[in_dim])
         w = self.param_arg(w_old)
         target = {"linear": aten.linear.default, "addmm": aten.mm.default}.get(name, old.target)
+        if not _is_param(old.args[1]) and name != "addmm":   # x @ W.T
+            self.maybe_dead.append(self.env[old.args[1]])
+            w = self.emit(aten.t.default, (w,), place=R, src=old.args[1])
         partial = self.emit(target, (x, w), place=P)
         partial._rename(f"{old.name}_partial")
         rank = len(self.val[partial].shape)
@@ -390,7 +518,7 @@ class _Rewriter:
         rows = self.prog.state[fqn].shape[0]
         pad = padded(rows, self.t)
         if pad != rows:
-            self.prog.notes.append(f"{fqn}: vocabulary {rows} padded to {pad} for tp={self.t}")
+            self.notes.append(f"{fqn}: vocabulary {rows} padded to {pad} for tp={self.t}")
         self.decide(fqn, 0, (), pad)
         padding_idx = old.args[2] if len(old.args) > 2 else old.kwargs.get("padding_idx", -1)
         if (old.args[3] if len(old.args) > 3 else old.kwargs.get("scale_grad_by_freq", False)):
@@ -443,7 +571,22 @@ def _param_weight(old: fx.Node, name: str):
         return a[1], a[2], a[0] if _is_param(a[0]) else None, 1
     if name in ("mm", "matmul") and _is_param(a[1]) and len(_shape(a[1])) == 2:
         return a[0], a[1], None, 1
+    if name in ("mm", "matmul") and isinstance(a[1], fx.Node) and op_name(a[1]) in _TRANSPOSES \
+            and _is_param(a[1].args[0]) and len(_shape(a[1].args[0])) == 2 and _is_2d_swap(a[1]):
+        return a[0], a[1].args[0], None, 0   # x @ W.T with W [out, in]
     return None
+
+
+_TRANSPOSES = {"t", "transpose", "permute", "numpy_T"}
+
+
+def _is_2d_swap(node: fx.Node) -> bool:
+    name = op_name(node)
+    if name in ("t", "numpy_T"):
+        return True
+    if name == "permute":
+        return [d % 2 for d in node.args[1]] == [1, 0]
+    return sorted(d % 2 for d in node.args[1:3]) == [0, 1]
 
 
 def x_old_of(old: fx.Node, name: str) -> fx.Node:
@@ -478,6 +621,9 @@ def _chain(old: fx.Node, limit: int = 6):
 
 
 def _split_blocks(old: fx.Node, out: int) -> tuple[int, ...]:
+    sliced = _slice_blocks(old, out)
+    if sliced:
+        return sliced
     for user in _chain(old):
         name = op_name(user)
         if name in ("split", "split_with_sizes", "chunk"):
@@ -495,6 +641,32 @@ def _split_blocks(old: fx.Node, out: int) -> tuple[int, ...]:
                 sizes = list(user.args[1])
             return tuple(sizes) if len(sizes) > 1 else ()
     return ()
+
+
+def _slice_blocks(old: fx.Node, out: int) -> tuple[int, ...]:
+    """A fused projection read through slices of its last dim (q = qkv[..., :C], ...):
+    the pieces between the slices' bounds, so each is split separately."""
+    node = old
+    for user in _chain(old):
+        v = user.meta.get("val")
+        if op_name(user) not in _PASS_THROUGH or not isinstance(v, torch.Tensor) or v.shape[-1] != out:
+            break
+        node = user
+    users = list(node.users)
+    if len(users) < 2 or not all(op_name(u) == "slice" for u in users):
+        return ()
+    rank = len(node.meta["val"].shape)
+    cuts = {0, out}
+    for u in users:
+        dim = (u.args[1] if len(u.args) > 1 else 0) % rank
+        step = u.args[4] if len(u.args) > 4 else 1
+        if dim != rank - 1 or step != 1:
+            return ()
+        start = u.args[2] if len(u.args) > 2 and u.args[2] is not None else 0
+        end = u.args[3] if len(u.args) > 3 and u.args[3] is not None else out
+        cuts |= {min(max(start % out if start < 0 else start, 0), out), min(end if end >= 0 else end % out, out)}
+    cuts = sorted(cuts)
+    return tuple(b - a for a, b in zip(cuts, cuts[1:])) if len(cuts) > 2 else ()
 
 
 def _head_count(old: fx.Node) -> int | None:
@@ -527,4 +699,5 @@ def _coll(kind: str, phase: str, v, back: str | None = None) -> dict:
     return c
 
 
-from threefold.passes.tp_rules import RULES  # noqa: E402  (rules use the helpers above)
+from threefold.passes.tp_rules import _IN_PLACE_OK, RULES  # noqa: E402  (rules use the helpers above)
+from threefold.passes.tp_report import report_notes, tp_report  # noqa: E402

@@ -12,7 +12,9 @@ import torch.fx as fx
 
 from threefold.compiler.cost import op_name
 from threefold.errors import PlanError
+from threefold.passes.tp_dims import reshape_placement
 from threefold.passes.tp_placement import Partial, Replicate, Shard, reshape_groups, scaled_size
+from threefold.passes.tp_redistribute import NoRule
 from threefold.runtime import tp_ops
 from threefold.runtime.tp_ops import TP
 
@@ -29,7 +31,25 @@ def _shard_of(rw, node) -> Shard | None:
 
 
 def _fail(rw, why: str):
-    raise PlanError(f"tp={rw.t}: {rw._where()} {why}; use tp=1 for this model or restructure it")
+    """No sharded rule for this layout: the rewriter redistributes (tp_redistribute)."""
+    raise NoRule(f"tp={rw.t}: {rw._where()} {why}; use tp=1 for this model or restructure it")
+
+
+def _entering_shards(rw, a):
+    """A replicated activation that is broadcast over a shard: each rank's gradient for it
+    is a summand, so it enters through f (all-reduce backward), as Megatron's f does.
+    Parameters (and values made from them alone) are summed by tp_grad_sync instead."""
+    p = rw.place[a]
+    if not isinstance(p, Replicate) or p.partial_grad or not _has_grad(rw.val[a]):
+        return a
+    old = rw.old_of.get(a)
+    if old is None or rw._param_sources(old) is not None or not rw.has_grad(old):
+        return a
+    return rw.f(a)
+
+
+def _has_grad(v) -> bool:
+    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
 
 
 def elementwise(rw, old):
@@ -59,11 +79,11 @@ def elementwise(rw, old):
             return a
         k = shard.dim - (out_rank - _rank(rw.val[a]))
         if k >= 0 and rw.val[a].shape[k] != 1:
-            if shard.blocks:
-                _fail(rw, "mixes a block-sharded value with a replicated one")
             sliced.add(a)
+            if shard.blocks:
+                return rw.scatter_blocks(a, k, shard.blocks)
             return rw.scatter(a, k, seq=shard.seq)
-        return a
+        return _entering_shards(rw, a)
     args = tuple(fix(a) for a in args)
     kwargs = {k: fix(v) for k, v in kwargs.items()}
     # A sliced operand's gradient is made whole by the slice's backward (an all-gather);
@@ -119,41 +139,42 @@ def squeeze(rw, old):
 
 
 def reshape(rw, old):
-    """view/reshape: the sharded input dim must lead its group of merged/split dims; the
-    output dim that leads the matching group is sharded, its literal size rewritten."""
+    """view/reshape/flatten/unflatten by a dimension map (tp_dims.reshape_placement): the
+    sharded dim may sit anywhere in a group of merged dims (the result is block-strided:
+    Bloom's [batch*heads]) and a block-strided dim splits back into its factors."""
     x = rw.env[old.args[0]]
     s = rw.place[x]
     if isinstance(s, Replicate) and s.gathered:
         return rw.copy_node(old, val=None, place=s)
+    if not isinstance(s, Shard):
+        _fail(rw, f"reshapes a value placed {s}")
     src_global = list(old.args[0].meta["val"].shape)
-    src_local = list(rw.val[x].shape)
     dst_global = list(old.meta["val"].shape)
-    groups = reshape_groups(src_global, dst_global)
-    for gi, gj in groups:
-        if s.dim in gi:
-            lead_in = next(i for i in gi if src_global[i] != 1)
-            if lead_in != s.dim:
-                if s.seq:  # a sequence shard can always be gathered back (GPT-2's x.view(-1, C));
-                    # a plain gather (slice in backward) is right whatever reads the result
-                    whole = rw._cached(("gather", x), lambda: rw.gather(x, s.dim))
-                    return rw.emit(old.target, (whole,) + tuple(rw._map(old.args[1:])),
-                                   rw._map(old.kwargs), place=rw.place[whole])
-                _fail(rw, f"reshapes {src_global} -> {dst_global} with sharded dim {s.dim} not leading its group")
-            if not gj:
-                _fail(rw, "reshapes the sharded dim away")
-            lead_out = next((j for j in gj if dst_global[j] != 1), gj[0])
-            if s.blocks and (len(gi) != 1 or len(gj) != 1):
-                _fail(rw, "reshapes a block-sharded dim")
-            dst_local = list(dst_global)
-            dst_local[lead_out] = scaled_size(dst_global[lead_out], src_local[s.dim], src_global[s.dim],
-                                              f"{rw._where()} (reshape {src_global} -> {dst_global})", rw.t)
-            break
-    else:
-        _fail(rw, "reshapes a sharded value in a way threefold cannot follow")
-    if op_name(old) == "flatten":  # same layout as a reshape to the flattened shape
-        return rw.emit(aten.reshape.default, (x, dst_local), place=s.moved(lead_out))
-    args = (x, dst_local) + tuple(rw._map(old.args[2:]))
-    return rw.emit(old.target, args, rw._map(old.kwargs), place=s.moved(lead_out))
+    try:
+        out_place, dst_local = reshape_placement(src_global, list(rw.val[x].shape), dst_global, s, rw.t)
+    except PlanError as exc:
+        _fail(rw, f"reshapes {src_global} -> {dst_global} with the shard {s} ({exc})")
+    if out_place is None:
+        if s.seq:  # a sequence shard can always be gathered back (GPT-2's x.view(-1, C));
+            # a plain gather (slice in backward) is right whatever reads the result
+            whole = rw.gather(x, s.dim)
+            return rw.emit(aten.reshape.default, (whole, dst_global), place=rw.place[whole])
+        _fail(rw, f"reshapes {src_global} -> {dst_global} in a way that splits the shard {s}")
+    target = old.target
+    if op_name(old) in ("flatten", "unflatten") or not _viewable(rw.val[x], dst_local):
+        # export drops a no-op .contiguous(); local strides (from the traced values) may not
+        # allow a view, and a reshape computes the same values
+        target = aten.reshape.default
+    args = (x, dst_local) + (tuple(rw._map(old.args[2:])) if target is old.target else ())
+    return rw.emit(target, args, rw._map(old.kwargs) if target is old.target else {}, place=out_place)
+
+
+def _viewable(v, shape) -> bool:
+    try:
+        v.view(shape)
+        return True
+    except RuntimeError:
+        return False
 
 
 def expand(rw, old):
@@ -190,19 +211,31 @@ def getitem(rw, old):
 
 
 def slice_(rw, old):
+    """Slices of other dims keep the shard; a slice of a block-strided dim that takes whole
+    blocks (q = qkv[..., :C] of a fused projection) takes the same blocks locally."""
     x = rw.env[old.args[0]]
     s = _shard_of(rw, x)
     n = _rank(rw.val[x])
     dim = (old.args[1] if len(old.args) > 1 else 0) % n
-    if dim == s.dim:
-        start = old.args[2] if len(old.args) > 2 else None
-        end = old.args[3] if len(old.args) > 3 else None
-        step = old.args[4] if len(old.args) > 4 else 1
-        full = old.args[0].meta["val"].shape[dim]
-        if (start or 0) != 0 or step != 1 or (end is not None and end < full):
-            _fail(rw, "slices the sharded dim")
+    if dim != s.dim:
+        return rw.copy_node(old, place=s)
+    full = old.args[0].meta["val"].shape[dim]
+    start = old.args[2] if len(old.args) > 2 and old.args[2] is not None else 0
+    end = old.args[3] if len(old.args) > 3 and old.args[3] is not None else full
+    step = old.args[4] if len(old.args) > 4 else 1
+    start, end = (start + full if start < 0 else start), min(end + full if end < 0 else end, full)
+    if step != 1:
+        _fail(rw, "slices the sharded dim with a step")
+    if start == 0 and end >= full:
         return x
-    return rw.copy_node(old, place=s)
+    blocks = list(s.blocks) or [full]
+    cuts = [sum(blocks[:i]) for i in range(len(blocks) + 1)]
+    if start not in cuts or end not in cuts:
+        _fail(rw, f"slices [{start}:{end}] of the sharded dim across its pieces {blocks}")
+    i, j = cuts.index(start), cuts.index(end)
+    lo, hi = sum(b // rw.t for b in blocks[:i]), sum(b // rw.t for b in blocks[:j])
+    taken = tuple(blocks[i:j])
+    return rw.emit(aten.slice.Tensor, (x, dim, lo, hi), place=Shard(dim, taken if len(taken) > 1 else (), s.seq))
 
 
 def select(rw, old):
@@ -224,7 +257,7 @@ def cat(rw, old):
     s = shards.pop()
     if dim == s.dim:
         _fail(rw, "concatenates along the sharded dim")
-    fixed = [a if isinstance(rw.place[a], Shard) else rw.scatter(a, s.dim, s.seq) for a in tensors]
+    fixed = [a if isinstance(rw.place[a], Shard) else rw.scatter_like(a, s.dim, s) for a in tensors]
     return rw.emit(old.target, (fixed,) + tuple(rw._map(old.args[1:])), rw._map(old.kwargs), place=s)
 
 
@@ -236,7 +269,7 @@ def stack(rw, old):
     if len(shards) != 1:
         _fail(rw, "stacks values sharded differently")
     s = shards.pop()
-    fixed = [a if isinstance(rw.place[a], Shard) else rw.scatter(a, s.dim, s.seq) for a in tensors]
+    fixed = [a if isinstance(rw.place[a], Shard) else rw.scatter_like(a, s.dim, s) for a in tensors]
     return rw.emit(old.target, (fixed,) + tuple(rw._map(old.args[1:])), rw._map(old.kwargs),
                    place=s.moved(s.dim + (1 if dim <= s.dim else 0)))
 
@@ -256,6 +289,16 @@ def reduction(rw, old):
     dims = old.args[1] if len(old.args) > 1 else None
     dims = list(range(n)) if dims is None else [d % n for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
     keepdim = bool(old.args[2]) if len(old.args) > 2 else bool(old.kwargs.get("keepdim", False))
+    if s.dim in dims and op_name(old) in ("sum", "mean") and not old.kwargs.get("dtype"):
+        # a sum of local sums (all-reduce); the mean divides by the global count
+        local = rw.emit(aten.sum.dim_IntList, (x, dims, keepdim), place=Partial())
+        total = rw.g(local)
+        if op_name(old) == "mean":
+            count = 1
+            for d in dims:
+                count *= old.args[0].meta["val"].shape[d]
+            total = rw.emit(aten.div.Tensor, (total, count), place=Replicate())
+        return total
     if s.dim in dims:
         _fail(rw, "reduces over the sharded dim")
     d = s.dim if keepdim else s.dim - sum(1 for k in dims if k < s.dim)
@@ -272,36 +315,94 @@ def norm(rw, old):
     return rw.copy_node(old, place=s)
 
 
+def repeat_interleave(rw, old):
+    """Repeating each element of the sharded dim (GQA's k/v heads to q heads) keeps the
+    shard: rank r's kv heads are the ones its q heads read."""
+    x = rw.env[old.args[0]]
+    s = _shard_of(rw, x)
+    repeats = old.args[1] if len(old.args) > 1 else old.kwargs.get("repeats")
+    dim = old.args[2] if len(old.args) > 2 else old.kwargs.get("dim")
+    if dim is None or not isinstance(repeats, int):
+        _fail(rw, "repeats a sharded value flattened or by a tensor of counts")
+    dim %= _rank(rw.val[x])
+    if s.blocks and dim == s.dim:
+        _fail(rw, "repeats a block-sharded dim")
+    return rw.emit(aten.repeat_interleave.self_int, (x, repeats, dim), place=s)
+
+
+def index(rw, old):
+    """x[..., idx, ...] with index tensors on dims other than the sharded one (replicated
+    indices): the sharded dim keeps its place, or moves by the indexed dims' change in rank."""
+    x = rw.env[old.args[0]]
+    s = _shard_of(rw, x)
+    indices = list(old.args[1])
+    where = [i for i, ix in enumerate(indices) if ix is not None]
+    if not where or s.dim in where or where != list(range(where[0], where[-1] + 1)):
+        _fail(rw, "indexes the sharded dim")
+    ixs = [rw.env[indices[i]] for i in where]
+    if any(not isinstance(rw.place[ix], Replicate) for ix in ixs):
+        _fail(rw, "indexes with sharded indices")
+    if s.dim < where[0]:
+        d = s.dim
+    else:
+        rank = max(_rank(rw.val[ix]) for ix in ixs)
+        d = s.dim - len(where) + rank
+    return rw.copy_node(old, place=s.moved(d))
+
+
 def activation_matmul(rw, old):
-    """matmul/bmm of two activations (attention): shards on a batch dim must agree."""
-    a, b = rw.env[old.args[0]], rw.env[old.args[1]]
+    """matmul/bmm/baddbmm of two activations (attention): shards on a batch dim must agree
+    (blocks included); a shard of the rows of the left or the columns of the right operand
+    carries to the output; both sharded on the contracted dim give a partial sum."""
+    name = op_name(old)
+    first = 1 if name == "baddbmm" else 0
+    a, b = rw.env[old.args[first]], rw.env[old.args[first + 1]]
     ra, rb = _rank(rw.val[a]), _rank(rw.val[b])
     out_rank = _rank(old.meta["val"])
     sa, sb = _shard_of(rw, a), _shard_of(rw, b)
-    if sa and sb and sa.dim == ra - 1 and sb.dim == rb - 2:
+    if first == 0 and sa and sb and sa.dim == ra - 1 and sb.dim == rb - 2 and sa.blocks == sb.blocks:
         return rw.g(rw.copy_node(old, args=(a, b), place=Partial()))
-    batch = None
-    for x, s, r in ((a, sa, ra), (b, sb, rb)):
-        if s is not None:
-            if s.dim >= r - 2:
-                _fail(rw, f"multiplies along a sharded matrix dim ({s})")
-            cand = s.dim + out_rank - r
-            if batch is not None and batch != cand:
-                _fail(rw, "multiplies values sharded on different batch dims")
-            batch = cand
-    def fix(x, r):
-        k = batch - (out_rank - r)
-        if isinstance(rw.place[x], Replicate) and k >= 0 and rw.val[x].shape[k] != 1:
-            return rw.scatter(x, k)
-        return x
-    return rw.copy_node(old, args=(fix(a, ra), fix(b, rb)) + tuple(rw._map(old.args[2:])),
-                        place=Shard(batch))
+    out = None
+    for s, r, matrix_dim in ((sa, ra, ra - 2), (sb, rb, rb - 1)):
+        if s is None:
+            continue
+        if s.dim == matrix_dim and r >= 2:
+            cand = Shard(out_rank - 2 if s is sa else out_rank - 1, s.blocks)
+        elif s.dim >= r - 2:
+            _fail(rw, f"multiplies along a sharded matrix dim ({s})")
+        else:
+            cand = Shard(s.dim + out_rank - r, s.blocks)
+        if out is not None and out != cand:
+            _fail(rw, "multiplies values sharded on different dims")
+        out = cand
+    if out.dim >= out_rank - 2 and sa is not None and sb is not None:
+        _fail(rw, "multiplies values both sharded on matrix dims")
+
+    def fix(x, r, batch_only=True):
+        k = out.dim - (out_rank - r)
+        if isinstance(rw.place[x], Replicate) and out.dim < out_rank - 2 and k >= 0 and rw.val[x].shape[k] != 1:
+            return rw.scatter_like(x, k, out)
+        return _entering_shards(rw, x)
+    args = [fix(a, ra), fix(b, rb)]
+    if first:   # baddbmm's added input: elementwise with the output
+        c = rw.env[old.args[0]]
+        rc = _rank(rw.val[c])
+        k = out.dim - (out_rank - rc)
+        if isinstance(rw.place[c], Shard):
+            if rw.place[c] != Shard(k, out.blocks):
+                _fail(rw, "adds a value sharded differently")
+        elif k >= 0 and rw.val[c].shape[k] != 1:
+            c = rw.scatter_like(c, k, out)
+        else:
+            c = _entering_shards(rw, c)
+        args = [c] + args
+    return rw.copy_node(old, args=tuple(args) + tuple(rw._map(old.args[first + 2:])), place=out)
 
 
 def sdpa(rw, old):
     q, k, v = (rw.env[a] for a in old.args[:3])
     shards = {rw.place[x] for x in (q, k, v) if isinstance(rw.place[x], Shard)}
-    if len(shards) != 1 or next(iter(shards)).dim != 1:
+    if len(shards) != 1 or next(iter(shards)).dim != 1 or next(iter(shards)).blocks:
         _fail(rw, "runs attention on values not all sharded on the heads dim")
     fixed = [x if isinstance(rw.place[x], Shard) else rw.scatter(x, 1) for x in (q, k, v)]
     rest = list(rw._map(old.args[3:]))
@@ -323,19 +424,27 @@ def cross_entropy(rw, old):
     reduction_ = old.args[3] if len(old.args) > 3 else old.kwargs.get("reduction", 1)
     ignore = old.args[4] if len(old.args) > 4 else old.kwargs.get("ignore_index", -100)
     smoothing = old.args[5] if len(old.args) > 5 else old.kwargs.get("label_smoothing", 0.0)
-    if s is None or s.dim != _rank(rw.val[logits]) - 1 or _rank(rw.val[logits]) != 2:
+    if s is None or s.dim != _rank(rw.val[logits]) - 1 or _rank(rw.val[logits]) != 2 or s.blocks:
         _fail(rw, "computes cross-entropy over logits not sharded on the vocabulary of [N, V]")
-    if weight is not None or reduction_ != 1 or smoothing:
-        _fail(rw, "uses class weights, label smoothing or a reduction other than mean")
+    if weight is not None:
+        _fail(rw, "uses class weights")
     target = rw.to_replicated(target)
     vocab = old.args[0].meta["val"].shape[-1]
     n = rw.val[logits].shape[0]
-    out = torch.empty((), dtype=old.meta["val"].dtype, device="meta")
-    node = rw.emit(tp_ops.vocab_parallel_cross_entropy, (logits, target, ignore, vocab, TP),
-                   place=Replicate(), val=out,
-                   collective={"kind": "all_reduce", "group": "tp", "phase": "forward", "elements": n,
-                               "count": 2})
-    return node
+    out = _meta_like(old.meta["val"])
+    coll = {"kind": "all_reduce", "group": "tp", "phase": "forward", "elements": n, "count": 2}
+    if reduction_ == 1 and not smoothing:
+        return rw.emit(tp_ops.vocab_parallel_cross_entropy, (logits, target, ignore, vocab, TP),
+                       place=Replicate(), val=out, collective=coll)
+    red = {0: "none", 1: "mean", 2: "sum"}[reduction_]
+    coll["elements"] = 3 * n
+    return rw.emit(tp_ops.vocab_parallel_cross_entropy_full,
+                   (logits, target, ignore, vocab, float(smoothing), red, TP),
+                   place=Replicate(), val=out, collective=coll)
+
+
+def _meta_like(v):
+    return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="meta")
 
 
 _ELEMENTWISE = [
@@ -347,18 +456,22 @@ _ELEMENTWISE = [
     "ones_like", "full_like", "softplus", "leaky_relu", "hardtanh", "log1p", "expm1",
 ]
 
+# in-place variants (clamp_, add_, mul_ ...) follow the same rule on their local shard
+_IN_PLACE_OK = set(_ELEMENTWISE)
+
 RULES = {name: elementwise for name in _ELEMENTWISE}
 RULES.update({
     "_assert_tensor_metadata": lambda rw, old: rw.env[old.args[0]],
     "transpose": transpose, "t": t, "permute": permute, "unsqueeze": unsqueeze, "squeeze": squeeze,
-    "view": reshape, "reshape": reshape, "_unsafe_view": reshape, "flatten": reshape, "expand": expand,
+    "view": reshape, "reshape": reshape, "_unsafe_view": reshape, "flatten": reshape, "unflatten": reshape,
+    "expand": expand, "broadcast_to": expand, "repeat_interleave": repeat_interleave, "index": index,
     "split": split, "split_with_sizes": split, "chunk": split, "getitem": getitem,
     "slice": slice_, "select": select, "cat": cat, "stack": stack,
     "softmax": softmax, "_softmax": softmax, "_safe_softmax": softmax, "log_softmax": softmax,
     "_log_softmax": softmax,
     "sum": reduction, "mean": reduction, "amax": reduction, "amin": reduction,
     "layer_norm": norm, "rms_norm": norm,
-    "matmul": activation_matmul, "bmm": activation_matmul,
+    "matmul": activation_matmul, "bmm": activation_matmul, "baddbmm": activation_matmul,
     "scaled_dot_product_attention": sdpa,
     "cross_entropy_loss": cross_entropy,
 })

@@ -1,0 +1,34 @@
+"""What the tensor-parallel pass did, for `inspect` and tests: the share of parameters that
+are sharded, every fallback (op, module, bytes moved per step), and which projections were
+kept whole and why. When tp > 1 leaves over half of the parameters replicated, say so."""
+from __future__ import annotations
+
+from threefold.compiler.program import tf
+
+
+def tp_report(rw) -> dict:
+    prog = rw.prog
+    params = {tf(n)["fqn"] for n in prog.graph.nodes
+              if n.op == "placeholder" and tf(n).get("kind") == "param"}
+    total = sum(int(prog.state[f].numel()) for f in params if f in prog.state)
+    sharded = sum(int(prog.state[f].numel()) for f in rw.decisions if f in prog.state)
+    return {"tp": rw.t, "params": total, "sharded_params": sharded,
+            "sharded_share": round(sharded / total, 4) if total else 0.0,
+            "fallbacks": list(rw.fallbacks),
+            "replicated_weights": dict(sorted(rw.replicated_weights.items()))}
+
+
+def report_notes(rep: dict) -> list[str]:
+    notes = [f"tp={rep['tp']}: {rep['sharded_share']:.0%} of parameters sharded "
+             f"({rep['sharded_params']} of {rep['params']})"]
+    for fb in rep["fallbacks"]:
+        notes.append(f"tp fallback: {fb['op']} ({fb['node']}) in {fb['module']}: {fb['reason']}; "
+                     f"gathers its inputs, {fb['bytes_per_step']} B per step per rank")
+    if rep["params"] and rep["sharded_share"] < 0.5:
+        why = sorted({f"{fb['op']} in {fb['module']}" for fb in rep["fallbacks"]})
+        kept = [f"{fqn} ({reason})" for fqn, reason in rep["replicated_weights"].items()]
+        notes.append(f"warning: tp={rep['tp']} leaves {1 - rep['sharded_share']:.0%} of parameters replicated; "
+                     + ("kept whole: " + ", ".join(kept[:6]) + ("..." if len(kept) > 6 else "") if kept else
+                        "no parameter matmul was recognised as column- or row-parallel")
+                     + ("; ops without a sharded rule: " + ", ".join(why[:6]) if why else ""))
+    return notes
