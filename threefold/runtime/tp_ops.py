@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from threefold.runtime import comm   # every collective goes through comm: bounded, names its group
+
 
 class GroupRef:
     """Placeholder for a process group in the compiled graph; codegen writes self.<name>_group."""
@@ -44,7 +46,7 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if group is None:
         return x
     x = x.contiguous().clone()
-    dist.all_reduce(x, group=group)
+    comm.all_reduce(x, group, "a tensor-parallel partial sum")
     return x
 
 
@@ -52,7 +54,7 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if group is None:
         return x
     parts = [torch.empty_like(x.contiguous()) for _ in range(_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    comm.all_gather(parts, x.contiguous(), group, "a tensor-parallel shard")
     return torch.cat(parts, dim=dim)
 
 
@@ -191,7 +193,7 @@ class _VocabParallelCE(torch.autograd.Function):
         masked = logits.masked_fill(~valid_cols, float("-inf"))
         row_max = masked.max(dim=-1).values
         if group is not None:
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+            comm.all_reduce(row_max, group, "the vocab-parallel row max", op=dist.ReduceOp.MAX)
         shifted = masked - row_max.unsqueeze(-1)
         local_t = target - start
         in_range = (local_t >= 0) & (local_t < n_local)
@@ -201,7 +203,7 @@ class _VocabParallelCE(torch.autograd.Function):
         sum_exp = exp.sum(dim=-1)
         if group is not None:  # one message for both per-row sums
             both = torch.stack([picked, sum_exp])
-            dist.all_reduce(both, group=group)
+            comm.all_reduce(both, group, "the vocab-parallel cross-entropy sums")
             picked, sum_exp = both[0], both[1]
         loss = sum_exp.log() - picked
         keep = target != ignore_index
@@ -243,3 +245,116 @@ def tp_dropout(x, p: float, train: bool, group, seed: int = 2718):
 
 
 _generators: dict = {}
+
+
+# ---- block-strided layouts and redistribution (sharding-propagation fallback) ----------
+# A dim made of equal-or-unequal pieces (`blocks`, global sizes) is sharded piece by piece:
+# this rank holds the rank-th 1/t of every piece, concatenated. Fused projections ([q|k|v])
+# and merged dims (Bloom's [batch*heads]: blocks (heads,)*batch) have this layout.
+
+def _block_slice(x: torch.Tensor, dim: int, blocks, group) -> torch.Tensor:
+    if group is None:
+        return x
+    t, r = _size(group), _rank(group)
+    return torch.cat([p.chunk(t, dim=dim)[r] for p in x.split(list(blocks), dim=dim)], dim=dim).contiguous()
+
+
+def _block_gather(x: torch.Tensor, dim: int, blocks, group) -> torch.Tensor:
+    if group is None:
+        return x
+    t = _size(group)
+    local = [b // t for b in blocks]
+    parts = [p.split(local, dim=dim) for p in _all_gather(x, dim, group).split(x.shape[dim], dim=dim)]
+    return torch.cat([parts[r][i] for i in range(len(local)) for r in range(t)], dim=dim)
+
+
+class _ScatterBlocks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, blocks, group):
+        ctx.dim, ctx.blocks, ctx.group = dim, blocks, group
+        return _block_slice(x, dim, blocks, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _block_gather(grad, ctx.dim, ctx.blocks, ctx.group), None, None, None
+
+
+class _GatherBlocks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, blocks, group):
+        ctx.dim, ctx.blocks, ctx.group = dim, blocks, group
+        return _block_gather(x, dim, blocks, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _block_slice(grad, ctx.dim, ctx.blocks, ctx.group), None, None, None
+
+
+def scatter_blocks(x, dim, blocks, group):
+    """This rank's 1/t of every block of `dim` (replicated -> block-sharded); backward all-gathers."""
+    return _ScatterBlocks.apply(x, dim, tuple(blocks), group) if group is not None else x
+
+
+def gather_blocks(x, dim, blocks, group):
+    """All-gather a block-sharded `dim` back into the global block order; backward slices."""
+    return _GatherBlocks.apply(x, dim, tuple(blocks), group) if group is not None else x
+
+
+class _VocabParallelCEFull(torch.autograd.Function):
+    """Cross-entropy over vocab-sharded [N, V/t] logits with every option of F.cross_entropy
+    but class weights: reduction mean / sum / none, ignore_index and label_smoothing.
+
+    Smoothed loss per row: (1-e) * (lse - z_target) + e * (lse - mean_c z_c) over the real
+    (unpadded) vocabulary; its gradient is softmax - (1-e) * onehot - e / V on real columns.
+    Per-row max, then (target logit, sum of exp, sum of logits) in one all-reduce."""
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, vocab, smoothing, reduction, group):
+        n_local = logits.shape[-1]
+        start = _rank(group) * n_local
+        logits = logits.float()
+        valid_cols = (torch.arange(n_local, device=logits.device) + start) < vocab
+        masked = logits.masked_fill(~valid_cols, float("-inf"))
+        row_max = masked.max(dim=-1).values
+        if group is not None:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = masked - row_max.unsqueeze(-1)
+        local_t = target - start
+        in_range = (local_t >= 0) & (local_t < n_local)
+        picked = shifted.gather(-1, local_t.clamp(0, n_local - 1).unsqueeze(-1)).squeeze(-1)
+        picked = picked.masked_fill(~in_range, 0.0)
+        exp = shifted.exp()
+        sums = torch.stack([picked, exp.sum(dim=-1), shifted.masked_fill(~valid_cols, 0.0).sum(dim=-1)])
+        if group is not None:
+            sums = _all_reduce(sums, group)
+        picked, sum_exp, sum_shifted = sums[0], sums[1], sums[2]
+        lse = sum_exp.log()
+        loss = (1.0 - smoothing) * (lse - picked) + smoothing * (lse - sum_shifted / vocab)
+        keep = target != ignore_index
+        loss = loss.masked_fill(~keep, 0.0)
+        count = keep.sum().clamp(min=1)
+        ctx.save_for_backward(exp, sum_exp, local_t, in_range, keep, count, valid_cols)
+        ctx.n_local, ctx.smoothing, ctx.vocab, ctx.reduction = n_local, smoothing, vocab, reduction
+        if reduction == "mean":
+            return loss.sum() / count
+        return loss.sum() if reduction == "sum" else loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        exp, sum_exp, local_t, in_range, keep, count, valid_cols = ctx.saved_tensors
+        probs = exp / sum_exp.unsqueeze(-1)
+        onehot = torch.zeros_like(probs)
+        onehot.scatter_(-1, local_t.clamp(0, ctx.n_local - 1).unsqueeze(-1),
+                        in_range.unsqueeze(-1).to(probs.dtype))
+        d = probs - (1.0 - ctx.smoothing) * onehot - valid_cols.to(probs.dtype) * (ctx.smoothing / ctx.vocab)
+        row = keep.to(probs.dtype) * grad   # grad: a scalar (mean, sum) or one per row (none)
+        if ctx.reduction == "mean":
+            row = row / count
+        return d * row.unsqueeze(-1), None, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy_full(logits, target, ignore_index, vocab, smoothing, reduction,
+                                      group, dtype=None):
+    """F.cross_entropy(reduction, ignore_index, label_smoothing) of (N, V/t) logit shards."""
+    loss = _VocabParallelCEFull.apply(logits, target, ignore_index, vocab, float(smoothing), reduction, group)
+    return loss.to(dtype) if dtype is not None else loss
