@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import os
-import tempfile
 
 import torch
 
@@ -17,7 +16,7 @@ from threefold.codegen.artifact import build_manifest, build_sources
 from threefold.compiler.api import compile_workload
 from threefold.errors import PlanError
 from threefold.plan import Plan
-from threefold.runtime.loader import import_file
+from threefold.runtime.loader import import_source
 from threefold.runtime.mesh import Mesh
 from threefold.runtime.shard import ShardSpec
 from threefold.runtime.session import check_world, default_device, local_chunks, make_engine
@@ -52,6 +51,10 @@ class ParallelModule:
     def forward(self, *inputs):
         """Forward-only inference: the model's outputs per microbatch on the last stage
         (concatenated along the batch), None on other stages."""
+        if self.manifest["has_loss"]:
+            raise PlanError("pm(x) returns model outputs, but this model was compiled with loss_fn, so its "
+                            "last stage computes only the loss: use pm.evaluate(x, target=y) for the loss, "
+                            "or parallelize without loss_fn for outputs")
         sched = forward_only(self.plan.pp, self.plan.microbatches, self.plan.interleave)
         with torch.no_grad():
             self.engine.step(tuple(inputs), train=False, schedule=sched)
@@ -99,17 +102,23 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
         raise PlanError("parallelize needs example_inputs: a global batch of the model's inputs")
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     mesh = Mesh(tp=plan.tp, dp=plan.dp, pp=plan.pp)
+    _join_torchrun_job()
     rank = check_world(mesh, str(plan))
     if any(p.is_meta for p in model.parameters()):
         raise PlanError(f"{type(model).__name__} is on the meta device: it can be compiled "
                         "(threefold compile) but training needs real weights; build it on a device")
     prog, payload = _compile_once(rank, Workload(model, example_inputs, target, loss_fn), plan)
     sources, manifest = payload["sources"], payload["manifest"]
-    root = workdir or tempfile.mkdtemp(prefix=f"threefold-rank{rank}-")
-    os.makedirs(root, exist_ok=True)
-    for name, text in sources.items():
-        with open(os.path.join(root, name), "w") as f:
-            f.write(text)
+    # The sources are imported from memory (no temporary files to leave behind); with a
+    # workdir they are also written there, for reading and debugging.
+    root = workdir or f"<threefold-rank{rank}-{id(payload):x}>"
+    if workdir:
+        os.makedirs(root, exist_ok=True)
+        for name, text in sources.items():
+            with open(os.path.join(root, name), "w") as f:
+                f.write(text)
+    if "kernels.py" in sources:
+        import_source(sources["kernels.py"], _join(root, "kernels.py"))
     dev = torch.device(device) if device is not None else default_device()
     coord = mesh.coord(rank)
     full = _full_state(model, payload["constants"])
@@ -117,7 +126,8 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
     modules = {}
     for c in local_chunks(manifest, coord.pp):
         entry = manifest["chunks"][c]
-        cls = getattr(import_file(os.path.join(root, entry["modules"][str(coord.tp)])), entry["class"])
+        name = entry["modules"][str(coord.tp)]
+        cls = getattr(import_source(sources[name], _join(root, name)), entry["class"])
         module = cls(device=dev)
         state = {}
         for fqn in list(cls.PARAMS) + list(cls.BUFFERS):
@@ -127,6 +137,20 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
         modules[c] = module
     engine = make_engine(manifest, modules, rank, dev)
     return ParallelModule(engine, plan, manifest, prog)
+
+
+def _join(root: str, name: str) -> str:
+    return f"{root}/{name}" if root.startswith("<") else os.path.join(root, name)
+
+
+def _join_torchrun_job() -> None:
+    """Under torchrun (its env set, no process group yet), initialise the default group
+    from the environment (gloo on CPU, NCCL on GPU), as a user would expect."""
+    import torch.distributed as dist
+    if dist.is_available() and not dist.is_initialized() and all(
+            k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        from threefold.runtime.launch import init_from_env
+        init_from_env()
 
 
 def _compile_once(rank: int, workload: Workload, plan: Plan):

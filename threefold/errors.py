@@ -7,3 +7,7 @@ class PlanError(ValueError):
     The message is one line: what is wrong (naming the value), why, and what to do.
     The CLI prints it without a traceback and exits with status 2.
     """
+
+
+class Terminated(KeyboardInterrupt):
+    """The launcher got SIGTERM; its ranks have been stopped. The CLI exits with 143."""

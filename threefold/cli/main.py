@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-from threefold.errors import PlanError
+from threefold.errors import PlanError, Terminated
 
 # Subcommand modules, in the order `--help` lists them.
 COMMANDS = ["inspect", "compile", "check", "schedule", "train", "plan", "run"]
@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     except PlanError as exc:
         print(f"threefold {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except Terminated as exc:
+        print(f"threefold {args.command}: {exc}", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

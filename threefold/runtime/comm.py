@@ -47,31 +47,47 @@ def build_groups(mesh: Mesh, rank: int, tie_stage_sets: list[tuple[int, ...]] = 
                              ("pp", mesh.all_pp_groups())):
         size = len(all_groups[0])
         for ranks in all_groups:
-            g = dist.new_group(ranks) if size > 1 else None
+            g = dist.new_group(ranks, timeout=default_timeout()) if size > 1 else None
             if rank in ranks:
                 setattr(groups, kind, g)
     for stages in sorted(set(tie_stage_sets)):
         for d in range(mesh.dp):
             for t in range(mesh.tp):
                 ranks = [mesh.rank(t, d, s) for s in stages]
-                g = dist.new_group(ranks)
+                g = dist.new_group(ranks, timeout=default_timeout())
                 if rank in ranks:
                     groups.ties[stages] = g
     return groups
 
 
+# The store failures are posted on. The local launcher hosts one store in the parent and
+# registers each rank's client here, so the parent reads and writes the same key; under
+# torchrun the default process group's store is used.
+_failure_store: list = []
+
+
+def use_failure_store(store) -> None:
+    _failure_store[:] = [store]
+
+
+def _store():
+    return _failure_store[0] if _failure_store else dist.distributed_c10d._get_default_store()
+
+
 def post_failure(message: str) -> None:
-    """Tell the other ranks why this one is going down (best effort)."""
+    """Tell the other ranks why this one is going down (best effort). The first report
+    stays (later ones are mostly echoes of it); the launcher overwrites it with the root
+    cause when it sees one (a rank that died or is stopped)."""
     try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(FAILURE_KEY, message)
+        store = _store()
+        store.compare_set(FAILURE_KEY, "", message.split(". Reported: ")[0])
     except Exception:
         pass
 
 
 def posted_failure() -> str | None:
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = _store()
         if store.check([FAILURE_KEY]):
             return store.get(FAILURE_KEY).decode()
     except Exception:
@@ -79,15 +95,30 @@ def posted_failure() -> str | None:
     return None
 
 
-def _fail(what: str, peer: int, exc: Exception) -> RankFailure:
+def _who(peer) -> str:
+    """'rank 3' for a peer rank, 'ranks [0, 1]' for a process group (None: every rank)."""
+    if isinstance(peer, int):
+        return f"rank {peer}"
+    if peer is _PEERS:
+        return "its peers"
+    try:
+        ranks = dist.get_process_group_ranks(peer if peer is not None else dist.group.WORLD)
+    except Exception:
+        return "its group"
+    return f"ranks {sorted(ranks)}"
+
+
+def _fail(what: str, peer, exc: Exception) -> RankFailure:
+    """What failed, with whom, why (one line), and what a failed rank posted, if anything."""
     me = dist.get_rank()
     other = posted_failure()
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     text = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is typically")[0]  # gloo's source path
-    msg = (f"rank {me}: {what} rank {peer} failed ({text[:160]}); "
-           f"rank {peer} died, failed or is stuck")
+    who = _who(peer)
+    blame = f"{who} died, failed or is stuck" if isinstance(peer, int) else f"one of {who} died, failed or is stuck"
+    msg = f"rank {me}: {what} {who} failed ({text[:160]}); {blame}"
     if other:
-        msg += f". Reported by a failed rank: {other}"
+        msg += f". Reported: {other}"
     return RankFailure(msg)
 
 
@@ -133,15 +164,27 @@ def recv(specs: list[tuple[tuple[int, ...], torch.dtype]], peer: int, what: str,
     return out
 
 
-def all_reduce(t: torch.Tensor, group, what: str, async_op: bool = False):
+def all_reduce(t: torch.Tensor, group, what: str, async_op: bool = False, op=None):
+    """dist.all_reduce over `group` (None: every rank); a failure names the group and what."""
     try:
-        return dist.all_reduce(t, group=group, async_op=async_op)
+        return dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=group,
+                               async_op=async_op)
     except Exception as exc:
-        raise _fail(f"all-reduce of {what} with", -1, exc) from None
+        raise _fail(f"all-reduce of {what} with", group, exc) from None
 
 
-def wait(work, what: str) -> None:
+def all_gather(parts: list[torch.Tensor], t: torch.Tensor, group, what: str) -> None:
+    try:
+        dist.all_gather(parts, t, group=group)
+    except Exception as exc:
+        raise _fail(f"all-gather of {what} with", group, exc) from None
+
+
+_PEERS = object()   # a wait whose group the caller did not say
+
+
+def wait(work, what: str, group=_PEERS) -> None:
     try:
         work.wait()
     except Exception as exc:
-        raise _fail(f"waiting for {what} with", -1, exc) from None
+        raise _fail(f"waiting for {what} with", group, exc) from None

@@ -1,24 +1,43 @@
 """Local multi-process launcher (gloo on CPU) and torchrun environment support.
 
 `launch(fn, nprocs, *args)` starts nprocs processes, each with the default process group
-initialised (gloo, bounded timeout), runs fn(*args) in each and returns their results in
-rank order. If any rank fails or dies, the others are given a short grace period to fail
-on their own (they name the rank they lost), then are stopped, and a `LaunchError` lists
-what every rank reported. Under torchrun, `init_from_env()` joins the existing job.
+initialised (gloo, bounded by THREEFOLD_TIMEOUT), runs fn(*args) in each and returns their
+results in rank order. Faults are bounded:
+
+- The rendezvous store lives in this (parent) process, bound to 127.0.0.1, so a rank that
+  dies or hangs (rank 0 included) never takes the store with it: the others can still
+  read who failed, and the parent posts what it sees (a rank that died or is stopped).
+- Every rank asks the kernel to kill it when the parent dies (PR_SET_PDEATHSIG) and also
+  polls its parent, so a killed launcher leaves no orphans.
+- When a rank fails or dies, the others get a short grace to fail on their own (they name
+  the rank they lost; none for bad input, whose cause is already known), then every rank
+  left is sent SIGTERM and, after a second, SIGKILL (which also ends stopped ranks).
+- SIGTERM to the launcher stops every rank the same way and raises `Terminated`.
+
+A `LaunchError` lists what every rank reported, the root cause (a dead or stopped rank)
+first. Under torchrun, `init_from_env()` joins the existing job.
 """
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 
 import torch
 import torch.distributed as dist
 
-from threefold.runtime.comm import default_timeout, post_failure
+from threefold.errors import Terminated
+from threefold.runtime.comm import FAILURE_KEY, default_timeout, post_failure, use_failure_store
+
+GRACE_S = 5.0          # after the first failure, how long the other ranks get to report
+KILL_AFTER_S = 1.0     # SIGTERM, then SIGKILL this much later
 
 
 class LaunchError(RuntimeError):
@@ -42,20 +61,45 @@ def init_from_env(backend: str | None = None) -> None:
     dist.init_process_group(backend, timeout=default_timeout())
 
 
-def _worker(rank: int, world: int, port: int, fn, args, queue, threads: int) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """End this rank when the launcher ends, however it ends (no orphans)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)          # PR_SET_PDEATHSIG = 1
+        except Exception:
+            pass
+    if os.getppid() != parent_pid:                          # parent already gone
+        os._exit(1)
+
+    def watch():                                            # portable fallback
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+    threading.Thread(target=watch, name="threefold-parent-watch", daemon=True).start()
+
+
+def _worker(rank: int, world: int, port: int, fn, args, queue, threads: int, parent_pid: int) -> None:
+    _die_with_parent(parent_pid)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if os.path.isdir("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # local job: gloo on loopback too
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=default_timeout())
+        timeout = default_timeout()
+        store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout)
+        use_failure_store(store)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         # Plain pickle copies tensors into the bytes; the queue's own pickler would share
         # their storage, which vanishes when this process exits.
         result = pickle.dumps(fn(*args))
         queue.put((rank, "ok", result))
     except BaseException as exc:  # report everything, including KeyboardInterrupt
         msg = f"{type(exc).__name__}: {exc}"
-        post_failure(f"rank {rank}: {msg.splitlines()[0][:300]}")
         queue.put((rank, "error", msg + "\n" + traceback.format_exc(limit=6)))
+        post_failure(f"rank {rank}: {msg.splitlines()[0][:300]}")
     finally:
         if dist.is_initialized():
             try:
@@ -64,22 +108,66 @@ def _worker(rank: int, world: int, port: int, fn, args, queue, threads: int) -> 
                 pass
 
 
+def _store_server(world: int):
+    """The rendezvous store, hosted here and listening on loopback only."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(max(128, world))
+    port = sock.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, world, True, timeout=default_timeout(),
+                          wait_for_workers=False, master_listen_fd=sock.detach())  # the store owns it now
+    return store, port
+
+
+def _stopped(pid: int) -> bool:
+    """True when the process is stopped (SIGSTOP / SIGTSTP); Linux /proc only."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _death(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
 def launch(fn, nprocs: int, *args, threads: int = 1, timeout: float | None = None,
-           grace: float = 60.0) -> list:
+           grace: float = GRACE_S) -> list:
     """Run fn(*args) on nprocs local gloo ranks; results in rank order."""
     if nprocs == 1 and dist.is_initialized():
         return [fn(*args)]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, nprocs, port, fn, args, queue, threads), daemon=True)
-             for r in range(nprocs)]
-    for p in procs:
-        p.start()
+    store, port = _store_server(nprocs)
+    procs = [ctx.Process(target=_worker, args=(r, nprocs, port, fn, args, queue, threads, os.getpid()),
+                         daemon=True) for r in range(nprocs)]
     results: dict[int, tuple[str, object]] = {}
+    causes: dict[int, str] = {}             # what the parent saw: a rank died or stopped
+    stopped_since: dict[int, float] = {}
+    limit = default_timeout().total_seconds()
     first_failure: float | None = None
     deadline = time.monotonic() + timeout if timeout else None
+
+    def post(message: str) -> None:
+        try:
+            store.set(FAILURE_KEY, message)
+        except Exception:
+            pass
+
+    def on_term(signum, frame):
+        raise Terminated("terminated by SIGTERM: every rank was stopped")
+    in_main = threading.current_thread() is threading.main_thread()
+    old_term = signal.signal(signal.SIGTERM, on_term) if in_main else None
     try:
+        for p in procs:
+            p.start()
+        last_scan = 0.0
         while len(results) < nprocs:
             _drain(queue, results)
             now = time.monotonic()
@@ -87,32 +175,81 @@ def launch(fn, nprocs: int, *args, threads: int = 1, timeout: float | None = Non
                 if r not in results and not p.is_alive():
                     _drain(queue, results, wait=5.0 if p.exitcode == 0 else 0.5)
                     if r not in results:
-                        results[r] = ("error", f"rank {r} died (exit code {p.exitcode})")
-            if first_failure is None and any(s == "error" for s, _ in results.values()):
+                        causes[r] = f"rank {r} died ({_death(p.exitcode)})"
+                        results[r] = ("error", causes[r])
+                        post(causes[r])
+            if now - last_scan > 0.5:     # stopped ranks cannot report: look for them
+                last_scan = now
+                for r, p in enumerate(procs):
+                    if r in results or not _stopped(p.pid):
+                        stopped_since.pop(r, None)
+                        continue
+                    since = stopped_since.setdefault(r, now)
+                    if now - since > 1.0 and r not in causes:
+                        causes[r] = f"rank {r} is stopped (SIGSTOP or a debugger)"
+                        post(causes[r])
+                    if now - since > limit:   # nobody waits forever on it
+                        results[r] = ("error", f"rank {r} was stopped for over {limit:.0f} s and was killed")
+            failed = [s for s, _ in results.values() if s == "error"]
+            if first_failure is None and failed:
                 first_failure = now
-            if first_failure is not None and now - first_failure > grace:
-                break
+            if first_failure is not None:
+                bad_input = any(str(v).startswith("PlanError: ") for s, v in results.values() if s == "error")
+                if bad_input or now - first_failure > grace:
+                    break
             if deadline is not None and now > deadline:
                 for r in range(nprocs):
                     results.setdefault(r, ("error", f"rank {r} did not finish within {timeout:.0f} s"))
                 break
             time.sleep(0.02)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=5)
+        _stop_all(procs)
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+        del store
+        queue.close()
     errors = {r: v for r, (s, v) in results.items() if s == "error"}
     for r in range(nprocs):
         if r not in results:
-            errors[r] = f"rank {r} was stopped after another rank failed"
+            errors[r] = causes.get(r, f"rank {r} was stopped after another rank failed")
+    for r, cause in causes.items():
+        if r in errors and cause not in str(errors[r]):
+            errors[r] = f"{cause}; {errors[r]}"
     if errors:
-        lines = [f"  rank {r}: {str(v).splitlines()[0]}" for r, v in sorted(errors.items())]
+        order = sorted(errors, key=lambda r: (r not in causes, r))
+        lines = [f"  rank {r}: {_first_line(errors[r], r)}" for r in order]
         err = LaunchError(f"{len(errors)} of {nprocs} ranks failed:\n" + "\n".join(lines))
         err.errors = errors
+        err.causes = causes
         raise err from None
     return [pickle.loads(results[r][1]) for r in range(nprocs)]
+
+
+def _first_line(text, rank: int) -> str:
+    line = str(text).splitlines()[0]
+    prefix = f"rank {rank}: "
+    return line[len(prefix):] if line.startswith(prefix) else line
+
+
+def _stop_all(procs) -> None:
+    """SIGTERM every live rank, SIGKILL what is left a second later, reap them all."""
+    alive = [p for p in procs if p.pid is not None and p.is_alive()]
+    for p in alive:
+        try:
+            p.terminate()
+        except Exception:
+            pass
+    end = time.monotonic() + KILL_AFTER_S
+    while time.monotonic() < end and any(p.is_alive() for p in alive):
+        time.sleep(0.02)
+    for p in alive:
+        if p.is_alive():
+            try:
+                p.kill()          # a stopped process cannot act on SIGTERM; SIGKILL ends it
+            except Exception:
+                pass
+    for p in alive:
+        p.join(timeout=5)
 
 
 def _drain(queue, results, wait: float = 0.0) -> None:
@@ -123,5 +260,6 @@ def _drain(queue, results, wait: float = 0.0) -> None:
             rank, status, value = queue.get(timeout=wait) if wait else queue.get_nowait()
         except Exception:
             return
-        results[rank] = (status, value)
+        if results.get(rank, ("",))[0] != "error" or status == "error":
+            results[rank] = (status, value)
         wait = 0.0
