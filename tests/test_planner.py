@@ -286,8 +286,8 @@ def test_plan_picture_is_the_runtime_simulation_when_m_is_not_a_multiple_of_pp(v
     plan = est.config.plan
     schedule = make_schedule(plan.schedule, 4, 6, v)
     stage = est.stage_times
-    expected = simulate(schedule, lambda a: 1e3 * (stage[a.chunk % 4][a.kind.value == "B"] if a.is_compute
-                                                   else est.transfer_s if a.is_send else 0.0))
+    expected = simulate(schedule, lambda a: 1e3 * (stage[schedule.stage_of(a.chunk)][a.kind.value == "B"]
+                                                   if a.is_compute else est.transfer_s if a.is_send else 0.0))
     sim = plan_simulation(est)
     assert sim.schedule.actions == schedule.actions
     assert sim.start == expected.start and sim.end == expected.end

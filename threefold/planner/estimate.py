@@ -43,6 +43,7 @@ from threefold.plan import Plan
 from threefold.planner.cluster import Cluster
 from threefold.planner.memory import stage_memory, stage_params
 from threefold.planner.model_cost import GRAD_BYTES, OPTIMIZER_BYTES_PER_PARAM, ModelCost
+from threefold.runtime.mesh import Mesh
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,8 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
     one_ar = _ring_allreduce_s(model.tp_allreduce_bytes / model.tp_allreduces_per_layer * tokens, t, tp_bw, tp_lat)
     # Boundary transfer: scatter/gather sends 1/t over the slower link, then all-gathers.
     boundary = model.boundary_bytes * tokens
-    stride = t * d                               # ranks between consecutive pipeline stages
+    mesh = Mesh(tp=t, dp=d, pp=p)                # the runtime's rank layout (Megatron's)
+    stride = mesh.rank(pp=1) - mesh.rank(pp=0)   # ranks between consecutive pipeline stages
     p2p_inter = p > 1 and (stride >= g or p * stride > g)
     link = cluster.inter_node_bandwidth if p2p_inter else cluster.intra_node_bandwidth
     lat = cluster.inter_node_latency_s if p2p_inter else cluster.intra_node_latency_s
@@ -151,8 +153,9 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
     most = max(local_params.values())
     dp_s = 0.0
     if d > 1:
-        per_node = max(1, min(d, g // t)) if t <= g else 1
-        in_node = t * d <= g
+        dp_stride = mesh.rank(dp=1) - mesh.rank(dp=0)   # ranks between data-parallel replicas
+        per_node = max(1, min(d, g // dp_stride)) if dp_stride <= g else 1
+        in_node = dp_stride * d <= g
         bw = cluster.intra_node_bandwidth if in_node else per_node * cluster.inter_node_bandwidth
         dp_lat = cluster.intra_node_latency_s if in_node else cluster.inter_node_latency_s
         dp_s = _ring_allreduce_s(most * GRAD_BYTES, d, bw, dp_lat)
