@@ -42,7 +42,7 @@ def test_semantics_parity_two_ranks():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_semantics_parity_four_ranks():
-    cases = _cases(["pp=2,dp=2,m=2,schedule=1f1b", "pp=2,dp=2,m=4,v=2,schedule=interleaved"])
+    cases = _cases(["pp=2,dp=2,m=2,schedule=1f1b", "pp=2,dp=2,m=2,v=2,schedule=interleaved"])
     _check(launch(sm.run_cases, 4, cases, STEPS, timeout=550), cases)
 
 
