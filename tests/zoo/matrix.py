@@ -135,7 +135,11 @@ def judge(arch: str, ranks: list[dict], ref: list[float] | None) -> dict:
     tol = DROPOUT_RTOL if arch in DROPOUT_CASES else RTOL
     if diff < tol:
         return {"verdict": "pass", "diff": diff, "share": share, "losses": losses[0]}
-    return {"verdict": "fail", "msg": f"max rel diff {diff:.3g}", "diff": diff, "share": share,
+    # The first step that is off says where to look: step 1 is the forward (or the loss),
+    # a later step is a gradient or an update.
+    first = next(i for i, (x, y) in enumerate(zip(losses[0], ref), 1) if abs(x - y) / max(abs(y), 1e-12) >= tol)
+    return {"verdict": "fail", "msg": f"max rel diff {diff:.3g}, first off at step {first}",
+            "diff": diff, "share": share,
             "losses": losses[0], "ref": ref}
 
 
