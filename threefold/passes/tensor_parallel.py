@@ -626,6 +626,12 @@ def _split_blocks(old: fx.Node, out: int) -> tuple[int, ...]:
         return sliced
     for user in _chain(old):
         name = op_name(user)
+        if name == "unflatten":   # nn.MultiheadAttention: [.., 3C] -> [.., 3, C]
+            rank = len(user.args[0].meta["val"].shape)
+            sizes = list(user.args[2])
+            if user.args[1] % rank == rank - 1 and len(sizes) == 2 and sizes[0] > 1:
+                return (out // sizes[0],) * sizes[0]
+            return ()
         if name in ("split", "split_with_sizes", "chunk"):
             rank = len(user.args[0].meta["val"].shape)
             dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
