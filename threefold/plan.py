@@ -92,16 +92,28 @@ class Plan:
         grammar but not the plan as a whole: a partial plan (the planner's --evaluate)."""
         kwargs: dict = {}
         fields = {f.name: f for f in dataclasses.fields(cls)}
-        for item in str(text or "").replace(" ", "").split(","):
+        text = str(text or "").strip()
+        if not text:
+            return kwargs
+        seen: dict[str, str] = {}
+        for raw in text.split(","):
+            item = raw.strip()
             if not item:
-                continue
+                raise PlanError(f"plan {text!r} is malformed: an empty item between commas; "
+                                "write key=value items separated by single commas, e.g. 'tp=2,pp=4'")
             if "=" not in item:
                 raise PlanError(f"plan item {item!r} is malformed: write key=value, e.g. 'tp=2,pp=4'")
-            key, value = item.split("=", 1)
+            key, value = (part.strip() for part in item.split("=", 1))
+            if not key or any(c.isspace() for c in key + value) or not value:
+                raise PlanError(f"plan item {item!r} is malformed: write key=value items separated by "
+                                "commas, e.g. 'tp=2,pp=4'")
             name = _ALIASES.get(key, key)
             if name not in fields:
                 known = sorted(set(fields) | set(_ALIASES))
                 raise PlanError(f"plan key {key!r} is unknown: known keys are {', '.join(known)}")
+            if name in seen and name != "split_points":
+                raise PlanError(f"plan key {key!r} is given twice ({seen[name]}, {item}): give each key once")
+            seen[name] = item
             kwargs[name] = _parse_value(name, value, kwargs.get(name))
         return kwargs
 

@@ -1,12 +1,14 @@
 """`threefold check SPEC --plan PLAN`: parallel training must equal single-process training."""
 from __future__ import annotations
 
-import json
+import math
 import os
+import sys
 import tempfile
 
 import torch
 
+from threefold.cli.jsonout import dumps
 from threefold.errors import PlanError
 from threefold.plan import Plan
 
@@ -62,15 +64,29 @@ def run(args) -> int:
         reference = _reference(w, args.steps, args.lr)
         parallel = run_on_ranks(_rank_losses, plan.world_size, args.spec, str(plan), state_file,
                                 args.steps, args.lr)[0]
-    diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(parallel, reference)]
+    diverged = next((i for i, b in enumerate(reference, start=1) if not math.isfinite(b)), None)
+    diffs = [_rel_diff(a, b) for a, b in zip(parallel, reference)]
     worst = max(diffs)
-    ok = worst <= TOLERANCE
+    ok = worst <= TOLERANCE and diverged is None
     if args.json:
-        print(json.dumps({"plan": str(plan), "losses_parallel": parallel, "losses_reference": reference,
-                          "max_rel_diff": worst, "ok": ok}))
+        out = {"plan": str(plan), "losses_parallel": parallel, "losses_reference": reference,
+               "max_rel_diff": worst, "ok": ok}
+        if diverged is not None:
+            out["diverged_at_step"] = diverged
+        print(dumps(out))
     else:
-        _print_table(plan, parallel, reference, diffs, worst, ok)
+        _print_table(plan, parallel, reference, diffs, worst, ok and diverged is None)
+    if diverged is not None:   # NaN == NaN is no agreement, and no mismatch either
+        agree = "both runs" if not math.isfinite(parallel[diverged - 1]) else "the single-process run"
+        print(f"threefold check: error: {agree} diverged (non-finite loss at step {diverged}), so nothing "
+              "can be compared; lower --lr or fix the workload", file=sys.stderr)
     return 0 if ok else 1
+
+
+def _rel_diff(a: float, b: float) -> float:
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return 0.0 if (a == b) else float("inf")   # equal infinities agree; NaN never does
+    return abs(a - b) / max(abs(b), 1e-12)
 
 
 def _reference(w, steps: int, lr: float) -> list[float]:
@@ -95,5 +111,6 @@ def _print_table(plan, parallel, reference, diffs, worst, ok) -> None:
         table.add_row(str(i), f"{a:.8f}", f"{b:.8f}", f"{d:.2e}")
     console = Console()
     console.print(table)
-    verdict = "[green]OK[/green]" if ok else "[red]MISMATCH[/red]"
+    verdict = "[green]OK[/green]" if ok else ("[red]DIVERGED[/red]" if not math.isfinite(worst) or any(
+        not math.isfinite(b) for b in reference) else "[red]MISMATCH[/red]")
     console.print(f"max relative difference {worst:.2e} (tolerance {TOLERANCE:g}): {verdict}")

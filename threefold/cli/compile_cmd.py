@@ -7,9 +7,9 @@ stderr while a terminal is attached.
 """
 from __future__ import annotations
 
-import json
 import time
 
+from threefold.cli.jsonout import dumps
 from threefold.plan import Plan
 
 
@@ -67,7 +67,7 @@ def run(args) -> int:
         "seconds": {k: round(v, 3) for k, v in timings.items()},
     }
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(dumps(summary, indent=2))
         return 0
     why = "" if with_weights else (" (meta model: no weights)" if prog.is_meta else " (--no-weights)")
     print(f"compiled {prog.name} for plan {plan} into {art.root}: {len(prog.chunks)} chunks, "

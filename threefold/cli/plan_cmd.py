@@ -6,9 +6,9 @@ throughput, with what each costs (see threefold/planner/estimate.py for the mode
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from threefold.cli.jsonout import dumps
 from threefold.errors import PlanError
 from threefold.planner.cluster import REQUIRED, load_cluster, preset_names
 from threefold.planner.constraints import Constraints
@@ -102,7 +102,7 @@ def run(args) -> int:
         else:
             print(f"threefold plan: no timeline written to {args.svg}: no matching plan fits", file=sys.stderr)
     if args.json:
-        print(json.dumps({"model": model.name, "params": model.params, "cluster": cluster.name,
+        print(dumps({"model": model.name, "params": model.params, "cluster": cluster.name,
                           "gpus": args.gpus, "batch": args.batch, "dtype": args.dtype,
                           "plans": [plan_record(e) for e in shown]}, indent=2))
     else:

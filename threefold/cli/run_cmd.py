@@ -1,10 +1,11 @@
 """`threefold run DIR`: train a saved artifact, without the compiler or the model's source."""
 from __future__ import annotations
 
-import json
+import sys
 
 import torch
 
+from threefold.cli.jsonout import dumps
 from threefold.errors import PlanError
 
 
@@ -19,13 +20,15 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=3, help="SGD steps (default 3)")
     p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
     p.add_argument("--json", action="store_true", help="print {'plan', 'losses'} as JSON")
+    p.add_argument("--skip-nonfinite", action="store_true",
+                   help="skip a step whose loss or gradients are not finite (default: stop, exit 1)")
     p.add_argument("--trust", action="store_true",
                    help="skip the sha256 check of the artifact's files (paths are still checked); "
                         "only for artifacts you made yourself")
     p.set_defaults(func=run)
 
 
-def _run_rank(root: str, steps: int, lr: float, trust: bool = False) -> list[float]:
+def _run_rank(root: str, steps: int, lr: float, trust: bool = False, skip_nonfinite: bool = False) -> dict:
     from threefold.runtime.loader import load_batch, load_chunk, open_artifact
     from threefold.runtime.mesh import Mesh
     from threefold.runtime.session import check_world, default_device, local_chunks, make_engine
@@ -39,12 +42,19 @@ def _run_rank(root: str, steps: int, lr: float, trust: bool = False) -> list[flo
     engine = make_engine(art.manifest, modules, rank, device)
     batch = load_batch(art)
     opt = torch.optim.SGD(engine.parameters(), lr=lr)
-    losses = []
-    for _ in range(steps):
+    from threefold.cli.divergence import nonfinite
+    losses, skipped = [], []
+    for step in range(1, steps + 1):
         opt.zero_grad()
         losses.append(engine.step(batch))
-        opt.step()
-    return losses
+        bad = nonfinite(losses[-1], engine.parameters())
+        if bad is None:
+            opt.step()
+        elif skip_nonfinite:
+            skipped.append(step)
+        else:
+            return {"losses": losses, "skipped": skipped, "stopped": (step, bad)}
+    return {"losses": losses, "skipped": skipped, "stopped": None}
 
 
 def run(args) -> int:
@@ -64,13 +74,22 @@ def run(args) -> int:
         raise PlanError(f"artifact {args.dir!r} was compiled without a loss: run trains, so compile with loss_fn")
     mesh = art.manifest["mesh"]
     world = mesh["tp"] * mesh["dp"] * mesh["pp"]
-    losses = run_on_ranks(_run_rank, world, art.root, args.steps, args.lr, args.trust)[0]
+    result = run_on_ranks(_run_rank, world, art.root, args.steps, args.lr, args.trust,
+                          args.skip_nonfinite)[0]
     from threefold.cli.jobs import is_main_rank
+    losses, stopped = result["losses"], result["stopped"]
     if not is_main_rank():
-        return 0
+        return 1 if stopped else 0
     if args.json:
-        print(json.dumps({"plan": art.plan, "losses": losses}))
+        out = {"plan": art.plan, "losses": losses, "skipped_steps": result["skipped"]}
+        if stopped:
+            out.update(stopped_at_step=stopped[0], reason=f"non-finite {stopped[1]}")
+        print(dumps(out))
     else:
         for i, loss in enumerate(losses, start=1):
-            print(f"step {i}: loss {loss:.6f}")
+            print(f"step {i}: loss {loss:.6f}" + (" (skipped: not finite)" if i in result["skipped"] else ""))
+    if stopped:
+        from threefold.cli.divergence import stop_message
+        print(stop_message("run", *stopped), file=sys.stderr)
+        return 1
     return 0

@@ -8,9 +8,9 @@ Exit 0 when the schedule verifies, 1 when the verifier rejects it, 2 for bad inp
 """
 from __future__ import annotations
 
-import json
 import sys
 
+from threefold.cli.jsonout import dumps
 from threefold.runtime.schedule import KINDS, Kind, ScheduleError, make_schedule
 from threefold.runtime.simulate import Report, verify
 
@@ -44,7 +44,7 @@ def run(args) -> int:
         with open(args.svg, "w") as f:
             f.write(render_svg(report.simulation))
     if args.json:
-        print(json.dumps(report.to_json(), indent=2))
+        print(dumps(report.to_json(), indent=2))
     else:
         _print_text(report)
         if args.svg:

@@ -38,6 +38,8 @@ def register(sub) -> None:
     p.add_argument("--force", action="store_true",
                    help="write --out even if it holds other files (they are moved aside, not deleted)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--skip-nonfinite", action="store_true",
+                   help="skip a step whose loss or gradients are not finite (default: stop, exit 1)")
     p.set_defaults(func=run)
 
 
@@ -50,7 +52,7 @@ def _embedded(batch: int, seq: int, seed: int):
     return model, lm_loss, lambda step: corpus.batch(batch, seq, step, seed)
 
 
-def _train_rank(spec, plan, steps, lr, batch, seq, seed, show):
+def _train_rank(spec, plan, steps, lr, batch, seq, seed, show, skip_nonfinite=False):
     import threefold
     from threefold.cli.jobs import is_main_rank
     torch.set_num_threads(1)
@@ -67,7 +69,8 @@ def _train_rank(spec, plan, steps, lr, batch, seq, seed, show):
     pm = threefold.parallelize(model, plan, example[:-1], loss_fn, target=example[-1])
     opt = torch.optim.AdamW(pm.parameters(), lr=lr)
     tokens_per_step = example[0].numel()
-    losses, seconds = [], []
+    from threefold.cli.divergence import nonfinite
+    losses, seconds, skipped, stopped = [], [], [], None
     progress = _Progress(steps, enabled=show and is_main_rank())
     with progress:
         for step in range(steps):
@@ -75,11 +78,19 @@ def _train_rank(spec, plan, steps, lr, batch, seq, seed, show):
             t0 = time.perf_counter()
             opt.zero_grad()
             loss = pm.step(*inputs, target=target)
-            opt.step()
+            bad = nonfinite(loss, pm.parameters())
+            if bad is None:
+                opt.step()
             seconds.append(time.perf_counter() - t0)
             losses.append(loss)
             progress.update(loss, tokens_per_step / seconds[-1])
-    return {"losses": losses, "seconds": seconds, "tokens_per_step": tokens_per_step}
+            if bad is not None:
+                if not skip_nonfinite:
+                    stopped = (step + 1, bad)
+                    break
+                skipped.append(step + 1)
+    return {"losses": losses, "seconds": seconds, "tokens_per_step": tokens_per_step,
+            "skipped": skipped, "stopped": stopped}
 
 
 class _Progress:
@@ -117,16 +128,25 @@ def run(args) -> int:
         from threefold.workload import resolve_spec
         resolve_spec(args.spec)  # bad SPECs fail here, before any rank starts
     result = run_on_ranks(_train_rank, plan.world_size, args.spec, str(plan), args.steps, args.lr,
-                          args.batch, args.seq, args.seed, not args.json)[0]
+                          args.batch, args.seq, args.seed, not args.json, args.skip_nonfinite)[0]
     from threefold.cli.jobs import is_main_rank
     if not is_main_rank():
-        return 0
+        return 1 if result["stopped"] else 0
     losses, seconds = result["losses"], result["seconds"]
+    if result["stopped"]:
+        from threefold.cli.divergence import stop_message
+        step, what = result["stopped"]
+        if args.json:
+            print(dumps({"plan": str(plan), "steps": len(losses), "losses": losses, "stopped_at_step": step,
+                         "reason": f"non-finite {what}", "ok": False}))
+        print(stop_message("train", step, what), file=sys.stderr)
+        return 1
     steady = seconds[1:] or seconds
     summary = {
         "plan": str(plan), "steps": len(losses), "first_loss": losses[0], "final_loss": losses[-1],
         "tokens_per_second": result["tokens_per_step"] * len(steady) / sum(steady),
         "seconds": sum(seconds), "out": os.path.abspath(args.out),
+        "skipped_steps": result["skipped"],
     }
     from threefold.outdir import write_out_dir
 
