@@ -1,0 +1,139 @@
+"""Compile-time semantics (no ranks): the loss form read from the graph, PlanErrors for what
+cannot be combined exactly (BatchNorm statistics, non-separable losses), batch dims found
+from the inputs or declared, and in-place writes on received values cloned first."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import threefold
+from threefold.codegen.artifact import build_manifest, build_sources
+from threefold.compiler.api import compile_workload
+from tests import semantics_models as sm
+
+
+def _w(model, x, y, loss_fn, **kw):
+    return {"model": model, "inputs": (x,), "target": y, "loss_fn": loss_fn, **kw}
+
+
+class Lin(nn.Module):
+    def __init__(self, n_in=8, n_out=5):
+        super().__init__()
+        self.fc = nn.Linear(n_in, n_out)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+X, Y = torch.randn(8, 8), torch.randint(0, 5, (8,))
+
+
+@pytest.mark.parametrize("loss_fn,kind", [
+    (F.cross_entropy, "graph"),
+    (lambda o, t: F.cross_entropy(o, t, reduction="sum"), "one"),
+    (lambda o, t: F.cross_entropy(o, t, label_smoothing=0.1) * 0.5, "graph"),
+    (lambda o, t: F.mse_loss(o, F.one_hot(t, 5).float()), "const"),
+    (lambda o, t: o.pow(2).mean(), "const"),
+    (lambda o, t: F.kl_div(F.log_softmax(o, -1), F.one_hot(t, 5).float(), reduction="batchmean"), "const"),
+])
+def test_loss_form_is_read_from_the_graph(loss_fn, kind):
+    prog = compile_workload(_w(Lin(), X, Y, loss_fn), "m=2")
+    assert prog.loss_form["mode"] == "exact"
+    assert prog.loss_form["denominator"]["kind"] == kind
+
+
+def test_loss_form_combines_exactly_in_one_process():
+    """m=4 in one process (no ranks): every loss form equals the eager global loss."""
+    losses = [F.cross_entropy, lambda o, t: F.cross_entropy(o, t, reduction="sum"),
+              lambda o, t: F.mse_loss(o, F.one_hot(t, 5).float()) / 3,
+              lambda o, t: F.kl_div(F.log_softmax(o, -1), F.one_hot(t, 5).float(), reduction="batchmean")]
+    y = Y.clone()
+    y[:5] = -100
+    for lf in losses:
+        torch.manual_seed(0)
+        model = Lin()
+        target = y if lf is F.cross_entropy else Y
+        pm = threefold.parallelize(model, "m=4", (X,), lf, target=target)
+        eager = lf(model(X), target).item()
+        assert abs(pm.evaluate(X, target=target) - eager) <= 1e-5 * abs(eager)
+
+
+def test_non_separable_loss_is_a_plan_error_naming_the_op_and_options():
+    with pytest.raises(threefold.PlanError, match=r"aten\.sqrt.*loss=microbatch_mean.*m=1"):
+        compile_workload(_w(Lin(), X, Y, lambda o, t: F.mse_loss(o, F.one_hot(t, 5).float()).sqrt()), "m=2")
+    # the opt-in plan key keeps the old mean of microbatch losses; m=1 needs nothing
+    prog = compile_workload(_w(Lin(), X, Y, lambda o, t: F.mse_loss(o, F.one_hot(t, 5).float()).sqrt()),
+                            "m=2,loss=microbatch_mean")
+    assert prog.loss_form["mode"] == "microbatch_mean"
+    assert compile_workload(_w(Lin(), X, Y, lambda o, t: o.mean().sqrt()), "m=1").loss_form["mode"] == "whole"
+
+
+class BN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 5)
+        self.norm = nn.BatchNorm1d(5)
+
+    def forward(self, x):
+        return self.norm(self.fc(x))
+
+
+def test_batchnorm_in_training_mode_is_a_plan_error_unless_opted_in():
+    with pytest.raises(threefold.PlanError, match=r"'norm'.*batch_norm.*m=1 and dp=1.*batchnorm=local"):
+        compile_workload(_w(BN(), X, Y, F.cross_entropy), "m=2")
+    prog = compile_workload(_w(BN(), X, Y, F.cross_entropy), "m=2,batchnorm=local")
+    assert any("batchnorm=local" in n for n in prog.notes)
+    compile_workload(_w(BN(), X, Y, F.cross_entropy), "m=1")          # one microbatch: exact
+    compile_workload(_w(BN().eval(), X, Y, F.cross_entropy), "m=2")   # running statistics: exact
+
+
+def test_batchnorm_follows_eval_mode_in_generated_code():
+    src = build_sources(compile_workload(_w(BN(), X, Y, F.cross_entropy), "m=1"))["chunk00_tp0.py"]
+    assert "self.training, 0.1" in src
+
+
+def test_batch_dims_found_declared_or_asked_for():
+    prog = compile_workload(sm.seq_first(), "m=2")
+    assert prog.batch_dims == [1, 0]
+    manifest = build_manifest(prog, build_sources(prog), {}, with_weights=False)
+    assert manifest["batch_dims"] == [1, 0]
+    # [seq, batch] tokens with a [seq, batch] target: ambiguous sizes, the numeric check
+    # picks the batch (a causal split along the sequence would lack the prefix).
+    w = sm.mlm()
+    w["inputs"] = (w["inputs"][0].t().contiguous(),)
+    w["target"] = w["target"].t().contiguous()
+    model = w["model"]
+
+    class SeqFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+            self.mix = nn.Linear(6, 6)   # mixes along dim 0 (the sequence)
+
+        def forward(self, ids):          # ids [S=6, B=4]
+            h = self.inner(ids.t())      # [B, S, V]
+            return self.mix(h.transpose(1, 2)).transpose(1, 2).transpose(0, 1)  # [S, B, V]
+
+    w["model"] = SeqFirst()
+    w["loss_fn"] = lambda o, t: F.cross_entropy(o.reshape(-1, sm.V), t.reshape(-1))
+    assert compile_workload(w, "m=2").batch_dims == [1, 1]
+    w["batch_dims"] = (1, 1)
+    assert compile_workload(w, "m=2").batch_dims == [1, 1]
+    w["batch_dims"] = (0, 5)
+    with pytest.raises(threefold.PlanError, match=r"batch_dims\[1\]=5"):
+        compile_workload(w, "m=2")
+
+
+def test_ambiguous_batch_dim_on_meta_is_dim_zero_with_a_note():
+    with torch.device("meta"):
+        model = Lin(4, 4)
+    prog = compile_workload({"model": model, "inputs": (torch.randn(4, 4, device="meta"),)}, "m=2")
+    assert prog.batch_dims == [0] and any("batch dim ambiguous" in n for n in prog.notes)
+
+
+def test_received_tensor_written_in_place_is_cloned_first():
+    prog = compile_workload(sm.mlm(split=True), "pp=2,m=2")
+    src = build_sources(prog)["chunk01_tp0.py"]
+    body = src.split("def forward")[1]
+    clone = body.index(".clone()  # written in place below")
+    assert clone < body.index("aten.add_.Tensor")
