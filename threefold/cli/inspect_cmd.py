@@ -2,7 +2,8 @@
 
 Prints one row per pipeline chunk (its ranks, ops, parameters, forward FLOPs, activation
 bytes kept for backward, boundary bytes received and sent) and the FLOPs imbalance
-(max/mean over chunks; 1.00 is perfect). `--graph` adds each chunk's graph, `--json` prints
+(max/mean over chunks; 1.00 is perfect). Under tp > 1: the share of parameters sharded,
+projections kept whole and why, and every sharding fallback (op, module, bytes per step). `--graph` adds each chunk's graph, `--json` prints
 one JSON object instead.
 """
 from __future__ import annotations
@@ -72,8 +73,11 @@ def chunk_report(prog) -> dict:
         "boundary_out_bytes": c.boundary_out_bytes,
         "collectives": colls,
     } for chunk, c, colls in zip(prog.chunks, costs, collectives)]
-    return {"plan": str(plan), "chunks": chunks,
-            "imbalance": round(imbalance([c.flops for c in costs]), 6)}
+    report = {"plan": str(plan), "chunks": chunks,
+              "imbalance": round(imbalance([c.flops for c in costs]), 6)}
+    if getattr(prog, "tp_report", None) is not None:   # tp > 1: sharded share, fallbacks
+        report["tensor_parallel"] = prog.tp_report
+    return report
 
 
 def format_report(prog, report: dict) -> str:
@@ -96,7 +100,13 @@ def format_report(prog, report: dict) -> str:
         shared = [fqn for fqn in prog.ties if sum(fqn in c.params for c in prog.chunks) > 1]
         if shared:
             lines.append(f"tied parameters held by several chunks (grads summed): {', '.join(shared)}")
-    lines += [f"note: {n}" for n in prog.notes]
+    lines += [f"note: {n}" for n in prog.notes if not n.startswith("tp fallback:")]
+    tp = report.get("tensor_parallel")
+    if tp and tp["fallbacks"]:
+        lines.append(f"tensor-parallel fallbacks ({len(tp['fallbacks'])}; ops run on gathered inputs, "
+                     "strict=true makes them errors):")
+        lines += [f"  {fb['op']:<20} {fb['module']:<40} {human_bytes(fb['bytes_per_step'])}/step  {fb['reason']}"
+                  for fb in tp["fallbacks"]]
     return "\n".join(lines)
 
 

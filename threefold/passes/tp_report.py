@@ -21,6 +21,8 @@ def tp_report(rw) -> dict:
 def report_notes(rep: dict) -> list[str]:
     notes = [f"tp={rep['tp']}: {rep['sharded_share']:.0%} of parameters sharded "
              f"({rep['sharded_params']} of {rep['params']})"]
+    for fqn, reason in rep["replicated_weights"].items():
+        notes.append(f"tp: {fqn} kept whole on every rank: {reason}")
     for fb in rep["fallbacks"]:
         notes.append(f"tp fallback: {fb['op']} ({fb['node']}) in {fb['module']}: {fb['reason']}; "
                      f"gathers its inputs, {fb['bytes_per_step']} B per step per rank")
