@@ -439,3 +439,19 @@ def test_compiler_and_runtime_import_nothing_from_the_planner():
             "assert not bad, bad\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_evaluate_reads_plans_in_plans_grammar():
+    """--evaluate is a partial threefold.Plan (its keys, aliases and values) plus b."""
+    plan = Plan(tp=8, pp=4, dp=2, microbatches=8, interleave=2, schedule="interleaved", recompute=True)
+    where = Constraints.parse(str(plan))
+    assert (where.tp, where.pp, where.dp, where.microbatches, where.interleave, where.schedule,
+            where.recompute) == (8, 4, 2, 8, 2, "interleaved", True)
+    assert where.admits(plan, microbatch_size=1) and not where.admits(plan.replace(tp=4), 1)
+    partial = Constraints.parse("v=2,b=2,sp=false")   # free pp and schedule: Plan's whole-plan checks wait
+    assert (partial.interleave, partial.microbatch_size, partial.pp) == (2, 2, None)
+    assert str(partial) == "v=2,b=2"
+    for bad, message in (("m=0", "m=0"), ("scatter_gather=false", "scatter_gather"), ("b=x", "b='x'"),
+                         ("tp=8,tp", "malformed")):
+        with pytest.raises(PlanError, match=message):
+            Constraints.parse(bad)

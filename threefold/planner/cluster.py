@@ -2,8 +2,8 @@
 
 A cluster is a handful of physical numbers per GPU: peak FLOP/s per dtype, HBM capacity
 and bandwidth, GPUs per node, link bandwidths inside and across nodes, and the fraction
-of peak a large GEMM sustains. Presets ship as `threefold/planner/clusters/<name>.toml`; a user
-file has the same keys (see `REQUIRED` and `OPTIONAL`). Every problem with a file is a
+of peak a large GEMM sustains. Presets ship as `threefold/planner/clusters/<name>.toml`;
+a user file has the same keys (see `REQUIRED` and `OPTIONAL`). Every problem with a file is a
 `PlanError` naming the file, the key and the fix.
 """
 from __future__ import annotations
