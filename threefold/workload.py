@@ -56,6 +56,10 @@ def load_spec(spec: str) -> Workload:
         raise
     except TypeError as exc:
         raise PlanError(f"SPEC {spec!r}: calling the factory failed ({exc}); check its arguments") from None
+    except Exception as exc:  # user code: one line naming the SPEC and what it raised
+        text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        raise PlanError(f"SPEC {spec!r}: the factory raised {type(exc).__name__}"
+                        f"{': ' + text if text else ''}; fix the factory") from None
     workload = Workload.coerce(value, spec)
     if not isinstance(workload.model, torch.nn.Module):
         raise PlanError(f"SPEC {spec!r}: 'model' is a {type(workload.model).__name__}, not a torch.nn.Module")
@@ -110,7 +114,8 @@ def _import_file(path: str):
         spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[mod_name]
-        raise PlanError(f"SPEC file {path!r} failed to import: {type(exc).__name__}: {exc}") from None
+        text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        raise PlanError(f"SPEC file {path!r} failed to import: {type(exc).__name__}: {text}") from None
     finally:
         sys.path.pop(0)
     return module

@@ -58,6 +58,13 @@ def run(args) -> int:
         raise PlanError(f"SPEC {args.spec!r} has no loss_fn/target: check trains, so the workload needs both")
     if any(p.is_meta for p in w.model.parameters()):
         raise PlanError(f"SPEC {args.spec!r} builds its model on the meta device: check needs real weights")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise PlanError(f"--lr {args.lr} is invalid: use a positive finite learning rate")
+    from threefold.cli.jobs import check_local_capacity, under_torchrun
+    check_local_capacity(plan.world_size)
+    if not under_torchrun():
+        from threefold.compiler.api import compile_workload
+        compile_workload(w, plan)    # a plan that cannot work for this model fails here, before any rank
     with tempfile.TemporaryDirectory(prefix="threefold-check-") as tmp:
         state_file = os.path.join(tmp, "state.pt")
         torch.save({"state": w.model.state_dict(), "inputs": tuple(w.inputs), "target": w.target}, state_file)

@@ -20,6 +20,7 @@ def run_on_ranks(fn, world: int, *args, timeout: float | None = None) -> list:
             raise PlanError(f"the plan needs {world} ranks but torchrun started "
                             f"{dist.get_world_size()}; use --nproc-per-node={world} (times nodes)")
         return [fn(*args)]
+    check_local_capacity(world)
     from threefold.runtime.launch import LaunchError, launch
     try:
         return launch(fn, world, *args, timeout=timeout)
@@ -28,6 +29,46 @@ def run_on_ranks(fn, world: int, *args, timeout: float | None = None) -> list:
         if plan_errors:  # bad input found on the ranks: report it once, as bad input
             raise PlanError(plan_errors[0].splitlines()[0][len("PlanError: "):]) from None
         raise SystemExit(f"threefold: {exc}") from None
+
+
+RANK_MEMORY_BYTES = 300 << 20    # a gloo rank with torch imported, before the model
+
+
+def max_local_ranks() -> int:
+    """How many local processes this machine can sensibly run (THREEFOLD_MAX_LOCAL_RANKS
+    overrides): four per core, at least 8, so small meshes work on a laptop."""
+    env = os.environ.get("THREEFOLD_MAX_LOCAL_RANKS")
+    if env:
+        try:
+            return max(1, int(env))
+        except ValueError:
+            raise PlanError(f"THREEFOLD_MAX_LOCAL_RANKS={env!r} is not an integer") from None
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
+def check_local_capacity(world: int) -> None:
+    """Refuse, before spawning anything, a job this machine cannot hold (local runs only)."""
+    if under_torchrun():
+        return
+    limit = max_local_ranks()
+    if world > limit:
+        raise PlanError(f"the plan needs tp*pp*dp={world} ranks, more than this machine runs locally "
+                        f"({limit}: 4 per core); lower tp/pp/dp, set THREEFOLD_MAX_LOCAL_RANKS, or use torchrun")
+    available = _available_memory()
+    if available is not None and world * RANK_MEMORY_BYTES > available:
+        raise PlanError(f"the plan needs {world} local ranks, about {world * RANK_MEMORY_BYTES >> 20} MiB "
+                        f"before the model, but {available >> 20} MiB is available; lower tp/pp/dp or use torchrun")
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def is_main_rank() -> bool:

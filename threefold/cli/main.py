@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except PlanError as exc:
-        print(f"threefold {args.command}: error: {exc}", file=sys.stderr)
+        text = " ".join(str(exc).split())   # always one line, whatever the message held
+        print(f"threefold {args.command}: error: {text}", file=sys.stderr)
         return 2
     except Terminated as exc:
         print(f"threefold {args.command}: {exc}", file=sys.stderr)

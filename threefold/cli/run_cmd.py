@@ -60,8 +60,11 @@ def _run_rank(root: str, steps: int, lr: float, trust: bool = False, skip_nonfin
 def run(args) -> int:
     from threefold.cli.jobs import run_on_ranks
     from threefold.runtime.loader import BATCH_FILE, open_artifact
+    import math
     if args.steps < 1:
         raise PlanError(f"--steps {args.steps} is invalid: use 1 or more")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise PlanError(f"--lr {args.lr} is invalid: use a positive finite learning rate")
     art = open_artifact(args.dir, trust=args.trust)
     art.verify()        # every file against its sha256, before any rank imports or reads one
     if not art.chunks or not art.chunks[0].get("weights"):

@@ -31,8 +31,27 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+MAX_ACTIONS = 100_000    # compute actions (pp * v * m * 2); the verifier and grid stay quick
+MAX_GRID_ACTIONS = 4_000  # the text grid is for people; bigger schedules print --json only
+
+
 def run(args) -> int:
+    from threefold.errors import PlanError
     kind = "forward" if args.forward_only else args.schedule
+    for flag, value in (("--pp", args.pp), ("-m", args.microbatches), ("-v", args.interleave)):
+        if value < 1:
+            raise PlanError(f"{flag} {value} is invalid: use 1 or more")
+    actions = args.pp * args.interleave * args.microbatches * 2
+    if actions > MAX_ACTIONS:
+        raise PlanError(f"schedule --pp {args.pp} -m {args.microbatches} -v {args.interleave} has {actions} "
+                        f"compute actions, more than {MAX_ACTIONS} this command simulates; use fewer stages "
+                        "or microbatches")
+    if actions > MAX_GRID_ACTIONS and not args.json:
+        raise PlanError(f"schedule with {actions} compute actions is too big to draw as a grid: add --json "
+                        f"(or keep pp*v*m*2 at most {MAX_GRID_ACTIONS})")
+    if args.svg:
+        from threefold.outdir import check_out_file
+        check_out_file(args.svg, "--svg")
     schedule = make_schedule(kind, args.pp, args.microbatches, args.interleave)   # PlanError -> exit 2
     try:
         report = verify(schedule)
@@ -41,8 +60,8 @@ def run(args) -> int:
         return 1
     if args.svg:
         from threefold.runtime.timeline_svg import render_svg
-        with open(args.svg, "w") as f:
-            f.write(render_svg(report.simulation))
+        from threefold.outdir import write_file_atomically
+        write_file_atomically(args.svg, render_svg(report.simulation))
     if args.json:
         print(dumps(report.to_json(), indent=2))
     else:

@@ -117,6 +117,39 @@ class _Progress:
             self.bar.update(self.task, advance=1, loss=loss, tps=tps)
 
 
+EMBEDDED_MAX_SEQ = 1024     # the embedded GPT's position table limit (GPT-2's n_positions)
+EMBEDDED_MAX_BATCH = 4096
+
+
+def check_numbers(args) -> None:
+    import math
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise PlanError(f"--lr {args.lr} is invalid: use a positive finite learning rate")
+    if args.spec is None:
+        if not 1 <= args.seq <= EMBEDDED_MAX_SEQ:
+            raise PlanError(f"--seq {args.seq} is invalid: the embedded GPT takes 1..{EMBEDDED_MAX_SEQ} tokens")
+        if not 1 <= args.batch <= EMBEDDED_MAX_BATCH:
+            raise PlanError(f"--batch {args.batch} is invalid: use 1..{EMBEDDED_MAX_BATCH} sequences")
+
+
+def validate_in_parent(spec, plan: Plan, batch: int, seq: int, seed: int) -> None:
+    """Build the workload and compile it here, once, so a plan that cannot work for this
+    model (heads vs tp, layers vs chunks, batch vs dp*m) fails before any rank starts."""
+    from threefold.compiler.api import compile_workload
+    from threefold.workload import Workload, load_spec
+    if spec is None:
+        model, loss_fn, data = _embedded(batch, seq, seed)
+        *inputs, target = data(0)
+        workload = Workload(model, tuple(inputs), target, loss_fn)
+    else:
+        workload = load_spec(spec)
+        if workload.loss_fn is None or workload.target is None:
+            raise PlanError(f"SPEC {spec!r} has no loss_fn/target; training needs both")
+        if any(p.is_meta for p in workload.model.parameters()):
+            raise PlanError(f"SPEC {spec!r} builds its model on the meta device: training needs real weights")
+    compile_workload(workload, plan)
+
+
 def run(args) -> int:
     from threefold.cli.jobs import run_on_ranks
     from threefold.outdir import check_out_dir
@@ -124,9 +157,11 @@ def run(args) -> int:
     if args.steps < 1:
         raise PlanError(f"--steps {args.steps} is invalid: use 1 or more")
     check_out_dir(args.out, args.force)     # a bad --out must fail before training, not after
-    if args.spec is not None:
-        from threefold.workload import resolve_spec
-        resolve_spec(args.spec)  # bad SPECs fail here, before any rank starts
+    check_numbers(args)
+    from threefold.cli.jobs import check_local_capacity, under_torchrun
+    check_local_capacity(plan.world_size)
+    if not under_torchrun():     # under torchrun every process is a rank: no parent to check in
+        validate_in_parent(args.spec, plan, args.batch, args.seq, args.seed)
     result = run_on_ranks(_train_rank, plan.world_size, args.spec, str(plan), args.steps, args.lr,
                           args.batch, args.seq, args.seed, not args.json, args.skip_nonfinite)[0]
     from threefold.cli.jobs import is_main_rank
