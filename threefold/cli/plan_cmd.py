@@ -81,6 +81,9 @@ def model_from_args(args):
 def run(args) -> int:
     if args.top < 0:
         raise PlanError(f"--top {args.top} is invalid: give a count, or 0 for all plans")
+    if args.svg:
+        from threefold.outdir import check_out_file
+        check_out_file(args.svg, "--svg")     # before the search, not after it
     model = model_from_args(args)
     cluster = load_cluster(args.cluster)
     where = Constraints.parse(args.evaluate) if args.evaluate else Constraints()
