@@ -11,9 +11,14 @@ the graph once in order, writing a new graph of *local* (per-tp-rank) shapes:
 * A weight matmul whose input is sharded on the contracted dim becomes row-parallel: its
   output is Partial and is reduced at once by g (all-reduce forward, identity backward),
   or under sequence parallelism by a reduce-scatter; the bias is added after.
-* Everything in between follows per-op rules in RULES (elementwise, views and reshapes,
-  splits, attention matmuls, softmax, norms ...). An op with no rule on a sharded input
-  is a PlanError naming the op and the module FQN.
+* Everything in between follows per-op rules in RULES (tp_rules.py: elementwise, views and
+  reshapes by dimension maps (tp_dims.py), splits and slices of block-strided dims, attention
+  matmuls, softmax, norms ...). Where no rule applies, the op runs on gathered inputs
+  (tp_redistribute.py), recorded in prog.tp_report and a PlanError under strict=true.
+* A column-parallel projection whose shards reach such an op is instead kept whole (the
+  pass reruns with it replicated), as is one whose heads or output features tp does not
+  divide: Megatron's pairing, column then row, is only used where it pays.
+* `x @ W.T` (matmul of a transposed 2-D parameter) is a weight matmul like aten.linear.
 * An embedding indexed by user input (token ids) is vocab-parallel; a cross-entropy over
   vocab-sharded logits becomes the vocab-parallel cross-entropy. Vocabularies t does not
   divide are padded (padding never wins the softmax and gets no gradient).
