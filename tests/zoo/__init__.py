@@ -51,6 +51,8 @@ ZOO = {
     "hw_gqa_repeat_interleave": _hwa.FACTORIES["hw_gqa_repeat_interleave"],  # GQA by repeat_interleave, SDPA
     "hw_param_matmul": _hwa.FACTORIES["hw_param_matmul"],       # x @ W.T with W an nn.Parameter (no Linear)
     "hw_moe_softmax": _hwa.FACTORIES["hw_moe_softmax"],         # softmax router, topk, scatter, dense experts
+    "hw_flat_mlp": _hwa.FACTORIES["hw_flat_mlp"],               # MLP on [B*T, C] tokens (OPT, GPT-2 Conv1D)
+    "hw_qk_norm_full_width": _hwa.FACTORIES["hw_qk_norm_full_width"],  # RMSNorm over the sharded q/k width (OLMo2)
     # hand-written training semantics
     "hw_frozen": _hws.frozen_params,          # requires_grad=False embedding and first block
     "hw_inplace_skip": _hws.inplace_skip,     # h += a on the block input (received boundary value)

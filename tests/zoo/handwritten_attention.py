@@ -118,6 +118,50 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
+class FlatMLP(nn.Module):
+    """OPT's and GPT-2 Conv1D's layout: the MLP runs on tokens flattened to [B*T, C]."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(HIDDEN, 4 * HIDDEN)
+        self.proj = nn.Linear(4 * HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        return self.proj(F.gelu(self.fc(x.reshape(-1, C)))).view(B, T, C)
+
+
+class ManualRMSNorm(nn.Module):
+    """RMSNorm written out (pow, mean, rsqrt, mul) as LLaMA and OLMo2 write it."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class FullWidthQKNormAttention(nn.Module):
+    """OLMo2's layout: RMSNorm over the whole q (and k) projection width, before the heads
+    are split, so the norm reduces over the dimension tensor parallelism shards."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.k = nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.v = nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.o = nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.q_norm, self.k_norm = ManualRMSNorm(HIDDEN), ManualRMSNorm(HIDDEN)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        heads = lambda t: t.view(B, T, HEADS, C // HEADS).transpose(1, 2)
+        q, k = self.q_norm(self.q(x)), self.k_norm(self.k(x))
+        y = causal_attention(heads(q), heads(k), heads(self.v(x)))
+        return self.o(y.transpose(1, 2).reshape(B, T, C))
+
+
 class SoftmaxRouterMoE(nn.Module):
     """4 experts, softmax router, top-2 gates scattered back, experts computed densely."""
 
@@ -177,4 +221,6 @@ FACTORIES = {
     "hw_gqa_repeat_interleave": decoder_with(GQARepeatInterleaveAttention),
     "hw_param_matmul": decoder_with(ParamMatmulAttention, ParamMatmulMLP),
     "hw_moe_softmax": decoder_with(NanoGPTAttention, SoftmaxRouterMoE),
+    "hw_flat_mlp": decoder_with(NanoGPTAttention, FlatMLP),
+    "hw_qk_norm_full_width": decoder_with(FullWidthQKNormAttention),
 }

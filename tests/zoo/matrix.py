@@ -49,11 +49,16 @@ def reference_losses(arch: str, steps: int = STEPS, lr: float = LR) -> list[floa
 
 
 def sharded_share(pm, model) -> float:
-    """Share of the model's parameter elements that this rank holds only a part of."""
-    full = {n: p.numel() for n, p in model.named_parameters(remove_duplicate=False)}
+    """Share of the model's parameter elements that tensor parallelism shards: the manifest's
+    shard table where there is one (it covers frozen parameters too), else the parameters
+    this rank holds only a part of."""
+    full = {n: p.numel() for n, p in model.named_parameters()}   # a tied weight counts once
+    total = max(sum(full.values()), 1)
+    shards = getattr(pm, "manifest", {}).get("shards")
+    if shards is not None:
+        return sum(full[n] for n in full if n in shards) / total
     local = {n: p.numel() for n, p in pm.named_parameters()}
-    total = sum(full.values())
-    return sum(full[n] for n in full if n in local and local[n] < full[n]) / max(total, 1)
+    return sum(full[n] for n in full if n in local and local[n] < full[n]) / total
 
 
 def _run_cell(arch: str, plan: str, steps: int, lr: float) -> dict:
