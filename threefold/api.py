@@ -122,6 +122,9 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
     dev = torch.device(device) if device is not None else default_device()
     coord = mesh.coord(rank)
     full = _full_state(model, payload["constants"])
+    # one source of initial weights: rank 0's, broadcast where fingerprints differ
+    from threefold.checkpoint.agree import same_as_rank0
+    full.update(same_as_rank0({k: v for k, v in full.items() if not k.startswith("_const.")}, dev)[0])
     shards = {fqn: ShardSpec.from_json(d) for fqn, d in manifest.get("shards", {}).items()}
     modules = {}
     for c in local_chunks(manifest, coord.pp):

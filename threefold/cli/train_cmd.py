@@ -64,7 +64,9 @@ def _train_rank(spec, plan, steps, lr, batch, seq, seed, show, skip_nonfinite=Fa
         if w.loss_fn is None or w.target is None:
             raise PlanError(f"SPEC {spec!r} has no loss_fn/target; training needs both")
         model, loss_fn = w.model, w.loss_fn
-        data = lambda step: (*w.inputs, w.target)  # noqa: E731
+        from threefold.checkpoint.agree import batch_as_rank0
+        fixed = batch_as_rank0((*w.inputs, w.target))   # one batch: rank 0's
+        data = lambda step: fixed  # noqa: E731
     example = data(0)
     pm = threefold.parallelize(model, plan, example[:-1], loss_fn, target=example[-1])
     opt = torch.optim.AdamW(pm.parameters(), lr=lr)
