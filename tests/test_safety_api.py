@@ -1,0 +1,63 @@
+"""The API as documented: pm(x) on a loss-compiled model says what to do; parallelize under
+torchrun joins the job from the environment; no temporary files are left behind."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import threefold
+from threefold.errors import PlanError
+from threefold.runtime.launch import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_call_returns_outputs_without_a_loss_and_a_clear_error_with_one():
+    torch.manual_seed(0)
+    model, x = Tiny(), torch.randn(4, 8)
+    pm = threefold.parallelize(model, "", (x,))
+    (out,) = pm(x)
+    assert torch.allclose(out, model(x), atol=1e-6)
+    with_loss = threefold.parallelize(model, "", (x,), torch.nn.functional.mse_loss, target=torch.zeros(4, 4))
+    with pytest.raises(PlanError, match="compiled with loss_fn"):
+        with_loss(x)
+
+
+TORCHRUN_JOB = textwrap.dedent('''
+    import torch, torch.distributed as dist, threefold
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    pm = threefold.parallelize(model, "pp=2,m=2", (x,), torch.nn.functional.mse_loss, target=y)
+    loss = pm.step(x, target=y)
+    print(f"rank {dist.get_rank()} of {dist.get_world_size()} loss {loss:.6f}")
+''')
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_parallelize_joins_a_torchrun_job_by_itself(tmp_path):
+    (tmp_path / "job.py").write_text(TORCHRUN_JOB)
+    (tmp_path / "tmp").mkdir()
+    env = dict(os.environ, PYTHONPATH=ROOT, TMPDIR=str(tmp_path / "tmp"), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                          "--master-addr=127.0.0.1", f"--master-port={free_port()}", "job.py"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=220)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("rank "))
+    assert [line.split(" loss")[0] for line in lines] == ["rank 0 of 2", "rank 1 of 2"], out.stdout
+    assert len({line.split("loss ")[1] for line in lines}) == 1           # same loss on both ranks
+    assert not [n for n in os.listdir(tmp_path / "tmp") if n.startswith("threefold")]
