@@ -133,6 +133,7 @@ def check_manifest(root: str, m) -> None:
             if not isinstance(entry, dict) or (entry and set(entry) != tp_ranks):
                 bad(f"chunk {i} {key} must name one file per tp rank 0..{mesh['tp'] - 1}")
             for rel in entry.values():
+                safe_path(root, rel)
                 if rel not in files:
                     bad(f"chunk {i} {key} file {rel!r} has no sha256 in 'files'")
         if not c.get("modules"):
