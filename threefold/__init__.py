@@ -14,6 +14,9 @@ def __getattr__(name):
     if name in ("parallelize", "ParallelModule"):
         from threefold import api
         return getattr(api, name)
+    if name in ("save", "load"):
+        from threefold import checkpoint
+        return getattr(checkpoint, name)
     if name == "launch":
         from threefold.runtime.launch import launch
         return launch

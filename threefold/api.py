@@ -74,13 +74,26 @@ class ParallelModule:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad(set_to_none)
 
+    def state_dict(self) -> dict:
+        """This rank's parameters (frozen included) and buffers by original FQN, each a
+        `checkpoint.layout.Sharded`: `.local` (the shard), `.spec` (its ShardSpec, None if
+        whole), `.parts` (where it sits in the full tensor). See threefold.save for files."""
+        from threefold.checkpoint.state import model_state
+        return model_state(self)
+
+    def load_state_dict(self, full: dict) -> None:
+        """Copy in full (unsharded) tensors by original FQN, each rank cutting its shard;
+        every parameter and buffer must be given (a PlanError names the first few missing)."""
+        from threefold.checkpoint.state import load_full_state
+        load_full_state(self, full)
+
     @property
     def stats(self):
         return self.engine.stats
 
 
 def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, target=None,
-                device=None, workdir: str | None = None):
+                device=None, workdir: str | None = None, batch_dims=None):
     """Compile `model` for `plan` and return this rank's `ParallelModule`.
 
     As a decorator on a model class or factory, `@parallelize(plan=..., example_inputs=...,

@@ -161,6 +161,9 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
         "tp_grad_sync": list(prog.tp_grad_sync),
         # how each sharded parameter is cut per tp rank (runtime/shard.py)
         "shards": {fqn: spec.to_json() for fqn, spec in prog.shard_fns.items()},
+        # full (unsharded) shape and dtype of every parameter and buffer: checkpoints/reshard
+        "state_shapes": {fqn: [list(prog.state[fqn].shape), str(prog.state[fqn].dtype).replace("torch.", "")]
+                         for c in prog.chunks for fqn in c.params + c.buffers},
         "scatter_gather": bool(plan.scatter_gather and plan.tp > 1),
         "schedule": {"kind": plan.schedule, "microbatches": plan.microbatches, "interleave": plan.interleave},
         "chunks": chunks,

@@ -1,0 +1,150 @@
+"""Checkpoint directories: naming, the `threefold.json` index, checksums, atomic publishing.
+
+A checkpoint root holds `step_<N>/` directories (each one DCP checkpoint: `.metadata` and
+`__<rank>_<i>.distcp` files, plus our `threefold.json` with every file's size and CRC32)
+and `latest`, the name of the newest. A save is built in a hidden temporary sibling and
+renamed into place only when complete, so a crash leaves the previous checkpoints intact.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import zlib
+
+from threefold.errors import PlanError
+
+INDEX = "threefold.json"
+LATEST = "latest"
+FORMAT = "threefold-checkpoint"
+STEP_DIR = re.compile(r"step_(\d+)")
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:09d}"
+
+
+def crc32_file(path: str, block: int = 16 * 2**20) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def digests(dirpath: str, names: list[str]) -> dict[str, list[int]]:
+    return {n: [os.path.getsize(os.path.join(dirpath, n)), crc32_file(os.path.join(dirpath, n))] for n in names}
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def write_index(dirpath: str, index: dict) -> None:
+    path = os.path.join(dirpath, INDEX)
+    with open(path, "w") as f:
+        json.dump(index, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(dirpath)
+
+
+def publish(root: str, tmp: str, name: str, keep: int | None) -> str:
+    """Rename the finished `tmp` to root/name, point `latest` at it, drop all but the last
+    `keep` checkpoints. An existing root/name is moved aside first and removed last."""
+    final = os.path.join(root, name)
+    aside = None
+    if os.path.exists(final):
+        aside = f"{tmp}.replaced"
+        os.rename(final, aside)
+    os.rename(tmp, final)
+    with open(os.path.join(root, LATEST + ".tmp"), "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(os.path.join(root, LATEST + ".tmp"), os.path.join(root, LATEST))
+    _fsync_dir(root)
+    if aside:
+        shutil.rmtree(aside, ignore_errors=True)
+    if keep is not None:
+        for old in list_steps(root)[:-keep]:
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    return final
+
+
+def list_steps(root: str) -> list[str]:
+    """Complete checkpoints under root (those with an index), oldest first."""
+    if not os.path.isdir(root):
+        return []
+    found = [d for d in os.listdir(root)
+             if STEP_DIR.fullmatch(d) and os.path.isfile(os.path.join(root, d, INDEX))]
+    return sorted(found, key=lambda d: int(STEP_DIR.fullmatch(d).group(1)))
+
+
+def resolve(path: str) -> str:
+    """The checkpoint directory `path` names: itself, or the newest under a root."""
+    if os.path.isfile(os.path.join(path, INDEX)):
+        return path
+    if not os.path.exists(path):
+        raise PlanError(f"checkpoint {path} does not exist: pass a directory written by threefold.save")
+    if not os.path.isdir(path):
+        raise PlanError(f"checkpoint {path} is a file, not a checkpoint directory written by threefold.save")
+    latest = os.path.join(path, LATEST)
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            name = f.read().strip()
+        if STEP_DIR.fullmatch(name) and os.path.isfile(os.path.join(path, name, INDEX)):
+            return os.path.join(path, name)
+    steps = list_steps(path)
+    if steps:
+        return os.path.join(path, steps[-1])
+    raise PlanError(f"{path} is not a threefold checkpoint (no {INDEX}, no step_* checkpoints in it): "
+                    "pass a directory written by threefold.save")
+
+
+def read_index(ckpt: str) -> dict:
+    try:
+        with open(os.path.join(ckpt, INDEX)) as f:
+            index = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"checkpoint {ckpt}: {INDEX} is unreadable ({type(exc).__name__}: {exc}); "
+                        "the checkpoint is corrupted, load an earlier one") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT or not isinstance(index.get("files"), dict):
+        raise PlanError(f"checkpoint {ckpt}: {INDEX} is not a threefold checkpoint index; "
+                        "pass a directory written by threefold.save")
+    return index
+
+
+def check_files(ckpt: str, index: dict, rank: int, world: int) -> str | None:
+    """The first problem with the files (missing, truncated, corrupted), or None. Every rank
+    checks sizes; the CRC of file i is checked by rank i % world (each file read once)."""
+    for i, (name, (size, crc)) in enumerate(sorted(index["files"].items())):
+        path = os.path.join(ckpt, name)
+        if not os.path.isfile(path):
+            return f"file {name} is missing (a shard of the checkpoint); the checkpoint is incomplete"
+        actual = os.path.getsize(path)
+        if actual != size:
+            return f"file {name} has {actual} bytes, expected {size}: it is truncated or overwritten"
+        if i % world == rank and crc32_file(path) != crc:
+            return f"file {name} fails its checksum: it is corrupted"
+    return None
+
+
+def coverage_problem(md) -> str | None:
+    """A saved tensor whose chunks do not add up to the whole tensor (partial weights)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    for key, m in md.state_dict_metadata.items():
+        if isinstance(m, TensorStorageMetadata):
+            have = sum(math.prod(c.sizes) for c in m.chunks)
+            if have != math.prod(m.size):
+                return f"{key} holds {have} of its {math.prod(m.size)} elements"
+    return None

@@ -1,0 +1,148 @@
+"""`threefold.load(pm, optimizer, DIR)`: read a checkpoint into this rank's shards, under
+any plan of the same model (reshard at load).
+
+Before anything is read into the model: the directory must be a threefold checkpoint
+(files.resolve), every file listed in its index must be present with its size and CRC32,
+and its parameter names and full shapes must be this model's (else a PlanError listing the
+first differences). Then each rank asks DCP for exactly its own pieces: each saved chunk's
+overlap with each local piece is read straight into a view of the parameter or optimizer
+moment, so neither the full model nor another rank's shard is ever materialised.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from threefold.checkpoint import files, state
+from threefold.checkpoint.collective import gather_all, quiet as _quiet, rank_world
+from threefold.errors import PlanError
+
+
+def load(pm, optimizer, directory: str) -> dict:
+    """Load the checkpoint at `directory` (a step directory, or a root: its newest) into
+    `pm` and `optimizer` (may be None). Returns {"step", "extra", "path"}."""
+    import torch.distributed.checkpoint as dcp
+    rank, world = rank_world()
+    ckpt = files.resolve(directory)
+    index = files.read_index(ckpt)
+    problems = [p for p in gather_all(files.check_files(ckpt, index, rank, world)) if p]
+    if problems:
+        raise PlanError(f"checkpoint {ckpt}: {problems[0]}; load an earlier checkpoint")
+    try:
+        md = dcp.FileSystemReader(ckpt).read_metadata()
+    except Exception as exc:
+        raise PlanError(f"checkpoint {ckpt}: its DCP metadata is unreadable ({type(exc).__name__}); "
+                        "the checkpoint is corrupted") from None
+    _check_same_model(ckpt, md, state.full_shapes(pm.manifest))
+    gap = files.coverage_problem(md)
+    if gap:
+        raise PlanError(f"checkpoint {ckpt} is incomplete: {gap}")
+
+    sd: dict = {}
+    for fqn, t in state.local_tensors(pm).items():
+        dest = state.layout_of(pm, fqn, t.detach())
+        dest.zero_padding()
+        sd[state.MODEL + fqn] = dest
+    moments = _optimizer_targets(pm, optimizer, md) if optimizer is not None else {}
+    for key, (_, _, value) in moments.items():
+        sd[key] = value
+    if optimizer is not None and state.GROUPS in md.state_dict_metadata:
+        sd[state.GROUPS] = None
+    sd[state.META] = None
+    same_layout = index.get("plan") == str(pm.plan) and index.get("world") == world
+    rng_key = f"rng.rank{rank if same_layout else 0}"
+    if rng_key in md.state_dict_metadata:
+        sd[rng_key] = None
+    from threefold.checkpoint.planners import LoadShards
+    try:
+        with torch.no_grad():
+            with _quiet(world):
+                dcp.load(sd, storage_reader=dcp.FileSystemReader(ckpt), planner=LoadShards(), no_dist=world == 1)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        raise PlanError(f"checkpoint {ckpt}: reading it failed ({type(exc).__name__}: {first}); "
+                        "the checkpoint is damaged, load an earlier one") from None
+
+    if optimizer is not None:
+        _apply_optimizer(optimizer, moments, sd)
+    meta = sd[state.META] or {}
+    pm.engine._step_count = int(meta.get("engine_step", pm.engine._step_count))
+    pm.engine._rng_base = int(meta.get("rng_base", pm.engine._rng_base))
+    if sd.get(rng_key):
+        state.set_rng_state(sd[rng_key])
+    return {"step": meta.get("step"), "extra": meta.get("extra"), "path": ckpt}
+
+
+def _check_same_model(ckpt: str, md, expected: dict) -> None:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    saved = {k[len(state.MODEL):]: list(m.size) for k, m in md.state_dict_metadata.items()
+             if k.startswith(state.MODEL) and isinstance(m, TensorStorageMetadata)}
+    missing = [k for k in expected if k not in saved]
+    unexpected = [k for k in saved if k not in expected]
+    shapes = [f"{k} saved {saved[k]} vs model {expected[k][0]}" for k in expected
+              if k in saved and saved[k] != expected[k][0]]
+    if not (missing or unexpected or shapes):
+        return
+    parts = []
+    for what, items in (("missing from the checkpoint", missing), ("not in this model", unexpected),
+                        ("shapes differ", shapes)):
+        if items:
+            more = f" (+{len(items) - 3} more)" if len(items) > 3 else ""
+            parts.append(f"{what}: {', '.join(items[:3])}{more}")
+    raise PlanError(f"checkpoint {ckpt} is of another model ({'; '.join(parts)}): load a checkpoint "
+                    "saved from this model")
+
+
+def _optimizer_targets(pm, optimizer, md) -> dict:
+    """key -> (param, state name, destination) for every saved state of this rank's params."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    shapes = state.full_shapes(pm.manifest)
+    by_param = {}
+    for key in md.state_dict_metadata:
+        if key.startswith(state.OPTIM) and key != state.GROUPS:
+            fqn, _, name = key[len(state.OPTIM):].rpartition(".")
+            by_param.setdefault(fqn, []).append((key, name))
+    out = {}
+    mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for fqn, p in pm.engine.params.items():
+        if id(p) not in mine:
+            continue
+        current = optimizer.state.get(p, {})
+        for key, name in by_param.get(fqn, []):
+            m = md.state_dict_metadata[key]
+            if isinstance(m, TensorStorageMetadata) and len(m.size) and list(m.size) == shapes[fqn][0]:
+                value = state.layout_of(pm, fqn, torch.zeros_like(p, dtype=m.properties.dtype))
+            elif isinstance(m, TensorStorageMetadata) and not len(m.size):
+                old = current.get(name)
+                device = old.device if isinstance(old, torch.Tensor) else "cpu"
+                value = torch.zeros((), dtype=m.properties.dtype, device=device)
+            elif isinstance(m, TensorStorageMetadata):
+                raise PlanError(f"checkpoint optimizer state {key} has shape {list(m.size)}, neither "
+                                f"{fqn}'s {shapes[fqn][0]} nor a scalar: it cannot be resharded")
+            else:
+                value = None
+            out[key] = (p, name, value)
+    return out
+
+
+def _apply_optimizer(optimizer, moments: dict, sd: dict) -> None:
+    from threefold.checkpoint.layout import Sharded
+    fresh: dict = {}
+    for key, (p, name, _) in moments.items():
+        v = sd[key]
+        fresh.setdefault(p, {})[name] = v.local if isinstance(v, Sharded) else v
+    for p, st in fresh.items():
+        optimizer.state[p] = st
+    groups = sd.get(state.GROUPS)
+    if groups:
+        if len(groups) != len(optimizer.param_groups):
+            raise PlanError(f"the checkpoint's optimizer has {len(groups)} parameter groups, this one has "
+                            f"{len(optimizer.param_groups)}: build the optimizer as it was saved")
+        for g, saved in zip(optimizer.param_groups, groups):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def total_elements(md) -> int:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    return sum(math.prod(m.size) for m in md.state_dict_metadata.values() if isinstance(m, TensorStorageMetadata))

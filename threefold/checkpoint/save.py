@@ -1,0 +1,83 @@
+"""`threefold.save(pm, optimizer, DIR, step=..., extra=..., keep=...)`: a sharded checkpoint.
+
+Every rank calls it. The state (checkpoint/state.py) is written with
+torch.distributed.checkpoint into a temporary directory under DIR: each rank writes its own
+pieces, replicated pieces are written once (DCP's dedup). Each rank then checksums the
+files it wrote, rank 0 writes `threefold.json` (files, plan, model, shapes) and renames the
+directory to DIR/step_<N>, points DIR/latest at it and keeps the last `keep` checkpoints.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+
+from threefold.checkpoint import files, state
+from threefold.checkpoint.collective import from_rank0, gather_all, quiet as _quiet, rank_world
+from threefold.errors import PlanError
+
+
+def save(pm, optimizer, directory: str, step: int | None = None, extra=None, keep: int | None = 3) -> str:
+    """Write a checkpoint of `pm` (and `optimizer`, may be None) under `directory`; returns
+    the checkpoint's path (directory/step_<N>), the same on every rank."""
+    import torch.distributed.checkpoint as dcp
+    if keep is not None and keep < 1:
+        raise PlanError(f"keep={keep} is invalid: keep at least 1 checkpoint (or None for all)")
+    rank, world = rank_world()
+    step = pm.engine._step_count if step is None else int(step)
+    name = files.step_name(step)
+    tmp = None
+    if rank == 0:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=directory)
+        except OSError as exc:
+            tmp = PlanError(f"cannot write checkpoint directory {directory}: {exc.strerror or exc}")
+    tmp = from_rank0(tmp)
+    if isinstance(tmp, PlanError):
+        raise tmp
+    started = time.perf_counter()
+    try:
+        sd = _collect(pm, optimizer, step, extra, rank)
+        with _quiet(world):
+            dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp, thread_count=1, sync_files=True),
+                     planner=_planner(), no_dist=world == 1)
+        mine = [n for n in os.listdir(tmp) if n.startswith(f"__{rank}_")]
+        if rank == 0:
+            mine.append(".metadata")
+        written = {}
+        for d in gather_all(files.digests(tmp, mine)):
+            written.update(d)
+        outcome = None
+        if rank == 0:
+            files.write_index(tmp, {
+                "format": files.FORMAT, "version": 1, "model": pm.manifest.get("model"),
+                "plan": str(pm.plan), "world": world, "step": step, "files": written,
+                "state_shapes": {k: v for k, v in pm.manifest["state_shapes"].items() if not k.startswith("_const.")},
+                "has_optimizer": optimizer is not None, "seconds": time.perf_counter() - started})
+            outcome = files.publish(directory, tmp, name, keep)
+        outcome = from_rank0(outcome)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return outcome
+
+
+def _planner():
+    from threefold.checkpoint.planners import SaveShards
+    return SaveShards()
+
+
+def _collect(pm, optimizer, step, extra, rank) -> dict:
+    sd = {state.MODEL + k: v for k, v in state.model_state(pm).items()}
+    if optimizer is not None:
+        sd.update(state.optimizer_state(pm, optimizer))
+        if rank == 0:
+            sd[state.GROUPS] = state.param_groups(optimizer)
+    if rank == 0:
+        sd[state.META] = {"step": step, "extra": extra, "engine_step": pm.engine._step_count,
+                          "rng_base": pm.engine._rng_base}
+    sd[f"rng.rank{rank}"] = state.rng_state()
+    return sd

@@ -1,0 +1,105 @@
+"""A ParallelModule's (and its optimizer's) state as DCP values, keyed by original FQNs.
+
+Keys: `model.<fqn>` (parameters, frozen ones included, and buffers), `optim.<fqn>.<name>`
+(optimizer state: tensors shaped like the parameter are sharded like it, scalars such as
+AdamW's step are replicated), `optim.param_groups` (hyperparameters, rank 0), `meta`
+(step, extra, the engine's step count; rank 0) and `rng.rank<r>` (each rank's generators).
+"""
+from __future__ import annotations
+
+import torch
+
+from threefold.checkpoint.layout import Sharded, pieces
+from threefold.errors import PlanError
+from threefold.runtime.shard import ShardSpec
+
+MODEL, OPTIM, GROUPS, META = "model.", "optim.", "optim.param_groups", "meta"
+
+
+def full_shapes(manifest: dict) -> dict[str, tuple[list[int], str]]:
+    shapes = manifest.get("state_shapes")
+    if shapes is None:
+        raise PlanError("this ParallelModule's manifest has no state_shapes (built by an older threefold): "
+                        "compile it again to save or load checkpoints")
+    return {k: (list(v[0]), v[1]) for k, v in shapes.items() if not k.startswith("_const.")}
+
+
+def local_tensors(pm) -> dict[str, torch.Tensor]:
+    """This rank's parameters (all, frozen included) and buffers by canonical FQN."""
+    out = dict(pm.engine.params)
+    for mod in pm.engine.modules.values():
+        for fqn, b in mod.named_buffers(remove_duplicate=False):
+            if not fqn.startswith("_const.") and fqn not in out:
+                out[fqn] = b
+    return out
+
+
+def layout_of(pm, fqn: str, local: torch.Tensor) -> Sharded:
+    spec_json = pm.manifest.get("shards", {}).get(fqn)
+    spec = ShardSpec.from_json(spec_json) if spec_json else None
+    shape = full_shapes(pm.manifest)[fqn][0]
+    dim, parts = pieces(spec, shape, pm.engine.coord.tp)
+    s = Sharded(local, dim, parts, shape)
+    s.spec = spec
+    return s
+
+
+def model_state(pm) -> dict[str, Sharded]:
+    """What `pm.state_dict()` returns: this rank's shards, each with its layout."""
+    return {fqn: layout_of(pm, fqn, t.detach()) for fqn, t in local_tensors(pm).items()}
+
+
+def optimizer_state(pm, optimizer) -> dict:
+    out = {}
+    for fqn, p in pm.engine.params.items():
+        for name, v in optimizer.state.get(p, {}).items():
+            key = f"{OPTIM}{fqn}.{name}"
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape:
+                out[key] = layout_of(pm, fqn, v.detach())
+            elif isinstance(v, torch.Tensor) and v.dim() == 0:
+                out[key] = v.detach()
+            elif isinstance(v, torch.Tensor):
+                raise PlanError(f"optimizer state {name!r} of {fqn} has shape {list(v.shape)}, neither the "
+                                f"parameter's {list(p.shape)} nor a scalar: threefold cannot reshard it")
+            else:
+                out[key] = v
+    return out
+
+
+def param_groups(optimizer) -> list[dict]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        try:
+            torch.cuda.set_rng_state_all(state["cuda"])
+        except Exception:   # a different number of devices: the CPU state is still restored
+            pass
+
+
+def load_full_state(pm, full: dict) -> None:
+    """Cut this rank's pieces from full tensors (e.g. a single-process model's state_dict)."""
+    local = local_tensors(pm)
+    missing = [k for k in local if k not in full]
+    if missing:
+        raise PlanError(f"load_state_dict: no values for {', '.join(missing[:3])}"
+                        f"{f' (+{len(missing) - 3} more)' if len(missing) > 3 else ''}: pass every parameter and buffer")
+    shapes = full_shapes(pm.manifest)
+    with torch.no_grad():
+        for fqn, t in local.items():
+            src = full[fqn]
+            if list(src.shape) != shapes[fqn][0]:
+                raise PlanError(f"load_state_dict: {fqn} has shape {list(src.shape)}, the model's is {shapes[fqn][0]}")
+            dest = layout_of(pm, fqn, t.detach())
+            dest.zero_padding()
+            for p in dest.parts:
+                dest.view(p).copy_(src.narrow(dest.dim, p.start, p.length) if src.dim() else src)
