@@ -144,6 +144,33 @@ class QKNormAttention(FusedQKVSlices):
         super().__init__(qk_norm=True)
 
 
+class _RMSNorm(nn.Module):
+    """Written out as Hugging Face models do (pow, mean, rsqrt), not aten.rms_norm."""
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class FullWidthQKNorm(_ManualAttention):
+    """OLMo-2 style: RMSNorm over all of q's (and k's) features, before the split into heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(C, C) for _ in range(4))
+        self.q_norm, self.k_norm = _RMSNorm(C), _RMSNorm(C)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q_norm(self.q(x)).view(b, t, H, C // H).transpose(1, 2)
+        k = self.k_norm(self.k(x)).view(b, t, H, C // H).transpose(1, 2)
+        v = self.v(x).view(b, t, H, C // H).transpose(1, 2)
+        return self.o(self.attend(q, k, v))
+
+
 class MultiQuerySplit(_ManualAttention):
     """GPTBigCode-style multi-query attention: one kv head, split_with_sizes of a fused projection."""
 
@@ -207,6 +234,7 @@ CONSTRUCTS = {
     "gqa_repeat_interleave": lambda: _lm(RepeatInterleaveGQA),
     "fused_qkv_slice": lambda: _lm(FusedQKVSlices),
     "qk_norm": lambda: _lm(QKNormAttention),
+    "qk_norm_full_width": lambda: _lm(FullWidthQKNorm),
     "moe_router": lambda: _lm(NanoGPTAttention, SoftMoE),
     "multi_query": lambda: _lm(MultiQuerySplit),
     "torch_mha": lambda: _lm(TorchMultiheadAttention),

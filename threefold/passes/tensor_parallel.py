@@ -295,8 +295,7 @@ class _Rewriter:
         memo = self._grad_memo
         if old not in memo:
             if old.op == "placeholder":
-                fqn = tf(old).get("fqn")
-                memo[old] = tf(old).get("kind") == "param" and getattr(self.prog.state.get(fqn), "requires_grad", True)
+                memo[old] = tf(old).get("kind") == "param" and not tf(old).get("frozen", False)
             else:
                 memo[old] = any(self.has_grad(a) for a in old.all_input_nodes)
         return memo[old]

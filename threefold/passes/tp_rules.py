@@ -153,7 +153,11 @@ def reshape(rw, old):
     try:
         out_place, dst_local = reshape_placement(src_global, list(rw.val[x].shape), dst_global, s, rw.t)
     except PlanError as exc:
-        _fail(rw, f"reshapes {src_global} -> {dst_global} with the shard {s} ({exc})")
+        if not s.seq:
+            _fail(rw, f"reshapes {src_global} -> {dst_global} with the shard {s} ({exc})")
+        out_place = None
+    if out_place is not None and s.seq and out_place.blocks:
+        out_place = None   # sequence shards stay plain (SP's all-gathers and reduce-scatters)
     if out_place is None:
         if s.seq:  # a sequence shard can always be gathered back (GPT-2's x.view(-1, C));
             # a plain gather (slice in backward) is right whatever reads the result
