@@ -418,7 +418,7 @@ class _Rewriter:
         px = self.place[x]
         fqn = tf(w_old)["fqn"]
         w_shape = list(self.prog.state[fqn].shape)
-        in_dim = 1 - out_dim
+        in_dim = 1 - out_dim if len(w_shape) == 2 else 3 - out_dim   # [E, in, out] expert weights
         if isinstance(px, Partial):
             x, px = self.g(x), R
         if isinstance(px, Replicate) and (px.partial_grad or px.gathered):
@@ -481,7 +481,7 @@ class _Rewriter:
         w_new = self.param_arg(w_old)  # the weight's (and bias's) local shapes, for the shape check
         if b_old is not None:
             self.param_arg(b_old)
-        if name in ("mm", "matmul"):
+        if name in ("mm", "matmul") or name in _GROUPED:
             args = self._transposed_weight(old, args, w_new)
         out_node = self.emit(old.target, args, self._map(old.kwargs), place=Shard(len(old.meta["val"].shape) - 1, blocks))
         self.origin[out_node] = frozenset([fqn])
@@ -492,7 +492,7 @@ class _Rewriter:
         arg = old.args[1] if len(old.args) > 1 else None
         if isinstance(arg, fx.Node) and not _is_param(arg) and op_name(arg) in _TRANSPOSES:
             self.maybe_dead.append(self.env[arg])
-            t_new = self.emit(aten.t.default, (w_new,), place=R, src=arg)
+            t_new = self.emit(arg.target, (w_new,) + tuple(arg.args[1:]), dict(arg.kwargs), place=R, src=arg)
             return _replace(args, self.env[arg], t_new)
         return args
 
@@ -501,9 +501,11 @@ class _Rewriter:
         w = self.param_arg(w_old)
         target = {"linear": aten.linear.default, "addmm": aten.mm.default}.get(name, old.target)
         if not _is_param(old.args[1]) and name != "addmm":   # x @ W.T
-            self.maybe_dead.append(self.env[old.args[1]])
-            w = self.emit(aten.t.default, (w,), place=R, src=old.args[1])
-        partial = self.emit(target, (x, w), place=P)
+            arg = old.args[1]
+            self.maybe_dead.append(self.env[arg])
+            w = self.emit(arg.target, (w,) + tuple(arg.args[1:]), dict(arg.kwargs), place=R, src=arg)
+        extra = tuple(self._map(old.args[2:])) if name in _GROUPED else ()   # group offsets
+        partial = self.emit(target, (x, w) + extra, place=P)
         partial._rename(f"{old.name}_partial")
         rank = len(self.val[partial].shape)
         if self.sp and rank == 3:
@@ -578,7 +580,23 @@ def _param_weight(old: fx.Node, name: str):
     if name in ("mm", "matmul") and isinstance(a[1], fx.Node) and op_name(a[1]) in _TRANSPOSES \
             and _is_param(a[1].args[0]) and len(_shape(a[1].args[0])) == 2 and _is_2d_swap(a[1]):
         return a[0], a[1].args[0], None, 0   # x @ W.T with W [out, in]
+    if name in _GROUPED and isinstance(a[1], fx.Node):   # MoE experts: x [N, in] @ w[e] [in, out]
+        if _is_param(a[1]) and len(_shape(a[1])) == 3:
+            return a[0], a[1], None, 2
+        if op_name(a[1]) in _TRANSPOSES and _is_param(a[1].args[0]) and len(_shape(a[1].args[0])) == 3 \
+                and _swaps_last_two(a[1]):
+            return a[0], a[1].args[0], None, 1   # the parameter is [E, out, in]
     return None
+
+
+_GROUPED = {"grouped_mm_fallback", "_grouped_mm"}
+
+
+def _swaps_last_two(node: fx.Node) -> bool:
+    name = op_name(node)
+    if name == "transpose":
+        return sorted(d % 3 for d in node.args[1:3]) == [1, 2]
+    return name == "permute" and [d % 3 for d in node.args[1]] == [0, 2, 1]
 
 
 _TRANSPOSES = {"t", "transpose", "permute", "numpy_T"}
