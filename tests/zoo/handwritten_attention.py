@@ -153,6 +153,9 @@ class FullWidthQKNormAttention(nn.Module):
         self.v = nn.Linear(HIDDEN, HIDDEN, bias=False)
         self.o = nn.Linear(HIDDEN, HIDDEN, bias=False)
         self.q_norm, self.k_norm = ManualRMSNorm(HIDDEN), ManualRMSNorm(HIDDEN)
+        with torch.no_grad():   # uneven norm weights: the norm's gradient is not negligible
+            self.q_norm.weight.uniform_(0.5, 3.0)
+            self.k_norm.weight.uniform_(0.5, 3.0)
 
     def forward(self, x):
         B, T, C = x.shape
