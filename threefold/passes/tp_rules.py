@@ -13,7 +13,7 @@ import torch.fx as fx
 from threefold.compiler.cost import op_name
 from threefold.errors import PlanError
 from threefold.passes.tp_dims import reshape_placement
-from threefold.passes.tp_placement import Partial, Replicate, Shard, reshape_groups, scaled_size
+from threefold.passes.tp_placement import Partial, Replicate, Shard
 from threefold.passes.tp_redistribute import NoRule
 from threefold.runtime import tp_ops
 from threefold.runtime.tp_ops import TP
