@@ -37,6 +37,7 @@ from threefold.errors import Terminated
 from threefold.runtime.comm import FAILURE_KEY, default_timeout, post_failure, use_failure_store
 
 GRACE_S = 5.0          # after the first failure, how long the other ranks get to report
+KNOWN_CAUSE_GRACE_S = 2.0   # ... when the launcher itself saw the cause (a rank died or stopped)
 KILL_AFTER_S = 1.0     # SIGTERM, then SIGKILL this much later
 
 
@@ -138,7 +139,7 @@ def _death(exitcode: int | None) -> str:
 
 
 def launch(fn, nprocs: int, *args, threads: int = 1, timeout: float | None = None,
-           grace: float = GRACE_S) -> list:
+           grace: float | None = None) -> list:
     """Run fn(*args) on nprocs local gloo ranks; results in rank order."""
     if nprocs == 1 and dist.is_initialized():
         return [fn(*args)]
@@ -188,14 +189,16 @@ def launch(fn, nprocs: int, *args, threads: int = 1, timeout: float | None = Non
                     if now - since > 1.0 and r not in causes:
                         causes[r] = f"rank {r} is stopped (SIGSTOP or a debugger)"
                         post(causes[r])
-                    if now - since > limit:   # nobody waits forever on it
+                    if now - since > limit:   # nobody waits forever on it; its peers fail at once
                         results[r] = ("error", f"rank {r} was stopped for over {limit:.0f} s and was killed")
+                        p.kill()
             failed = [s for s, _ in results.values() if s == "error"]
             if first_failure is None and failed:
                 first_failure = now
             if first_failure is not None:
                 bad_input = any(str(v).startswith("PlanError: ") for s, v in results.values() if s == "error")
-                if bad_input or now - first_failure > grace:
+                wait = grace if grace is not None else (KNOWN_CAUSE_GRACE_S if causes else GRACE_S)
+                if bad_input or now - first_failure > wait:
                     break
             if deadline is not None and now > deadline:
                 for r in range(nprocs):
