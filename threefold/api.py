@@ -106,7 +106,8 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
             @functools.wraps(fn)
             def build(*args, **kwargs):
                 return parallelize(fn(*args, **kwargs), plan, example_inputs, loss_fn,
-                                   target=target, device=device, workdir=workdir)
+                                   target=target, device=device, workdir=workdir,
+                                   batch_dims=batch_dims)
             return build
         return decorate(factory) if callable(factory) else decorate
 
@@ -120,7 +121,8 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
     if any(p.is_meta for p in model.parameters()):
         raise PlanError(f"{type(model).__name__} is on the meta device: it can be compiled "
                         "(threefold compile) but training needs real weights; build it on a device")
-    prog, payload = _compile_once(rank, Workload(model, example_inputs, target, loss_fn), plan)
+    prog, payload = _compile_once(rank, Workload(model, example_inputs, target, loss_fn,
+                                                    batch_dims=batch_dims), plan)
     sources, manifest = payload["sources"], payload["manifest"]
     # The sources are imported from memory (no temporary files to leave behind); with a
     # workdir they are also written there, for reading and debugging.
