@@ -37,7 +37,8 @@ def _rank_losses(spec: str, plan: str, state_file: str, steps: int, lr: float) -
     saved = torch.load(state_file, weights_only=False)
     w = load_spec(spec)
     w.model.load_state_dict(saved["state"])
-    pm = threefold.parallelize(w.model, plan, saved["inputs"], w.loss_fn, target=saved["target"])
+    pm = threefold.parallelize(w.model, plan, saved["inputs"], w.loss_fn, target=saved["target"],
+                               batch_dims=w.batch_dims)
     opt = torch.optim.SGD(pm.parameters(), lr=lr)
     losses = []
     for _ in range(steps):

@@ -58,17 +58,18 @@ def _train_rank(spec, plan, steps, lr, batch, seq, seed, show, skip_nonfinite=Fa
     torch.set_num_threads(1)
     if spec is None:
         model, loss_fn, data = _embedded(batch, seq, seed)
+        batch_dims = None
     else:
         from threefold.workload import load_spec
         w = load_spec(spec)
         if w.loss_fn is None or w.target is None:
             raise PlanError(f"SPEC {spec!r} has no loss_fn/target; training needs both")
-        model, loss_fn = w.model, w.loss_fn
+        model, loss_fn, batch_dims = w.model, w.loss_fn, w.batch_dims
         from threefold.checkpoint.agree import batch_as_rank0
         fixed = batch_as_rank0((*w.inputs, w.target))   # one batch: rank 0's
         data = lambda step: fixed  # noqa: E731
     example = data(0)
-    pm = threefold.parallelize(model, plan, example[:-1], loss_fn, target=example[-1])
+    pm = threefold.parallelize(model, plan, example[:-1], loss_fn, target=example[-1], batch_dims=batch_dims)
     opt = torch.optim.AdamW(pm.parameters(), lr=lr)
     tokens_per_step = example[0].numel()
     from threefold.cli.divergence import nonfinite
@@ -141,6 +142,7 @@ def validate_in_parent(spec, plan: Plan, batch: int, seq: int, seed: int) -> Non
     from threefold.workload import Workload, load_spec
     if spec is None:
         model, loss_fn, data = _embedded(batch, seq, seed)
+        batch_dims = None
         *inputs, target = data(0)
         workload = Workload(model, tuple(inputs), target, loss_fn)
     else:
