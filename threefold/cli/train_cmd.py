@@ -142,7 +142,6 @@ def validate_in_parent(spec, plan: Plan, batch: int, seq: int, seed: int) -> Non
     from threefold.workload import Workload, load_spec
     if spec is None:
         model, loss_fn, data = _embedded(batch, seq, seed)
-        batch_dims = None
         *inputs, target = data(0)
         workload = Workload(model, tuple(inputs), target, loss_fn)
     else:
