@@ -120,3 +120,22 @@ def test_evaluate_and_forward_follow_eval_mode_with_dropout():
     assert abs(pm.evaluate(x, target=y) - eager) < 1e-5 * abs(eager)   # and again: no RNG
     # Training mode does apply dropout: the loss differs from eval's.
     assert abs(pm.step(x, target=y) - eager) > 1e-4
+
+
+def test_sdpa_dropout_on_head_shards_is_seeded_per_tp_rank_and_follows_eval_mode():
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.o = nn.Linear(16, 48), nn.Linear(16, 16)
+
+        def forward(self, x):
+            b, t, c = x.shape
+            q, k, v = (z.view(b, t, 4, 4).transpose(1, 2) for z in self.qkv(x).split(16, -1))
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+            return self.o(y.transpose(1, 2).reshape(b, t, c))
+
+    src = build_sources(compile_workload({"model": Attn(), "inputs": (torch.randn(2, 8, 16),)}, "tp=2"))
+    line = next(s for s in src["chunk00_tp0.py"].splitlines() if "scaled_dot_product_attention(" in s
+                or "scaled_dot_product_attention.default" in s)
+    assert "random_ops.seeded(self.rng_seed(0, True)" in line, line
+    assert "(0.1 if self.training else 0.0)" in line, line
