@@ -53,9 +53,29 @@ DECODERS = {
                 num_experts_per_tok=2)),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(_STD, num_key_value_heads=2, num_experts=4,
                   num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)),
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(_STD, num_key_value_heads=2, use_qk_norm=True)),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(_STD, num_key_value_heads=2,
+                   residual_dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0)),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(_STD, num_key_value_heads=2, embedding_multiplier=2.0,
+                residual_multiplier=0.5, logits_scaling=4.0, attention_multiplier=0.3)),
+    "persimmon": ("PersimmonConfig", "PersimmonForCausalLM", dict(_STD, qk_layernorm=True, hidden_dropout=0.0,
+                  attention_dropout=0.0)),
+    "gpt_neo": ("GPTNeoConfig", "GPTNeoForCausalLM", dict(hidden_size=HIDDEN, num_layers=LAYERS, num_heads=4,
+                attention_types=[[["global", "local"], 1]], window_size=4, max_position_embeddings=32,
+                resid_dropout=0.0, embed_dropout=0.0, attention_dropout=0.0)),
+    "mpt": ("MptConfig", "MptForCausalLM", dict(d_model=HIDDEN, n_heads=4, n_layers=LAYERS, expansion_ratio=2,
+            max_seq_len=32)),
+    "xglm": ("XGLMConfig", "XGLMForCausalLM", dict(d_model=HIDDEN, num_layers=LAYERS, attention_heads=4, ffn_dim=64,
+             dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, max_position_embeddings=32)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(_STD, num_key_value_heads=4,
+                    moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                    first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+                    qk_nope_head_dim=4, v_head_dim=8)),
+    "glm": ("GlmConfig", "GlmForCausalLM", dict(_STD, num_key_value_heads=2, head_dim=8, pad_token_id=0)),
+    "nemotron": ("NemotronConfig", "NemotronForCausalLM", dict(_STD, num_key_value_heads=2)),
 }
 
-_NO_POSITIONS_KEY = {"gpt2", "gpt_bigcode", "gptj", "codegen", "bloom"}
+_NO_POSITIONS_KEY = {"gpt2", "gpt_bigcode", "gptj", "codegen", "bloom", "gpt_neo", "mpt", "xglm"}
 
 
 def decoder(arch: str, seed: int = 0):
