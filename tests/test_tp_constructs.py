@@ -199,6 +199,19 @@ class TorchMultiheadAttention(nn.Module):
         return self.mha(x, x, x, attn_mask=mask, need_weights=False)[0]
 
 
+class TorchCrossAttention(nn.Module):
+    """nn.MultiheadAttention with key/value from another tensor: in_proj_weight is split
+    into [w_q; w_kv] before the matmuls (weight pieces, not output slices)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(C, H, batch_first=True)
+
+    def forward(self, x):
+        memory = x.flip(1)
+        return self.mha(x, memory, memory, need_weights=False)[0]
+
+
 class SoftMoE(nn.Module):
     """An MoE MLP with a router softmax over experts, every expert weighted (dense routing)."""
 
@@ -238,6 +251,7 @@ CONSTRUCTS = {
     "moe_router": lambda: _lm(NanoGPTAttention, SoftMoE),
     "multi_query": lambda: _lm(MultiQuerySplit),
     "torch_mha": lambda: _lm(TorchMultiheadAttention),
+    "torch_cross_attention": lambda: _lm(TorchCrossAttention),
     "label_smoothing": lambda: _lm(NanoGPTAttention, loss_fn=_smoothed_loss),
     "sum_loss": lambda: _lm(NanoGPTAttention, loss_fn=_sum_loss),
 }
@@ -257,7 +271,7 @@ from threefold.passes.tp_placement import Shard  # noqa: E402
 from threefold.runtime import tp_ops  # noqa: E402
 
 MEGATRON_LIKE = ["nanogpt", "x_at_w_t", "gqa_repeat_interleave", "fused_qkv_slice", "qk_norm",
-                 "torch_mha", "label_smoothing", "sum_loss"]
+                 "torch_mha", "torch_cross_attention", "qk_norm_full_width", "label_smoothing", "sum_loss"]
 
 
 @pytest.mark.parametrize("name", MEGATRON_LIKE)
@@ -278,6 +292,12 @@ def test_x_at_w_t_is_column_then_row_parallel():
 def test_fused_qkv_read_by_slices_is_split_block_wise():
     prog = compile_workload(workload("fused_qkv_slice"), "tp=2")
     assert prog.shard_fns["blocks.0.attn.qkv.weight"].blocks == (C, C, C)
+
+
+def test_weight_pieces_of_a_fused_parameter_are_split_block_wise():
+    prog = compile_workload(workload("torch_cross_attention"), "tp=2")
+    assert prog.shard_fns["blocks.0.attn.mha.in_proj_weight"].blocks == (C, C, C)   # [w_q; w_k | w_v]
+    assert prog.shard_fns["blocks.0.attn.mha.in_proj_bias"].blocks == (C, C, C)
 
 
 def test_router_whose_softmax_spans_experts_is_kept_whole_and_experts_are_sharded():

@@ -42,6 +42,7 @@ from threefold.passes.tp_placement import (P, R, Partial, Replicate, Shard, loca
 from threefold.passes.tp_patterns import (_GROUPED, _TRANSPOSES, _coll, _feeds_cross_entropy, _head_count,
                                           _is_param, _needs_grad, _param_weight, _replace, _split_blocks,
                                           x_old_of)
+from threefold.passes.tp_pieces import piece_matmul, weight_piece
 from threefold.passes.tp_redistribute import NoRule, fallback, replicated
 from threefold.runtime import tp_ops
 from threefold.runtime.shard import ShardSpec
@@ -353,6 +354,12 @@ class _Rewriter:
         weight = _param_weight(old, name)
         if weight is not None:
             return self.weight_matmul(old, name, *weight)
+        if name == "linear" and weight_piece(old.args[1]) is not None:
+            out = piece_matmul(self, old)
+            if out is not None:
+                return out
+            split, param, _ = weight_piece(old.args[1])
+            self.replicated_uses.add(tf(param)["fqn"])
         if name == "embedding" and _is_param(old.args[0]) and old.args[1] in self.user_derived \
                 and tf(old.args[0])["fqn"] not in self.avoid:
             return self.embedding(old)

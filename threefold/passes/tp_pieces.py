@@ -1,0 +1,108 @@
+"""Linears whose weight is a piece of a parameter: `w_q, w_kv = in_proj_weight.split([E, 2E])`
+(nn.MultiheadAttention's cross attention, any fused weight cut before the matmul).
+
+The parameter is split block-wise so each rank holds its 1/t of every piece, and of every
+block inside a piece whose output is split again (kv's [k | v]); each piece's linear is
+column-parallel on the local piece. Only when every piece of the split feeds linears.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from threefold.compiler.cost import op_name
+from threefold.compiler.program import tf
+from threefold.passes.tp_patterns import _is_param, _split_blocks
+from threefold.passes.tp_placement import Replicate, Shard
+
+aten = torch.ops.aten
+_SPLITS = ("split", "split_with_sizes", "chunk")
+
+
+def weight_piece(node) -> tuple[fx.Node, fx.Node, int] | None:
+    """(split node, parameter, piece index) if `node` is getitem(split(param, .., dim 0), i)."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem):
+        return None
+    split = node.args[0]
+    if not isinstance(split, fx.Node) or op_name(split) not in _SPLITS or not _is_param(split.args[0]):
+        return None
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    if dim != 0:
+        return None
+    return split, split.args[0], node.args[1]
+
+
+def _sizes(split: fx.Node) -> list[int]:
+    return [int(v.shape[0]) for v in split.meta["val"]]
+
+
+def piece_layout(split: fx.Node) -> list[tuple[int, ...]] | None:
+    """The blocks of every piece (a piece whose linear output is split again has several);
+    None unless each piece is read only as the weight (or bias) of linears."""
+    sizes = [int(v.shape[0]) for v in split.meta["val"]]
+    pieces: list[tuple[int, ...] | None] = [None] * len(sizes)
+    for get in split.users:
+        if get.target is not operator.getitem:
+            return None
+        i = get.args[1]
+        for lin in get.users:
+            if op_name(lin) != "linear" or lin.args[0] is get:
+                return None
+            if lin.args[1] is get:
+                blocks = _split_blocks(lin, sizes[i]) or (sizes[i],)
+            else:
+                blocks = pieces[i] or (sizes[i],)
+            if pieces[i] not in (None, blocks):
+                return None
+            pieces[i] = blocks
+    if any(p is None for p in pieces):
+        return None
+    return pieces
+
+
+def piece_matmul(rw, old: fx.Node):
+    """Column-parallel linear on a piece of a parameter; None if the layout does not allow it."""
+    w_get = old.args[1]
+    b_get = old.args[2] if len(old.args) > 2 else None
+    split, param, i = weight_piece(w_get)
+    fqn = tf(param)["fqn"]
+    layout = piece_layout(split)
+    x = rw.env[old.args[0]]
+    px = rw.place[x]
+    if layout is None or fqn in rw.avoid or fqn in rw.replicated_uses or not isinstance(px, Replicate) \
+            or px.gathered or px.partial_grad:
+        return None
+    bias = weight_piece(b_get) if b_get is not None else None
+    if b_get is not None and (bias is None or bias[2] != i or _sizes(bias[0]) != [sum(p) for p in layout]
+                              or any(op_name(u) != "linear" for g in bias[0].users for u in g.users)):
+        return None
+    blocks = tuple(b for piece in layout for b in piece)
+    if any(b % rw.t for b in blocks) or (fqn in rw.decisions and rw.decisions[fqn][1] != blocks):
+        return None
+    rows = sum(blocks)
+    rw.decide(fqn, 0, blocks, rows)
+    w = _local_piece(rw, split, param, layout, i)
+    args = [rw.f(x), w]
+    if bias is not None:
+        rw.decide(tf(bias[1])["fqn"], 0, blocks, rows)
+        args.append(_local_piece(rw, bias[0], bias[1], layout, i))
+    out = rw.emit(aten.linear.default, tuple(args), place=Shard(len(old.meta["val"].shape) - 1,
+                                                                 layout[i] if len(layout[i]) > 1 else ()))
+    rw.origin[out] = frozenset([fqn])
+    return out
+
+
+def _local_piece(rw, split, param, layout, i):
+    """getitem(split_with_sizes(local param, local piece sizes), i), once per split."""
+    def make():
+        rw.maybe_dead.append(rw.env[split])
+        for get in split.users:
+            rw.maybe_dead.append(rw.env[get])
+        local = [sum(b // rw.t for b in piece) for piece in layout]
+        return rw.emit(aten.split_with_sizes.default, (rw.param_arg(param), local, 0),
+                       place=[Shard(0)] * len(local), src=split)
+    node = rw._cached(("piece", split), make)
+    return rw._cached(("piece", split, i), lambda: rw.emit(
+        operator.getitem, (node, i), place=Shard(0), val=rw.val[node][i], src=split))
