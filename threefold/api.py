@@ -93,8 +93,11 @@ class ParallelModule:
 
 
 def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, target=None,
-                device=None, workdir: str | None = None, batch_dims=None):
+                device=None, workdir: str | None = None, batch_dims=None, weights: str | None = None):
     """Compile `model` for `plan` and return this rank's `ParallelModule`.
+
+    `weights=PATH` (a .safetensors file or a Hugging Face directory): each rank reads only
+    its own slices from it (checkpoint/weights.py), so `model` may be on the meta device.
 
     As a decorator on a model class or factory, `@parallelize(plan=..., example_inputs=...,
     loss_fn=..., target=...)`, calling the decorated thing builds the model and returns the
@@ -107,7 +110,7 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
             def build(*args, **kwargs):
                 return parallelize(fn(*args, **kwargs), plan, example_inputs, loss_fn,
                                    target=target, device=device, workdir=workdir,
-                                   batch_dims=batch_dims)
+                                   batch_dims=batch_dims, weights=weights)
             return build
         return decorate(factory) if callable(factory) else decorate
 
@@ -118,11 +121,14 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
     mesh = Mesh(tp=plan.tp, dp=plan.dp, pp=plan.pp)
     _join_torchrun_job()
     rank = check_world(mesh, str(plan))
-    if any(p.is_meta for p in model.parameters()):
+    if weights is None and any(p.is_meta for p in model.parameters()):
         raise PlanError(f"{type(model).__name__} is on the meta device: it can be compiled "
-                        "(threefold compile) but training needs real weights; build it on a device")
-    prog, payload = _compile_once(rank, Workload(model, example_inputs, target, loss_fn,
-                                                    batch_dims=batch_dims), plan)
+                        "(threefold compile) but training needs real weights; build it on a device "
+                        "or pass weights=PATH (safetensors)")
+    from threefold.checkpoint.weights import WeightSource, traceable
+    with traceable(model):   # meta parameters: shapes suffice to compile
+        prog, payload = _compile_once(rank, Workload(model, example_inputs, target, loss_fn,
+                                                        batch_dims=batch_dims), plan)
     sources, manifest = payload["sources"], payload["manifest"]
     # The sources are imported from memory (no temporary files to leave behind); with a
     # workdir they are also written there, for reading and debugging.
@@ -139,7 +145,9 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
     full = _full_state(model, payload["constants"])
     # one source of initial weights: rank 0's, broadcast where fingerprints differ
     from threefold.checkpoint.agree import same_as_rank0
-    full.update(same_as_rank0({k: v for k, v in full.items() if not k.startswith("_const.")}, dev)[0])
+    source = WeightSource(weights, model, manifest.get("ties")) if weights is not None else None
+    full.update(same_as_rank0({k: v for k, v in full.items() if not k.startswith("_const.") and not v.is_meta
+                               and not (source and source.key_of(k))}, dev)[0])
     shards = {fqn: ShardSpec.from_json(d) for fqn, d in manifest.get("shards", {}).items()}
     modules = {}
     for c in local_chunks(manifest, coord.pp):
@@ -150,6 +158,9 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
         state = {}
         for fqn in list(cls.PARAMS) + list(cls.BUFFERS):
             t = full[fqn]
+            if source is not None and not fqn.startswith("_const."):   # this rank's slices only
+                state[fqn] = source.local(fqn, shards.get(fqn), coord.tp, t).to(dev)
+                continue
             state[fqn] = (shards[fqn](t, coord.tp) if fqn in shards else t).to(dev)
         module.load_state(state)
         modules[c] = module

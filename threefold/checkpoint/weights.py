@@ -1,0 +1,155 @@
+"""`parallelize(..., weights=PATH)`: each rank reads only its own slices of safetensors files.
+
+PATH is a `.safetensors` file, a directory holding `model.safetensors`, or a Hugging Face
+sharded directory (`model.safetensors.index.json` naming each tensor's file). A rank's
+shard is cut straight from the file with safetensors' `get_slice`, piece by piece
+(layout.py: the blocks of a fused projection, the real rows of a padded vocabulary), so
+no rank reads another rank's rows or holds the full tensor.
+
+A model's FQN is looked up as is, then without its leading components (a wrapper's
+`model.` prefix, as in examples/hf.py), then under its tied aliases. A parameter the files
+lack keeps the model's value if it has one; on the meta device it gets its module's own
+`reset_parameters()` with the generator seeded from the FQN, so every rank (and every
+run) draws the same full tensor and cuts its shard from it; only that one module's own
+parameters are materialised for it.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import zlib
+
+import torch
+
+from threefold.checkpoint.layout import local_shape, pieces
+from threefold.errors import PlanError
+
+INDEX = "model.safetensors.index.json"
+
+
+@contextlib.contextmanager
+def empty_weights():
+    """Build a model with its parameters on the meta device and its buffers real (what
+    `weights=` expects: buffers computed in __init__, like causal masks, stay usable)."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(self, name, param):
+        register(self, name, param)
+        if param is not None and not param.is_meta:
+            self._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+@contextlib.contextmanager
+def traceable(model: torch.nn.Module):
+    """Meta parameters swapped for uninitialised CPU tensors while tracing (tracing reads
+    shapes only, so their pages are never touched), then put back."""
+    swapped, stand_in = [], {}
+    for mod in model.modules(remove_duplicate=False):
+        for name, p in list(mod._parameters.items()):
+            if p is not None and p.is_meta:
+                if id(p) not in stand_in:   # one stand-in per parameter: tied weights stay tied
+                    stand_in[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
+                                                         requires_grad=p.requires_grad)
+                mod._parameters[name] = stand_in[id(p)]
+                swapped.append((mod, name, p))
+    try:
+        yield
+    finally:
+        for mod, name, p in swapped:
+            mod._parameters[name] = p
+
+
+class WeightSource:
+    def __init__(self, path: str, model: torch.nn.Module, ties: dict | None = None):
+        self.path = path
+        self.model = model
+        self.files = _tensor_files(path)           # key -> file
+        self.aliases = {}
+        for canonical, names in (ties or {}).items():
+            self.aliases[canonical] = [n for n in names if n != canonical]
+
+    def key_of(self, fqn: str) -> str | None:
+        for name in [fqn] + self.aliases.get(fqn, []):
+            parts = name.split(".")
+            for i in range(len(parts)):
+                key = ".".join(parts[i:])
+                if key in self.files:
+                    return key
+        return None
+
+    def local(self, fqn: str, spec, tp_rank: int, model_value: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of `fqn`: from the files, else the model's value, else its init."""
+        shape = list(model_value.shape)
+        key = self.key_of(fqn)
+        if key is None:
+            full = model_value if not model_value.is_meta else self._init(fqn)
+            return spec(full, tp_rank) if spec is not None else full
+        from safetensors import safe_open
+        dim, parts = pieces(spec, shape, tp_rank)
+        out = torch.zeros(local_shape(spec, shape, tp_rank), dtype=model_value.dtype)
+        try:
+            with safe_open(self.files[key], framework="pt") as f:
+                sl = f.get_slice(key)
+                if list(sl.get_shape()) != shape:
+                    raise PlanError(f"weights {self.path}: {key} has shape {list(sl.get_shape())}, the model's "
+                                    f"{fqn} is {shape}: these weights are of another model")
+                if not shape:
+                    return f.get_tensor(key).to(model_value.dtype)
+                for p in parts:
+                    index = tuple([slice(None)] * dim + [slice(p.start, p.start + p.length)])
+                    out.narrow(dim, p.local, p.length).copy_(sl[index])
+        except PlanError:
+            raise
+        except Exception as exc:
+            raise PlanError(f"weights {self.path}: reading {key} from {self.files[key]} failed "
+                            f"({type(exc).__name__}: {str(exc)[:200]}); the file is damaged") from None
+        return out
+
+    def _init(self, fqn: str) -> torch.Tensor:
+        owner_name, _, leaf = fqn.rpartition(".")
+        owner = self.model.get_submodule(owner_name) if owner_name else self.model
+        if not hasattr(owner, "reset_parameters"):
+            raise PlanError(f"{fqn} is not in the weights {self.path} and its module "
+                            f"{type(owner).__name__} has no reset_parameters(): add it to the weights, "
+                            "or build the model on a real device")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(zlib.crc32(fqn.encode()))
+            owner.to_empty(device="cpu", recurse=False)
+            owner.reset_parameters()
+        return getattr(owner, leaf).detach()
+
+
+def _tensor_files(path: str) -> dict[str, str]:
+    from safetensors import safe_open
+    if os.path.isdir(path):
+        index = os.path.join(path, INDEX)
+        if os.path.isfile(index):
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise PlanError(f"weights {index} is not a safetensors index ({type(exc).__name__}): "
+                                "it needs a 'weight_map'") from None
+            files = {k: os.path.join(path, v) for k, v in weight_map.items()}
+            missing = sorted({f for f in files.values() if not os.path.isfile(f)})
+            if missing:
+                raise PlanError(f"weights {path}: {os.path.basename(missing[0])} named by {INDEX} is missing")
+            return files
+        single = os.path.join(path, "model.safetensors")
+        if not os.path.isfile(single):
+            raise PlanError(f"weights {path} has neither {INDEX} nor model.safetensors: pass a .safetensors "
+                            "file or a Hugging Face model directory")
+        path = single
+    if not os.path.isfile(path):
+        raise PlanError(f"weights {path} does not exist: pass a .safetensors file or a directory")
+    try:
+        with safe_open(path, framework="pt") as f:
+            return {k: path for k in f.keys()}
+    except Exception as exc:
+        raise PlanError(f"weights {path} is not a readable safetensors file ({type(exc).__name__})") from None
