@@ -140,3 +140,20 @@ def run_cases(cases: list[tuple[str, dict, str]], steps: int, lr: float = 0.1) -
                         "frozen_ok": frozen_ok, "manifest_frozen": pm.manifest.get("frozen"),
                         "batch_dims": pm.manifest.get("batch_dims"), "loss": pm.manifest.get("loss")})
     return results
+
+
+class DropoutMLP(nn.Module):
+    def __init__(self, p: float):
+        super().__init__()
+        self.a, self.b, self.p = nn.Linear(16, 32), nn.Linear(32, 5), p
+
+    def forward(self, x):
+        return self.b(F.dropout(torch.relu(self.a(x)), self.p, self.training))
+
+
+def dropout_mlp(p: float = 0.3):
+    """For `threefold check` with and without random ops."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(5)
+    return {"model": DropoutMLP(p), "inputs": (torch.randn(16, 16, generator=g),),
+            "target": torch.randint(0, 5, (16,), generator=g), "loss_fn": F.cross_entropy}

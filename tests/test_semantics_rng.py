@@ -139,3 +139,22 @@ def test_sdpa_dropout_on_head_shards_is_seeded_per_tp_rank_and_follows_eval_mode
                 or "scaled_dot_product_attention.default" in s)
     assert "random_ops.seeded(self.rng_seed(0, True)" in line, line
     assert "(0.1 if self.training else 0.0)" in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_compares_distributions_with_dropout_and_exactly_without():
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = os.path.join(root, "tests", "semantics_models.py")
+    out = {}
+    for p in (0.3, 0.0):
+        run = subprocess.run([sys.executable, "-m", "threefold", "check", f"{spec}:dropout_mlp(p={p})",
+                              "--plan", "dp=2,m=2", "--json"], capture_output=True, text=True, timeout=250, cwd=root)
+        assert run.returncode == 0, run.stderr
+        out[p] = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out[0.3]["compares"] == "distribution" and out[0.3]["loss_noise_std"] > 0
+    assert out[0.0]["compares"] == "exact" and out[0.0]["max_rel_diff"] < 1e-5
