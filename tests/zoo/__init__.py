@@ -8,6 +8,7 @@ entry says what awkward part it exercises. `tests/zoo/matrix.py` runs them under
 from __future__ import annotations
 
 from tests.zoo import handwritten_attention as _hwa
+from tests.zoo import handwritten_more as _hwm
 from tests.zoo import handwritten_semantics as _hws
 from tests.zoo import hf_decoders as _hf
 from tests.zoo import hf_other as _hfo
@@ -63,6 +64,9 @@ ZOO = {
     "hw_moe_softmax": _hwa.FACTORIES["hw_moe_softmax"],         # softmax router, topk, scatter, dense experts
     "hw_flat_mlp": _hwa.FACTORIES["hw_flat_mlp"],               # MLP on [B*T, C] tokens (OPT, GPT-2 Conv1D)
     "hw_qk_norm_full_width": _hwa.FACTORIES["hw_qk_norm_full_width"],  # RMSNorm over the sharded q/k width (OLMo2)
+    "hw_einsum": _hwm.FACTORIES["hw_einsum"],                   # einsum projections against [h, d, C] params
+    "hw_shared_block": _hwm.FACTORIES["hw_shared_block"],       # one block reused 4x: weights shared across stages
+    "llama_padded": _hwm.FACTORIES["llama_padded"],             # HF LLaMA + attention_mask input, -100 on pads
     # hand-written training semantics
     "hw_frozen": _hws.frozen_params,          # requires_grad=False embedding and first block
     "hw_inplace_skip": _hws.inplace_skip,     # h += a on the block input (received boundary value)
