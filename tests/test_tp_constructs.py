@@ -331,6 +331,11 @@ def test_fallback_is_listed_with_op_module_and_bytes():
     assert [f["op"] for f in fb] == ["softmax", "softmax"], fb
     assert fb[0]["module"] == "blocks.0.mlp" and fb[0]["bytes_per_step"] == B * T * 4 * 4 // 2, fb
     assert any("tp fallback: softmax" in n for n in prog.notes)
+    from threefold.cli.inspect_cmd import chunk_report, format_report
+    report = chunk_report(prog)
+    assert report["tensor_parallel"]["fallbacks"] == fb
+    text = format_report(prog, report)
+    assert "tensor-parallel fallbacks (2;" in text and "blocks.1.mlp" in text, text
 
 
 def test_sharded_share_note_and_warning_when_most_parameters_stay_whole():
