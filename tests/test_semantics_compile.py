@@ -44,7 +44,9 @@ def test_loss_form_is_read_from_the_graph(loss_fn, kind):
 
 def test_loss_form_combines_exactly_in_one_process():
     """m=4 in one process (no ranks): every loss form equals the eager global loss."""
+    weight = torch.tensor([1.0, 2.0, 3.0, 0.5, 1.5])
     losses = [F.cross_entropy, lambda o, t: F.cross_entropy(o, t, reduction="sum"),
+              lambda o, t: F.cross_entropy(o, t, weight=weight),      # weighted mean over valid targets
               lambda o, t: F.mse_loss(o, F.one_hot(t, 5).float()) / 3,
               lambda o, t: F.kl_div(F.log_softmax(o, -1), F.one_hot(t, 5).float(), reduction="batchmean")]
     y = Y.clone()
@@ -52,7 +54,7 @@ def test_loss_form_combines_exactly_in_one_process():
     for lf in losses:
         torch.manual_seed(0)
         model = Lin()
-        target = y if lf is F.cross_entropy else Y
+        target = y if lf in (F.cross_entropy, losses[2]) else Y
         pm = threefold.parallelize(model, "m=4", (X,), lf, target=target)
         eager = lf(model(X), target).item()
         assert abs(pm.evaluate(X, target=target) - eager) <= 1e-5 * abs(eager)
@@ -61,6 +63,8 @@ def test_loss_form_combines_exactly_in_one_process():
 def test_non_separable_loss_is_a_plan_error_naming_the_op_and_options():
     with pytest.raises(threefold.PlanError, match=r"aten\.sqrt.*loss=microbatch_mean.*m=1"):
         compile_workload(_w(Lin(), X, Y, lambda o, t: F.mse_loss(o, F.one_hot(t, 5).float()).sqrt()), "m=2")
+    with pytest.raises(threefold.PlanError, match=r"aten\.add"):   # two terms, two denominators
+        compile_workload(_w(Lin(), X, Y, lambda o, t: F.cross_entropy(o, t) + 0.1 * o.pow(2).mean()), "m=2")
     # the opt-in plan key keeps the old mean of microbatch losses; m=1 needs nothing
     prog = compile_workload(_w(Lin(), X, Y, lambda o, t: F.mse_loss(o, F.one_hot(t, 5).float()).sqrt()),
                             "m=2,loss=microbatch_mean")
