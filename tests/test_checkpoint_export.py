@@ -1,0 +1,42 @@
+"""threefold export: a checkpoint becomes a directory transformers' from_pretrained loads,
+with the same logits as the trained model; bad input is exit 2 with one line."""
+import pytest
+import torch
+
+import threefold
+from threefold.cli.main import main
+from tests.parity import load_workload
+
+KW = {"gpt2": {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 64, "seq": 8, "batch": 4},
+      "llama": {"n_layer": 2, "hidden": 32, "n_head": 4, "n_kv_head": 2, "intermediate": 64,
+                "vocab_size": 64, "seq": 8, "batch": 4}}
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_export_loads_in_transformers_with_equal_logits(arch, tmp_path):
+    from transformers import AutoModelForCausalLM
+    w = load_workload(arch, **KW[arch])
+    pm = threefold.parallelize(w["model"], "tp=1", w["inputs"], w["loss_fn"], target=w["target"])
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    opt.zero_grad()
+    pm.step(*w["inputs"], target=w["target"])
+    opt.step()
+    threefold.save(pm, opt, str(tmp_path / "ckpt"))
+    cfg_dir = tmp_path / "cfg"
+    w["model"].model.config.save_pretrained(cfg_dir)
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"), "--hf-config", str(cfg_dir)]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    trained = load_workload(arch, seed=9, **KW[arch])["model"].eval()   # other weights, then pm's
+    with torch.no_grad():
+        for name, p in trained.named_parameters():
+            p.copy_(pm.engine.params[name])
+        expected = trained(*w["inputs"])
+        got = hf(w["inputs"][0]).logits
+    assert not torch.allclose(expected, load_workload(arch, **KW[arch])["model"].eval()(*w["inputs"]))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_export_bad_input_is_one_line(tmp_path, capsys):
+    assert main(["export", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not a threefold checkpoint" in err and "\n" not in err

@@ -1,0 +1,94 @@
+"""`threefold export CKPT --out DIR [--hf-config CFG]`: one consolidated safetensors file.
+
+The checkpoint's pieces (any plan) are read back into full tensors in this process with
+DCP (the same checks as load first: index, every file's size and CRC, full coverage).
+Without --hf-config the tensors are written under the model's FQNs. With a Hugging Face
+config (a directory with config.json), the names are the transformers model's own: its
+state_dict is built on the meta device from the config, and each of its keys is found
+among the checkpoint's FQNs as the FQN itself or its ending (a wrapper's `model.` prefix
+dropped). A key with no match is a PlanError, unless the transformers model ties it to a
+key that has one (lm_head to the embedding). config.json is written next to the weights,
+so `from_pretrained(DIR)` loads it.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from threefold.checkpoint import files, state
+from threefold.errors import PlanError
+
+
+def consolidate(ckpt_path: str) -> tuple[str, dict[str, torch.Tensor]]:
+    """Full tensors of every model parameter and buffer in the checkpoint, by FQN."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from threefold.checkpoint.collective import quiet
+    ckpt = files.resolve(ckpt_path)
+    index = files.read_index(ckpt)
+    problem = files.check_files(ckpt, index, 0, 1)
+    if problem:
+        raise PlanError(f"checkpoint {ckpt}: {problem}; export an earlier checkpoint")
+    md = dcp.FileSystemReader(ckpt).read_metadata()
+    gap = files.coverage_problem(md)
+    if gap:
+        raise PlanError(f"checkpoint {ckpt} is incomplete: {gap}")
+    sd = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
+          if k.startswith(state.MODEL) and isinstance(m, TensorStorageMetadata)}
+    with quiet(1):
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(ckpt), no_dist=True)
+    return ckpt, {k[len(state.MODEL):]: v for k, v in sd.items()}
+
+
+def hf_names(full: dict[str, torch.Tensor], hf_config: str):
+    """(tensors under the transformers model's keys, its config)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    try:
+        config = AutoConfig.from_pretrained(hf_config)
+    except Exception as exc:
+        raise PlanError(f"--hf-config {hf_config}: not a Hugging Face config ({type(exc).__name__}); "
+                        "pass a directory with config.json") from None
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config)
+    target = hf.state_dict(keep_vars=True)
+    out, missing = {}, []
+    for key, t in target.items():
+        match = [f for f in full if f == key or f.endswith("." + key)]
+        if len(match) == 1:
+            if list(full[match[0]].shape) != list(t.shape):
+                raise PlanError(f"checkpoint tensor {match[0]} has shape {list(full[match[0]].shape)}, the "
+                                f"config's {key} is {list(t.shape)}: this config is of another model")
+            out[key] = full[match[0]]
+        else:
+            missing.append(key)
+    ptr = {}
+    for key, t in target.items():
+        ptr.setdefault(id(t), []).append(key)
+    untied = [k for k in missing if not any(o in out for o in ptr[id(target[k])])]
+    if untied:
+        raise PlanError(f"the checkpoint has no tensor for {', '.join(untied[:3])}"
+                        f"{f' (+{len(untied) - 3} more)' if len(untied) > 3 else ''} of the config's model: "
+                        "export with the config the model was built from")
+    return out, config
+
+
+def export(ckpt_path: str, out: str, hf_config: str | None = None, force: bool = False) -> dict:
+    from safetensors.torch import save_file
+    from threefold.outdir import check_out_dir, write_out_dir
+    check_out_dir(out, force)
+    ckpt, full = consolidate(ckpt_path)
+    config = None
+    if hf_config is not None:
+        full, config = hf_names(full, hf_config)
+
+    def fill(tmp: str) -> None:
+        # safetensors refuses shared storage: tied entries are written as separate copies
+        save_file({k: v.contiguous().clone() for k, v in full.items()}, os.path.join(tmp, "model.safetensors"),
+                  metadata={"format": "pt"})
+        if config is not None:
+            config.save_pretrained(tmp)
+
+    write_out_dir(out, fill, kind="export", force=force)
+    return {"checkpoint": ckpt, "out": os.path.abspath(out), "tensors": len(full),
+            "bytes": sum(v.numel() * v.element_size() for v in full.values())}
