@@ -61,7 +61,9 @@ def test_check_command_agrees_and_reports_json():
                          timeout=180)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    assert set(report) == {"plan", "losses_parallel", "losses_reference", "max_rel_diff", "ok"}
+    assert set(report) == {"plan", "losses_parallel", "losses_reference", "max_rel_diff", "ok",
+                           "compares", "loss_noise_std"}
+    assert report["compares"] == "exact"   # the example has no random ops
     assert report["ok"] and len(report["losses_parallel"]) == 3
     assert max_rel_diff(report["losses_parallel"], report["losses_reference"]) <= 1e-5
 
