@@ -327,7 +327,7 @@ class _Rewriter:
                             f"under tp={self.t}; untie it or keep tp=1 for it")
         have = self.decisions.get(fqn)
         if have is not None and have != want:
-            raise PlanError(f"parameter {fqn} (tied or reused) would be split two ways under tp={self.t} "
+            raise NoRule(f"parameter {fqn} (tied or reused) would be split two ways under tp={self.t} "
                             f"({have} and {want}); untie it or keep tp=1 for it")
         self.decisions[fqn] = want
         node = self.param_nodes[fqn]   # later readers other than its matmul see it as a shard
@@ -353,7 +353,12 @@ class _Rewriter:
         name = op_name(old)
         weight = _param_weight(old, name)
         if weight is not None:
-            return self.weight_matmul(old, name, *weight)
+            mark, decided = len(self.new.nodes), dict(self.decisions)
+            try:
+                return self.weight_matmul(old, name, *weight)
+            except NoRule as exc:   # e.g. a reused weight already split another way
+                self._rollback(mark, decided)
+                return fallback(self, old, str(exc).split(": ", 1)[-1])
         if name == "linear" and weight_piece(old.args[1]) is not None:
             out = piece_matmul(self, old)
             if out is not None:
@@ -381,8 +386,14 @@ class _Rewriter:
             self.shard_uses, self.replicated_uses = uses
             return fallback(self, old, str(exc).split(": ", 1)[-1])
 
-    def _rollback(self, mark: int) -> None:
+    def _rollback(self, mark: int, decided: dict | None = None) -> None:
         """Erase what a failed rule emitted (newest first) and forget it in the caches."""
+        if decided is not None:
+            for fqn in set(self.decisions) - set(decided):
+                node = self.param_nodes[fqn]
+                self.place[node] = R
+                self.val[node] = _to_meta(self.prog.state[fqn])
+            self.decisions = decided
         created = list(self.new.nodes)[mark:]
         gone = set(created)
         for node in reversed(created):
@@ -459,7 +470,8 @@ class _Rewriter:
         if isinstance(px, Replicate):
             return self.column(old, name, x, px, w_old, b_old, fqn, w_shape, out_dim)
         last = len(self.val[x].shape) - 1
-        if isinstance(px, Shard) and px.dim == last and fqn not in self.decisions:
+        if isinstance(px, Shard) and px.dim == last \
+                and self.decisions.get(fqn, (in_dim, px.blocks))[:2] == (in_dim, px.blocks):   # shared weights
             return self.row(old, name, x, px, w_old, b_old, fqn, w_shape, in_dim)
         # sharded on a batch dim (or the weight is already split another way): gather, then
         # treat it as a replicated input
