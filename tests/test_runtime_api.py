@@ -77,12 +77,13 @@ def test_check_command_bad_plan_is_exit_2():
 
 @pytest.mark.timeout(200)
 def test_train_main_job_runs_and_writes_its_loss_curve(tmp_path):
+    out_dir = tmp_path / "run"      # not the current directory itself: that one is refused
     out = subprocess.run([sys.executable, "-m", "threefold", "train", "--steps", "8", "--json",
-                          "--out", str(tmp_path)], cwd=str(tmp_path), capture_output=True, text=True,
+                          "--out", str(out_dir)], cwd=str(tmp_path), capture_output=True, text=True,
                          timeout=180)
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 8 and summary["final_loss"] < summary["first_loss"]
     assert summary["tokens_per_second"] > 0
-    assert os.path.getsize(tmp_path / "loss.png") > 1000
-    assert len(json.load(open(tmp_path / "losses.json"))["losses"]) == 8
+    assert os.path.getsize(out_dir / "loss.png") > 1000
+    assert len(json.load(open(out_dir / "losses.json"))["losses"]) == 8
