@@ -212,6 +212,22 @@ class TorchCrossAttention(nn.Module):
         return self.mha(x, memory, memory, need_weights=False)[0]
 
 
+class EinsumAttention(_ManualAttention):
+    """Projections written as einsum against [heads, head_dim, hidden] parameters."""
+
+    def __init__(self):
+        super().__init__()
+        d = C // H
+        self.wq, self.wk, self.wv = (nn.Parameter(torch.randn(H, d, C) / math.sqrt(C)) for _ in range(3))
+        self.wo = nn.Parameter(torch.randn(C, H, d) / math.sqrt(C))
+
+    def forward(self, x):
+        q, k, v = (torch.einsum("btc,hdc->bhtd", x, w) for w in (self.wq, self.wk, self.wv))
+        y = (q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))).masked_fill(
+            ~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(-1) @ v
+        return torch.einsum("bhtd,chd->btc", y, self.wo)
+
+
 class SoftMoE(nn.Module):
     """An MoE MLP with a router softmax over experts, every expert weighted (dense routing)."""
 
@@ -252,6 +268,7 @@ CONSTRUCTS = {
     "multi_query": lambda: _lm(MultiQuerySplit),
     "torch_mha": lambda: _lm(TorchMultiheadAttention),
     "torch_cross_attention": lambda: _lm(TorchCrossAttention),
+    "einsum": lambda: _lm(EinsumAttention),
     "label_smoothing": lambda: _lm(NanoGPTAttention, loss_fn=_smoothed_loss),
     "sum_loss": lambda: _lm(NanoGPTAttention, loss_fn=_sum_loss),
 }
@@ -271,7 +288,7 @@ from threefold.passes.tp_placement import Shard  # noqa: E402
 from threefold.runtime import tp_ops  # noqa: E402
 
 MEGATRON_LIKE = ["nanogpt", "x_at_w_t", "gqa_repeat_interleave", "fused_qkv_slice", "qk_norm",
-                 "torch_mha", "torch_cross_attention", "qk_norm_full_width", "label_smoothing", "sum_loss"]
+                 "torch_mha", "torch_cross_attention", "qk_norm_full_width", "einsum", "label_smoothing", "sum_loss"]
 
 
 @pytest.mark.parametrize("name", MEGATRON_LIKE)
@@ -287,6 +304,11 @@ def test_x_at_w_t_is_column_then_row_parallel():
     prog = compile_workload(workload("x_at_w_t"), "tp=2")
     assert prog.shard_fns["blocks.0.mlp.w1"].dim == 0      # [4C, C]: output features
     assert prog.shard_fns["blocks.0.mlp.w2"].dim == 1      # [C, 4C]: input features
+
+
+def test_einsum_projections_split_heads_then_contract_them():
+    prog = compile_workload(workload("einsum"), "tp=2")
+    assert prog.shard_fns["blocks.0.attn.wq"].dim == 0 and prog.shard_fns["blocks.0.attn.wo"].dim == 1
 
 
 def test_fused_qkv_read_by_slices_is_split_block_wise():

@@ -42,6 +42,7 @@ from threefold.passes.tp_placement import (P, R, Partial, Replicate, Shard, loca
 from threefold.passes.tp_patterns import (_GROUPED, _TRANSPOSES, _coll, _feeds_cross_entropy, _head_count,
                                           _is_param, _needs_grad, _param_weight, _replace, _split_blocks,
                                           x_old_of)
+from threefold.passes.tp_einsum import einsum_matmul, einsum_param
 from threefold.passes.tp_pieces import piece_matmul, weight_piece
 from threefold.passes.tp_redistribute import NoRule, fallback, replicated
 from threefold.runtime import tp_ops
@@ -357,6 +358,13 @@ class _Rewriter:
             try:
                 return self.weight_matmul(old, name, *weight)
             except NoRule as exc:   # e.g. a reused weight already split another way
+                self._rollback(mark, decided)
+                return fallback(self, old, str(exc).split(": ", 1)[-1])
+        if name == "einsum" and einsum_param(old) is not None:
+            mark, decided = len(self.new.nodes), dict(self.decisions)
+            try:
+                return einsum_matmul(self, old)
+            except NoRule as exc:
                 self._rollback(mark, decided)
                 return fallback(self, old, str(exc).split(": ", 1)[-1])
         if name == "linear" and weight_piece(old.args[1]) is not None:
