@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.zoo.common import BATCH, HIDDEN, LAYERS, SEQ, VOCAB, token_batch, workload
+from tests.zoo.common import BATCH, HIDDEN, LAYERS, VOCAB, token_batch, workload
 from tests.zoo.handwritten_attention import NanoGPTAttention, TinyDecoder
 
 

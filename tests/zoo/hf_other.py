@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.zoo.common import HIDDEN, LAYERS, VOCAB, BATCH, SEQ, masked_lm_loss, lm_loss, token_batch, workload
+from tests.zoo.common import BATCH, HIDDEN, LAYERS, VOCAB, lm_loss, masked_lm_loss, token_batch, workload
 
 
 class MaskedLMLogits(torch.nn.Module):
