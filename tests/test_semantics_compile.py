@@ -141,3 +141,16 @@ def test_received_tensor_written_in_place_is_cloned_first():
     body = src.split("def forward")[1]
     clone = body.index(".clone()  # written in place below")
     assert clone < body.index("aten.add_.Tensor")
+
+
+def test_forward_concatenates_microbatch_outputs_along_their_batch_dim():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=False)
+    model = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).eval()
+    x = torch.randn(6, 4, 16)                                 # [seq, batch, hidden]
+    pm = threefold.parallelize(model, "m=2", (x,))
+    assert pm.manifest["batch_dims"] == [1] and pm.manifest["output_batch_dims"] == [1]
+    with torch.no_grad():
+        eager = model(x)
+    (out,) = pm(x)
+    assert out.shape == eager.shape and torch.allclose(out, eager, atol=1e-5)

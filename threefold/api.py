@@ -61,7 +61,9 @@ class ParallelModule:
         outs = self.engine.last_outputs
         if not outs:
             return None
-        return tuple(torch.cat(parts) for parts in zip(*outs))
+        dims = self.manifest.get("output_batch_dims") or []   # the compiler's; old artifacts: 0
+        return tuple(torch.cat(parts, dim=dims[i] if i < len(dims) else 0)
+                     for i, parts in enumerate(zip(*outs)))
 
     __call__ = forward
 

@@ -172,6 +172,7 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
         # semantics the runtime keeps (passes/loss_form.py, passes/batch_dims.py, trace.py)
         "loss": prog.loss_form or {"mode": "whole", "denominator": {"kind": "const", "value": 1}},
         "batch_dims": prog.batch_dims,
+        "output_batch_dims": prog.output_batch_dims,
         "frozen": sorted(n.meta["tf"]["fqn"] for n in prog.graph.nodes
                          if n.op == "placeholder" and n.meta.get("tf", {}).get("frozen")),
     }

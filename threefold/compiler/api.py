@@ -57,5 +57,21 @@ def compile_workload(workload: Workload | str, plan: Plan | str | None = None,
     prog.batch_dims = list(dims)
     rows = [sliced[i].shape[d] for i, d in enumerate(dims) if d is not None]
     prog.micro_rows = rows[0] if rows else None
+    prog.output_batch_dims = _output_batch_dims(prog, dims, batch, parts)
     prog.notes.extend(notes)
     return run_passes(prog, progress=progress)
+
+
+def _output_batch_dims(prog: Program, dims: list, batch: tuple, parts: int) -> list:
+    """Per model output: the dim that carries the batch (pm.forward() concatenates the
+    microbatches' outputs along it). It is the dim whose length is the microbatch's row
+    count; where several are, the one at the inputs' batch dim; else dim 0."""
+    rows = prog.micro_rows
+    split = [d for d in dims if d is not None]
+    out = []
+    for meta in prog.output_meta:
+        hits = [d for d, s in enumerate(meta.shape) if rows is not None and s == rows]
+        if len(hits) > 1 and split and split[0] in hits:
+            hits = [split[0]]
+        out.append(hits[0] if hits else 0)
+    return out

@@ -88,6 +88,7 @@ class Program:
     # per user input (model inputs, then target): its batch dimension, None = not split
     batch_dims: list | None = None
     micro_rows: int | None = None    # rows (batch-dim length) of the traced microbatch
+    output_batch_dims: list | None = None  # per model output: its batch dim (forward-only)
 
     @property
     def graph(self) -> fx.Graph:
