@@ -8,6 +8,7 @@ entry says what awkward part it exercises. `tests/zoo/matrix.py` runs them under
 from __future__ import annotations
 
 from tests.zoo import handwritten_attention as _hwa
+from tests.zoo import handwritten_losses as _hwl
 from tests.zoo import handwritten_more as _hwm
 from tests.zoo import handwritten_semantics as _hws
 from tests.zoo import hf_decoders as _hf
@@ -74,6 +75,9 @@ ZOO = {
     "hw_label_smoothing": _hws.label_smoothing,  # label_smoothing=0.1 (sum over the vocab dim)
     "hw_two_dropouts": _hws.two_dropouts,     # DROPOUT CASE: 4 same-shaped p=0.5 dropouts in series
     "hw_tp_dropout": _hws.tp_dropout,         # DROPOUT CASE: p=0.8 dropout on column-parallel features
+    "hw_ce_class_dim1": _hwl.FACTORIES["hw_ce_class_dim1"],           # cross_entropy on [B, V, T] (class dim 1)
+    "hw_weighted_tokens": _hwl.FACTORIES["hw_weighted_tokens"],       # (ce * w).sum() / w.sum(), uneven weights
+    "hw_nonseparable_loss": _hwl.FACTORIES["hw_nonseparable_loss"],   # mean(ce)**2: PlanError expected when m>1 or dp>1
     "hw_batchnorm": _hws.batchnorm,           # BatchNorm1d train mode: PlanError expected when m>1 or dp>1
 }
 
@@ -85,4 +89,5 @@ DROPOUT_CASES = {"hw_two_dropouts": 0.5, "hw_tp_dropout": 1.0}
 
 def expected_planerror(arch: str, plan) -> bool:
     """Cells where exact equality is impossible and the compiler must refuse (issue 10 item 1)."""
-    return arch == "hw_batchnorm" and (plan.microbatches > 1 or plan.dp > 1)
+    splits_batch = plan.microbatches > 1 or plan.dp > 1
+    return arch in ("hw_batchnorm", "hw_nonseparable_loss") and splits_batch
