@@ -118,6 +118,11 @@ def _cases() -> list[tuple[str, list[str]]]:
         ("schedule --pp abc", ["schedule", "--pp", "abc", "-m", "4"]),
         ("schedule no -m", ["schedule", "--pp", "2"]),
         ("unknown command", ["frobnicate"]),
+        ("export --out FILE", ["export", "{foreign}", "--out", "{file}"]),
+        ("export --out foreign dir", ["export", "{foreign}", "--out", "{foreign}"]),
+        ("export --out .", ["export", "{foreign}", "--out", "."]),
+        ("export not a checkpoint", ["export", "{foreign}", "--out", "{new}"]),
+        ("export missing checkpoint", ["export", "{new}/none", "--out", "{new}"]),
     ]
     c += [(f"run tampered: {name}", ["run", "{tampered:" + name + "}"]) for name in TAMPERS]
     return c
