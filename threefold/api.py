@@ -161,7 +161,7 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
         for fqn in list(cls.PARAMS) + list(cls.BUFFERS):
             t = full[fqn]
             if source is not None and not fqn.startswith("_const."):   # this rank's slices only
-                state[fqn] = source.local(fqn, shards.get(fqn), coord.tp, t).to(dev)
+                state[fqn] = source.fill(module.p(fqn).detach(), fqn, shards.get(fqn), coord.tp, t)
                 continue
             state[fqn] = (shards[fqn](t, coord.tp) if fqn in shards else t).to(dev)
         module.load_state(state)

@@ -84,32 +84,42 @@ class WeightSource:
         return None
 
     def local(self, fqn: str, spec, tp_rank: int, model_value: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of `fqn`: from the files, else the model's value, else its init."""
+        """This rank's shard of `fqn` as a new CPU tensor (see fill)."""
+        out = torch.empty(local_shape(spec, list(model_value.shape), tp_rank), dtype=model_value.dtype)
+        return self.fill(out, fqn, spec, tp_rank, model_value)
+
+    def fill(self, dest: torch.Tensor, fqn: str, spec, tp_rank: int, model_value: torch.Tensor) -> torch.Tensor:
+        """Write this rank's shard of `fqn` into `dest` (e.g. the chunk module's own
+        parameter, so the shard exists once): from the files, one piece at a time, else the
+        model's value, else its module's init."""
         shape = list(model_value.shape)
         key = self.key_of(fqn)
         if key is None:
             full = model_value if not model_value.is_meta else self._init(fqn)
-            return spec(full, tp_rank) if spec is not None else full
+            with torch.no_grad():
+                dest.copy_(spec(full, tp_rank) if spec is not None else full)
+            return dest
         from safetensors import safe_open
         dim, parts = pieces(spec, shape, tp_rank)
-        out = torch.zeros(local_shape(spec, shape, tp_rank), dtype=model_value.dtype)
         try:
-            with safe_open(self.files[key], framework="pt") as f:
+            with safe_open(self.files[key], framework="pt") as f, torch.no_grad():
                 sl = f.get_slice(key)
                 if list(sl.get_shape()) != shape:
                     raise PlanError(f"weights {self.path}: {key} has shape {list(sl.get_shape())}, the model's "
                                     f"{fqn} is {shape}: these weights are of another model")
                 if not shape:
-                    return f.get_tensor(key).to(model_value.dtype)
+                    dest.copy_(f.get_tensor(key))
+                    return dest
+                dest.zero_()    # padded vocabulary rows stay zero
                 for p in parts:
                     index = tuple([slice(None)] * dim + [slice(p.start, p.start + p.length)])
-                    out.narrow(dim, p.local, p.length).copy_(sl[index])
+                    dest.narrow(dim, p.local, p.length).copy_(sl[index])
         except PlanError:
             raise
         except Exception as exc:
             raise PlanError(f"weights {self.path}: reading {key} from {self.files[key]} failed "
                             f"({type(exc).__name__}: {str(exc)[:200]}); the file is damaged") from None
-        return out
+        return dest
 
     def _init(self, fqn: str) -> torch.Tensor:
         owner_name, _, leaf = fqn.rpartition(".")
