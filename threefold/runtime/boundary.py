@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from threefold.runtime import comm   # bounded, and a failure names the group
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
 
@@ -41,7 +43,7 @@ class Boundary:
         for t, e, s in zip(received, self.entries, self.split):
             if s:
                 pieces = [torch.empty_like(t) for _ in range(self.t)]
-                dist.all_gather(pieces, t, group=self.group)
+                comm.all_gather(pieces, t, self.group, "the pieces of a scatter/gather boundary tensor")
                 t = torch.cat(pieces).view(e["shape"])
             out.append(t)
         return out

@@ -317,7 +317,7 @@ class _VocabParallelCEFull(torch.autograd.Function):
         masked = logits.masked_fill(~valid_cols, float("-inf"))
         row_max = masked.max(dim=-1).values
         if group is not None:
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+            comm.all_reduce(row_max, group, "the vocab-parallel row max", op=dist.ReduceOp.MAX)
         shifted = masked - row_max.unsqueeze(-1)
         local_t = target - start
         in_range = (local_t >= 0) & (local_t < n_local)
