@@ -448,3 +448,52 @@ def test_every_construct_matches_single_process_under_tp2():
             if max_rel_diff(losses, ref) >= 1e-5:
                 bad.append((name, plan, losses, ref))
     assert not bad, bad
+
+
+class _RuleFamilies(nn.Module):
+    """Column-parallel output through ops of several families before the row-parallel matmul."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+
+    def forward(self, x):                                     # [B, T, C]
+        h = self.up(x)                                        # S(2)
+        h = h.unflatten(-1, (H, C)).transpose(1, 2)           # [B, H, T, C], heads sharded
+        h = h.narrow(2, 0, T).index_select(3, torch.arange(C - 1, -1, -1))
+        h = torch.relu(h) * h.sum(-1, keepdim=True).sigmoid()
+        h = h.transpose(1, 2).flatten(2)                      # back to [B, T, 4C], S(2)
+        return self.down(h)
+
+
+def _rule_families():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return {"model": _RuleFamilies(), "inputs": (torch.randn(B, T, C, generator=g),),
+            "target": torch.randn(B, T, C, generator=g), "loss_fn": F.mse_loss}
+
+
+CONSTRUCTS["rule_families"] = _rule_families
+
+
+def test_rule_families_keep_the_shard_without_fallback():
+    prog = compile_workload(_rule_families(), "tp=2,strict=true")
+    assert prog.shard_fns["up.weight"].dim == 0 and prog.shard_fns["down.weight"].dim == 1
+    assert prog.tp_report["fallbacks"] == []
+
+
+def test_sum_over_the_sharded_dim_is_one_all_reduce_not_a_fallback():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(C, 4 * C)
+
+            self.down = nn.Linear(4 * C, C)
+
+        def forward(self, x):
+            h = self.up(x)
+            return self.down(h * h.pow(2).mean(-1, keepdim=True).rsqrt())
+    wl = {"model": M(), "inputs": (torch.randn(B, T, C),), "target": torch.randn(B, T, C), "loss_fn": F.mse_loss}
+    prog = compile_workload(wl, "tp=2,strict=true")
+    kinds = [n.meta["tf"]["collective"]["kind"] for n in prog.gm.graph.nodes if n.meta.get("tf", {}).get("collective")]
+    assert "up.weight" in prog.shard_fns and kinds.count("all_reduce") >= 1

@@ -101,7 +101,7 @@ def _split_blocks(old: fx.Node, out: int) -> tuple[int, ...]:
         if name == "unflatten":   # nn.MultiheadAttention: [.., 3C] -> [.., 3, C]
             rank = len(user.args[0].meta["val"].shape)
             sizes = list(user.args[2])
-            if user.args[1] % rank == rank - 1 and len(sizes) == 2 and sizes[0] > 1:
+            if user.args[1] % rank == rank - 1 and len(sizes) == 2 and sizes[0] > 1 and _selects_pieces(user):
                 return (out // sizes[0],) * sizes[0]
             return ()
         if name in ("split", "split_with_sizes", "chunk"):
@@ -119,6 +119,20 @@ def _split_blocks(old: fx.Node, out: int) -> tuple[int, ...]:
                 sizes = list(user.args[1])
             return tuple(sizes) if len(sizes) > 1 else ()
     return ()
+
+
+def _selects_pieces(node: fx.Node, limit: int = 6) -> bool:
+    """Whether the dim an unflatten makes is later picked apart with select/unbind (q, k, v
+    as pieces), rather than kept as a heads dim."""
+    for _ in range(limit):
+        if any(op_name(u) in ("select", "unbind") for u in node.users):
+            return True
+        if len(node.users) != 1:
+            return False
+        node = next(iter(node.users))
+        if op_name(node) not in ("unsqueeze", "transpose", "squeeze", "contiguous", "clone", "permute"):
+            return False
+    return False
 
 
 def _slice_blocks(old: fx.Node, out: int) -> tuple[int, ...]:

@@ -242,6 +242,29 @@ def slice_(rw, old):
     return rw.emit(aten.slice.Tensor, (x, dim, lo, hi), place=Shard(dim, taken if len(taken) > 1 else (), s.seq))
 
 
+def narrow(rw, old):
+    """narrow(x, dim, start, length): a slice by another name."""
+    x = rw.env[old.args[0]]
+    s = _shard_of(rw, x)
+    dim = old.args[1] % _rank(rw.val[x])
+    if dim != s.dim:
+        return rw.copy_node(old, place=s)
+    start, length = old.args[2], old.args[3]
+    full = old.args[0].meta["val"].shape[dim]
+    if start == 0 and length == full:
+        return x
+    _fail(rw, "narrows the sharded dim")
+
+
+def index_select(rw, old):
+    """index_select / gather-free indexing along a dim other than the sharded one."""
+    x = rw.env[old.args[0]]
+    s = _shard_of(rw, x)
+    if s is None or old.args[1] % _rank(rw.val[x]) == s.dim or not isinstance(rw.place[rw.env[old.args[2]]], Replicate):
+        _fail(rw, "selects indices along the sharded dim (or with sharded indices)")
+    return rw.copy_node(old, place=s)
+
+
 def select(rw, old):
     x = rw.env[old.args[0]]
     s = _shard_of(rw, x)
@@ -470,7 +493,7 @@ RULES.update({
     "view": reshape, "reshape": reshape, "_unsafe_view": reshape, "flatten": reshape, "unflatten": reshape,
     "expand": expand, "broadcast_to": expand, "repeat_interleave": repeat_interleave, "index": index,
     "split": split, "split_with_sizes": split, "chunk": split, "getitem": getitem,
-    "slice": slice_, "select": select, "cat": cat, "stack": stack,
+    "slice": slice_, "narrow": narrow, "index_select": index_select, "select": select, "cat": cat, "stack": stack,
     "softmax": softmax, "_softmax": softmax, "_safe_softmax": softmax, "log_softmax": softmax,
     "_log_softmax": softmax,
     "sum": reduction, "mean": reduction, "amax": reduction, "amin": reduction,
