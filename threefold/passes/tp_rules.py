@@ -96,6 +96,14 @@ def elementwise(rw, old):
     return rw.emit(old.target, args, kwargs, place=shard)
 
 
+def max_min(rw, old):
+    """max/min: the two-tensor overloads are pointwise (XGLM's mask clamp); the reductions
+    over a dim other than the sharded one keep it."""
+    if old.target in (aten.max.other, aten.min.other, aten.maximum.default, aten.minimum.default):
+        return elementwise(rw, old)
+    _fail(rw, "reduces with max/min (values and indices)")
+
+
 def transpose(rw, old):
     x = rw.env[old.args[0]]
     s = _shard_of(rw, x)
@@ -493,6 +501,7 @@ RULES.update({
     "view": reshape, "reshape": reshape, "_unsafe_view": reshape, "flatten": reshape, "unflatten": reshape,
     "expand": expand, "broadcast_to": expand, "repeat_interleave": repeat_interleave, "index": index,
     "split": split, "split_with_sizes": split, "chunk": split, "getitem": getitem,
+    "max": max_min, "min": max_min,
     "slice": slice_, "narrow": narrow, "index_select": index_select, "select": select, "cat": cat, "stack": stack,
     "softmax": softmax, "_softmax": softmax, "_safe_softmax": softmax, "log_softmax": softmax,
     "_log_softmax": softmax,
