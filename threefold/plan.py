@@ -14,6 +14,10 @@ from threefold.errors import PlanError
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 LOSS_MODES = ("exact", "microbatch_mean")
 BATCHNORM_MODES = ("exact", "local")
+# Activation recomputation (passes/recompute.py): "full" keeps each transformer layer's input
+# and recomputes the layer in backward; "selective" recomputes only the regions that hold many
+# bytes for few FLOPs (the attention core); booleans are aliases (true = full, false = none).
+RECOMPUTE_MODES = ("none", "selective", "full")
 
 # Short keys accepted by Plan.parse and used by str(plan).
 _ALIASES = {"m": "microbatches", "v": "interleave"}
@@ -31,7 +35,7 @@ class Plan:
     sp: bool = False            # sequence parallelism (Korthikanti et al. 2022); needs tp>1
     scatter_gather: bool = True # send 1/tp of each boundary tensor across stages (paper 4.1)
     fuse: bool | None = None    # fused Triton kernels; None = on when the model is on a GPU
-    recompute: bool = False     # activation recomputation per chunk
+    recompute: str = "none"     # none | selective | full (passes/recompute.py); True/False alias full/none
     split_points: tuple[str, ...] = field(default_factory=tuple)  # FQNs to start new chunks at
     # How microbatch/dp losses combine: "exact" (numerator and denominator derived from the
     # loss graph; a PlanError where the loss is not separable) or "microbatch_mean" (opt-in:
@@ -57,7 +61,10 @@ class Plan:
                             "pipeline stages; set pp>1 or v=1")
         if self.sp and self.tp == 1:
             raise PlanError("plan sp=true needs tp>1: sequence parallelism shards along the tensor-parallel group")
-        for name, allowed in (("loss", LOSS_MODES), ("batchnorm", BATCHNORM_MODES)):
+        if isinstance(self.recompute, bool):
+            object.__setattr__(self, "recompute", "full" if self.recompute else "none")
+        for name, allowed in (("loss", LOSS_MODES), ("batchnorm", BATCHNORM_MODES),
+                              ("recompute", RECOMPUTE_MODES)):
             if getattr(self, name) not in allowed:
                 raise PlanError(f"plan {name}={getattr(self, name)!r} is unknown: use one of {', '.join(allowed)}")
         if isinstance(self.split_points, (list, str)):
@@ -140,7 +147,18 @@ def _parse_value(name: str, value: str, previous):
     if name == "split_points":
         # Several split points: repeat the key ('split=a,split=b') or join with '+'.
         return tuple(previous or ()) + tuple(v for v in value.split("+") if v)
-    if name in ("sp", "scatter_gather", "fuse", "recompute", "strict"):
+    if name == "recompute":
+        # true/false stay booleans here (the planner's Constraints read them); Plan maps them
+        low = value.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        if low not in RECOMPUTE_MODES:
+            raise PlanError(f"plan recompute={value!r} is invalid: use one of {', '.join(RECOMPUTE_MODES)} "
+                            "(or true/false for full/none)")
+        return low
+    if name in ("sp", "scatter_gather", "fuse", "strict"):
         low = value.lower()
         if low in ("1", "true", "yes", "on"):
             return True

@@ -60,6 +60,11 @@ class Constraints:
         if schedule is not None and schedule not in MODELLED_SCHEDULES:
             raise PlanError(f"plan schedule={schedule!r} cannot be evaluated: the planner models "
                             "1f1b and interleaved (Megatron's schedules); use one of those")
+        if given.get("recompute") == "selective":
+            raise PlanError("plan recompute=selective cannot be evaluated: the planner models recompute=none "
+                            "and recompute=full; use one of those")
+        if isinstance(given.get("recompute"), str):   # the planner's recompute is a bool (full or none)
+            given["recompute"] = given["recompute"] == "full"
         return cls(microbatch_size=b, **{k: v for k, v in given.items() if k in SEARCHED})
 
     def admits(self, plan: Plan, microbatch_size: int) -> bool:
@@ -67,7 +72,9 @@ class Constraints:
             return False
         if self.microbatch_size is not None and self.microbatch_size != microbatch_size:
             return False
-        return all(getattr(self, k) is None or getattr(self, k) == getattr(plan, k)
+        def planned(k):  # Plan.recompute is a mode; the planner's recompute means "full"
+            return plan.recompute == "full" if k == "recompute" else getattr(plan, k)
+        return all(getattr(self, k) is None or getattr(self, k) == planned(k)
                    for k in SEARCHED if k != "schedule")
 
     def __str__(self) -> str:

@@ -63,7 +63,7 @@ class Config:
     pp = property(lambda self: self.plan.pp)
     dp = property(lambda self: self.plan.dp)
     interleave = property(lambda self: self.plan.interleave)
-    recompute = property(lambda self: self.plan.recompute)
+    recompute = property(lambda self: self.plan.recompute == "full")   # modelled: full or none
     microbatches = property(lambda self: self.plan.microbatches)
 
 
