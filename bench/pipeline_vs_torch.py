@@ -508,7 +508,7 @@ def chunk_check(cfg: Config, reps: int = 30) -> dict:
             with open(os.path.join(root, name), "w") as f:
                 f.write(text)
         entry = prog.chunks[1]
-        cls = getattr(import_file(os.path.join(root, "chunk01_tp0.py")), "Chunk1")
+        cls = getattr(import_file(os.path.join(root, "chunk01.py")), "Chunk1")
         ours = cls()
         ours.load_state(chunk_state(prog, entry, 0))
         lo, hi = layer_splits(cfg, 1)[:2]

@@ -30,9 +30,9 @@ def chunk_modules(prog) -> list:
     tmp = tempfile.mkdtemp(prefix="threefold-test-")
     mods = []
     for chunk in prog.chunks:
-        path = os.path.join(tmp, module_file(chunk.index, 0))
+        path = os.path.join(tmp, module_file(chunk.index))
         with open(path, "w") as f:
-            f.write(sources[module_file(chunk.index, 0)])
+            f.write(sources[module_file(chunk.index)])
         mod = getattr(import_file(path), f"Chunk{chunk.index}")()
         mod.load_state(chunk_state(prog, chunk, 0))
         mods.append(mod)

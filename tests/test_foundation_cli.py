@@ -70,8 +70,8 @@ def test_compile_writes_an_artifact(capsys, tmp_path):
     assert out.startswith("compiled GPT for plan tp=1,pp=2")
     manifest = json.loads((out_dir / "manifest.json").read_text())
     assert manifest["num_chunks"] == 2 and manifest["plan"].startswith("tp=1,pp=2")
-    assert sorted(os.listdir(out_dir)) == [".threefold-out.json", "batch.safetensors", "chunk00_tp0.py",
-                                           "chunk01_tp0.py", "manifest.json", "weights"]
+    assert sorted(os.listdir(out_dir)) == [".threefold-out.json", "batch.safetensors", "chunk00.py",
+                                           "chunk01.py", "manifest.json", "weights"]
     code, out, _ = _run(capsys, "compile", TINY, "--plan", "pp=2", "--out", str(out_dir), "--json",
                         "--no-weights")
     assert code == 0 and json.loads(out)["weights"] is False

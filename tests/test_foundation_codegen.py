@@ -42,7 +42,7 @@ def tiny_prog():
 
 def test_generated_code_matches_golden(tiny_prog):
     sources = build_sources(tiny_prog)
-    assert sorted(sources) == ["chunk00_tp0.py", "chunk01_tp0.py"]
+    assert sorted(sources) == ["chunk00.py", "chunk01.py"]
     for name, text in sources.items():
         _golden(name, text)
 
@@ -53,9 +53,9 @@ def test_inspect_json_matches_golden(tiny_prog):
 
 
 def test_generated_header_and_names(tiny_prog):
-    text = build_sources(tiny_prog)["chunk01_tp0.py"]
+    text = build_sources(tiny_prog)["chunk01.py"]
     header = text.split('"""')[1]
-    assert "plan:    tp=1,pp=2" in header and "pipeline stage 1" in header and "tp rank 0 of 1" in header
+    assert "plan:    tp=1,pp=2" in header and "pipeline stage 1" in header and "every tp rank of 1" in header
     assert "covers:  h.1" in header and "lm_head" in header
     assert content_hash(text) and len(content_hash(text)) == 16
     # parameters under their original FQNs; value names from the source graph
@@ -69,7 +69,7 @@ def test_generated_header_and_names(tiny_prog):
 def test_content_hash_changes_with_the_code(tiny_prog):
     a = build_sources(tiny_prog)
     b = build_sources(compile_workload(workload("gpt", **{**TINY, "n_embd": 32}), "pp=2"))
-    assert content_hash(a["chunk00_tp0.py"]) != content_hash(b["chunk00_tp0.py"])
+    assert content_hash(a["chunk00.py"]) != content_hash(b["chunk00.py"])
 
 
 _FRESH = r"""
@@ -127,7 +127,7 @@ def test_debug_dir_gets_every_pass_and_generated_file(tmp_path, monkeypatch):
     assert files[0] == "00_traced.txt"
     for i, p in enumerate(default_passes(), start=1):
         assert f"{i:02d}_{p.__name__}.txt" in files
-    assert {"chunk00_tp0.py", "chunk01_tp0.py"} <= set(files)
+    assert {"chunk00.py", "chunk01.py"} <= set(files)
     assert "%p_wte_weight = param wte.weight" in (tmp_path / "00_traced.txt").read_text()
 
 

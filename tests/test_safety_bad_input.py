@@ -152,31 +152,31 @@ def _truncate(d, rel, size=0):
 
 
 def _point(d, rel_key, target):
-    _manifest(d, lambda m: (m["chunks"][0]["modules"].__setitem__("0", target),
+    _manifest(d, lambda m: (m["chunks"][0].__setitem__("module", target),
                             m["files"].__setitem__(target, "0" * 64)))
 
 
 def _symlink_out(d):
-    os.remove(os.path.join(d, "chunk00_tp0.py"))
-    os.symlink("/etc/hostname", os.path.join(d, "chunk00_tp0.py"))
+    os.remove(os.path.join(d, "chunk00.py"))
+    os.symlink("/etc/hostname", os.path.join(d, "chunk00.py"))
 
 
 TAMPERS = {
-    "source edited": lambda d: _append(d, "chunk01_tp0.py"),
+    "source edited": lambda d: _append(d, "chunk01.py"),
     "weights edited": lambda d: _append(d, "weights/chunk00_tp0.safetensors", b"\0"),
     "weights truncated": lambda d: _truncate(d, "weights/chunk00_tp0.safetensors", 100),
     "weights empty": lambda d: _truncate(d, "weights/chunk01_tp0.safetensors", 0),
     "batch edited": lambda d: _append(d, "batch.safetensors", b"\0"),
-    "source deleted": lambda d: os.remove(os.path.join(d, "chunk00_tp0.py")),
+    "source deleted": lambda d: os.remove(os.path.join(d, "chunk00.py")),
     "module path ../": lambda d: _point(d, "modules", "../../x/evil.py"),
     "module path absolute": lambda d: _point(d, "modules", "/etc/passwd"),
     "module symlink out": _symlink_out,
     "weights path ../": lambda d: _manifest(d, lambda m: m["chunks"][0]["weights"].__setitem__(
         "0", "../../../../etc/passwd")),
-    "hash removed": lambda d: _manifest(d, lambda m: m["files"].pop("chunk00_tp0.py")),
-    "hash not hex": lambda d: _manifest(d, lambda m: m["files"].__setitem__("chunk00_tp0.py", "x")),
+    "hash removed": lambda d: _manifest(d, lambda m: m["files"].pop("chunk00.py")),
+    "hash not hex": lambda d: _manifest(d, lambda m: m["files"].__setitem__("chunk00.py", "x")),
     "mesh vs chunks": lambda d: _manifest(d, lambda m: m["mesh"].__setitem__("pp", 3)),
-    "mesh tp vs modules": lambda d: _manifest(d, lambda m: m["mesh"].__setitem__("tp", 2)),
+    "mesh tp vs weights": lambda d: _manifest(d, lambda m: m["mesh"].__setitem__("tp", 2)),
     "mesh not integers": lambda d: _manifest(d, lambda m: m["mesh"].__setitem__("dp", "2")),
     "mesh huge": lambda d: _manifest(d, lambda m: m["mesh"].__setitem__("dp", 10 ** 9)),
     "num_chunks wrong": lambda d: _manifest(d, lambda m: m.__setitem__("num_chunks", 5)),
@@ -265,9 +265,9 @@ def test_a_tampered_artifact_runs_nothing(paths, tmp_path, capsys, monkeypatch):
     d = tmp_path / "evil"
     shutil.copytree(paths / "art", d)
     marker = tmp_path / "pwned"
-    _append(str(d), "chunk00_tp0.py", f"open({str(marker)!r}, 'w').write('x')\n".encode())
+    _append(str(d), "chunk00.py", f"open({str(marker)!r}, 'w').write('x')\n".encode())
     code, err = run_case(["run", str(d)], paths, tmp_path, capsys, monkeypatch)
-    assert code == 2 and "chunk00_tp0.py does not match its sha256" in err, err
+    assert code == 2 and "chunk00.py does not match its sha256" in err, err
     assert not marker.exists()
     from threefold.runtime.loader import load_chunk, open_artifact
     with pytest.raises(Exception, match="sha256"):

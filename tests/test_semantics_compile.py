@@ -92,7 +92,7 @@ def test_batchnorm_in_training_mode_is_a_plan_error_unless_opted_in():
 
 
 def test_batchnorm_follows_eval_mode_in_generated_code():
-    src = build_sources(compile_workload(_w(BN(), X, Y, F.cross_entropy), "m=1"))["chunk00_tp0.py"]
+    src = build_sources(compile_workload(_w(BN(), X, Y, F.cross_entropy), "m=1"))["chunk00.py"]
     assert "self.training, 0.1" in src
 
 
@@ -137,7 +137,7 @@ def test_ambiguous_batch_dim_on_meta_is_dim_zero_with_a_note():
 
 def test_received_tensor_written_in_place_is_cloned_first():
     prog = compile_workload(sm.mlm(split=True), "pp=2,m=2")
-    src = build_sources(prog)["chunk01_tp0.py"]
+    src = build_sources(prog)["chunk01.py"]
     body = src.split("def forward")[1]
     clone = body.index(".clone()  # written in place below")
     assert clone < body.index("aten.add_.Tensor")

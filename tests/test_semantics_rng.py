@@ -86,7 +86,7 @@ def test_sharded_dropout_seeds_per_tp_rank_replicated_do_not():
             return F.dropout(self.down(F.dropout(torch.relu(self.up(x)), 0.5)), 0.5)
 
     prog = compile_workload({"model": MLP(), "inputs": (torch.randn(4, 16),)}, "tp=2")
-    src = build_sources(prog)["chunk00_tp0.py"]
+    src = build_sources(prog)["chunk00.py"]
     assert "self.rng_seed(0, True)" in src      # on the column-parallel shard
     assert "self.rng_seed(1, False)" in src     # after the row-parallel reduce: replicated
     assert "aten.dropout" not in src
@@ -111,7 +111,7 @@ def test_evaluate_and_forward_follow_eval_mode_with_dropout():
     x, y = torch.randn(8, 8), torch.randint(0, 5, (8,))
     pm = threefold.parallelize(model, "m=2", (x,), F.cross_entropy, target=y)
     src = build_sources(compile_workload({"model": model, "inputs": (x,), "target": y,
-                                          "loss_fn": F.cross_entropy}, "m=2"))["chunk00_tp0.py"]
+                                          "loss_fn": F.cross_entropy}, "m=2"))["chunk00.py"]
     assert "random_ops.dropout(relu, 0.5, self.training, self.rng_seed(0, False))" in src, src
     model.eval()
     with torch.no_grad():
@@ -135,7 +135,7 @@ def test_sdpa_dropout_on_head_shards_is_seeded_per_tp_rank_and_follows_eval_mode
             return self.o(y.transpose(1, 2).reshape(b, t, c))
 
     src = build_sources(compile_workload({"model": Attn(), "inputs": (torch.randn(2, 8, 16),)}, "tp=2"))
-    line = next(s for s in src["chunk00_tp0.py"].splitlines() if "scaled_dot_product_attention(" in s
+    line = next(s for s in src["chunk00.py"].splitlines() if "scaled_dot_product_attention(" in s
                 or "scaled_dot_product_attention.default" in s)
     assert "random_ops.seeded(self.rng_seed(0, True)" in line, line
     assert "(0.1 if self.training else 0.0)" in line, line

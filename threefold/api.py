@@ -18,7 +18,7 @@ from threefold.errors import PlanError
 from threefold.plan import Plan
 from threefold.runtime.loader import import_source
 from threefold.runtime.mesh import Mesh
-from threefold.runtime.shard import ShardSpec
+from threefold.runtime.shard import ShardSpec, rank_shard
 from threefold.runtime.session import check_world, default_device, local_chunks, make_engine
 from threefold.runtime.schedule import forward_only
 from threefold.workload import Workload
@@ -154,7 +154,7 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
     modules = {}
     for c in local_chunks(manifest, coord.pp):
         entry = manifest["chunks"][c]
-        name = entry["modules"][str(coord.tp)]
+        name = entry["module"]   # shared by every tp rank; the weight shards are this rank's
         cls = getattr(import_source(sources[name], _join(root, name)), entry["class"])
         module = cls(device=dev)
         state = {}
@@ -163,7 +163,7 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
             if source is not None and not fqn.startswith("_const."):   # this rank's slices only
                 state[fqn] = source.fill(module.p(fqn).detach(), fqn, shards.get(fqn), coord.tp, t)
                 continue
-            state[fqn] = (shards[fqn](t, coord.tp) if fqn in shards else t).to(dev)
+            state[fqn] = rank_shard(t, shards.get(fqn), coord.tp).to(dev)
         module.load_state(state)
         modules[c] = module
     engine = make_engine(manifest, modules, rank, dev)

@@ -9,28 +9,20 @@ import torch
 
 from threefold.codegen.python import content_hash, generate_module
 from threefold.compiler.program import Program
-from threefold.runtime.loader import BATCH_FILE, MANIFEST, Artifact, open_artifact
-
-FORMAT = 2   # 2: every file, weights and batch included, has a sha256 in "files"
+from threefold.runtime.loader import BATCH_FILE, FORMAT, MANIFEST, Artifact, open_artifact
+from threefold.runtime.mesh import stage_of
+from threefold.runtime.shard import rank_state
 
 
 def chunk_state(prog: Program, chunk, tp_rank: int) -> dict[str, torch.Tensor]:
     """The chunk's parameters and buffers for one tp rank, keyed by FQN."""
-    out = {}
-    for fqn in chunk.params + chunk.buffers:
-        t = prog.state[fqn]
-        fn = prog.shard_fns.get(fqn)
-        if fn is not None:
-            t = fn(t, tp_rank)
-        out[fqn] = t
-    return out
+    return rank_state(prog.state, chunk.params + chunk.buffers, prog.shard_fns, tp_rank)
 
 
 def build_sources(prog: Program) -> dict[str, str]:
     files = {}
-    for chunk in prog.chunks:
-        for r in range(prog.plan.tp):
-            files[module_file(chunk.index, r)] = generate_module(prog, chunk, r)
+    for chunk in prog.chunks:   # one module per chunk: the tp rank is a runtime value
+        files[module_file(chunk.index)] = generate_module(prog, chunk)
     if prog.kernels:
         from threefold.codegen.triton import kernels_source
         files["kernels.py"] = kernels_source(list(prog.kernels.values()))
@@ -43,8 +35,8 @@ def build_sources(prog: Program) -> dict[str, str]:
     return files
 
 
-def module_file(chunk: int, tp_rank: int) -> str:
-    return f"chunk{chunk:02d}_tp{tp_rank}.py"
+def module_file(chunk: int) -> str:
+    return f"chunk{chunk:02d}.py"
 
 
 def save_artifact(prog: Program, out_dir: str, sources: dict[str, str] | None = None,
@@ -130,9 +122,9 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
     for c in prog.chunks:
         chunks.append({
             "index": c.index,
-            "stage": c.index % plan.pp,
+            "stage": stage_of(c.index, plan.pp),
             "class": f"Chunk{c.index}",
-            "modules": {str(r): module_file(c.index, r) for r in range(plan.tp)},
+            "module": module_file(c.index),   # shared by every tp rank
             "weights": ({str(r): f"weights/{_weights_file(c.index, r)}" for r in range(plan.tp)}
                         if with_weights else {}),
             "inputs": [spec(by_name[v]) for v in c.inputs],
@@ -143,7 +135,7 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
             "params": c.params,
             # parameters also held by other chunks (tied weights): their grads are summed
             "shared_params": {fqn: holders[fqn] for fqn in c.params if len(holders[fqn]) > 1},
-            "hash": content_hash(sources[module_file(c.index, 0)]),
+            "hash": content_hash(sources[module_file(c.index)]),
         })
     return {
         "format": FORMAT,

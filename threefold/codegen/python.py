@@ -1,8 +1,10 @@
-"""Emit one readable Python module per (chunk, tp rank).
+"""Emit one readable Python module per chunk, shared by every tp rank.
 
 The module defines a `ChunkModule` subclass whose forward is the chunk's ATen ops written
 out one per line, with the source graph's value names. Parameters are read by FQN at the
-top of forward. A header records the plan, rank coordinates, the source modules the chunk
+top of forward. The tp rank is a runtime value (the module's tp group, bound by the
+runtime), so the text does not depend on it; each tp rank loads its own weight shard.
+A header records the plan, the chunk's pipeline stage, the source modules the chunk
 covers, and a content hash of everything below the header.
 """
 from __future__ import annotations
@@ -14,23 +16,24 @@ import torch
 import torch.fx as fx
 
 from threefold.compiler.program import Chunk, Program, tf
+from threefold.runtime.mesh import stage_of
 
 _HASH_LINE = "# content-hash: "
 
 
-def generate_module(prog: Program, chunk: Chunk, tp_rank: int = 0) -> str:
+def generate_module(prog: Program, chunk: Chunk) -> str:
     gm = chunk.gm
     assert gm is not None, "run extract_chunks before codegen"
     body = _ClassWriter(prog, chunk, gm).write()
     digest = hashlib.sha256(body.encode()).hexdigest()[:16]
     plan = prog.plan
-    stage = chunk.index % plan.pp
+    stage = stage_of(chunk.index, plan.pp)
     header = [
         f'"""threefold generated code for {prog.name}: chunk {chunk.index} of {len(prog.chunks)}.',
         "",
         f"plan:    {plan}",
         f"rank:    pipeline stage {stage} (model chunk {chunk.index}, virtual {chunk.index // plan.pp}),"
-        f" tp rank {tp_rank} of {plan.tp}",
+        f" every tp rank of {plan.tp} (the tp rank is its tp group's, at run time)",
         f"covers:  {_covers(gm)}",
         "Generated from the traced graph; edit the model, not this file.",
         '"""',

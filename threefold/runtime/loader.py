@@ -1,7 +1,8 @@
 """Load a saved artifact's per-rank modules, without the compiler or the model's source.
 
-An artifact directory holds manifest.json, one generated `.py` per (chunk, tp rank),
-`kernels.py` when fusion made kernels, `weights/*.safetensors` keyed by original FQNs
+An artifact directory holds manifest.json, one generated `.py` per chunk (shared by every
+tp rank: the rank is its tp group's, at run time), weight shards per (chunk, tp rank),
+`kernels.py` when fusion made kernels, as `weights/*.safetensors` keyed by original FQNs
 (absent for models compiled on the meta device) and `batch.safetensors`.
 
 Trust model: an artifact is code. Its manifest lists the sha256 of every file; nothing is
@@ -26,11 +27,12 @@ from dataclasses import dataclass
 import torch
 
 from threefold.errors import PlanError
+from threefold.runtime.mesh import stage_of
 from threefold.runtime.module import ChunkModule
 
 MANIFEST = "manifest.json"
 BATCH_FILE = "batch.safetensors"   # the workload's example global batch, when saved
-FORMAT = 2
+FORMAT = 3                         # 3: one module per chunk ("module"), shared by its tp ranks
 MAX_RANKS = 1 << 16                # a mesh beyond this is a corrupt manifest, not a job
 
 
@@ -48,8 +50,8 @@ class Artifact:
     def chunks(self) -> list[dict]:
         return self.manifest["chunks"]
 
-    def module_path(self, chunk: int, tp_rank: int) -> str:
-        return safe_path(self.root, self.chunks[chunk]["modules"][str(tp_rank)])
+    def module_path(self, chunk: int) -> str:
+        return safe_path(self.root, self.chunks[chunk]["module"])
 
     def weights_path(self, chunk: int, tp_rank: int) -> str | None:
         rel = self.chunks[chunk].get("weights", {}).get(str(tp_rank))
@@ -104,7 +106,7 @@ def check_manifest(root: str, m) -> None:
         bad("it is not a JSON object")
     if m.get("format") != FORMAT:
         raise PlanError(f"{root!r}: artifact format {m.get('format')!r} is not supported (expected {FORMAT}; "
-                        "format 1 had no weight hashes): recompile it with `threefold compile`")
+                        "older formats had no weight hashes or one module per tp rank): recompile it with `threefold compile`")
     mesh, chunks, files = m.get("mesh"), m.get("chunks"), m.get("files")
     if not isinstance(files, dict) or not all(isinstance(v, str) and len(v) == 64 for v in files.values()):
         bad("'files' must map each file to its sha256")
@@ -124,20 +126,19 @@ def check_manifest(root: str, m) -> None:
     tp_ranks = {str(r) for r in range(mesh["tp"])}
     with_weights = None
     for i, c in enumerate(chunks):
-        if not isinstance(c, dict) or c.get("index") != i or c.get("stage") != i % mesh["pp"]:
-            bad(f"chunk {i} must have index {i} and stage {i % mesh['pp']}")
+        if not isinstance(c, dict) or c.get("index") != i or c.get("stage") != stage_of(i, mesh["pp"]):
+            bad(f"chunk {i} must have index {i} and stage {stage_of(i, mesh['pp'])}")
         if not isinstance(c.get("class"), str) or not c["class"].isidentifier():
             bad(f"chunk {i} class {c.get('class')!r} is not a name")
-        for key in ("modules", "weights"):
-            entry = c.get(key, {})
-            if not isinstance(entry, dict) or (entry and set(entry) != tp_ranks):
-                bad(f"chunk {i} {key} must name one file per tp rank 0..{mesh['tp'] - 1}")
-            for rel in entry.values():
-                safe_path(root, rel)
-                if rel not in files:
-                    bad(f"chunk {i} {key} file {rel!r} has no sha256 in 'files'")
-        if not c.get("modules"):
-            bad(f"chunk {i} has no modules")
+        weights = c.get("weights", {})
+        if not isinstance(weights, dict) or (weights and set(weights) != tp_ranks):
+            bad(f"chunk {i} weights must name one file per tp rank 0..{mesh['tp'] - 1}")
+        if not c.get("module"):
+            bad(f"chunk {i} has no module")
+        for key, rel in [("module", c["module"])] + [("weights", w) for w in weights.values()]:
+            safe_path(root, rel)
+            if rel not in files:
+                bad(f"chunk {i} {key} file {rel!r} has no sha256 in 'files'")
         has = bool(c.get("weights"))
         if with_weights is not None and has != with_weights:
             bad("some chunks have weights and others do not")
@@ -223,7 +224,7 @@ def load_chunk(art: Artifact, chunk: int, tp_rank: int = 0, device="cpu",
     entry = art.chunks[chunk]
     if "kernels.py" in art.manifest["files"]:
         import_source(art.read("kernels.py").decode(), os.path.join(art.root, "kernels.py"))
-    rel = entry["modules"][str(tp_rank)]
+    rel = entry["module"]   # one module for every tp rank; the weights are this rank's
     module = import_source(art.read(rel).decode(), safe_path(art.root, rel))
     cls = getattr(module, entry["class"], None)
     if cls is None or not (isinstance(cls, type) and issubclass(cls, ChunkModule)):

@@ -9,6 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def stage_of(chunk: int, pp: int) -> int:
+    """The pipeline stage that holds model chunk `chunk` (Megatron's interleaved assignment:
+    stage r holds chunks r, r+pp, r+2pp, ...). The one place this rule lives."""
+    return chunk % pp
+
+
 @dataclass(frozen=True)
 class Coord:
     tp: int
@@ -36,6 +42,10 @@ class Mesh:
         dp = (rank // self.tp) % self.dp
         pp = rank // (self.tp * self.dp)
         return Coord(tp=tp, dp=dp, pp=pp)
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        """Every rank of one pipeline stage (all its tp and dp ranks), ascending."""
+        return sorted(self.rank(t, d, stage) for d in range(self.dp) for t in range(self.tp))
 
     def tp_group(self, rank: int) -> list[int]:
         c = self.coord(rank)

@@ -41,6 +41,7 @@ import re
 from dataclasses import dataclass
 
 from threefold.errors import PlanError
+from threefold.runtime.mesh import stage_of
 
 
 class ScheduleError(PlanError):
@@ -143,7 +144,7 @@ class Schedule:
         return self.name != "forward"
 
     def stage_of(self, chunk: int) -> int:
-        return chunk % self.pp
+        return stage_of(chunk, self.pp)
 
     def chunks_of(self, stage: int) -> list[int]:
         return [stage + k * self.pp for k in range(self.v)]

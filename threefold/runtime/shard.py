@@ -36,3 +36,14 @@ class ShardSpec:
     @classmethod
     def from_json(cls, d: dict) -> "ShardSpec":
         return cls(d["dim"], tuple(d["blocks"]), d["padded"], d["t"])
+
+
+def rank_shard(full: torch.Tensor, spec: ShardSpec | None, tp_rank: int) -> torch.Tensor:
+    """One tp rank's piece of a full parameter or buffer: cut by its spec, whole if none.
+    The one rule for cutting a rank's weights (artifacts, parallelize and checkpoints)."""
+    return full if spec is None else spec(full, tp_rank)
+
+
+def rank_state(full: dict[str, torch.Tensor], fqns, specs: dict, tp_rank: int) -> dict[str, torch.Tensor]:
+    """The tensors `fqns` for one tp rank, keyed by FQN, cut from the full state."""
+    return {fqn: rank_shard(full[fqn], specs.get(fqn), tp_rank) for fqn in fqns}

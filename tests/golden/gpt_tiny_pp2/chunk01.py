@@ -1,7 +1,7 @@
 """threefold generated code for GPT: chunk 1 of 2.
 
 plan:    tp=1,pp=2,dp=1,m=1,v=1,schedule=1f1b
-rank:    pipeline stage 1 (model chunk 1, virtual 0), tp rank 0 of 1
+rank:    pipeline stage 1 (model chunk 1, virtual 0), every tp rank of 1 (the tp rank is its tp group's, at run time)
 covers:  h.1, ln_f, lm_head, <top>
 Generated from the traced graph; edit the model, not this file.
 """
