@@ -435,7 +435,7 @@ def _losses(plans, name, steps=3, lr=0.1):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 def test_every_construct_matches_single_process_under_tp2():
     from threefold.runtime.launch import launch
     from tests.parity import max_rel_diff
