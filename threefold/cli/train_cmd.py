@@ -40,6 +40,11 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--skip-nonfinite", action="store_true",
                    help="skip a step whose loss or gradients are not finite (default: stop, exit 1)")
+    p.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="write a sharded checkpoint every N steps to --ckpt-dir (keeps the last 2)")
+    p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (default: OUT.ckpt)")
+    p.add_argument("--resume", nargs="?", const="", default=None, metavar="DIR",
+                   help="continue from the newest checkpoint in DIR (default: --ckpt-dir); any plan")
     p.set_defaults(func=run)
 
 
@@ -52,7 +57,8 @@ def _embedded(batch: int, seq: int, seed: int):
     return model, lm_loss, lambda step: corpus.batch(batch, seq, step, seed)
 
 
-def _train_rank(spec, plan, steps, lr, batch, seq, seed, show, skip_nonfinite=False):
+def _train_rank(spec, plan, steps, lr, batch, seq, seed, show, skip_nonfinite=False,
+                save_every=0, ckpt_dir=None, resume=None):
     import threefold
     from threefold.cli.jobs import is_main_rank
     torch.set_num_threads(1)
@@ -74,9 +80,16 @@ def _train_rank(spec, plan, steps, lr, batch, seq, seed, show, skip_nonfinite=Fa
     tokens_per_step = example[0].numel()
     from threefold.cli.divergence import nonfinite
     losses, seconds, skipped, stopped = [], [], [], None
+    start = 0
+    if resume is not None:   # the batch of step k is data(k): the data position is the step
+        info = threefold.load(pm, opt, resume)
+        start, done = int(info["step"]), info["extra"] or {}
+        losses, seconds, skipped = list(done.get("losses", [])), list(done.get("seconds", [])), list(done.get("skipped", []))
+        if is_main_rank():
+            print(f"threefold train: resumed from {info['path']} at step {start}", file=sys.stderr)
     progress = _Progress(steps, enabled=show and is_main_rank())
     with progress:
-        for step in range(steps):
+        for step in range(start, steps):
             *inputs, target = data(step)
             t0 = time.perf_counter()
             opt.zero_grad()
@@ -92,6 +105,9 @@ def _train_rank(spec, plan, steps, lr, batch, seq, seed, show, skip_nonfinite=Fa
                     stopped = (step + 1, bad)
                     break
                 skipped.append(step + 1)
+            if save_every and (step + 1) % save_every == 0:
+                threefold.save(pm, opt, ckpt_dir, step=step + 1, keep=2,
+                               extra={"losses": losses, "seconds": seconds, "skipped": skipped})
     return {"losses": losses, "seconds": seconds, "tokens_per_step": tokens_per_step,
             "skipped": skipped, "stopped": stopped}
 
@@ -165,8 +181,16 @@ def run(args) -> int:
     check_local_capacity(plan.world_size)
     if not under_torchrun():     # under torchrun every process is a rank: no parent to check in
         validate_in_parent(args.spec, plan, args.batch, args.seq, args.seed)
+    if args.save_every < 0:
+        raise PlanError(f"--save-every {args.save_every} is invalid: use a positive step count (0: never)")
+    ckpt_dir = args.ckpt_dir or os.path.abspath(args.out).rstrip("/") + ".ckpt"
+    resume = None if args.resume is None else (args.resume or ckpt_dir)
+    if resume is not None:
+        from threefold.checkpoint.files import resolve
+        resolve(resume)   # not a checkpoint: one line here, before any rank starts
     result = run_on_ranks(_train_rank, plan.world_size, args.spec, str(plan), args.steps, args.lr,
-                          args.batch, args.seq, args.seed, not args.json, args.skip_nonfinite)[0]
+                          args.batch, args.seq, args.seed, not args.json, args.skip_nonfinite,
+                          args.save_every, ckpt_dir, resume)[0]
     from threefold.cli.jobs import is_main_rank
     if not is_main_rank():
         return 1 if result["stopped"] else 0
