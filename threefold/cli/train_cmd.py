@@ -177,10 +177,6 @@ def run(args) -> int:
         raise PlanError(f"--steps {args.steps} is invalid: use 1 or more")
     check_out_dir(args.out, args.force)     # a bad --out must fail before training, not after
     check_numbers(args)
-    from threefold.cli.jobs import check_local_capacity, under_torchrun
-    check_local_capacity(plan.world_size)
-    if not under_torchrun():     # under torchrun every process is a rank: no parent to check in
-        validate_in_parent(args.spec, plan, args.batch, args.seq, args.seed)
     if args.save_every < 0:
         raise PlanError(f"--save-every {args.save_every} is invalid: use a positive step count (0: never)")
     ckpt_dir = args.ckpt_dir or os.path.abspath(args.out).rstrip("/") + ".ckpt"
@@ -188,6 +184,10 @@ def run(args) -> int:
     if resume is not None:
         from threefold.checkpoint.files import resolve
         resolve(resume)   # not a checkpoint: one line here, before any rank starts
+    from threefold.cli.jobs import check_local_capacity, under_torchrun
+    check_local_capacity(plan.world_size)
+    if not under_torchrun():     # under torchrun every process is a rank: no parent to check in
+        validate_in_parent(args.spec, plan, args.batch, args.seq, args.seed)
     result = run_on_ranks(_train_rank, plan.world_size, args.spec, str(plan), args.steps, args.lr,
                           args.batch, args.seq, args.seed, not args.json, args.skip_nonfinite,
                           args.save_every, ckpt_dir, resume)[0]
