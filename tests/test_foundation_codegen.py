@@ -58,10 +58,11 @@ def test_generated_header_and_names(tiny_prog):
     assert "plan:    tp=1,pp=2" in header and "pipeline stage 1" in header and "every tp rank of 1" in header
     assert "covers:  h.1" in header and "lm_head" in header
     assert content_hash(text) and len(content_hash(text)) == 16
-    # parameters under their original FQNs; value names from the source graph
+    # parameters under their original FQNs; value names from the model's modules
     assert "'h.1.attn.c_attn.weight': ([48, 16], 'float32')" in text
     assert "'wte.weight'" in text  # the tied LM head reads the embedding's weight
     assert "= aten.linear.default(" in text and "cross_entropy_loss = aten.cross_entropy_loss" in text
+    assert "lm_head = aten.linear.default(ln_f, p_wte_weight)  # lm_head  R  [2, 8, 32]" in text
     assert "def forward(self, add_2, target):" in text  # boundary value, then the batch's target
     assert "USER_INPUTS = [1]" in text
 

@@ -25,7 +25,10 @@ def build_sources(prog: Program) -> dict[str, str]:
         files[module_file(chunk.index)] = generate_module(prog, chunk)
     if prog.kernels:
         from threefold.codegen.triton import kernels_source
-        files["kernels.py"] = kernels_source(list(prog.kernels.values()))
+        # every region in program order, so a shared kernel's comment lists all it serves
+        regions = [n.target for c in prog.chunks if c.gm is not None for n in c.gm.graph.nodes
+                   if n.op == "call_function" and getattr(n.target, "kernel_name", None) in prog.kernels]
+        files["kernels.py"] = kernels_source(regions or list(prog.kernels.values()))
     debug_dir = os.environ.get("THREEFOLD_DEBUG_DIR")
     if debug_dir:  # every generated file, next to the per-pass program dumps
         os.makedirs(debug_dir, exist_ok=True)

@@ -10,7 +10,9 @@ covers, and a content hash of everything below the header.
 from __future__ import annotations
 
 import hashlib
+import keyword
 import operator
+from collections import Counter
 
 import torch
 import torch.fx as fx
@@ -119,6 +121,7 @@ class _ClassWriter:
         for n in placeholders:
             self.names[n] = _ident(n.name if tf(n)["kind"] in ("boundary", "input")
                                    else "p_" + tf(n)["fqn"].replace(".", "_"))
+        self.names.update(value_names(graph, set(self.names.values())))
         lines = [f"    def {name}(self, {', '.join(self.names[n] for n in args)}):"]
         self.uses_device = False
         dev_line = len(lines)
@@ -128,12 +131,12 @@ class _ClassWriter:
         out_line = None
         for node in graph.nodes:
             if node.op == "call_function":
-                self.names[node] = _ident(node.name)
-                comment = "  # recomputed here" if tf(node).get("recomputed") else ""
-                lines.append(f"        {self.names[node]} = {self._call(node)}{comment}")
+                lines += self._line(node)
             elif node.op == "output":
                 outs = node.args[0]
                 out_line = "        return (" + "".join(self._arg(o) + ", " for o in outs) + ")"
+                if name == "forward" and [self._arg(o) for o in outs] != list(self.chunk.outputs):
+                    out_line += f"  # OUTPUTS {list(self.chunk.outputs)}"
         lines.append(out_line)
         if self.uses_device:  # ops that create tensors run on the module's own device
             lines.insert(dev_line, "        dev = self.device")
@@ -150,14 +153,39 @@ class _ClassWriter:
                          "received/batch tensor intact")
         return lines
 
+    # -- lines ---------------------------------------------------------------------------
+    def _line(self, node: fx.Node, indent: str = "        ") -> list[str]:
+        """`name = op(args)  # module  placement  local shape`, wrapped when long."""
+        note = annotation(node) + ("  recomputed here" if tf(node).get("recomputed") else "")
+        comment = f"  # {note}" if note else ""
+        head = f"{indent}{self.names[node]} = "
+        if node.target is operator.getitem:
+            return [head + self._call(node) + comment]
+        callee, args = self._call_parts(node)
+        one = f"{head}{callee}({', '.join(args)})"
+        if len(one) + len(comment) <= _WIDTH + 20 or not args:
+            return [one + comment]
+        lines, cur = [f"{head}{callee}({comment}"], indent + "    "
+        for i, a in enumerate(args):
+            piece = a + (", " if i < len(args) - 1 else ")")
+            if cur.strip() and len(cur) + len(piece.rstrip()) > _WIDTH:
+                lines.append(cur.rstrip())
+                cur = indent + "    "
+            cur += piece
+        return lines + [cur.rstrip()]
+
     # -- expressions ---------------------------------------------------------------------
     def _call(self, node: fx.Node) -> str:
         target = node.target
         if target is operator.getitem:
             return f"{self._arg(node.args[0])}[{self._arg(node.args[1])}]"
+        callee, args = self._call_parts(node)
+        return f"{callee}({', '.join(args)})"
+
+    def _call_parts(self, node: fx.Node) -> tuple[str, list[str]]:
         args = [self._arg(a) for a in node.args]
         args += [f"{k}={self._arg(v)}" for k, v in node.kwargs.items()]
-        return f"{self._target(target)}({', '.join(args)})"
+        return self._target(node.target), args
 
     def _target(self, target) -> str:
         if isinstance(target, torch._ops.OpOverload):
@@ -243,8 +271,72 @@ def _mutated_inputs(graph: fx.Graph, args: list[fx.Node]) -> list[fx.Node]:
     return hit
 
 
+_WIDTH = 100   # generated lines wrap their arguments beyond this
+
+
+def annotation(node: fx.Node) -> str:
+    """`h.0.attn.c_attn  S(2)  [2, 8, 24]`: the source module, the TP pass's placement and
+    the local (this tp rank's) shape, for the comment on a generated line."""
+    # no placement: the TP pass did not run (tp=1), so every value is replicated
+    parts = [tf(node).get("module") or "<top>", tf(node).get("placement") or "R"]
+    shape = _shape_text(node.meta.get("val"))
+    if shape:
+        parts.append(shape)
+    return "  ".join(parts)
+
+
+def _shape_text(val) -> str:
+    if isinstance(val, torch.Tensor):
+        return str(list(val.shape))
+    if isinstance(val, (list, tuple)) and val and all(isinstance(v, torch.Tensor) for v in val):
+        shapes = [str(list(v.shape)) for v in val]
+        return f"{shapes[0]} x{len(shapes)}" if len(set(shapes)) == 1 else "(" + ", ".join(shapes) + ")"
+    return ""
+
+
+def value_names(graph: fx.Graph, taken: set[str]) -> dict[fx.Node, str]:
+    """Names for the graph's values from the model: a leaf module's only op takes the
+    module's path (`h0_attn_c_attn`), other ops add the op's name (`h0_attn_c_proj_linear`,
+    and its bias add `h0_attn_c_proj_add`); a getitem is its tuple's name and index."""
+    calls = [n for n in graph.nodes if n.op == "call_function"]
+    per_module = Counter(tf(n).get("module", "") for n in calls if n.target is not operator.getitem)
+    parents = {m.rsplit(".", k)[0] for m in per_module for k in range(1, m.count(".") + 1)}
+    used, names = set(taken), {}
+    for n in calls:
+        if n.target is operator.getitem and n.args[0] in names:
+            base = f"{names[n.args[0]]}_{n.args[1]}"
+        else:
+            module = tf(n).get("module", "")
+            path, op = _path_ident(module), _op_name(n.target)
+            alone = path and per_module[module] == 1 and module not in parents   # a leaf's only op
+            base = path if alone else "_".join(p for p in (path, op) if p)
+        name, k = _ident(base), 1
+        while name in used:
+            name, k = f"{_ident(base)}_{k}", k + 1
+        used.add(name)
+        names[n] = name
+    return names
+
+
+def _path_ident(module: str) -> str:
+    """`h.0.attn.c_attn` -> `h0_attn_c_attn` (layer indices stay with their container)."""
+    parts = [p for p in (module or "").split(".") if p]
+    out = parts[0] if parts else ""
+    for p in parts[1:]:
+        out += p if p.isdigit() else "_" + p
+    return out
+
+
+def _op_name(target) -> str:
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        return schema.name.split("::")[-1].lstrip("_")
+    return getattr(target, "kernel_name", None) or getattr(target, "__name__", "op")
+
+
 def _ident(name: str) -> str:
-    out = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
-    if out[0].isdigit() or out in ("self", "dev", "aten", "torch", "kernels", "lambda", "class"):
+    out = "".join(c if c.isalnum() or c == "_" else "_" for c in name) or "v"
+    if (out[0].isdigit() or keyword.iskeyword(out)
+            or out in ("self", "dev", "aten", "torch", "kernels", "lambda", "class")):
         out = "v_" + out
     return out

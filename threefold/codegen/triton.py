@@ -60,14 +60,14 @@ def _round_bf16(x):
 def kernels_source(regions: list[FusedRegion]) -> str:
     """The full text of kernels.py for these regions (one kernel per distinct kernel_name)."""
     unique: dict[str, FusedRegion] = {}
-    shared: dict[str, list[str]] = {}      # source nodes of the other regions using a kernel
+    shared: dict[str, list[list[str]]] = {}   # source nodes of each other region using a kernel
     for r in regions:
         first = unique.setdefault(r.kernel_name, r)
         shared.setdefault(r.kernel_name, [])
         if first is not r:
             if first.signature != r.signature:
                 raise ValueError(f"two different regions are both named {r.kernel_name!r}")
-            shared[r.kernel_name].extend(r.source_nodes)
+            shared[r.kernel_name].append(list(r.source_nodes))
     names = sorted(unique)
     parts = [HEADER.format(count=len(names), names=", ".join(names) or "none")]
     if any(o.short in ("tanh",) or (o.short == "gelu" and o.kw("approximate") == "tanh")
@@ -83,10 +83,10 @@ def kernels_source(regions: list[FusedRegion]) -> str:
 class KernelWriter:
     """Writes the five definitions of one kernel."""
 
-    def __init__(self, region: FusedRegion, shared_nodes: list[str] = ()):
+    def __init__(self, region: FusedRegion, shared_regions: list[list[str]] = ()):
         self.r = region
         self.name = region.kernel_name
-        self.shared = list(shared_nodes)
+        self.shared = [list(nodes) for nodes in shared_regions]   # the other regions it serves
         self.n_in = len(region.inputs)
         self.ndim = len(region.shape)
         self.floats = [k for k, i in enumerate(region.inputs) if i.dtype in TL_DTYPES]
@@ -280,10 +280,13 @@ class KernelWriter:
     def _banner(self) -> str:
         r = self.r
         ins = "; ".join(f"x{k} {i.pattern} {_dt(i.dtype)} {list(i.shape)}" for k, i in enumerate(r.inputs))
-        lines = ["", "# " + "=" * 90, f"# {self.name}: {r.description}",
-                 f"# source nodes: {', '.join(r.source_nodes)}"]
-        if self.shared:
-            lines.append(f"# also used for: {', '.join(self.shared)}")
+        lines = ["", "# " + "=" * 90, f"# {self.name}: {r.description}"]
+        if not self.shared:
+            lines.append(f"# source nodes: {', '.join(r.source_nodes)}")
+        else:   # one kernel, several regions: every one of them, by its source nodes
+            served = [r.source_nodes] + self.shared
+            lines.append(f"# serves {len(served)} regions (source nodes of each):")
+            lines += [f"#   {k + 1}: {', '.join(nodes)}" for k, nodes in enumerate(served)]
         lines += [f"# inputs: {ins}",
                   f"# outputs: {len(r.outputs)} x {list(r.shape)} ({', '.join(_dt(d) for d in r.out_dtypes)})",
                   "# " + "=" * 90]

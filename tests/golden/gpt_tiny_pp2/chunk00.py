@@ -5,7 +5,7 @@ rank:    pipeline stage 0 (model chunk 0, virtual 0), every tp rank of 1 (the tp
 covers:  wte, wpe, <top>, drop, h.0
 Generated from the traced graph; edit the model, not this file.
 """
-# content-hash: b76fce50ef12eb97
+# content-hash: 7c06cf368acb69a9
 import torch
 
 from threefold.runtime.module import ChunkModule
@@ -54,43 +54,51 @@ class Chunk0(ChunkModule):
         p_h_0_mlp_c_proj_weight = self.p('h.0.mlp.c_proj.weight')
         p_h_0_mlp_c_proj_bias = self.p('h.0.mlp.c_proj.bias')
         p_h_0_attn_mask = self.p('h.0.attn.mask')
-        arange = aten.arange.default(8, device=dev, pin_memory=False)  # recomputed here
-        embedding = aten.embedding.default(p_wte_weight, idx)
-        embedding_1 = aten.embedding.default(p_wpe_weight, arange)
-        add = aten.add.Tensor(embedding, embedding_1)
-        dropout = aten.dropout.default(add, 0.0, True)
-        layer_norm = aten.layer_norm.default(dropout, [16], p_h_0_ln_1_weight, p_h_0_ln_1_bias, 1e-05, False)
-        linear = aten.linear.default(layer_norm, p_h_0_attn_c_attn_weight, p_h_0_attn_c_attn_bias)
-        split = aten.split.Tensor(linear, 16, 2)
-        getitem = split[0]
-        getitem_1 = split[1]
-        getitem_2 = split[2]
-        view = aten.view.default(getitem, [2, 8, 2, 8])
-        transpose = aten.transpose.int(view, 1, 2)
-        view_1 = aten.view.default(getitem_1, [2, 8, 2, 8])
-        transpose_1 = aten.transpose.int(view_1, 1, 2)
-        view_2 = aten.view.default(getitem_2, [2, 8, 2, 8])
-        transpose_2 = aten.transpose.int(view_2, 1, 2)
-        transpose_3 = aten.transpose.int(transpose_1, -2, -1)
-        matmul = aten.matmul.default(transpose, transpose_3)
-        mul = aten.mul.Tensor(matmul, 0.35355339059327373)
-        slice_1 = aten.slice.Tensor(p_h_0_attn_mask, 2, 0, 8)  # recomputed here
-        slice_2 = aten.slice.Tensor(slice_1, 3, 0, 8)  # recomputed here
-        bitwise_not = aten.bitwise_not.default(slice_2)  # recomputed here
-        masked_fill = aten.masked_fill.Scalar(mul, bitwise_not, -float("inf"))
-        softmax = aten.softmax.int(masked_fill, -1)
-        dropout_1 = aten.dropout.default(softmax, 0.0, True)
-        matmul_1 = aten.matmul.default(dropout_1, transpose_2)
-        transpose_4 = aten.transpose.int(matmul_1, 1, 2)
-        contiguous = aten.contiguous.default(transpose_4)
-        view_3 = aten.view.default(contiguous, [2, 8, 16])
-        linear_1 = aten.linear.default(view_3, p_h_0_attn_c_proj_weight, p_h_0_attn_c_proj_bias)
-        dropout_2 = aten.dropout.default(linear_1, 0.0, True)
-        add_1 = aten.add.Tensor(dropout, dropout_2)
-        layer_norm_1 = aten.layer_norm.default(add_1, [16], p_h_0_ln_2_weight, p_h_0_ln_2_bias, 1e-05, False)
-        linear_2 = aten.linear.default(layer_norm_1, p_h_0_mlp_c_fc_weight, p_h_0_mlp_c_fc_bias)
-        gelu = aten.gelu.default(linear_2)
-        linear_3 = aten.linear.default(gelu, p_h_0_mlp_c_proj_weight, p_h_0_mlp_c_proj_bias)
-        dropout_3 = aten.dropout.default(linear_3, 0.0, True)
-        add_2 = aten.add.Tensor(add_1, dropout_3)
-        return (add_2, )
+        arange = aten.arange.default(8, device=dev, pin_memory=False)  # <top>  R  [8]  recomputed here
+        wte = aten.embedding.default(p_wte_weight, idx)  # wte  R  [2, 8, 16]
+        wpe = aten.embedding.default(p_wpe_weight, arange)  # wpe  R  [8, 16]
+        add = aten.add.Tensor(wte, wpe)  # <top>  R  [2, 8, 16]
+        drop = aten.dropout.default(add, 0.0, True)  # drop  R  [2, 8, 16]
+        h0_ln_1 = aten.layer_norm.default(  # h.0.ln_1  R  [2, 8, 16]
+            drop, [16], p_h_0_ln_1_weight, p_h_0_ln_1_bias, 1e-05, False)
+        h0_attn_c_attn = aten.linear.default(  # h.0.attn.c_attn  R  [2, 8, 48]
+            h0_ln_1, p_h_0_attn_c_attn_weight, p_h_0_attn_c_attn_bias)
+        h0_attn_split = aten.split.Tensor(h0_attn_c_attn, 16, 2)  # h.0.attn  R  [2, 8, 16] x3
+        h0_attn_split_0 = h0_attn_split[0]  # h.0.attn  R  [2, 8, 16]
+        h0_attn_split_1 = h0_attn_split[1]  # h.0.attn  R  [2, 8, 16]
+        h0_attn_split_2 = h0_attn_split[2]  # h.0.attn  R  [2, 8, 16]
+        h0_attn_view = aten.view.default(h0_attn_split_0, [2, 8, 2, 8])  # h.0.attn  R  [2, 8, 2, 8]
+        h0_attn_transpose = aten.transpose.int(h0_attn_view, 1, 2)  # h.0.attn  R  [2, 2, 8, 8]
+        h0_attn_view_1 = aten.view.default(h0_attn_split_1, [2, 8, 2, 8])  # h.0.attn  R  [2, 8, 2, 8]
+        h0_attn_transpose_1 = aten.transpose.int(h0_attn_view_1, 1, 2)  # h.0.attn  R  [2, 2, 8, 8]
+        h0_attn_view_2 = aten.view.default(h0_attn_split_2, [2, 8, 2, 8])  # h.0.attn  R  [2, 8, 2, 8]
+        h0_attn_transpose_2 = aten.transpose.int(h0_attn_view_2, 1, 2)  # h.0.attn  R  [2, 2, 8, 8]
+        h0_attn_transpose_3 = aten.transpose.int(h0_attn_transpose_1, -2, -1)  # h.0.attn  R  [2, 2, 8, 8]
+        h0_attn_matmul = aten.matmul.default(h0_attn_transpose, h0_attn_transpose_3)  # h.0.attn  R  [2, 2, 8, 8]
+        h0_attn_mul = aten.mul.Tensor(h0_attn_matmul, 0.35355339059327373)  # h.0.attn  R  [2, 2, 8, 8]
+        h0_attn_slice = aten.slice.Tensor(p_h_0_attn_mask, 2, 0, 8)  # h.0.attn  R  [1, 1, 8, 16]  recomputed here
+        h0_attn_slice_1 = aten.slice.Tensor(h0_attn_slice, 3, 0, 8)  # h.0.attn  R  [1, 1, 8, 8]  recomputed here
+        h0_attn_bitwise_not = aten.bitwise_not.default(h0_attn_slice_1)  # h.0.attn  R  [1, 1, 8, 8]  recomputed here
+        h0_attn_masked_fill = aten.masked_fill.Scalar(  # h.0.attn  R  [2, 2, 8, 8]
+            h0_attn_mul, h0_attn_bitwise_not, -float("inf"))
+        h0_attn_softmax = aten.softmax.int(h0_attn_masked_fill, -1)  # h.0.attn  R  [2, 2, 8, 8]
+        h0_attn_attn_dropout = aten.dropout.default(  # h.0.attn.attn_dropout  R  [2, 2, 8, 8]
+            h0_attn_softmax, 0.0, True)
+        h0_attn_matmul_1 = aten.matmul.default(h0_attn_attn_dropout, h0_attn_transpose_2)  # h.0.attn  R  [2, 2, 8, 8]
+        h0_attn_transpose_4 = aten.transpose.int(h0_attn_matmul_1, 1, 2)  # h.0.attn  R  [2, 8, 2, 8]
+        h0_attn_contiguous = aten.contiguous.default(h0_attn_transpose_4)  # h.0.attn  R  [2, 8, 2, 8]
+        h0_attn_view_3 = aten.view.default(h0_attn_contiguous, [2, 8, 16])  # h.0.attn  R  [2, 8, 16]
+        h0_attn_c_proj = aten.linear.default(  # h.0.attn.c_proj  R  [2, 8, 16]
+            h0_attn_view_3, p_h_0_attn_c_proj_weight, p_h_0_attn_c_proj_bias)
+        h0_attn_resid_dropout = aten.dropout.default(h0_attn_c_proj, 0.0, True)  # h.0.attn.resid_dropout  R  [2, 8, 16]
+        h0_add = aten.add.Tensor(drop, h0_attn_resid_dropout)  # h.0  R  [2, 8, 16]
+        h0_ln_2 = aten.layer_norm.default(  # h.0.ln_2  R  [2, 8, 16]
+            h0_add, [16], p_h_0_ln_2_weight, p_h_0_ln_2_bias, 1e-05, False)
+        h0_mlp_c_fc = aten.linear.default(  # h.0.mlp.c_fc  R  [2, 8, 64]
+            h0_ln_2, p_h_0_mlp_c_fc_weight, p_h_0_mlp_c_fc_bias)
+        h0_mlp_gelu = aten.gelu.default(h0_mlp_c_fc)  # h.0.mlp  R  [2, 8, 64]
+        h0_mlp_c_proj = aten.linear.default(  # h.0.mlp.c_proj  R  [2, 8, 16]
+            h0_mlp_gelu, p_h_0_mlp_c_proj_weight, p_h_0_mlp_c_proj_bias)
+        h0_mlp_dropout = aten.dropout.default(h0_mlp_c_proj, 0.0, True)  # h.0.mlp.dropout  R  [2, 8, 16]
+        h0_add_1 = aten.add.Tensor(h0_add, h0_mlp_dropout)  # h.0  R  [2, 8, 16]
+        return (h0_add_1, )  # OUTPUTS ['add_2']

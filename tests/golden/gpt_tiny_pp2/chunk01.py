@@ -5,7 +5,7 @@ rank:    pipeline stage 1 (model chunk 1, virtual 0), every tp rank of 1 (the tp
 covers:  h.1, ln_f, lm_head, <top>
 Generated from the traced graph; edit the model, not this file.
 """
-# content-hash: 15fd8af14d2fc866
+# content-hash: ce859a70a58eb37d
 import torch
 
 from threefold.runtime.module import ChunkModule
@@ -55,43 +55,51 @@ class Chunk1(ChunkModule):
         p_ln_f_weight = self.p('ln_f.weight')
         p_ln_f_bias = self.p('ln_f.bias')
         p_h_1_attn_mask = self.p('h.1.attn.mask')
-        layer_norm_2 = aten.layer_norm.default(add_2, [16], p_h_1_ln_1_weight, p_h_1_ln_1_bias, 1e-05, False)
-        linear_4 = aten.linear.default(layer_norm_2, p_h_1_attn_c_attn_weight, p_h_1_attn_c_attn_bias)
-        split_1 = aten.split.Tensor(linear_4, 16, 2)
-        getitem_3 = split_1[0]
-        getitem_4 = split_1[1]
-        getitem_5 = split_1[2]
-        view_4 = aten.view.default(getitem_3, [2, 8, 2, 8])
-        transpose_5 = aten.transpose.int(view_4, 1, 2)
-        view_5 = aten.view.default(getitem_4, [2, 8, 2, 8])
-        transpose_6 = aten.transpose.int(view_5, 1, 2)
-        view_6 = aten.view.default(getitem_5, [2, 8, 2, 8])
-        transpose_7 = aten.transpose.int(view_6, 1, 2)
-        transpose_8 = aten.transpose.int(transpose_6, -2, -1)
-        matmul_2 = aten.matmul.default(transpose_5, transpose_8)
-        mul_1 = aten.mul.Tensor(matmul_2, 0.35355339059327373)
-        slice_3 = aten.slice.Tensor(p_h_1_attn_mask, 2, 0, 8)  # recomputed here
-        slice_4 = aten.slice.Tensor(slice_3, 3, 0, 8)  # recomputed here
-        bitwise_not_1 = aten.bitwise_not.default(slice_4)  # recomputed here
-        masked_fill_1 = aten.masked_fill.Scalar(mul_1, bitwise_not_1, -float("inf"))
-        softmax_1 = aten.softmax.int(masked_fill_1, -1)
-        dropout_4 = aten.dropout.default(softmax_1, 0.0, True)
-        matmul_3 = aten.matmul.default(dropout_4, transpose_7)
-        transpose_9 = aten.transpose.int(matmul_3, 1, 2)
-        contiguous_1 = aten.contiguous.default(transpose_9)
-        view_7 = aten.view.default(contiguous_1, [2, 8, 16])
-        linear_5 = aten.linear.default(view_7, p_h_1_attn_c_proj_weight, p_h_1_attn_c_proj_bias)
-        dropout_5 = aten.dropout.default(linear_5, 0.0, True)
-        add_3 = aten.add.Tensor(add_2, dropout_5)
-        layer_norm_3 = aten.layer_norm.default(add_3, [16], p_h_1_ln_2_weight, p_h_1_ln_2_bias, 1e-05, False)
-        linear_6 = aten.linear.default(layer_norm_3, p_h_1_mlp_c_fc_weight, p_h_1_mlp_c_fc_bias)
-        gelu_1 = aten.gelu.default(linear_6)
-        linear_7 = aten.linear.default(gelu_1, p_h_1_mlp_c_proj_weight, p_h_1_mlp_c_proj_bias)
-        dropout_6 = aten.dropout.default(linear_7, 0.0, True)
-        add_4 = aten.add.Tensor(add_3, dropout_6)
-        layer_norm_4 = aten.layer_norm.default(add_4, [16], p_ln_f_weight, p_ln_f_bias, 1e-05, False)
-        linear_8 = aten.linear.default(layer_norm_4, p_wte_weight)
-        reshape = aten.reshape.default(linear_8, [-1, 32])
-        reshape_1 = aten.reshape.default(target, [-1])  # recomputed here
-        cross_entropy_loss = aten.cross_entropy_loss.default(reshape, reshape_1)
+        h1_ln_1 = aten.layer_norm.default(  # h.1.ln_1  R  [2, 8, 16]
+            add_2, [16], p_h_1_ln_1_weight, p_h_1_ln_1_bias, 1e-05, False)
+        h1_attn_c_attn = aten.linear.default(  # h.1.attn.c_attn  R  [2, 8, 48]
+            h1_ln_1, p_h_1_attn_c_attn_weight, p_h_1_attn_c_attn_bias)
+        h1_attn_split = aten.split.Tensor(h1_attn_c_attn, 16, 2)  # h.1.attn  R  [2, 8, 16] x3
+        h1_attn_split_0 = h1_attn_split[0]  # h.1.attn  R  [2, 8, 16]
+        h1_attn_split_1 = h1_attn_split[1]  # h.1.attn  R  [2, 8, 16]
+        h1_attn_split_2 = h1_attn_split[2]  # h.1.attn  R  [2, 8, 16]
+        h1_attn_view = aten.view.default(h1_attn_split_0, [2, 8, 2, 8])  # h.1.attn  R  [2, 8, 2, 8]
+        h1_attn_transpose = aten.transpose.int(h1_attn_view, 1, 2)  # h.1.attn  R  [2, 2, 8, 8]
+        h1_attn_view_1 = aten.view.default(h1_attn_split_1, [2, 8, 2, 8])  # h.1.attn  R  [2, 8, 2, 8]
+        h1_attn_transpose_1 = aten.transpose.int(h1_attn_view_1, 1, 2)  # h.1.attn  R  [2, 2, 8, 8]
+        h1_attn_view_2 = aten.view.default(h1_attn_split_2, [2, 8, 2, 8])  # h.1.attn  R  [2, 8, 2, 8]
+        h1_attn_transpose_2 = aten.transpose.int(h1_attn_view_2, 1, 2)  # h.1.attn  R  [2, 2, 8, 8]
+        h1_attn_transpose_3 = aten.transpose.int(h1_attn_transpose_1, -2, -1)  # h.1.attn  R  [2, 2, 8, 8]
+        h1_attn_matmul = aten.matmul.default(h1_attn_transpose, h1_attn_transpose_3)  # h.1.attn  R  [2, 2, 8, 8]
+        h1_attn_mul = aten.mul.Tensor(h1_attn_matmul, 0.35355339059327373)  # h.1.attn  R  [2, 2, 8, 8]
+        h1_attn_slice = aten.slice.Tensor(p_h_1_attn_mask, 2, 0, 8)  # h.1.attn  R  [1, 1, 8, 16]  recomputed here
+        h1_attn_slice_1 = aten.slice.Tensor(h1_attn_slice, 3, 0, 8)  # h.1.attn  R  [1, 1, 8, 8]  recomputed here
+        h1_attn_bitwise_not = aten.bitwise_not.default(h1_attn_slice_1)  # h.1.attn  R  [1, 1, 8, 8]  recomputed here
+        h1_attn_masked_fill = aten.masked_fill.Scalar(  # h.1.attn  R  [2, 2, 8, 8]
+            h1_attn_mul, h1_attn_bitwise_not, -float("inf"))
+        h1_attn_softmax = aten.softmax.int(h1_attn_masked_fill, -1)  # h.1.attn  R  [2, 2, 8, 8]
+        h1_attn_attn_dropout = aten.dropout.default(  # h.1.attn.attn_dropout  R  [2, 2, 8, 8]
+            h1_attn_softmax, 0.0, True)
+        h1_attn_matmul_1 = aten.matmul.default(h1_attn_attn_dropout, h1_attn_transpose_2)  # h.1.attn  R  [2, 2, 8, 8]
+        h1_attn_transpose_4 = aten.transpose.int(h1_attn_matmul_1, 1, 2)  # h.1.attn  R  [2, 8, 2, 8]
+        h1_attn_contiguous = aten.contiguous.default(h1_attn_transpose_4)  # h.1.attn  R  [2, 8, 2, 8]
+        h1_attn_view_3 = aten.view.default(h1_attn_contiguous, [2, 8, 16])  # h.1.attn  R  [2, 8, 16]
+        h1_attn_c_proj = aten.linear.default(  # h.1.attn.c_proj  R  [2, 8, 16]
+            h1_attn_view_3, p_h_1_attn_c_proj_weight, p_h_1_attn_c_proj_bias)
+        h1_attn_resid_dropout = aten.dropout.default(h1_attn_c_proj, 0.0, True)  # h.1.attn.resid_dropout  R  [2, 8, 16]
+        h1_add = aten.add.Tensor(add_2, h1_attn_resid_dropout)  # h.1  R  [2, 8, 16]
+        h1_ln_2 = aten.layer_norm.default(  # h.1.ln_2  R  [2, 8, 16]
+            h1_add, [16], p_h_1_ln_2_weight, p_h_1_ln_2_bias, 1e-05, False)
+        h1_mlp_c_fc = aten.linear.default(  # h.1.mlp.c_fc  R  [2, 8, 64]
+            h1_ln_2, p_h_1_mlp_c_fc_weight, p_h_1_mlp_c_fc_bias)
+        h1_mlp_gelu = aten.gelu.default(h1_mlp_c_fc)  # h.1.mlp  R  [2, 8, 64]
+        h1_mlp_c_proj = aten.linear.default(  # h.1.mlp.c_proj  R  [2, 8, 16]
+            h1_mlp_gelu, p_h_1_mlp_c_proj_weight, p_h_1_mlp_c_proj_bias)
+        h1_mlp_dropout = aten.dropout.default(h1_mlp_c_proj, 0.0, True)  # h.1.mlp.dropout  R  [2, 8, 16]
+        h1_add_1 = aten.add.Tensor(h1_add, h1_mlp_dropout)  # h.1  R  [2, 8, 16]
+        ln_f = aten.layer_norm.default(h1_add_1, [16], p_ln_f_weight, p_ln_f_bias, 1e-05, False)  # ln_f  R  [2, 8, 16]
+        lm_head = aten.linear.default(ln_f, p_wte_weight)  # lm_head  R  [2, 8, 32]
+        reshape = aten.reshape.default(lm_head, [-1, 32])  # <top>  R  [16, 32]
+        reshape_1 = aten.reshape.default(target, [-1])  # <top>  R  [16]  recomputed here
+        cross_entropy_loss = aten.cross_entropy_loss.default(reshape, reshape_1)  # <top>  R  []
         return (cross_entropy_loss, )
