@@ -10,8 +10,6 @@ moment, so neither the full model nor another rank's shard is ever materialised.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from threefold.checkpoint import files, state
@@ -142,7 +140,3 @@ def _apply_optimizer(optimizer, moments: dict, sd: dict) -> None:
         for g, saved in zip(optimizer.param_groups, groups):
             g.update({k: v for k, v in saved.items() if k != "params"})
 
-
-def total_elements(md) -> int:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    return sum(math.prod(m.size) for m in md.state_dict_metadata.values() if isinstance(m, TensorStorageMetadata))
