@@ -77,7 +77,10 @@ class _ClassWriter:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         args = [n for n in placeholders if tf(n)["kind"] in ("boundary", "input")]
         state = [n for n in placeholders if tf(n)["kind"] in ("param", "buffer")]
+        self.segment_methods: list[list[str]] = []
         lines = self._method("forward", self.gm.graph)
+        for method in self.segment_methods:   # recomputed segments (passes/recompute.py)
+            lines += [""] + method
         den = self.prog.loss_denominator
         is_last = self.chunk.index == len(self.prog.chunks) - 1
         den_inputs = None
@@ -129,8 +132,15 @@ class _ClassWriter:
             lines.append(f"        {self.names[n]} = self.p({tf(n)['fqn']!r})")
         lines += self._prologue(graph, args)
         out_line = None
+        segments = self.gm.meta.get("recompute") or [] if name == "forward" else []
+        first = {seg["nodes"][0]: seg for seg in segments}
+        in_segment = {x for seg in segments for x in seg["nodes"]}
         for node in graph.nodes:
-            if node.op == "call_function":
+            if node.name in first:
+                lines += self._segment_call(graph, first[node.name])
+            elif node.name in in_segment:
+                continue
+            elif node.op == "call_function":
                 lines += self._line(node)
             elif node.op == "output":
                 outs = node.args[0]
@@ -141,6 +151,37 @@ class _ClassWriter:
         if self.uses_device:  # ops that create tensors run on the module's own device
             lines.insert(dev_line, "        dev = self.device")
         return lines
+
+    def _segment_call(self, graph: fx.Graph, seg: dict) -> list[str]:
+        """A recomputed segment: its ops become a method `_recompute_<k>`, and forward calls
+        it through ChunkModule.recompute (torch.utils.checkpoint: autograd keeps only the
+        segment's inputs and runs the method again in backward, with the same random seeds)."""
+        nodes = [n for n in graph.nodes if n.name in set(seg["nodes"])]
+        inside = set(nodes)
+        inputs: list[fx.Node] = []
+        for n in nodes:
+            for a in n.all_input_nodes:
+                if a not in inside and a not in inputs:
+                    inputs.append(a)
+        outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+        method = f"_recompute_{len(self.segment_methods)}"
+        outer_device = self.uses_device
+        self.uses_device = False
+        body = [f"    def {method}(self, {', '.join(self.names[a] for a in inputs)}):",
+                f"        # {seg['name']}: {seg['why']}"]
+        dev_line = len(body)
+        for n in nodes:
+            self.names[n] = _ident(n.name)
+            comment = "  # recomputed here" if tf(n).get("recomputed") else ""
+            body.append(f"        {self.names[n]} = {self._call(n)}{comment}")
+        body.append("        return (" + "".join(self.names[o] + ", " for o in outputs) + ")")
+        if self.uses_device:
+            body.insert(dev_line, "        dev = self.device")
+        self.uses_device = outer_device
+        self.segment_methods.append(body)
+        return [f"        # recomputed in backward: {seg['name']} ({len(nodes)} ops; {seg['why']})",
+                f"        {''.join(self.names[o] + ', ' for o in outputs)}= self.recompute(self.{method}"
+                + "".join(f", {self.names[a]}" for a in inputs) + ")"]
 
     def _prologue(self, graph: fx.Graph, args: list[fx.Node]) -> list[str]:
         """Copies of received and batch tensors that an op of this method writes in place

@@ -21,6 +21,7 @@ from threefold.passes.fusion import fuse
 from threefold.passes.loss_form import loss_form
 from threefold.passes.pipeline_split import split_pipeline
 from threefold.passes.random_ops import seed_random_ops
+from threefold.passes.recompute import plan_recompute
 from threefold.passes.tensor_parallel import tensor_parallel
 
 Pass = Callable[[Program], Program]
@@ -29,9 +30,11 @@ Pass = Callable[[Program], Program]
 def default_passes() -> list[Pass]:
     """The standard lowering, in order. Costs are of local (per-tp-rank) shapes, so they
     come after tensor parallelism; fusion works on each chunk's own graph. The loss's
-    combination over microbatches and the batch-statistics check read the traced graph."""
+    combination over microbatches and the batch-statistics check read the traced graph.
+    Recomputation marks segments of the final chunk graphs (random ops already seeded, so a
+    recomputed dropout calls the same seeded op)."""
     return [check_batch_statistics, loss_form, tensor_parallel, annotate_costs, split_pipeline, extract_chunks, fuse,
-            seed_random_ops]
+            seed_random_ops, plan_recompute]
 
 
 class PassFailed(RuntimeError):

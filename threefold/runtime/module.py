@@ -59,6 +59,27 @@ class ChunkModule(torch.nn.Module):
             tp_rank = dist.get_rank(self.tp_group)
         return mix_seed(*self.rng_key, index, tp_rank)
 
+    def recompute(self, fn, *args):
+        """Run `fn(*args)` keeping only its inputs for backward, which runs it again
+        (activation recomputation, passes/recompute.py). torch.utils.checkpoint restores the
+        global RNG state for the rerun; our random ops draw from seeds of (step, microbatch,
+        op), and by backward time the engine has moved rng_key on to later microbatches, so
+        the rerun is given this forward's key back: dropout draws the same mask."""
+        if not torch.is_grad_enabled():
+            return fn(*args)
+        from torch.utils.checkpoint import checkpoint
+        from threefold.runtime.memory import note_held
+        note_held(args)   # checkpoint keeps these by reference, not through saved-tensor hooks
+        key = self.rng_key
+
+        def replay(*inputs):
+            current, self.rng_key = self.rng_key, key
+            try:
+                return fn(*inputs)
+            finally:
+                self.rng_key = current
+        return checkpoint(replay, *args, use_reentrant=False)
+
     @property
     def device(self) -> torch.device:
         for t in self.parameters():

@@ -1,0 +1,203 @@
+"""Activation recomputation: which ops of each chunk are recomputed in backward.
+
+`plan.recompute`:
+  full       one segment per transformer layer: backward keeps only the layer's inputs and
+             runs the layer's forward again (Megatron's full recomputation). Layers are found
+             in the graph: a module path whose prefix repeats with an integer index
+             (`h.0.attn`, `h.1.mlp`, `model.layers.3.self_attn` -> `h.0`, `h.1`, `model.layers.3`)
+             across the whole program. A chunk with no such structure is one segment.
+  selective  inside each layer (or chunk), the regions that keep many bytes for few FLOPs:
+             values larger than the layer's input (the attention scores, a*s*s per sequence,
+             against s*h) grown into a connected region with the ops that consume them, kept
+             when the region's share of the layer's saved bytes exceeds its share of the
+             layer's FLOPs (it frees memory at a better rate than the layer's average). In a
+             GPT that is the attention core (scores, mask, softmax, dropout, scores x V); the
+             MLP's 4h activations fail the rule (their GEMMs are most of the layer's FLOPs).
+
+Guarantees: `chunk.gm.meta["recompute"]` is a list of segments {"name", "nodes" (contiguous
+compute nodes in graph order), "why"}; codegen writes each as a method run under
+`torch.utils.checkpoint` (ChunkModule.recompute). A segment that writes in place into a value
+it does not create (recomputing it would write twice) or whose result is not a tensor is
+left out, with a reason in prog.notes.
+"""
+from __future__ import annotations
+
+import re
+
+import torch.fx as fx
+
+from threefold.compiler.cost import NodeCost, node_cost
+from threefold.compiler.program import Program, meta_of, tf
+
+_INDEXED = re.compile(r"^\d+$")
+
+
+def plan_recompute(prog: Program) -> Program:
+    """Needs: chunk graphs (extract_chunks), costs. Guarantees: gm.meta['recompute'] per chunk."""
+    mode = getattr(prog.plan, "recompute", "none")
+    layers = _repeated_containers(prog.graph)
+    for chunk in prog.chunks:
+        if chunk.gm is None:
+            continue
+        segments = []
+        if mode != "none":
+            for name, nodes in _layer_runs(chunk.gm.graph, layers):
+                if mode == "full":
+                    why = ("full: keeps the layer's inputs, recomputes its ops in backward"
+                           if name != "<chunk>" else "full: no repeated layers in the graph; "
+                           "keeps the chunk's inputs, recomputes the chunk in backward")
+                    segments.append({"name": name, "nodes": [n.name for n in nodes], "why": why})
+                else:
+                    segments += _selective(name, nodes)
+        kept = []
+        for seg in segments:
+            problem = _unsafe(chunk.gm.graph, seg["nodes"])
+            if problem:
+                prog.notes.append(f"recompute: chunk {chunk.index} keeps {seg['name']} (not recomputed): {problem}")
+            else:
+                kept.append(seg)
+        chunk.gm.meta["recompute"] = kept
+    return prog
+
+
+# --- layers -------------------------------------------------------------------------------
+def _repeated_containers(graph: fx.Graph) -> set[str]:
+    """Module-path prefixes 'a.b.<i>' whose container 'a.b' holds two or more indices."""
+    indices: dict[str, set[str]] = {}
+    for node in graph.nodes:
+        parts = (tf(node).get("module") or "").split(".")
+        for i, part in enumerate(parts):
+            if _INDEXED.match(part):
+                indices.setdefault(".".join(parts[:i]), set()).add(part)
+    return {c for c, idx in indices.items() if len(idx) >= 2}
+
+
+def _layer_key(node: fx.Node, containers: set[str]) -> str | None:
+    """The outermost repeated layer this node belongs to ('h.3'), or None."""
+    parts = (tf(node).get("module") or "").split(".")
+    for i, part in enumerate(parts):
+        if _INDEXED.match(part) and ".".join(parts[:i]) in containers:
+            return ".".join(parts[:i + 1])
+    return None
+
+
+def _layer_runs(graph: fx.Graph, containers: set[str]) -> list[tuple[str, list[fx.Node]]]:
+    """Maximal runs of consecutive compute nodes of one layer; nodes without a module path
+    between two nodes of the same layer join it. No layer at all: the chunk is one run."""
+    compute = [n for n in graph.nodes if n.op == "call_function"]
+    runs: list[tuple[str, list[fx.Node]]] = []
+    current, pending = None, []
+    for node in compute:
+        key = _layer_key(node, containers)
+        if key is None:
+            pending.append(node)
+            continue
+        if runs and key == current:
+            runs[-1][1].extend(pending)
+            runs[-1][1].append(node)
+        else:
+            runs.append((key, [node]))
+        current, pending = key, []
+    if not runs and compute:
+        return [("<chunk>", compute)]
+    seen: dict[str, int] = {}
+    named = []
+    for key, nodes in runs:   # a layer split into two runs: h.0, h.0#2
+        seen[key] = seen.get(key, 0) + 1
+        named.append((key if seen[key] == 1 else f"{key}#{seen[key]}", nodes))
+    return named
+
+
+# --- selective ----------------------------------------------------------------------------
+def _cost(node: fx.Node) -> NodeCost:
+    return tf(node).get("cost") or node_cost(node)
+
+
+def _numel(node) -> int:
+    m = meta_of(node) if isinstance(node, fx.Node) else None
+    return m.numel if m is not None else 0
+
+
+def _saved(nodes: list[fx.Node], produced: set[str] | None = None) -> int:
+    """Bytes autograd keeps for these ops (each value once); only values produced inside
+    `produced` when given: those are what recomputing the nodes frees."""
+    kept: dict[str, int] = {}
+    for n in nodes:
+        for value, nbytes in _cost(n).saved:
+            if produced is None or value.split(".mask")[0] in produced:
+                kept[value] = nbytes
+    return sum(kept.values())
+
+
+def _selective(layer: str, nodes: list[fx.Node]) -> list[dict]:
+    """Regions of the layer that free more of its saved bytes than they cost of its FLOPs."""
+    inside = set(nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    external = {a for n in nodes for a in n.all_input_nodes if a not in inside
+                and not (a.op == "placeholder" and tf(a).get("kind") in ("param", "buffer"))}
+    floats = [_numel(a) for a in external if meta_of(a) is not None and meta_of(a).dtype.is_floating_point]
+    reference = max(floats, default=0)   # the layer's input: the residual stream
+    if reference == 0:
+        return []
+    large = [n for n in nodes if _numel(n) > reference]
+    layer_saved, layer_flops = _saved(nodes), sum(_cost(n).flops for n in nodes)
+    if not large or not layer_saved or not layer_flops:
+        return []
+    # Connected regions of large values, each with the ops that read them (so the large
+    # values are internal: recomputed, not kept).
+    region_of: dict[fx.Node, int] = {}
+    regions: list[set[fx.Node]] = []
+    for n in large:
+        linked = {region_of[a] for a in n.all_input_nodes if a in region_of}
+        if linked:
+            target = min(linked)
+            for other in sorted(linked - {target}):
+                regions[target] |= regions[other]
+                for m in regions[other]:
+                    region_of[m] = target
+                regions[other] = set()
+        else:
+            target = len(regions)
+            regions.append(set())
+        regions[target].add(n)
+        region_of[n] = target
+    out = []
+    for region in regions:
+        if not region:
+            continue
+        members = set(region) | {u for n in region for u in n.users if u in inside}
+        lo, hi = min(pos[n] for n in members), max(pos[n] for n in members)
+        span = nodes[lo:hi + 1]
+        # What recomputing frees: values made inside the span that ops inside it keep,
+        # minus the span's results that live on outside anyway.
+        in_span = set(span)
+        results = {n.name for n in span if any(u not in in_span for u in n.users)}
+        freed = _saved(span, {n.name for n in span} - results)
+        flops = sum(_cost(n).flops for n in span)
+        if freed and freed / layer_saved > flops / layer_flops:
+            out.append({"name": f"{layer}:{span[0].name}..{span[-1].name}", "nodes": [n.name for n in span],
+                        "why": f"selective: frees {freed / layer_saved:.0%} of the layer's saved bytes "
+                               f"for {flops / layer_flops:.1%} of its FLOPs"})
+    return out
+
+
+# --- safety -------------------------------------------------------------------------------
+def _unsafe(graph: fx.Graph, names: list[str]) -> str | None:
+    by_name = {n.name: n for n in graph.nodes}
+    nodes = [by_name[x] for x in names]
+    inside = set(nodes)
+    if not any(u not in inside for n in nodes for u in n.users):
+        return "nothing outside it reads its results"
+    for n in nodes:
+        schema = getattr(n.target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            for i, a in enumerate(schema.arguments):
+                value = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+                if a.alias_info is not None and a.alias_info.is_write and isinstance(value, fx.Node) \
+                        and value not in inside:
+                    return f"{n.name} writes in place into {value.name}, made outside the segment"
+        if any(u not in inside for u in n.users):
+            val = n.meta.get("val")
+            if not hasattr(val, "shape"):
+                return f"its result {n.name} is not a tensor"
+    return None
