@@ -63,3 +63,26 @@ def test_resume_from_a_directory_that_is_not_a_checkpoint_is_one_line(tmp_path):
                           "--resume", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "not a threefold checkpoint" in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def _run(*args):
+    out = subprocess.run([sys.executable, "-m", "threefold", "run", *args, "--json"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)["losses"], out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_run_artifact_saves_and_resumes(tmp_path):
+    art = tmp_path / "art"
+    out = subprocess.run([sys.executable, "-m", "threefold", "compile", "examples/gpt.py:workload(n_layer=2)",
+                          "--plan", "pp=2", "--out", str(art)], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    reference, _ = _run(str(art), "--steps", "6")
+    first, _ = _run(str(art), "--steps", "4", "--save-every", "2", "--ckpt-dir", str(tmp_path / "c"))
+    resumed, err = _run(str(art), "--steps", "6", "--ckpt-dir", str(tmp_path / "c"), "--resume")
+    assert "resumed from" in err and "at step 4" in err, err[-500:]
+    assert first == reference[:4]
+    assert len(resumed) == 6 and max_rel_diff(resumed, reference) < 1e-6, (resumed, reference)
+    assert sorted(os.listdir(tmp_path / "c"))[-2:] == ["step_000000002", "step_000000004"]

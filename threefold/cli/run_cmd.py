@@ -25,10 +25,16 @@ def register(sub) -> None:
     p.add_argument("--trust", action="store_true",
                    help="skip the sha256 check of the artifact's files (paths are still checked); "
                         "only for artifacts you made yourself")
+    p.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="write a sharded checkpoint every N steps to --ckpt-dir (keeps the last 2)")
+    p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (default: DIR.ckpt)")
+    p.add_argument("--resume", nargs="?", const="", default=None, metavar="CKPT",
+                   help="continue from the newest checkpoint in CKPT (default: --ckpt-dir)")
     p.set_defaults(func=run)
 
 
-def _run_rank(root: str, steps: int, lr: float, trust: bool = False, skip_nonfinite: bool = False) -> dict:
+def _run_rank(root: str, steps: int, lr: float, trust: bool = False, skip_nonfinite: bool = False,
+              save_every: int = 0, ckpt_dir: str | None = None, resume: str | None = None) -> dict:
     from threefold.runtime.loader import load_batch, load_chunk, open_artifact
     from threefold.runtime.mesh import Mesh
     from threefold.runtime.session import check_world, default_device, local_chunks, make_engine
@@ -43,8 +49,19 @@ def _run_rank(root: str, steps: int, lr: float, trust: bool = False, skip_nonfin
     batch = load_batch(art)
     opt = torch.optim.SGD(engine.parameters(), lr=lr)
     from threefold.cli.divergence import nonfinite
-    losses, skipped = [], []
-    for step in range(1, steps + 1):
+    losses, skipped, start = [], [], 1
+    # what threefold.save/load read from a ParallelModule (no compiler import here)
+    import types
+    pm = types.SimpleNamespace(engine=engine, manifest=art.manifest, plan=art.plan)
+    if resume is not None:
+        import threefold.checkpoint as ckpt
+        info = ckpt.load(pm, opt, resume)
+        done = info["extra"] or {}
+        losses, skipped, start = list(done.get("losses", [])), list(done.get("skipped", [])), int(info["step"]) + 1
+        from threefold.cli.jobs import is_main_rank
+        if is_main_rank():
+            print(f"threefold run: resumed from {info['path']} at step {start - 1}", file=sys.stderr)
+    for step in range(start, steps + 1):
         opt.zero_grad()
         losses.append(engine.step(batch))
         bad = nonfinite(losses[-1], engine.parameters())
@@ -54,6 +71,9 @@ def _run_rank(root: str, steps: int, lr: float, trust: bool = False, skip_nonfin
             skipped.append(step)
         else:
             return {"losses": losses, "skipped": skipped, "stopped": (step, bad)}
+        if save_every and step % save_every == 0:
+            import threefold.checkpoint as ckpt
+            ckpt.save(pm, opt, ckpt_dir, step=step, keep=2, extra={"losses": losses, "skipped": skipped})
     return {"losses": losses, "skipped": skipped, "stopped": None}
 
 
@@ -75,10 +95,18 @@ def run(args) -> int:
                         "recompile it with `threefold compile`")
     if not art.manifest.get("has_loss"):
         raise PlanError(f"artifact {args.dir!r} was compiled without a loss: run trains, so compile with loss_fn")
+    if args.save_every < 0:
+        raise PlanError(f"--save-every {args.save_every} is invalid: use a positive step count (0: never)")
+    import os
+    ckpt_dir = args.ckpt_dir or os.path.abspath(art.root).rstrip("/") + ".ckpt"
+    resume = None if args.resume is None else (args.resume or ckpt_dir)
+    if resume is not None:
+        from threefold.checkpoint.files import resolve
+        resolve(resume)   # not a checkpoint: one line here, before any rank starts
     mesh = art.manifest["mesh"]
     world = mesh["tp"] * mesh["dp"] * mesh["pp"]
     result = run_on_ranks(_run_rank, world, art.root, args.steps, args.lr, args.trust,
-                          args.skip_nonfinite)[0]
+                          args.skip_nonfinite, args.save_every, ckpt_dir, resume)[0]
     from threefold.cli.jobs import is_main_rank
     losses, stopped = result["losses"], result["stopped"]
     if not is_main_rank():
