@@ -152,3 +152,14 @@ def test_saved_tensor_counter_counts_each_storage_once():
     with SavedTensorCounter(exclude=[x]) as c:
         (x * x).sum()
     assert c.bytes == 0
+
+
+def test_inspect_says_what_each_chunk_recomputes():
+    from threefold.cli.inspect_cmd import chunk_report, format_report
+    prog = _compile("gpt", GPT_KW, "pp=2,m=2,recompute=selective")
+    report = chunk_report(prog)
+    assert report["recompute"]["mode"] == "selective"
+    assert [len(segs) for segs in report["recompute"]["chunks"]] == [1, 1]
+    text = format_report(prog, report)
+    assert "recompute=selective" in text and "chunk 0: h.0:matmul..matmul_1 (8 ops)" in text
+    assert "recompute" not in chunk_report(_compile("gpt", GPT_KW, "pp=2,m=2"))

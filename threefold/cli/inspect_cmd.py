@@ -77,6 +77,11 @@ def chunk_report(prog) -> dict:
               "imbalance": round(imbalance([c.flops for c in costs]), 6)}
     if getattr(prog, "tp_report", None) is not None:   # tp > 1: sharded share, fallbacks
         report["tensor_parallel"] = prog.tp_report
+    if getattr(plan, "recompute", "none") != "none":   # passes/recompute.py: what backward reruns
+        report["recompute"] = {"mode": plan.recompute, "chunks": [
+            [{"segment": seg["name"], "ops": len(seg["nodes"]), "why": seg["why"]}
+             for seg in ((chunk.gm.meta.get("recompute") or []) if chunk.gm is not None else [])]
+            for chunk in prog.chunks]}
     return report
 
 
@@ -100,6 +105,12 @@ def format_report(prog, report: dict) -> str:
         shared = [fqn for fqn in prog.ties if sum(fqn in c.params for c in prog.chunks) > 1]
         if shared:
             lines.append(f"tied parameters held by several chunks (grads summed): {', '.join(shared)}")
+    if "recompute" in report:
+        lines.append(f"recompute={report['recompute']['mode']} (recomputed in backward, per chunk):")
+        for i, segs in enumerate(report["recompute"]["chunks"]):
+            what = ", ".join(f"{s['segment']} ({s['ops']} ops)" for s in segs) or "nothing (no region frees more of the saved bytes than it costs of the FLOPs)"
+            why = f"  [{segs[0]['why']}]" if segs else ""
+            lines.append(f"  chunk {i}: {what}{why}")
     lines += [f"note: {n}" for n in prog.notes if not n.startswith("tp fallback:")]
     tp = report.get("tensor_parallel")
     if tp and tp["fallbacks"]:
