@@ -103,3 +103,23 @@ def test_shared_kernel_lists_every_region_it_serves():
     # two blocks x (attention residual, MLP residual): one kernel, four regions, each listed
     assert "# serves 4 regions (source nodes of each):" in banner
     assert len(re.findall(r"^#   \d: ", banner, re.M)) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_shared_tp_module_trains_like_one_process(tmp_path):
+    """The one module per chunk, loaded by both tp ranks of each stage (tied embedding across
+    stages, scatter/gather boundaries), trains like the original in `threefold run`."""
+    import subprocess
+    import sys
+    from tests.parity import load_workload, max_rel_diff, reference_losses
+    kw = {"n_layer": 2, "n_embd": 16, "n_head": 2, "seq": 8, "batch": 4}
+    w = load_workload("gpt", **kw)
+    save_artifact(compile_workload(w, "tp=2,pp=2,m=2"), str(tmp_path / "art"), batch=(*w["inputs"], w["target"]))
+    out = subprocess.run([sys.executable, "-m", "threefold", "run", str(tmp_path / "art"), "--json"],
+                         cwd=str(tmp_path), env=dict(os.environ, PYTHONPATH=""), capture_output=True,
+                         text=True, timeout=350)
+    assert out.returncode == 0, out.stderr
+    losses = json.loads(out.stdout.strip().splitlines()[-1])["losses"]
+    ref = reference_losses("gpt", kw, len(losses))
+    assert len(losses) >= 2 and max_rel_diff(losses, ref) < 1e-5, (losses, ref)

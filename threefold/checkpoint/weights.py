@@ -24,6 +24,7 @@ import torch
 
 from threefold.checkpoint.layout import local_shape, pieces
 from threefold.errors import PlanError
+from threefold.runtime.shard import rank_shard
 
 INDEX = "model.safetensors.index.json"
 
@@ -97,7 +98,7 @@ class WeightSource:
         if key is None:
             full = model_value if not model_value.is_meta else self._init(fqn)
             with torch.no_grad():
-                dest.copy_(spec(full, tp_rank) if spec is not None else full)
+                dest.copy_(rank_shard(full, spec, tp_rank))
             return dest
         from safetensors import safe_open
         dim, parts = pieces(spec, shape, tp_rank)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 
 from threefold.compiler.program import Program, meta_of
+from threefold.runtime.boundary import sent_elements
 
 
 def chunk_collectives(prog: Program) -> list[list[dict]]:
@@ -49,8 +50,5 @@ def chunk_collectives(prog: Program) -> list[list[dict]]:
 def _p2p_elements(node, plan) -> int:
     """Elements one rank sends for a boundary value: 1/t of replicated ones under
     scatter/gather (runtime/boundary.py), the whole value otherwise."""
-    n = meta_of(node).numel
-    placement = node.meta.get("tf", {}).get("placement", "R")
-    if plan.tp > 1 and plan.scatter_gather and placement == "R" and n % plan.tp == 0:
-        return n // plan.tp
-    return n
+    return sent_elements(node.meta.get("tf", {}).get("placement", "R"), meta_of(node).numel,
+                         plan.tp, plan.scatter_gather)

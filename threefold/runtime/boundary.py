@@ -17,6 +17,17 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
            "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
 
 
+def is_scattered(placement: str, numel: int, t: int, scatter_gather: bool) -> bool:
+    """The scatter/gather rule: a replicated boundary tensor whose elements divide by t is
+    sent as 1/t per tp rank and all-gathered by the receivers; anything else goes whole."""
+    return bool(scatter_gather) and t > 1 and placement == "R" and numel % t == 0
+
+
+def sent_elements(placement: str, numel: int, t: int, scatter_gather: bool) -> int:
+    """Elements one tp rank sends for a boundary tensor of `numel` elements."""
+    return numel // t if is_scattered(placement, numel, t, scatter_gather) else numel
+
+
 class Boundary:
     """The tensors of one chunk boundary (a chunk's inputs or outputs), as the manifest lists them."""
 
@@ -27,8 +38,8 @@ class Boundary:
         self.group = tp_group
         self.t = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.r = dist.get_rank(tp_group) if tp_group is not None else 0
-        self.split = [scatter_gather and self.t > 1 and e.get("placement", "R") == "R"
-                      and _numel(e["shape"]) % self.t == 0 for e in entries]
+        self.split = [is_scattered(e.get("placement", "R"), _numel(e["shape"]), self.t, scatter_gather)
+                      for e in entries]
 
     def pack(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """What this rank sends: its 1/t piece of each split tensor, others whole."""

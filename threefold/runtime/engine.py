@@ -20,6 +20,7 @@ from threefold.runtime.boundary import Boundary
 from threefold.runtime.comm import Groups
 from threefold.runtime.module import ChunkModule
 from threefold.runtime.schedule import Kind, Schedule
+from threefold.runtime.ties import tied_param_stages
 
 BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket size (Megatron/DDP-like)
 
@@ -113,13 +114,8 @@ class PipelineEngine:
             if c in last_bwd:
                 self._reduce_after.setdefault(last_bwd[c], []).append(fqn)
         # Tied parameters shared across stages: stage sets from the manifest.
-        self._tied: list[tuple[str, tuple[int, ...]]] = []
-        for c in sorted(self.modules):
-            for fqn, holders in self.chunk_meta[c].get("shared_params", {}).items():
-                stages = tuple(sorted({h % self.mesh.pp for h in holders}))
-                if len(stages) > 1 and (fqn, stages) not in self._tied:
-                    self._tied.append((fqn, stages))
-        self._tied.sort()
+        local = [self.chunk_meta[c] for c in sorted(self.modules)]
+        self._tied: list[tuple[str, tuple[int, ...]]] = sorted(tied_param_stages(local, self.mesh.pp).items())
 
     def parameters(self):
         """Trainable parameters only: frozen ones (requires_grad=False) get no optimizer state."""

@@ -11,6 +11,7 @@ from threefold.runtime.mesh import Mesh
 from threefold.runtime.module import ChunkModule
 from threefold.runtime.schedule import make_schedule
 from threefold.runtime.simulate import verify
+from threefold.runtime.ties import tied_param_stages
 
 
 def current_rank_and_world() -> tuple[int, int]:
@@ -32,13 +33,8 @@ def local_chunks(manifest: dict, stage: int) -> list[int]:
 
 
 def tie_stage_sets(manifest: dict, pp: int) -> list[tuple[int, ...]]:
-    sets = set()
-    for c in manifest["chunks"]:
-        for holders in c.get("shared_params", {}).values():
-            stages = tuple(sorted({h % pp for h in holders}))
-            if len(stages) > 1:
-                sets.add(stages)
-    return sorted(sets)
+    """The distinct stage sets of tied parameters (each needs one process group)."""
+    return sorted(set(tied_param_stages(manifest["chunks"], pp).values()))
 
 
 def make_engine(manifest: dict, modules: dict[int, ChunkModule], rank: int,
