@@ -60,3 +60,11 @@ def summed_grads(mods) -> dict[str, torch.Tensor]:
 def canonical(prog) -> dict[str, str]:
     """Every parameter FQN (tied aliases included) -> the canonical FQN chunks use."""
     return {alias: fqn for fqn, aliases in prog.ties.items() for alias in aliases}
+
+
+def unwrapped(source: str) -> str:
+    """Generated code with line comments dropped and wrapped calls joined back onto one line
+    (codegen wraps long calls after '(' and ', '), so tests can look for a whole statement."""
+    import re
+    code = "\n".join(line.split("  # ", 1)[0].rstrip() for line in source.splitlines())
+    return re.sub(r",\n\s+", ", ", re.sub(r"\(\n\s+", "(", code))

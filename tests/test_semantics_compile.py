@@ -10,6 +10,7 @@ import threefold
 from threefold.codegen.artifact import build_manifest, build_sources
 from threefold.compiler.api import compile_workload
 from tests import semantics_models as sm
+from tests.foundation_helpers import unwrapped
 
 
 def _w(model, x, y, loss_fn, **kw):
@@ -92,7 +93,7 @@ def test_batchnorm_in_training_mode_is_a_plan_error_unless_opted_in():
 
 
 def test_batchnorm_follows_eval_mode_in_generated_code():
-    src = build_sources(compile_workload(_w(BN(), X, Y, F.cross_entropy), "m=1"))["chunk00.py"]
+    src = unwrapped(build_sources(compile_workload(_w(BN(), X, Y, F.cross_entropy), "m=1"))["chunk00.py"])
     assert "self.training, 0.1" in src
 
 
