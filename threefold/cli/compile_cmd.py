@@ -1,7 +1,7 @@
 """`threefold compile SPEC --plan PLAN --out DIR`: compile a workload and save the artifact.
 
-The artifact directory holds manifest.json, one generated module per (chunk, tp rank) and
-the weight shards (none for models built on the meta device); `threefold train` and the
+The artifact directory holds manifest.json, one generated module per chunk (shared by its
+tp ranks), the weight shards per (chunk, tp rank) (none for models built on the meta device); `threefold train` and the
 runtime load it without the model's source. Progress (the stage and pass running) shows on
 stderr while a terminal is attached.
 """
