@@ -29,6 +29,7 @@ PAIRS = [  # (name, model, plan A, plan B)
     ("tp2-single", GPT2, "tp=2", "tp=1"),
     ("dp2-pp2v2", LLAMA, "dp=2", "pp=2,m=2,v=2,schedule=interleaved"),
     ("pp2dp2-tp2", GPT2, "pp=2,dp=2,m=2", "tp=2"),
+    ("tp2sp-dp2", GPT, "tp=2,sp=true", "dp=2"),
 ]
 
 
