@@ -25,3 +25,17 @@ def test_recompute_matches_none_and_single_process(factory, kwargs):
             assert max_rel_diff(losses, ref) < 1e-5, (plan, losses, ref)
             base = plan.split(",recompute=")[0]
             assert max_rel_diff(losses, by_plan[base]) < 1e-5, (plan, losses, by_plan[base])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_recompute_under_sequence_parallel_and_interleaving():
+    """Recomputed segments hold sp's all-gathers/reduce-scatters; interleaving reruns chunks
+    out of order (the rerun's dropout key and collectives must still line up)."""
+    kwargs = dict(GPT_KW, n_layer=4)
+    plans = [f"{base},recompute={mode}" for base in ("tp=2,sp=true", "pp=2,m=4,v=2,schedule=interleaved")
+             for mode in ("full", "selective")]
+    ref = reference_losses("gpt", kwargs, STEPS)
+    for rank_result in launch(parallel_losses, 2, plans, "gpt", kwargs, STEPS, timeout=450):
+        for r in rank_result:
+            assert max_rel_diff(r["losses"], ref) < 1e-5, (r["plan"], r["losses"], ref)
