@@ -163,3 +163,13 @@ def test_inspect_says_what_each_chunk_recomputes():
     text = format_report(prog, report)
     assert "recompute=selective" in text and "chunk 0: h.0:matmul..matmul_1 (8 ops)" in text
     assert "recompute" not in chunk_report(_compile("gpt", GPT_KW, "pp=2,m=2"))
+
+
+def test_planner_reads_recompute_full_as_its_bool_and_refuses_selective():
+    from threefold.planner.constraints import Constraints
+    assert Constraints.parse("recompute=full").recompute is True
+    assert Constraints.parse("recompute=none").recompute is False
+    assert Constraints.parse("recompute=true").admits(Plan(recompute="full"), 1)
+    assert not Constraints.parse("recompute=true").admits(Plan(recompute="none"), 1)
+    with pytest.raises(PlanError, match="selective"):
+        Constraints.parse("recompute=selective")
