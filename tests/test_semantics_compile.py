@@ -36,6 +36,7 @@ X, Y = torch.randn(8, 8), torch.randint(0, 5, (8,))
     (lambda o, t: F.mse_loss(o, F.one_hot(t, 5).float()), "const"),
     (lambda o, t: o.pow(2).mean(), "const"),
     (lambda o, t: F.kl_div(F.log_softmax(o, -1), F.one_hot(t, 5).float(), reduction="batchmean"), "const"),
+    (lambda o, t: (F.cross_entropy(o, t, reduction="none") * (t + 1)).sum() / (t + 1).sum(), "graph"),
 ])
 def test_loss_form_is_read_from_the_graph(loss_fn, kind):
     prog = compile_workload(_w(Lin(), X, Y, loss_fn), "m=2")
@@ -49,7 +50,9 @@ def test_loss_form_combines_exactly_in_one_process():
     losses = [F.cross_entropy, lambda o, t: F.cross_entropy(o, t, reduction="sum"),
               lambda o, t: F.cross_entropy(o, t, weight=weight),      # weighted mean over valid targets
               lambda o, t: F.mse_loss(o, F.one_hot(t, 5).float()) / 3,
-              lambda o, t: F.kl_div(F.log_softmax(o, -1), F.one_hot(t, 5).float(), reduction="batchmean")]
+              lambda o, t: F.kl_div(F.log_softmax(o, -1), F.one_hot(t, 5).float(), reduction="batchmean"),
+              # a weighted token mean written by hand: a row sum over a sum of target weights
+              lambda o, t: (F.cross_entropy(o, t, reduction="none") * (t % 3 + 1)).sum() / (t % 3 + 1).sum()]
     y = Y.clone()
     y[:5] = -100
     for lf in losses:
@@ -64,6 +67,10 @@ def test_loss_form_combines_exactly_in_one_process():
 def test_non_separable_loss_is_a_plan_error_naming_the_op_and_options():
     with pytest.raises(threefold.PlanError, match=r"aten\.sqrt.*loss=microbatch_mean.*m=1"):
         compile_workload(_w(Lin(), X, Y, lambda o, t: F.mse_loss(o, F.one_hot(t, 5).float()).sqrt()), "m=2")
+    with pytest.raises(threefold.PlanError, match=r"depends on parameter"):   # divisor from weights
+        compile_workload(_w(Lin(), X, Y, lambda o, t: F.cross_entropy(o, t, reduction="sum") / o.abs().sum()), "m=2")
+    with pytest.raises(threefold.PlanError, match=r"aten\.div"):    # a mean divided again
+        compile_workload(_w(Lin(), X, Y, lambda o, t: F.cross_entropy(o, t) / (t + 1).sum()), "m=2")
     with pytest.raises(threefold.PlanError, match=r"aten\.add"):   # two terms, two denominators
         compile_workload(_w(Lin(), X, Y, lambda o, t: F.cross_entropy(o, t) + 0.1 * o.pow(2).mean()), "m=2")
     # the opt-in plan key keeps the old mean of microbatch losses; m=1 needs nothing

@@ -115,6 +115,8 @@ def _rewrite(prog: Program, node: fx.Node, divisor: float) -> dict:
         return {"reduction": "mean", "op": op, "denominator": {"kind": "const", "value": _val(x).numel()}}
     if name == "sum" and _val(node).numel() == 1:
         return _sum_form(prog, op, divisor)
+    if name == "div" and isinstance(node.args[1], fx.Node) and _val(node.args[1]).numel() == 1:
+        return _ratio_form(prog, node)
     raise _NotSeparable(f"its last op before the scalar is {op} in module "
                         f"{tf(node).get('module', '') or '<top>'!r}")
 
@@ -142,15 +144,46 @@ def _count_denominator(prog: Program, loss: fx.Node, op: str) -> dict:
             raise PlanError(f"{op} with class weights and probability targets: the combination over "
                             f"microbatches is not implemented; {_FIX}")
         return {"reduction": "mean", "op": op, "denominator": {"kind": "const", "value": rows}}
+    def count(g: fx.Graph, env: dict) -> fx.Node:
+        t = env[target]
+        keep = g.call_function(aten.ne.Scalar, (t, ignore))
+        if not isinstance(weight, fx.Node):
+            return keep
+        safe = g.call_function(aten.where.self, (keep, t, g.call_function(aten.zeros_like.default, (t,))))
+        w = g.call_function(aten.index.Tensor, (env[weight], [safe]))
+        return g.call_function(aten.mul.Tensor, (w, keep))
+    needed = [target] + ([weight] if isinstance(weight, fx.Node) else [])
+    prog.loss_denominator = _input_graph(prog, needed, count, loss, op)
+    return {"reduction": "mean", "op": op, "denominator": {"kind": "graph"},
+            "ignore_index": ignore, "weighted": weight is not None}
+
+
+def _ratio_form(prog: Program, div: fx.Node) -> dict:
+    """`numerator / denominator` written by hand, e.g. `(ce * w).sum() / w.sum()`: a row sum
+    over a scalar that depends on user inputs only. The division leaves the graph; the
+    divisor's graph becomes the per-microbatch denominator, summed over the global batch."""
+    num, den = div.args[0], div.args[1]
+    inner = _rewrite(prog, num, 1.0) if isinstance(num, fx.Node) else None
+    if inner is None or inner["denominator"]["kind"] != "one":
+        raise _NotSeparable(f"aten.div of {inner['op'] if inner else 'a constant'} (itself a mean) by a "
+                            f"tensor in module {tf(div).get('module', '') or '<top>'!r}")
+    graph = _input_graph(prog, [den], lambda g, env: env[den], div, "aten.div")
+    div.replace_all_uses_with(num)
+    prog.graph.erase_node(div)
+    _erase_unused(den)
+    prog.loss_denominator = graph
+    return {"reduction": "ratio", "op": inner["op"], "denominator": {"kind": "graph"}}
+
+
+def _input_graph(prog: Program, needed: list[fx.Node], build, at: fx.Node, op: str) -> fx.GraphModule:
+    """A graph of user inputs only that recomputes `needed` and returns `build(g, env)`
+    summed in float64: the loss's denominator for one microbatch."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    needed = [target] + ([weight] if isinstance(weight, fx.Node) else [])
     order = {n: i for i, n in enumerate(prog.graph.nodes)}
-    sub = _ancestors(needed)
-    for n in sorted(sub, key=order.__getitem__):
+    for n in sorted(_ancestors(needed), key=order.__getitem__):
         if n.op == "placeholder":
-            kind = tf(n)["kind"]
-            if kind == "param":
+            if tf(n)["kind"] == "param":
                 raise PlanError(f"{op}: its denominator depends on parameter {tf(n)['fqn']!r}, so "
                                 f"microbatch losses cannot be combined exactly; {_FIX}")
             ph = g.placeholder(n.name)
@@ -160,23 +193,25 @@ def _count_denominator(prog: Program, loss: fx.Node, op: str) -> dict:
             new = g.node_copy(n, lambda a: env[a])
             new.meta = {"val": n.meta.get("val"), "tf": dict(tf(n))}
             env[n] = new
-    t = env[target]
-    keep = g.call_function(aten.ne.Scalar, (t, ignore))
-    if isinstance(weight, fx.Node):
-        safe = g.call_function(aten.where.self, (keep, t, g.call_function(aten.zeros_like.default, (t,))))
-        w = g.call_function(aten.index.Tensor, (env[weight], [safe]))
-        counted = g.call_function(aten.mul.Tensor, (w, keep))
-    else:
-        counted = keep
-    total = g.call_function(aten.sum.default, (counted,), {"dtype": torch.float64})
+    total = g.call_function(aten.sum.default, (build(g, env),), {"dtype": torch.float64})
     g.output((total,))
     for n in g.nodes:
         if n.op == "call_function":
-            n.meta.setdefault("tf", {})["module"] = tf(loss).get("module", "")
+            n.meta.setdefault("tf", {})["module"] = tf(at).get("module", "")
     g.lint()
-    prog.loss_denominator = fx.GraphModule(torch.nn.Module(), g, class_name="LossDenominator")
-    return {"reduction": "mean", "op": op, "denominator": {"kind": "graph"},
-            "ignore_index": ignore, "weighted": weight is not None}
+    return fx.GraphModule(torch.nn.Module(), g, class_name="LossDenominator")
+
+
+def _erase_unused(node: fx.Node) -> None:
+    """Remove `node` and the ancestors that only it used (the divisor moved to its own graph)."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n.op != "call_function" or n.users:
+            continue
+        inputs = n.all_input_nodes
+        n.graph.erase_node(n)
+        stack.extend(inputs)
 
 
 def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
