@@ -167,21 +167,20 @@ class _ClassWriter:
         method = f"_recompute_{len(self.segment_methods)}"
         outer_device = self.uses_device
         self.uses_device = False
-        body = [f"    def {method}(self, {', '.join(self.names[a] for a in inputs)}):",
-                f"        # {seg['name']}: {seg['why']}"]
+        body = wrap_call(f"    def {method}(", ["self"] + [self.names[a] for a in inputs], "", "        ", "):")
+        body.append(f"        # {seg['name']}: {seg['why']}")
         dev_line = len(body)
-        for n in nodes:
-            self.names[n] = _ident(n.name)
-            comment = "  # recomputed here" if tf(n).get("recomputed") else ""
-            body.append(f"        {self.names[n]} = {self._call(n)}{comment}")
+        for n in nodes:   # named and annotated like forward's own lines
+            body += self._line(n)
         body.append("        return (" + "".join(self.names[o] + ", " for o in outputs) + ")")
         if self.uses_device:
             body.insert(dev_line, "        dev = self.device")
         self.uses_device = outer_device
         self.segment_methods.append(body)
-        return [f"        # recomputed in backward: {seg['name']} ({len(nodes)} ops; {seg['why']})",
-                f"        {''.join(self.names[o] + ', ' for o in outputs)}= self.recompute(self.{method}"
-                + "".join(f", {self.names[a]}" for a in inputs) + ")"]
+        return ([f"        # recomputed in backward: {seg['name']} ({len(nodes)} ops; {seg['why']})"]
+                + wrap_call(f"        {''.join(self.names[o] + ', ' for o in outputs)}= self.recompute("
+                            f"self.{method}" + (", " if inputs else ""), [self.names[a] for a in inputs],
+                            "", "        "))
 
     def _prologue(self, graph: fx.Graph, args: list[fx.Node]) -> list[str]:
         """Copies of received and batch tensors that an op of this method writes in place
@@ -203,17 +202,7 @@ class _ClassWriter:
         if node.target is operator.getitem:
             return [head + self._call(node) + comment]
         callee, args = self._call_parts(node)
-        one = f"{head}{callee}({', '.join(args)})"
-        if len(one) + len(comment) <= _WIDTH + 20 or not args:
-            return [one + comment]
-        lines, cur = [f"{head}{callee}({comment}"], indent + "    "
-        for i, a in enumerate(args):
-            piece = a + (", " if i < len(args) - 1 else ")")
-            if cur.strip() and len(cur) + len(piece.rstrip()) > _WIDTH:
-                lines.append(cur.rstrip())
-                cur = indent + "    "
-            cur += piece
-        return lines + [cur.rstrip()]
+        return wrap_call(f"{head}{callee}(", args, comment, indent)
 
     # -- expressions ---------------------------------------------------------------------
     def _call(self, node: fx.Node) -> str:
@@ -313,6 +302,22 @@ def _mutated_inputs(graph: fx.Graph, args: list[fx.Node]) -> list[fx.Node]:
 
 
 _WIDTH = 100   # generated lines wrap their arguments beyond this
+
+
+def wrap_call(first: str, args: list[str], comment: str, indent: str, close: str = ")") -> list[str]:
+    """`first` + args + `close` on one line when it fits, else the arguments packed on
+    continuation lines (indent + 4) under `first`, which keeps the comment."""
+    one = f"{first}{', '.join(args)}{close}"
+    if len(one) + len(comment) <= _WIDTH + 20 or not args:
+        return [one + comment]
+    lines, cur = [(first + comment).rstrip()], indent + "    "
+    for i, a in enumerate(args):
+        piece = a + (", " if i < len(args) - 1 else close)
+        if cur.strip() and len(cur) + len(piece.rstrip()) > _WIDTH:
+            lines.append(cur.rstrip())
+            cur = indent + "    "
+        cur += piece
+    return lines + [cur.rstrip()]
 
 
 def annotation(node: fx.Node) -> str:
