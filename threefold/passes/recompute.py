@@ -7,7 +7,7 @@
              (`h.0.attn`, `h.1.mlp`, `model.layers.3.self_attn` -> `h.0`, `h.1`, `model.layers.3`)
              across the whole program. A chunk with no such structure is one segment.
   selective  inside each layer (or chunk), the regions that keep many bytes for few FLOPs:
-             values larger than the layer's input (the attention scores, a*s*s per sequence,
+             values larger than the layer's output (the attention scores, a*s*s per sequence,
              against s*h) grown into a connected region with the ops that consume them, kept
              when the region's share of the layer's saved bytes exceeds its share of the
              layer's FLOPs (it frees memory at a better rate than the layer's average). In a
@@ -133,10 +133,11 @@ def _selective(layer: str, nodes: list[fx.Node]) -> list[dict]:
     """Regions of the layer that free more of its saved bytes than they cost of its FLOPs."""
     inside = set(nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    external = {a for n in nodes for a in n.all_input_nodes if a not in inside
-                and not (a.op == "placeholder" and tf(a).get("kind") in ("param", "buffer"))}
-    floats = [_numel(a) for a in external if meta_of(a) is not None and meta_of(a).dtype.is_floating_point]
-    reference = max(floats, default=0)   # the layer's input: the residual stream
+    # The residual stream: the largest floating value the layer hands on (its output); not
+    # its inputs, which may include a (b, 1, s, s) attention mask as large as the scores.
+    handed_on = [n for n in nodes if any(u not in inside for u in n.users)]
+    floats = [_numel(n) for n in handed_on if meta_of(n) is not None and meta_of(n).dtype.is_floating_point]
+    reference = max(floats, default=0)
     if reference == 0:
         return []
     large = [n for n in nodes if _numel(n) > reference]
