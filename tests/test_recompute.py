@@ -173,3 +173,35 @@ def test_planner_reads_recompute_full_as_its_bool_and_refuses_selective():
     assert not Constraints.parse("recompute=true").admits(Plan(recompute="none"), 1)
     with pytest.raises(PlanError, match="selective"):
         Constraints.parse("recompute=selective")
+
+
+class _InPlaceBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        x.add_(torch.tanh(self.fc(x)))   # writes into the layer's input: a rerun would see the new x
+        return x
+
+
+class _InPlaceNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 8)
+        self.blocks = torch.nn.ModuleList([_InPlaceBlock(), _InPlaceBlock()])
+
+    def forward(self, x):
+        h = self.inp(x) * 1.0
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+def test_a_layer_that_writes_into_its_input_is_kept_with_a_note():
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    prog = compile_workload(Workload(_InPlaceNet(), (x,), y, torch.nn.functional.mse_loss), "recompute=full")
+    assert prog.chunks[0].gm.meta["recompute"] == []
+    notes = [n for n in prog.notes if n.startswith("recompute:")]
+    assert len(notes) == 2 and "blocks.0" in notes[0] and "writes in place" in notes[0]
