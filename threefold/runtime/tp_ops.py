@@ -177,57 +177,9 @@ def vocab_parallel_embedding(weight, ids, group, seq_dim=None, padding_idx=-1):
     return g(out, group)
 
 
-class _VocabParallelCE(torch.autograd.Function):
-    """Cross-entropy over logits split along the class (vocabulary) dim, per row.
-
-    Two all-reduces of per-row scalars (the max; then the target logit and the sum of
-    exponentials together) replace the gather of the full logits; columns at or past `vocab` (padding) are ignored.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, target, ignore_index, vocab, group):
-        n_local = logits.shape[-1]
-        start = _rank(group) * n_local
-        logits = logits.float()
-        valid_cols = (torch.arange(n_local, device=logits.device) + start) < vocab
-        masked = logits.masked_fill(~valid_cols, float("-inf"))
-        row_max = masked.max(dim=-1).values
-        if group is not None:
-            comm.all_reduce(row_max, group, "the vocab-parallel row max", op=dist.ReduceOp.MAX)
-        shifted = masked - row_max.unsqueeze(-1)
-        local_t = target - start
-        in_range = (local_t >= 0) & (local_t < n_local)
-        picked = shifted.gather(-1, local_t.clamp(0, n_local - 1).unsqueeze(-1)).squeeze(-1)
-        picked = picked.masked_fill(~in_range, 0.0)
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        if group is not None:  # one message for both per-row sums
-            both = torch.stack([picked, sum_exp])
-            comm.all_reduce(both, group, "the vocab-parallel cross-entropy sums")
-            picked, sum_exp = both[0], both[1]
-        loss = sum_exp.log() - picked
-        keep = target != ignore_index
-        loss = loss.masked_fill(~keep, 0.0)
-        count = keep.sum().clamp(min=1)
-        ctx.save_for_backward(exp, sum_exp, local_t, in_range, keep, count)
-        ctx.n_local = n_local
-        return loss.sum() / count
-
-    @staticmethod
-    def backward(ctx, grad):
-        exp, sum_exp, local_t, in_range, keep, count = ctx.saved_tensors
-        probs = exp / sum_exp.unsqueeze(-1)
-        onehot = torch.zeros_like(probs)
-        onehot.scatter_(-1, local_t.clamp(0, ctx.n_local - 1).unsqueeze(-1),
-                        in_range.unsqueeze(-1).to(probs.dtype))
-        scale = (keep.to(probs.dtype) / count).unsqueeze(-1) * grad
-        return (probs - onehot) * scale, None, None, None, None
-
-
 def vocab_parallel_cross_entropy(logits, target, ignore_index, vocab, group, dtype=None):
     """Mean cross-entropy of (N, V/t) logit shards against (N,) targets."""
-    loss = _VocabParallelCE.apply(logits, target, ignore_index, vocab, group)
-    return loss.to(dtype) if dtype is not None else loss
+    return vocab_parallel_cross_entropy_full(logits, target, ignore_index, vocab, 0.0, "mean", group, dtype)
 
 
 def tp_dropout(x, p: float, train: bool, group, seed: int = 2718):
@@ -324,10 +276,15 @@ class _VocabParallelCEFull(torch.autograd.Function):
         picked = shifted.gather(-1, local_t.clamp(0, n_local - 1).unsqueeze(-1)).squeeze(-1)
         picked = picked.masked_fill(~in_range, 0.0)
         exp = shifted.exp()
-        sums = torch.stack([picked, exp.sum(dim=-1), shifted.masked_fill(~valid_cols, 0.0).sum(dim=-1)])
+        # The sum of logits is needed only for label smoothing: without it, two numbers per row.
+        parts = [picked, exp.sum(dim=-1)]
+        if smoothing:
+            parts.append(shifted.masked_fill(~valid_cols, 0.0).sum(dim=-1))
+        sums = torch.stack(parts)
         if group is not None:
             sums = _all_reduce(sums, group)
-        picked, sum_exp, sum_shifted = sums[0], sums[1], sums[2]
+        picked, sum_exp = sums[0], sums[1]
+        sum_shifted = sums[2] if smoothing else 0.0
         lse = sum_exp.log()
         loss = (1.0 - smoothing) * (lse - picked) + smoothing * (lse - sum_shifted / vocab)
         keep = target != ignore_index
