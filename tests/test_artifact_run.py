@@ -11,6 +11,7 @@ from tests.parity import load_workload, max_rel_diff, reference_losses
 KW = {"n_layer": 3, "n_embd": 16, "n_head": 2, "seq": 8, "batch": 4}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_threefold_run_trains_a_saved_artifact_like_the_original(tmp_path):
     from threefold.codegen.artifact import save_artifact

@@ -39,6 +39,7 @@ def _train_then_die(victim: int):
     return "finished"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_dead_rank_makes_the_others_fail_naming_it(monkeypatch):
     monkeypatch.setenv("THREEFOLD_TIMEOUT", "50")

@@ -42,6 +42,7 @@ def _decorated_and_inference():
     return before, loss, dict(pm.named_parameters()).keys().__len__()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_decorator_builds_a_parallel_module_and_evaluate_is_forward_only():
     w = load_workload("gpt", **KW)
@@ -54,6 +55,7 @@ def test_decorator_builds_a_parallel_module_and_evaluate_is_forward_only():
         assert nparams > 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_check_command_agrees_and_reports_json():
     out = subprocess.run([sys.executable, "-m", "threefold", "check", "examples/gpt.py:workload(n_layer=2)",
@@ -75,6 +77,7 @@ def test_check_command_bad_plan_is_exit_2():
     assert "bogus" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_train_main_job_runs_and_writes_its_loss_curve(tmp_path):
     out_dir = tmp_path / "run"      # not the current directory itself: that one is refused

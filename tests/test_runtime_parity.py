@@ -26,6 +26,7 @@ def _plans(pp, dp):
     (4, _plans(4, 1) + _plans(2, 2)),
     (8, _plans(4, 2)),
 ])
+@pytest.mark.slow
 def test_pipeline_and_data_parallel_match_single_process(world, plans):
     factory, kwargs = GPT
     ref = reference_losses(factory, kwargs, STEPS)
@@ -38,6 +39,7 @@ def test_pipeline_and_data_parallel_match_single_process(world, plans):
         assert len({tuple(rr[i]["losses"]) for rr in results}) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_inflight_activations_respect_1f1b_bound():
     factory, kwargs = GPT
@@ -55,6 +57,7 @@ def test_inflight_activations_respect_1f1b_bound():
     ("llama", {"n_layer": 3, "hidden": 32, "n_head": 4, "n_kv_head": 2, "intermediate": 64,
                "seq": 8, "batch": 4, "tie": True}),
 ])
+@pytest.mark.slow
 def test_hf_models_pipeline_parity(factory, kwargs):
     plans = ["pp=2,m=2,schedule=1f1b", "pp=2,m=2,v=2,schedule=interleaved"]
     ref = reference_losses(factory, kwargs, STEPS)

@@ -24,6 +24,7 @@ def _plans(world):
     return [f"tp={tp},pp={pp},dp={dp},m=2,sp={sp}" for tp, pp, dp in combos for sp in ("false", "true")]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("world", [2, 4, 8])
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -38,6 +39,7 @@ def test_tensor_parallel_matches_single_process(model, world):
         assert max_rel_diff(r["losses"], ref) < 1e-5, (model, r["plan"], r["losses"], ref)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_vocabulary_that_tp_does_not_divide_is_padded_without_changing_the_loss():
     kwargs = {"n_layer": 1, "n_embd": 16, "n_head": 2, "vocab_size": 97, "seq": 8, "batch": 4}
@@ -139,6 +141,7 @@ def test_sequence_length_not_divisible_under_sp_is_a_plan_error():
         compile_workload(w, "tp=2,sp=true")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("arch", ["opt", "gpt_neox", "gemma", "mistral", "qwen2", "gptj", "phi"])
 def test_other_decoder_architectures_match_single_process(arch):
