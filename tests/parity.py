@@ -20,10 +20,11 @@ def load_workload(factory: str, **kwargs):
     return getattr(hf, factory)(**kwargs)
 
 
-def reference_losses(factory: str, kwargs: dict, steps: int, lr: float = 0.1) -> list[float]:
-    w = load_workload(factory, **kwargs)
+def sgd_losses(w: dict, steps: int, lr: float = 0.1) -> list[float]:
+    """The single-process reference: `steps` SGD steps of workload `w` (trainable
+    parameters only), the loss before each update."""
     model = w["model"]
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     out = []
     for _ in range(steps):
         opt.zero_grad()
@@ -32,6 +33,10 @@ def reference_losses(factory: str, kwargs: dict, steps: int, lr: float = 0.1) ->
         opt.step()
         out.append(loss.item())
     return out
+
+
+def reference_losses(factory: str, kwargs: dict, steps: int, lr: float = 0.1) -> list[float]:
+    return sgd_losses(load_workload(factory, **kwargs), steps, lr)
 
 
 def parallel_losses(plans: list[str], factory: str, kwargs: dict, steps: int, lr: float = 0.1):

@@ -94,17 +94,8 @@ FACTORIES = {"mlm": mlm, "sum": sum_loss, "frozen": frozen, "seq_first": seq_fir
 
 
 def reference(name: str, steps: int, lr: float = 0.1, **kw) -> list[float]:
-    w = FACTORIES[name](**kw)
-    model = w["model"]
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
-    out = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = w["loss_fn"](model(*w["inputs"]), w["target"])
-        loss.backward()
-        opt.step()
-        out.append(loss.item())
-    return out
+    from tests.parity import sgd_losses
+    return sgd_losses(FACTORIES[name](**kw), steps, lr)
 
 
 def microbatch_mean_reference(name: str, parts: int, **kw) -> float:

@@ -34,17 +34,8 @@ def reference_losses(arch: str, steps: int = STEPS, lr: float = LR) -> list[floa
     """Single-process SGD losses of the zoo workload `arch`."""
     from tests.zoo import ZOO
     torch.manual_seed(1234)     # dropout draws (the only random ops) start from a fixed seed
-    w = ZOO[arch]()
-    model = w["model"]
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
-    out = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = w["loss_fn"](model(*w["inputs"]), w["target"])
-        loss.backward()
-        opt.step()
-        out.append(loss.item())
-    return out
+    from tests.parity import sgd_losses
+    return sgd_losses(ZOO[arch](), steps, lr)
 
 
 def sharded_share(pm, model) -> float:
