@@ -35,6 +35,17 @@ def sgd_losses(w: dict, steps: int, lr: float = 0.1) -> list[float]:
     return out
 
 
+def parallel_sgd_losses(pm, w: dict, steps: int, lr: float = 0.1) -> list[float]:
+    """`steps` SGD steps of ParallelModule `pm` on workload `w`'s batch: the loss of each."""
+    opt = torch.optim.SGD(pm.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        losses.append(pm.step(*w["inputs"], target=w["target"]))
+        opt.step()
+    return losses
+
+
 def reference_losses(factory: str, kwargs: dict, steps: int, lr: float = 0.1) -> list[float]:
     return sgd_losses(load_workload(factory, **kwargs), steps, lr)
 
@@ -47,12 +58,7 @@ def parallel_losses(plans: list[str], factory: str, kwargs: dict, steps: int, lr
     for plan in plans:
         w = load_workload(factory, **kwargs)
         pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
-        opt = torch.optim.SGD(pm.parameters(), lr=lr)
-        losses = []
-        for _ in range(steps):
-            opt.zero_grad()
-            losses.append(pm.step(*w["inputs"], target=w["target"]))
-            opt.step()
+        losses = parallel_sgd_losses(pm, w, steps, lr)
         results.append({"plan": plan, "losses": losses, "peak_inflight": pm.stats.peak_inflight})
     return results
 

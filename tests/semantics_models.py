@@ -117,12 +117,8 @@ def run_cases(cases: list[tuple[str, dict, str]], steps: int, lr: float = 0.1) -
                          if not p.requires_grad}
         pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"],
                                    batch_dims=w.get("batch_dims"))
-        opt = torch.optim.SGD(pm.parameters(), lr=lr)
-        losses = []
-        for _ in range(steps):
-            opt.zero_grad()
-            losses.append(pm.step(*w["inputs"], target=w["target"]))
-            opt.step()
+        from tests.parity import parallel_sgd_losses
+        losses = parallel_sgd_losses(pm, w, steps, lr)
         local = dict(pm.engine.params)
         frozen_ok = all(torch.equal(local[n], v) and local[n].grad is None and not local[n].requires_grad
                         for n, v in frozen_before.items() if n in local)

@@ -424,12 +424,8 @@ def _losses(plans, name, steps=3, lr=0.1):
                 losses.append(loss.item())
         else:
             pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
-            opt = torch.optim.SGD(pm.parameters(), lr=lr)
-            losses = []
-            for _ in range(steps):
-                opt.zero_grad()
-                losses.append(pm.step(*w["inputs"], target=w["target"]))
-                opt.step()
+            from tests.parity import parallel_sgd_losses
+            losses = parallel_sgd_losses(pm, w, steps, lr)
         out.append(losses)
     return out
 
