@@ -18,6 +18,12 @@ BATCHNORM_MODES = ("exact", "local")
 # and recomputes the layer in backward; "selective" recomputes only the regions that hold many
 # bytes for few FLOPs (the attention core); booleans are aliases (true = full, false = none).
 RECOMPUTE_MODES = ("none", "selective", "full")
+# Compute dtype (runtime/mixed_precision.py): parameters, gradients and optimizer state stay
+# fp32 (the master weights); chunk forwards run under torch.autocast in bf16/fp16; fp16 adds
+# dynamic loss scaling. ZeRO stage (runtime/zero.py): 0 = every dp rank holds the whole
+# optimizer state; 1 = gradients reduce-scattered over dp, each dp rank updates its 1/d.
+DTYPES = ("fp32", "bf16", "fp16")
+ZERO_STAGES = (0, 1)
 
 # Short keys accepted by Plan.parse and used by str(plan).
 _ALIASES = {"m": "microbatches", "v": "interleave"}
@@ -45,6 +51,8 @@ class Plan:
     # microbatch) or "local" (opt-in: statistics per microbatch and dp rank).
     batchnorm: str = "exact"
     strict: bool = False        # tp: an op with no sharded rule is a PlanError, not a gather/reduce fallback
+    dtype: str = "fp32"         # fp32 | bf16 | fp16: compute dtype (master weights stay fp32)
+    zero: int = 0               # 0 | 1: ZeRO-1 shards optimizer state + master update over dp
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp", "microbatches", "interleave"):
@@ -67,6 +75,11 @@ class Plan:
                               ("recompute", RECOMPUTE_MODES)):
             if getattr(self, name) not in allowed:
                 raise PlanError(f"plan {name}={getattr(self, name)!r} is unknown: use one of {', '.join(allowed)}")
+        if self.dtype not in DTYPES:
+            raise PlanError(f"plan dtype={self.dtype!r} is unknown: use one of {', '.join(DTYPES)}")
+        if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
+            raise PlanError(f"plan zero={self.zero!r} is unsupported: use zero=0 or zero=1 "
+                            "(ZeRO-1: optimizer state sharded over dp)")
         if isinstance(self.split_points, (list, str)):
             pts = (self.split_points,) if isinstance(self.split_points, str) else tuple(self.split_points)
             object.__setattr__(self, "split_points", pts)
@@ -131,7 +144,7 @@ class Plan:
             value = getattr(self, f.name)
             if value == getattr(default, f.name) and f.name in ("split_points", "fuse", "recompute",
                                                                  "scatter_gather", "sp", "loss", "batchnorm",
-                                                                 "strict"):
+                                                                 "strict", "dtype", "zero"):
                 continue
             key = _SHORT.get(f.name, f.name)
             if f.name == "split_points":
@@ -169,6 +182,16 @@ def _parse_value(name: str, value: str, previous):
         raise PlanError(f"plan {name}={value!r} is invalid: use true or false")
     if name in ("schedule", "loss", "batchnorm"):
         return value.lower()
+    if name == "dtype":
+        low = value.lower()
+        low = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32"}.get(low, low)
+        if low not in DTYPES:
+            raise PlanError(f"plan dtype={value!r} is invalid: use one of {', '.join(DTYPES)}")
+        return low
+    if name == "zero":
+        if value not in ("0", "1"):
+            raise PlanError(f"plan zero={value!r} is invalid: use 0 or 1")
+        return int(value)
     try:
         return int(value)
     except ValueError:
