@@ -62,6 +62,8 @@ class TrainConfig:
     min_lr: float = _f(3e-4, "optim", "learning rate at the end of the cosine decay")
     warmup: int = _f(20, "optim", "linear warmup steps")
     weight_decay: float = _f(0.1, "optim", "AdamW weight decay (matrices only)")
+    decay_embeddings: bool = _f(False, "optim", "also decay embedding tables (default: matrices fed to "
+                                "matmuls only)")
     betas: tuple[float, float] = _f((0.9, 0.95), "optim", "AdamW betas (command line: 0.9,0.95)")
     grad_clip: float = _f(1.0, "optim", "clip the global gradient norm to this (0: off)")
     # [eval] validation loss during training
@@ -269,6 +271,11 @@ def _toml_value(value) -> str:
     return json.dumps(value, ensure_ascii=False)   # a TOML basic string: JSON's escapes are TOML's
 
 
+HEADER = ("# The embedded defaults of `threefold train` (threefold/config.py reads this first).\n"
+          "# Copy it, change what you need, and pass it with --config FILE; any flag overrides it.\n"
+          "# Regenerate after changing TrainConfig: python -m threefold.config > threefold/configs/default.toml\n\n")
+
+
 def to_toml(cfg: TrainConfig) -> str:
     """The resolved values as TOML that load_config reads back to the same config; unset
     optional fields are comments."""
@@ -315,3 +322,7 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
     """The config a parsed command line asks for (flags given override --config's file)."""
     overrides = {name: getattr(args, name) for name in FIELDS if getattr(args, name, None) is not None}
     return load_config(getattr(args, "config", None), overrides)
+
+
+if __name__ == "__main__":   # the embedded default.toml, from the dataclass defaults
+    print(HEADER + to_toml(TrainConfig()), end="")

@@ -17,13 +17,13 @@ import numpy as np
 
 from threefold.dataset.sampler import Sampler, fixed_batches, windows
 from threefold.dataset.sources import read_tokens
-from threefold.dataset.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from threefold.dataset.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, tokenizer_from_dict
 from threefold.errors import PlanError
 
 EMBEDDED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "python_reference.txt")
 
 __all__ = ["Data", "load_data", "Sampler", "fixed_batches", "windows", "read_tokens", "load_tokenizer",
-           "ByteTokenizer", "HFTokenizer", "EMBEDDED"]
+           "ByteTokenizer", "HFTokenizer", "tokenizer_from_dict", "EMBEDDED"]
 
 
 @dataclass

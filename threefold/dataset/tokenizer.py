@@ -29,6 +29,9 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
+    def to_dict(self) -> dict:
+        return {"kind": BYTE}
+
 
 class HFTokenizer:
     """A `tokenizers.Tokenizer` loaded from a local tokenizer.json."""
@@ -46,6 +49,20 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def to_dict(self) -> dict:
+        """The whole tokenizer as JSON-able data (for a checkpoint: generate needs no DIR)."""
+        return {"kind": "hf", "name": self.name, "tokenizer_json": self._tok.to_str()}
+
+
+def tokenizer_from_dict(d: dict) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer `to_dict()` described."""
+    if d.get("kind") == BYTE:
+        return ByteTokenizer()
+    if d.get("kind") == "hf":
+        from tokenizers import Tokenizer
+        return HFTokenizer(d.get("name", "hf"), Tokenizer.from_str(d["tokenizer_json"]))
+    raise PlanError(f"tokenizer record {str(d)[:60]!r} is neither byte nor hf: the checkpoint is damaged")
 
 
 def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
