@@ -1,0 +1,116 @@
+"""AdamW with weight decay on matrices only, decided from the graph, not from names.
+
+A parameter's role is what the traced graph does with it, following it through ops that
+only change its view or dtype (t, transpose, view, _to_copy, ...):
+  * "matmul": a matrix operand of a matmul-like op (linear's and conv's weight, either side
+    of mm/bmm/matmul/einsum, addmm's two factors): decayed, as in GPT-2/nanoGPT/Megatron;
+  * "embedding": the table of an embedding lookup (also when it is tied to an LM head that
+    multiplies with it): not decayed unless asked (`decay_embeddings`);
+  * "other": everything else (norm scales and shifts, biases, even addmm's bias, gates,
+    position tables read by indexing): never decayed.
+The roles come from rank 0's program (only rank 0 compiles) and are broadcast, so every
+rank groups its shards the same way; without a program (an artifact run) the rule falls
+back to "2-D or more is a matrix".
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+MATMUL = "matmul"
+EMBEDDING = "embedding"
+OTHER = "other"
+
+# op -> argument positions that are matrix operands
+_MATMUL_ARGS = {
+    "linear": (1,), "mm": (0, 1), "bmm": (0, 1), "matmul": (0, 1), "mv": (0,),
+    "addmm": (1, 2), "addbmm": (1, 2), "baddbmm": (1, 2), "addmv": (1,),
+    "convolution": (1,), "_convolution": (1,), "conv1d": (1,), "conv2d": (1,), "conv3d": (1,),
+    "conv_transpose1d": (1,), "conv_transpose2d": (1,), "conv_transpose3d": (1,),
+    "einsum": (1,), "tensordot": (0, 1),
+}
+_EMBEDDING_ARGS = {"embedding": (0,), "embedding_bag": (0,), "_embedding_bag": (0,)}
+# ops through which a parameter is still "the same matrix"
+_SAME_VALUE = {"t", "transpose", "permute", "view", "reshape", "_unsafe_view", "expand", "unsqueeze",
+               "squeeze", "_to_copy", "to", "clone", "contiguous", "alias", "detach", "type_as",
+               "numpy_T", "split", "split_with_sizes", "chunk", "unbind", "getitem", "_reshape_alias",
+               "view_as", "lift_fresh_copy", "dequantize"}
+
+
+def _op(node) -> str:
+    target = node.target
+    if target is operator.getitem:
+        return "getitem"
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        return schema.name.split("::")[-1]
+    return getattr(target, "__name__", str(target))
+
+
+def _positions(user, node) -> list[int]:
+    """Argument positions of `user` that hold `node` (directly or inside a list)."""
+    out = []
+    for i, a in enumerate(user.args):
+        if a is node or (isinstance(a, (list, tuple)) and any(x is node for x in a)):
+            out.append(i)
+    return out
+
+
+def _role_of(node) -> str:
+    seen, frontier, found = set(), [node], set()
+    while frontier:
+        n = frontier.pop()
+        for user in n.users:
+            if user in seen or user.op != "call_function":
+                continue
+            seen.add(user)
+            name, pos = _op(user), _positions(user, n)
+            if name in _EMBEDDING_ARGS and set(pos) & set(_EMBEDDING_ARGS[name]):
+                found.add(EMBEDDING)
+            elif name in _MATMUL_ARGS and set(pos) & set(_MATMUL_ARGS[name]):
+                found.add(MATMUL)
+            elif name in _SAME_VALUE and pos and (name == "getitem" or pos[0] == 0):
+                frontier.append(user)
+    return EMBEDDING if EMBEDDING in found else MATMUL if MATMUL in found else OTHER
+
+
+def graph_roles(program) -> dict[str, str]:
+    """Canonical FQN -> role, for every parameter placeholder of a compiled program."""
+    from threefold.compiler.program import tf
+    return {tf(n)["fqn"]: _role_of(n) for n in program.graph.nodes
+            if n.op == "placeholder" and tf(n).get("kind") == "param"}
+
+
+def param_roles(pm) -> dict[str, str]:
+    """Roles of this rank's parameters: rank 0's graph, broadcast to every rank."""
+    import torch.distributed as dist
+    roles = graph_roles(pm.program) if getattr(pm, "program", None) is not None else None
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [roles]
+        dist.broadcast_object_list(box, src=0)
+        roles = box[0]
+    if roles is None:
+        return {fqn: MATMUL if p.dim() >= 2 else OTHER for fqn, p in pm.named_parameters()}
+    return roles
+
+
+def decay_split(named_params, roles: dict[str, str], decay_embeddings: bool = False):
+    """(decayed, not decayed) parameter lists: matrices fed to matmuls (and embedding tables
+    when asked); a parameter the roles do not know falls back to its number of dims."""
+    decayed, kept = [], []
+    wanted = {MATMUL, EMBEDDING} if decay_embeddings else {MATMUL}
+    for fqn, p in named_params:
+        role = roles.get(fqn, MATMUL if p.dim() >= 2 else OTHER)
+        (decayed if role in wanted and p.dim() >= 2 else kept).append(p)
+    return decayed, kept
+
+
+def adamw(pm, lr: float, weight_decay: float, betas=(0.9, 0.95), decay_embeddings: bool = False,
+          roles: dict[str, str] | None = None) -> torch.optim.AdamW:
+    """AdamW over this rank's shards: two groups (decayed, not), always both, so every rank
+    and every plan has the same groups (checkpoints resume under any plan)."""
+    roles = param_roles(pm) if roles is None else roles
+    decayed, kept = decay_split(pm.named_parameters(), roles, decay_embeddings)
+    return torch.optim.AdamW([{"params": decayed, "weight_decay": weight_decay},
+                              {"params": kept, "weight_decay": 0.0}], lr=lr, betas=tuple(betas))
