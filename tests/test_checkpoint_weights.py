@@ -52,9 +52,9 @@ def _meta():
 
 
 def _missing_init():
-    src = WeightSource.__new__(WeightSource)
-    src.path, src.model = "(test)", _meta()
-    return src._init(MISSING)
+    from threefold.checkpoint.init_shard import ShardInit
+    meta = _meta()
+    return ShardInit(meta, "(test)").init_full(MISSING, dict(meta.named_parameters())[MISSING].shape)
 
 
 def test_meta_model_loads_file_and_inits_the_rest(tmp_path):

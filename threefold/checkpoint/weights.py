@@ -9,19 +9,20 @@ no rank reads another rank's rows or holds the full tensor.
 A model's FQN is looked up as is, then without its leading components (a wrapper's
 `model.` prefix, as in examples/hf.py), then under its tied aliases. A parameter the files
 lack keeps the model's value if it has one; on the meta device it gets its module's own
-`reset_parameters()` with the generator seeded from the FQN, so every rank (and every
-run) draws the same full tensor and cuts its shard from it; only that one module's own
-parameters are materialised for it.
+initialiser, replayed on this rank's shard only (init_shard.py: recorded once on the meta
+device, drawn row by row from generators seeded by FQN and row, so every rank, every run
+and every plan gets the same values).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
-import zlib
 
 import torch
 
+from threefold.checkpoint.init_shard import ShardInit
 from threefold.checkpoint.layout import local_shape, pieces
 from threefold.errors import PlanError
 from threefold.runtime.shard import rank_shard
@@ -95,10 +96,12 @@ class WeightSource:
         model's value, else its module's init."""
         shape = list(model_value.shape)
         key = self.key_of(fqn)
+        if key is None and model_value.is_meta:
+            dim, parts = pieces(spec, shape, tp_rank)
+            return self.initialiser.fill(dest, fqn, shape, dim, parts)
         if key is None:
-            full = model_value if not model_value.is_meta else self._init(fqn)
             with torch.no_grad():
-                dest.copy_(rank_shard(full, spec, tp_rank))
+                dest.copy_(rank_shard(model_value, spec, tp_rank))
             return dest
         from safetensors import safe_open
         dim, parts = pieces(spec, shape, tp_rank)
@@ -122,18 +125,9 @@ class WeightSource:
                             f"({type(exc).__name__}: {str(exc)[:200]}); the file is damaged") from None
         return dest
 
-    def _init(self, fqn: str) -> torch.Tensor:
-        owner_name, _, leaf = fqn.rpartition(".")
-        owner = self.model.get_submodule(owner_name) if owner_name else self.model
-        if not hasattr(owner, "reset_parameters"):
-            raise PlanError(f"{fqn} is not in the weights {self.path} and its module "
-                            f"{type(owner).__name__} has no reset_parameters(): add it to the weights, "
-                            "or build the model on a real device")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(zlib.crc32(fqn.encode()))
-            owner.to_empty(device="cpu", recurse=False)
-            owner.reset_parameters()
-        return getattr(owner, leaf).detach()
+    @functools.cached_property
+    def initialiser(self) -> ShardInit:
+        return ShardInit(self.model, self.path)
 
 
 def _tensor_files(path: str) -> dict[str, str]:
