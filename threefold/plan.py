@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 
 from threefold.errors import PlanError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# zb-h1 and zbv are zero-bubble schedules (Qi et al. 2401.10241; runtime/zero_bubble.py):
+# each backward is split into B (input gradients) and W (weight gradients). zbv runs two
+# chunks per stage in a V, so it implies v=2.
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
 LOSS_MODES = ("exact", "microbatch_mean")
 BATCHNORM_MODES = ("exact", "local")
 # Activation recomputation (passes/recompute.py): "full" keeps each transformer layer's input
@@ -61,7 +64,16 @@ class Plan:
                 raise PlanError(f"plan {name}={value!r} is invalid: it must be a positive integer")
         if self.schedule not in SCHEDULES:
             raise PlanError(f"plan schedule={self.schedule!r} is unknown: use one of {', '.join(SCHEDULES)}")
-        if self.interleave > 1 and self.schedule != "interleaved":
+        if self.schedule == "zbv":
+            if self.interleave == 1:   # ZB-V always cuts two chunks per stage
+                object.__setattr__(self, "interleave", 2)
+            if self.interleave != 2:
+                raise PlanError(f"plan v={self.interleave} with schedule=zbv is invalid: ZB-V runs exactly "
+                                "two chunks per stage; set v=2 (or leave v out)")
+            if self.pp == 1:
+                raise PlanError("plan schedule=zbv needs pp>1: its V spreads two chunks over each of "
+                                "several stages; set pp>1 or use schedule=zb-h1")
+        elif self.interleave > 1 and self.schedule != "interleaved":
             raise PlanError(f"plan v={self.interleave} needs schedule=interleaved "
                             f"(got schedule={self.schedule}); add schedule=interleaved or set v=1")
         if self.interleave > 1 and self.pp == 1:

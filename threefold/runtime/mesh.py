@@ -9,9 +9,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def stage_of(chunk: int, pp: int) -> int:
-    """The pipeline stage that holds model chunk `chunk` (Megatron's interleaved assignment:
-    stage r holds chunks r, r+pp, r+2pp, ...). The one place this rule lives."""
+# How model chunks sit on stages. "loop" (Megatron's interleaved assignment, every schedule
+# but ZB-V): stage r holds chunks r, r+pp, r+2pp, ... "v" (ZB-V, Qi et al. 2401.10241): two
+# chunks per stage in a V, stage s holds chunks s and 2pp-1-s, so the loss chunk sits on
+# stage 0 next to the first chunk and the turn of the V is a local hand-over on stage pp-1.
+LAYOUTS = ("loop", "v")
+
+
+def chunk_layout(schedule: str) -> str:
+    """The chunk layout a schedule kind runs on (the one place that maps schedules to layouts)."""
+    return "v" if str(schedule).lower() == "zbv" else "loop"
+
+
+def stage_of(chunk: int, pp: int, layout: str = "loop") -> int:
+    """The pipeline stage that holds model chunk `chunk` under `layout` (see LAYOUTS).
+    The one place this rule lives."""
+    if layout == "v":
+        return chunk if chunk < pp else 2 * pp - 1 - chunk
     return chunk % pp
 
 

@@ -1,21 +1,28 @@
 """Pipeline schedules as data: one ordered action list per pipeline stage.
 
 Model chunks. With `pp` stages and `v` chunks per stage the model is cut into `pp*v`
-chunks numbered 0..pp*v-1 in model order; chunk c lives on stage `c % pp` (Megatron's
-interleaved assignment: stage r holds chunks r, r+pp, r+2pp, ...). Activations flow from
-chunk c to c+1, gradients from c+1 to c. Chunk 0 reads its input from the data loader;
+chunks numbered 0..pp*v-1 in model order; chunk c lives on stage `mesh.stage_of(c, pp,
+layout)`: `c % pp` for every schedule but ZB-V (Megatron's interleaved assignment: stage r
+holds chunks r, r+pp, r+2pp, ...), and the V of ZB-V (stage s holds chunks s and 2pp-1-s).
+Activations flow from chunk c to c+1, gradients from c+1 to c. Chunk 0 reads its input from the data loader;
 the last chunk's forward computes the loss and its backward starts from the loss.
 
 Actions (all name a *local* chunk, i.e. one that lives on the rank holding the action):
 
     F3.1      FORWARD(chunk=3, mb=1)      run chunk 3 forward on microbatch 1
-    B3.1      BACKWARD(3, 1)              run chunk 3 backward on microbatch 1
+    B3.1      BACKWARD(3, 1)              run chunk 3 backward on microbatch 1 (zero-bubble
+                                          schedules: input gradients only, "B" of the paper)
+    W3.1      WEIGHT(3, 1)                zero-bubble schedules: chunk 3's weight gradients on
+                                          microbatch 1, from what its B kept ("W" of the paper)
     sa3.1>2   SEND_ACT(3, 1, peer=2)      send chunk 3's output to stage 2 (holds chunk 4)
     ra3.1<2   RECV_ACT(3, 1, peer=2)      receive chunk 3's input from stage 2 (holds chunk 2)
     sg3.1>2   SEND_GRAD(3, 1, peer=2)     send d(loss)/d(chunk 3's input) to stage 2 (chunk 2)
     rg3.1<0   RECV_GRAD(3, 1, peer=0)     receive d(loss)/d(chunk 3's output) from stage 0 (chunk 4)
 
 So `sa c.i` on one stage pairs with `ra c+1.i` on the next, and `sg c.i` with `rg c-1.i`.
+Neighbouring chunks on the same stage (ZB-V's turn, chunks pp-1 and pp) exchange no
+message: the forward of c+1 reads c's outputs and the backward of c reads c+1's input
+gradients on the rank itself.
 A rank executes (or posts) its list strictly in order. The lists are built so that they
 cannot deadlock even if every send blocks until its receive is posted (rendezvous), and
 for every ordered pair of ranks the messages sent from A to B appear in the same order as
@@ -30,6 +37,7 @@ How an executor runs a rank's list (pp-rank r of its pipeline; peers are pp-rank
   rg c.i<q   receive the gradient of chunk c's output for microbatch i
   B c.i      backward through chunk c (the last chunk: from its loss); free its activations
   sg c.i>q   send the gradient of chunk c's input for microbatch i to pp-rank q
+  W c.i      (zb-h1, zbv) weight gradients of chunk c, microbatch i, deferred by its B
 Blocking sends are safe; non-blocking sends (isend, waited before the buffer is reused or
 at the end of the step) are also safe and avoid the waits that blocking sends add to the
 interleaved schedule (`Report.rendezvous_makespan` says how much).
@@ -41,7 +49,7 @@ import re
 from dataclasses import dataclass
 
 from threefold.errors import PlanError
-from threefold.runtime.mesh import stage_of
+from threefold.runtime.mesh import chunk_layout, stage_of
 
 
 class ScheduleError(PlanError):
@@ -55,9 +63,10 @@ class Kind(str, enum.Enum):
     RECV_ACT = "ra"
     SEND_GRAD = "sg"
     RECV_GRAD = "rg"
+    WEIGHT = "W"
 
 
-COMPUTE = (Kind.FORWARD, Kind.BACKWARD)
+COMPUTE = (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
 SENDS = (Kind.SEND_ACT, Kind.SEND_GRAD)
 RECVS = (Kind.RECV_ACT, Kind.RECV_GRAD)
 
@@ -110,7 +119,7 @@ class Action:
     __repr__ = __str__
 
 
-_ACTION_RE = re.compile(r"^(F|B|sa|ra|sg|rg)(\d+)\.(\d+)(?:([<>])(\d+))?$")
+_ACTION_RE = re.compile(r"^(F|B|W|sa|ra|sg|rg)(\d+)\.(\d+)(?:([<>])(\d+))?$")
 
 
 def parse_action(text: str) -> Action:
@@ -129,7 +138,7 @@ def parse_action(text: str) -> Action:
 
 @dataclass(frozen=True)
 class Schedule:
-    name: str                       # gpipe | 1f1b | interleaved | forward
+    name: str                       # gpipe | 1f1b | interleaved | zb-h1 | zbv | forward
     pp: int                         # pipeline stages (ranks of one pipeline)
     v: int                          # model chunks per stage
     m: int                          # microbatches per iteration
@@ -143,11 +152,21 @@ class Schedule:
     def has_backward(self) -> bool:
         return self.name != "forward"
 
+    @property
+    def splits_backward(self) -> bool:
+        """B computes input gradients only and W actions the weight gradients (zero bubble)."""
+        return self.name in SPLIT_KINDS
+
+    @property
+    def layout(self) -> str:
+        return chunk_layout(self.name)
+
     def stage_of(self, chunk: int) -> int:
-        return stage_of(chunk, self.pp)
+        return stage_of(chunk, self.pp, self.layout)
 
     def chunks_of(self, stage: int) -> list[int]:
-        return [stage + k * self.pp for k in range(self.v)]
+        """The chunks a stage holds, in model order."""
+        return [c for c in range(self.num_chunks) if self.stage_of(c) == stage]
 
     def compute(self, stage: int) -> list[Action]:
         """Only the forward/backward actions of one stage, in order."""
@@ -170,17 +189,34 @@ class Schedule:
 
 
 # ---- generators ---------------------------------------------------------------------
-KINDS = ("gpipe", "1f1b", "interleaved", "forward")
+KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "forward")
+SPLIT_KINDS = ("zb-h1", "zbv")   # backward split into B (input grads) and W (weight grads)
 
-# A compute step before communication is placed: (is_backward, chunk, mb).
-Step = tuple[bool, int, int]
+# A compute step before communication is placed: (phase, chunk, mb), phase 0 forward,
+# 1 backward (B), 2 weight gradients (W). False/True read as 0/1.
+Step = tuple[int, int, int]
+FWD, BWD, WGT = 0, 1, 2
 
 
-def make_schedule(kind: str, pp: int, m: int, v: int = 1) -> Schedule:
-    """Build the named schedule (gpipe, 1f1b, interleaved, forward); PlanError if it cannot work."""
+def make_schedule(kind: str, pp: int, m: int, v: int = 1, layout: str | None = None) -> Schedule:
+    """Build the named schedule (gpipe, 1f1b, interleaved, zb-h1, zbv, forward); PlanError if
+    it cannot work. `layout` only matters for forward-only schedules of a ZB-V artifact
+    (layout="v"); the others follow from the kind."""
     kind = str(kind).lower().replace("-", "_")
-    kind = {"pipedream_flush": "1f1b", "forward_only": "forward"}.get(kind, kind)
+    kind = {"pipedream_flush": "1f1b", "forward_only": "forward", "zb_h1": "zb-h1", "zbh1": "zb-h1",
+            "zb_v": "zbv"}.get(kind, kind)
     _check_sizes(kind, pp, m, v)
+    if kind == "forward" and layout == "v":
+        _check_v_shape(kind, pp, v)
+        return _with_communication(kind, pp, m, v, _forward_by_chunk(pp, m, v, "v"), layout="v")
+    if kind in SPLIT_KINDS:
+        from threefold.runtime.zero_bubble import zb_h1_order, zbv_order
+        if kind == "zbv":
+            _check_v_shape(kind, pp, v)
+            orders = [zbv_order(r, pp, m) for r in range(pp)]
+        else:
+            orders = [zb_h1_order(r, pp, m) for r in range(pp)]
+        return _with_communication(kind, pp, m, v, orders)
     if kind == "gpipe":
         orders = [[(False, r, i) for i in range(m)] + [(True, r, i) for i in range(m)] for r in range(pp)]
     elif kind == "1f1b":
@@ -203,13 +239,32 @@ def _check_sizes(kind: str, pp: int, m: int, v: int) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise PlanError(f"schedule {name}={value!r} is invalid: it must be a positive integer")
     if kind not in KINDS:
-        raise PlanError(f"schedule {kind!r} is unknown: use one of gpipe, 1f1b, interleaved (or forward)")
+        raise PlanError(f"schedule {kind!r} is unknown: use one of gpipe, 1f1b, interleaved, zb-h1, zbv "
+                        "(or forward)")
+    if kind == "zbv":
+        return
     if v > 1 and kind not in ("interleaved", "forward"):
         raise PlanError(f"schedule v={v} needs the interleaved schedule (got {kind}): "
                         "use the interleaved schedule (plan schedule=interleaved, CLI --schedule interleaved) or set v=1")
     if v > 1 and pp == 1:
         raise PlanError(f"schedule v={v} with pp=1 is pointless: all chunks would sit on one rank; "
                         "set v=1 or use pp>=2")
+
+
+def _check_v_shape(kind: str, pp: int, v: int) -> None:
+    if v != 2:
+        raise PlanError(f"schedule {kind} with v={v} is invalid: ZB-V runs exactly two chunks per stage "
+                        "in a V; set v=2 (plan v=2, CLI -v 2)")
+    if pp < 2:
+        raise PlanError(f"schedule {kind} with pp={pp} is pointless: its V needs two stages or more; "
+                        "set pp>=2 or use zb-h1")
+
+
+def _forward_by_chunk(pp: int, m: int, v: int, layout: str) -> list[list[Step]]:
+    """Inference on any layout: each stage runs its chunks' forwards sorted by (chunk, mb),
+    an order every stage agrees with (a forward depends only on a smaller chunk)."""
+    return [[(FWD, c, i) for c in range(pp * v) if stage_of(c, pp, layout) == r for i in range(m)]
+            for r in range(pp)]
 
 
 def _one_f_one_b(fwd: list[tuple[int, int]], bwd: list[tuple[int, int]], warmup: int) -> list[Step]:
@@ -266,7 +321,9 @@ def inflight_bound(schedule_or_kind, pp: int = 0, m: int = 0, v: int = 1) -> lis
 
     GPipe: m. 1F1B: pp-r (capped at m). Interleaved: its warm-up plus one,
     2(pp-r-1) + (v-1)G + 1 with G the first group's size (pp when pp divides m), capped at
-    v*m. Forward-only holds none for backward.
+    v*m. Forward-only holds none for backward. ZB-H1 and ZB-V: see
+    `runtime/zero_bubble.inflight_bound` (counted from F to B, as here; what W keeps is
+    bounded separately by `zero_bubble.weight_inflight_bound`).
     """
     kind = schedule_or_kind
     if isinstance(schedule_or_kind, Schedule):
@@ -279,42 +336,58 @@ def inflight_bound(schedule_or_kind, pp: int = 0, m: int = 0, v: int = 1) -> lis
         return [min(v * m, _interleaved_warmup(r, pp, m, v) + 1) for r in range(pp)]
     if kind == "forward":
         return [0] * pp
+    if kind in SPLIT_KINDS:
+        from threefold.runtime.zero_bubble import inflight_bound as zb_bound
+        return zb_bound(kind, pp, m)
     raise PlanError(f"schedule {kind!r} is unknown: use one of {', '.join(KINDS)}")
 
 
 # ---- placing sends and receives -----------------------------------------------------
-def _with_communication(name: str, pp: int, m: int, v: int, orders: list[list[Step]]) -> Schedule:
+def _with_communication(name: str, pp: int, m: int, v: int, orders: list[list[Step]],
+                        layout: str | None = None) -> Schedule:
     """Insert sends and receives into per-stage compute orders.
 
-    We time the compute orders once (forward 1, backward 2, free communication) and give
-    every event a key: a compute its start time, a message (send and receive alike) the time
-    its producer finishes. Each rank's list is its events sorted by (time, message before
-    compute, message id). All ranks therefore follow one global order in which a message
-    is a single event, so even sends that wait for their receive cannot deadlock, and the
-    messages between two ranks are sent and received in the same order.
+    We time the compute orders once (forward 1, backward 2 or, split, B 1 and W 1; free
+    communication) and give every event a key: a compute its start time, a message (send and
+    receive alike) the time its producer finishes. Each rank's list is its events sorted by
+    (time, message before compute, message id). All ranks therefore follow one global order
+    in which a message is a single event, so even sends that wait for their receive cannot
+    deadlock, and the messages between two ranks are sent and received in the same order.
+    W actions move no message, and neither does a hand-over between two chunks on one stage
+    (the turn of ZB-V's V): the executor passes those tensors on locally.
     """
+    layout = layout or chunk_layout(name)
     last = pp * v - 1
+    cost = _unit_costs(name)
     end = _time_compute(name, pp, m, v, orders)
+
+    def peer(c: int) -> int:
+        return stage_of(c, pp, layout)
+
     keyed: list[list[tuple[tuple, Action]]] = [[] for _ in range(pp)]
     for r, order in enumerate(orders):
         events = keyed[r]
-        for is_b, c, i in order:
-            finish = end[(is_b, c, i)]
-            start = finish - (2 if is_b else 1)
-            if not is_b:
-                if c > 0:
-                    t = end[(False, c - 1, i)]
-                    events.append(((t, 0, 0, c - 1, i), Action(Kind.RECV_ACT, c, i, (c - 1) % pp)))
+        for phase, c, i in order:
+            finish = end[(phase, c, i)]
+            start = finish - cost[phase]
+            remote_prev = c > 0 and peer(c - 1) != r
+            remote_next = c < last and peer(c + 1) != r
+            if phase == FWD:
+                if remote_prev:
+                    t = end[(FWD, c - 1, i)]
+                    events.append(((t, 0, 0, c - 1, i), Action(Kind.RECV_ACT, c, i, peer(c - 1))))
                 events.append(((start, 1, 0, 0, 0), Action(Kind.FORWARD, c, i)))
-                if c < last:
-                    events.append(((finish, 0, 0, c, i), Action(Kind.SEND_ACT, c, i, (c + 1) % pp)))
-            else:
-                if c < last:
-                    t = end[(True, c + 1, i)]
-                    events.append(((t, 0, 1, c + 1, i), Action(Kind.RECV_GRAD, c, i, (c + 1) % pp)))
+                if remote_next:
+                    events.append(((finish, 0, 0, c, i), Action(Kind.SEND_ACT, c, i, peer(c + 1))))
+            elif phase == BWD:
+                if remote_next:
+                    t = end[(BWD, c + 1, i)]
+                    events.append(((t, 0, 1, c + 1, i), Action(Kind.RECV_GRAD, c, i, peer(c + 1))))
                 events.append(((start, 1, 0, 0, 0), Action(Kind.BACKWARD, c, i)))
-                if c > 0:
-                    events.append(((finish, 0, 1, c, i), Action(Kind.SEND_GRAD, c, i, (c - 1) % pp)))
+                if remote_prev:
+                    events.append(((finish, 0, 1, c, i), Action(Kind.SEND_GRAD, c, i, peer(c - 1))))
+            else:
+                events.append(((start, 1, 0, 0, 0), Action(Kind.WEIGHT, c, i)))
     actions = []
     for events in keyed:
         events.sort(key=lambda e: e[0])
@@ -322,9 +395,16 @@ def _with_communication(name: str, pp: int, m: int, v: int, orders: list[list[St
     return Schedule(name=name, pp=pp, v=v, m=m, actions=actions)
 
 
+def _unit_costs(name: str) -> tuple[int, int, int]:
+    """Unit costs (F, B, W) the generators order by: a fused backward is two forwards; split,
+    B and W are one each (the paper's T_F = T_B = T_W)."""
+    return (1, 1, 1) if name in SPLIT_KINDS else (1, 2, 0)
+
+
 def _time_compute(name: str, pp: int, m: int, v: int, orders: list[list[Step]]) -> dict[Step, int]:
     """End time of every compute step when each stage runs its order as early as data allows."""
     last = pp * v - 1
+    cost = _unit_costs(name)
     end: dict[Step, int] = {}
     clock = [0] * pp
     pos = [0] * pp
@@ -334,14 +414,16 @@ def _time_compute(name: str, pp: int, m: int, v: int, orders: list[list[Step]]) 
         for r in range(pp):
             order, t, k = orders[r], clock[r], pos[r]
             while k < len(order):
-                is_b, c, i = step = order[k]
-                if is_b:
-                    deps = ((False, c, i),) if c == last else ((False, c, i), (True, c + 1, i))
+                phase, c, i = step = order[k]
+                if phase == WGT:
+                    deps = ((BWD, c, i),)
+                elif phase == BWD:
+                    deps = ((FWD, c, i),) if c == last else ((FWD, c, i), (BWD, c + 1, i))
                 else:
-                    deps = ((False, c - 1, i),) if c > 0 else ()
+                    deps = ((FWD, c - 1, i),) if c > 0 else ()
                 if any(d not in end for d in deps):
                     break
-                t = max([t] + [end[d] for d in deps]) + (2 if is_b else 1)
+                t = max([t] + [end[d] for d in deps]) + cost[phase]
                 end[step] = t
                 k += 1
             if k != pos[r]:
@@ -349,7 +431,7 @@ def _time_compute(name: str, pp: int, m: int, v: int, orders: list[list[Step]]) 
     stuck = [r for r in range(pp) if pos[r] < len(orders[r])]
     if stuck:
         r = stuck[0]
-        is_b, c, i = orders[r][pos[r]]
+        phase, c, i = orders[r][pos[r]]
         raise ScheduleError(f"schedule {name} pp={pp} m={m} v={v} cannot run: rank {r} waits forever "
-                            f"at {'B' if is_b else 'F'}{c}.{i}; choose another m or schedule")
+                            f"at {'FBW'[phase]}{c}.{i}; choose another m or schedule")
     return end

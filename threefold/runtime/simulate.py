@@ -7,16 +7,21 @@
     stages, microbatch ids are in range; every required action appears exactly once
     (no backward, no gradients in a forward-only schedule);
   * local order: receive before the forward/backward that consumes it, forward before
-    its send and before its backward, backward before its gradient send;
+    its send and before its backward, backward before its gradient send; in zero-bubble
+    schedules (zb-h1, zbv) every (chunk, mb) also has exactly one W, after its B, and other
+    schedules have none;
   * matching: for every ordered pair of ranks, the messages A sends to B are, in order,
     the messages B receives from A (so the executor needs no tags);
   * no deadlock when every send blocks until its receive is posted (rendezvous; this also
     covers buffered sends);
-  * the in-flight activation bound of the schedule kind (see `schedule.inflight_bound`).
+  * the in-flight activation bound of the schedule kind (see `schedule.inflight_bound`),
+    and for zero-bubble schedules the bound on what W keeps
+    (`zero_bubble.weight_inflight_bound`).
 
 `simulate(schedule, durations)` times the lists. Durations: None (forward 1, backward 2,
-communication 0), a callable `action -> seconds`, or a dict `chunk -> (fwd, bwd)` from the
-cost model. By default sends do not wait for their receive (`comm="eager"`); pass
+communication 0; zero-bubble schedules: B 1 and W 1, the paper's T_F = T_B = T_W), a
+callable `action -> seconds`, or a dict `chunk -> (fwd, bwd)` or `chunk -> (fwd, b, w)`
+from the cost model (a 2-tuple under a split schedule gives B and W half the backward each). By default sends do not wait for their receive (`comm="eager"`); pass
 `comm="rendezvous"` to time blocking sends instead.
 
 Two bubble numbers, both averaged over the ranks of one pipeline:
@@ -33,29 +38,42 @@ from dataclasses import dataclass
 from typing import Union
 
 from threefold.errors import PlanError
-from threefold.runtime.schedule import (COMPUTE, RECVS, SENDS, Action, Kind, Schedule, ScheduleError,
+from threefold.runtime.schedule import (COMPUTE, KINDS, RECVS, SENDS, Action, Kind, Schedule, ScheduleError,
                                         inflight_bound)
 
-# None (forward 1, backward 2, communication 0), action -> time, or chunk -> (fwd, bwd).
-Durations = Union[None, Callable[[Action], float], Mapping[int, tuple[float, float]]]
+# None (unit costs), action -> time, or chunk -> (fwd, bwd) / (fwd, b, w).
+Durations = Union[None, Callable[[Action], float], Mapping[int, tuple]]
 
 
-def duration_fn(durations: Durations = None) -> Callable[[Action], float]:
-    """Turn the accepted duration forms into one callable action -> time."""
+def duration_fn(durations: Durations = None, split: bool = False) -> Callable[[Action], float]:
+    """Turn the accepted duration forms into one callable action -> time. `split`: the
+    schedule's backward is B + W (zero bubble), so B is the input-gradient half only."""
     if durations is None:
-        return _unit
+        return _unit_split if split else _unit
     if callable(durations):
         return durations
     if isinstance(durations, Mapping):
-        table = {int(c): (float(f), float(b)) for c, (f, b) in durations.items()}
+        table = {}
+        for c, times in durations.items():
+            times = tuple(float(t) for t in times)
+            if len(times) == 2:   # (fwd, whole backward): B and W take half each when split
+                f, b = times
+                times = (f, b / 2, b / 2) if split else (f, b, 0.0)
+            elif len(times) == 3 and not split:   # (fwd, b, w) under a fused backward
+                times = (times[0], times[1] + times[2], 0.0)
+            elif len(times) != 3:
+                raise PlanError(f"durations for chunk {c} are {times!r}: give (fwd, bwd) or (fwd, b, w)")
+            table[int(c)] = times
+        column = {Kind.FORWARD: 0, Kind.BACKWARD: 1, Kind.WEIGHT: 2}
 
         def from_cost_model(a: Action) -> float:
-            if a.kind is Kind.FORWARD or a.kind is Kind.BACKWARD:
-                if a.chunk not in table:
-                    raise PlanError(f"durations have no entry for chunk {a.chunk}: "
-                                    "give (fwd, bwd) times for every chunk 0..pp*v-1")
-                return table[a.chunk][a.kind is Kind.BACKWARD]
-            return 0.0
+            k = column.get(a.kind)
+            if k is None:
+                return 0.0
+            if a.chunk not in table:
+                raise PlanError(f"durations have no entry for chunk {a.chunk}: "
+                                "give (fwd, bwd) times for every chunk 0..pp*v-1")
+            return table[a.chunk][k]
         return from_cost_model
     raise PlanError(f"durations={durations!r} is invalid: pass None, a callable(action) -> time, "
                     "or a dict chunk -> (fwd, bwd)")
@@ -63,6 +81,11 @@ def duration_fn(durations: Durations = None) -> Callable[[Action], float]:
 
 def _unit(a: Action) -> int:
     return 1 if a.kind is Kind.FORWARD else 2 if a.kind is Kind.BACKWARD else 0
+
+
+def _unit_split(a: Action) -> int:
+    """The paper's T_F = T_B = T_W = 1 (zero-bubble schedules)."""
+    return 1 if a.kind in COMPUTE else 0
 
 
 @dataclass(frozen=True)
@@ -74,6 +97,8 @@ class Simulation:
     busy: list[float]           # forward+backward time per rank
     max_inflight: list[int]     # peak activations held per rank, counted per (chunk, mb)
     comm: str                   # "eager" or "rendezvous" sends
+    # zero-bubble schedules: peak (chunk, mb) per rank whose F ran and whose W has not
+    max_weight_inflight: list[int] | None = None
 
     @property
     def idle(self) -> float:
@@ -94,15 +119,17 @@ def simulate(schedule: Schedule, durations: Durations = None, *, comm: str = "ea
     """Time every rank's list; ScheduleError if it cannot finish."""
     if comm not in ("eager", "rendezvous"):
         raise PlanError(f"comm={comm!r} is unknown: use eager or rendezvous")
-    dur = duration_fn(durations)
+    dur = duration_fn(durations, schedule.splits_backward)
     start, end = _run(schedule, dur, rendezvous=comm == "rendezvous")
     busy = [sum(dur(a) for a in acts if a.kind in COMPUTE) for acts in schedule.actions]
     makespan = max((e[-1] for e in end if e), default=0)
-    return Simulation(schedule, start, end, makespan, busy, peak_inflight(schedule), comm)
+    weights = peak_inflight(schedule, Kind.WEIGHT) if schedule.splits_backward else None
+    return Simulation(schedule, start, end, makespan, busy, peak_inflight(schedule), comm, weights)
 
 
-def peak_inflight(schedule: Schedule) -> list[int]:
-    """Per rank, the most (chunk, mb) whose forward ran and whose backward has not.
+def peak_inflight(schedule: Schedule, until: Kind = Kind.BACKWARD) -> list[int]:
+    """Per rank, the most (chunk, mb) whose forward ran and whose backward (or, with
+    until=WEIGHT, whose weight-gradient step) has not.
 
     Order-only, so it holds for any timing. A forward-only schedule keeps nothing for a
     backward pass, so it reports 0.
@@ -116,7 +143,7 @@ def peak_inflight(schedule: Schedule) -> list[int]:
             if a.kind is Kind.FORWARD:
                 held += 1
                 peak = max(peak, held)
-            elif a.kind is Kind.BACKWARD:
+            elif a.kind is until:
                 held -= 1
         peaks.append(peak)
     return peaks
@@ -201,8 +228,14 @@ class Report:
 
     @property
     def formula_bubble_ratio(self) -> float:
-        """The paper's (p-1)/(v*m) (v=1 for GPipe and 1F1B); matches with equal stages, m >= p."""
+        """The paper's (p-1)/(v*m) (v=1 for GPipe and 1F1B); matches with equal stages, m >= p.
+        Zero bubble (unit costs F = B = W, runtime/zero_bubble.py): ZB-H1 (p-1)/(3m), a third
+        of 1F1B's, for m >= p; ZB-V (p-1)/(6m), the ramp only, for m >= 2p."""
         s = self.schedule
+        if s.name == "zb-h1":
+            return (s.pp - 1) / (3 * s.m)
+        if s.name == "zbv":
+            return (s.pp - 1) / (6 * s.m)
         return (s.pp - 1) / (s.v * s.m)
 
     def to_json(self) -> dict:
@@ -216,7 +249,8 @@ class Report:
             "definitions": {
                 "bubble_fraction": "idle rank-time / (pp * makespan): share of the iteration spent idle",
                 "bubble_ratio": "idle time / busy compute time: the paper's bubble, (p-1)/(v*m)",
-                "formula_bubble_ratio": "(pp-1)/(interleave*microbatches)",
+                "formula_bubble_ratio": "(pp-1)/(interleave*microbatches); zb-h1 (pp-1)/(3*microbatches); "
+                                        "zbv (pp-1)/(6*microbatches)",
                 "makespan": "simulated iteration time, forward 1 and backward 2 units per chunk unless "
                             "durations were given, sends not waiting for receives",
                 "rendezvous_makespan": "the same when every send blocks until its receive is posted",
@@ -229,16 +263,23 @@ def verify(schedule: Schedule, durations: Durations = None) -> Report:
     """Prove the schedule safe (see the module docstring) and time it; ScheduleError otherwise."""
     _check_placement(schedule)
     _check_matching(schedule)
-    dur = duration_fn(durations)
+    dur = duration_fn(durations, schedule.splits_backward)
     rendezvous_start, rendezvous_end = _run(schedule, dur, rendezvous=True)
     sim = simulate(schedule, dur)
-    bound = inflight_bound(schedule) if schedule.name in ("gpipe", "1f1b", "interleaved", "forward") else None
+    bound = inflight_bound(schedule) if schedule.name in KINDS else None
     if bound is not None:
         for r, (peak, most) in enumerate(zip(sim.max_inflight, bound)):
             if peak > most:
                 acts = schedule.actions[r]
                 raise ScheduleError(f"schedule {_label(schedule)}: rank {r} holds {peak} activations "
                                     f"(at most {most} allowed for {schedule.name}); first action {acts[0]}")
+    if schedule.splits_backward:
+        from threefold.runtime.zero_bubble import weight_inflight_bound
+        for r, (peak, most) in enumerate(zip(sim.max_weight_inflight,
+                                             weight_inflight_bound(schedule.name, schedule.pp, schedule.m))):
+            if peak > most:
+                raise ScheduleError(f"schedule {_label(schedule)}: rank {r} keeps {peak} microbatches for "
+                                    f"their weight gradients (at most {most} allowed for {schedule.name})")
     rendezvous_makespan = max((e[-1] for e in rendezvous_end if e), default=0)
     return Report(schedule, sim, rendezvous_makespan, bound)
 
@@ -262,25 +303,30 @@ def _check_placement(s: Schedule) -> None:
         where: dict[Action, int] = {}
         for i, a in enumerate(acts):
             c = a.chunk
-            if not (0 <= c < chunks and c % pp == r):
+            if not (0 <= c < chunks and s.stage_of(c) == r):
                 raise _fail(s, r, a, f"chunk {c} does not live on rank {r}")
             if not 0 <= a.mb < m:
                 raise _fail(s, r, a, f"microbatch {a.mb} is outside 0..{m - 1}")
             if a in where:
                 raise _fail(s, r, a, f"appears twice (positions {where[a]} and {i})")
             kind = a.kind
-            if not s.has_backward and kind in (Kind.BACKWARD, Kind.SEND_GRAD, Kind.RECV_GRAD):
+            if not s.has_backward and kind in (Kind.BACKWARD, Kind.SEND_GRAD, Kind.RECV_GRAD, Kind.WEIGHT):
                 raise _fail(s, r, a, "a forward-only schedule has no backward pass")
+            if kind is Kind.WEIGHT and not s.splits_backward:
+                raise _fail(s, r, a, f"{s.name} runs a fused backward: it has no separate W actions")
             if kind in (Kind.SEND_ACT, Kind.RECV_GRAD):
                 if c == last:
                     raise _fail(s, r, a, "the last chunk has no next chunk to talk to")
-                want = (c + 1) % pp
+                want = s.stage_of(c + 1)
             elif kind in (Kind.RECV_ACT, Kind.SEND_GRAD):
                 if c == 0:
                     raise _fail(s, r, a, "the first chunk has no previous chunk to talk to")
-                want = (c - 1) % pp
+                want = s.stage_of(c - 1)
             else:
                 want = -1
+            if want == r:
+                raise _fail(s, r, a, "its neighbouring chunk lives on the same rank: it is handed over "
+                                     "locally, without a message")
             if a.peer != want:
                 raise _fail(s, r, a, f"its peer must be {'none' if want < 0 else f'stage {want}'}")
             where[a] = i
@@ -293,13 +339,17 @@ def _check_placement(s: Schedule) -> None:
         return i
 
     for c in range(chunks):
-        r = c % pp
+        r = s.stage_of(c)
+        prev = s.stage_of(c - 1) if c > 0 else -1
+        nxt = s.stage_of(c + 1) if c < last else -1
         for i in range(m):
             f = Action(Kind.FORWARD, c, i)
             fi = at(r, f, f)
-            if c > 0 and at(r, Action(Kind.RECV_ACT, c, i, (c - 1) % pp), f) > fi:
+            if prev == r and at(r, Action(Kind.FORWARD, c - 1, i), f) > fi:
+                raise _fail(s, r, f, f"runs before F{c - 1}.{i}, whose outputs it reads on this rank")
+            if prev not in (-1, r) and at(r, Action(Kind.RECV_ACT, c, i, prev), f) > fi:
                 raise _fail(s, r, f, "runs before its input is received")
-            if c < last and at(r, Action(Kind.SEND_ACT, c, i, (c + 1) % pp), f) < fi:
+            if nxt not in (-1, r) and at(r, Action(Kind.SEND_ACT, c, i, nxt), f) < fi:
                 raise _fail(s, r, f, "its output is sent before it runs")
             if not s.has_backward:
                 continue
@@ -307,10 +357,16 @@ def _check_placement(s: Schedule) -> None:
             bi = at(r, b, b)
             if bi < fi:
                 raise _fail(s, r, b, f"runs before {f}")
-            if c < last and at(r, Action(Kind.RECV_GRAD, c, i, (c + 1) % pp), b) > bi:
+            if nxt == r and at(r, Action(Kind.BACKWARD, c + 1, i), b) > bi:
+                raise _fail(s, r, b, f"runs before B{c + 1}.{i}, whose input gradients it reads on this rank")
+            if nxt not in (-1, r) and at(r, Action(Kind.RECV_GRAD, c, i, nxt), b) > bi:
                 raise _fail(s, r, b, "runs before its output gradient is received")
-            if c > 0 and at(r, Action(Kind.SEND_GRAD, c, i, (c - 1) % pp), b) < bi:
+            if prev not in (-1, r) and at(r, Action(Kind.SEND_GRAD, c, i, prev), b) < bi:
                 raise _fail(s, r, b, "its input gradient is sent before it runs")
+            if s.splits_backward:
+                w = Action(Kind.WEIGHT, c, i)
+                if at(r, w, w) < bi:
+                    raise _fail(s, r, w, f"runs before {b}, whose kept values it reads")
     # Every action was unique and valid, and every required one was found: nothing extra is left.
 
 
