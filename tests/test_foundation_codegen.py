@@ -117,7 +117,7 @@ def test_meta_model_artifact_has_no_weights(tmp_path):
                                      device="meta"), "pp=2")
     art = save_artifact(prog, str(tmp_path / "art"))
     assert not os.path.exists(os.path.join(art.root, "weights"))
-    assert all(c["weights"] == {} for c in art.chunks)
+    assert all(c.weights == {} for c in art.chunks) and not art.manifest.has_weights
 
 
 def test_debug_dir_gets_every_pass_and_generated_file(tmp_path, monkeypatch):

@@ -16,10 +16,10 @@ from threefold.codegen.artifact import build_manifest, build_sources
 from threefold.compiler.api import compile_workload
 from threefold.errors import PlanError
 from threefold.plan import Plan
+from threefold.runtime.assemble import assemble_rank, check_world, default_device
 from threefold.runtime.loader import import_source
 from threefold.runtime.mesh import Mesh
-from threefold.runtime.shard import ShardSpec, rank_shard
-from threefold.runtime.session import check_world, default_device, local_chunks, make_engine
+from threefold.runtime.shard import rank_shard
 from threefold.runtime.schedule import forward_only
 from threefold.workload import Workload
 
@@ -27,7 +27,7 @@ from threefold.workload import Workload
 class ParallelModule:
     """This rank's chunks of a parallelized model, with a training step."""
 
-    def __init__(self, engine, plan: Plan, manifest: dict, program=None):
+    def __init__(self, engine, plan: Plan, manifest, program=None):
         self.engine = engine
         self.plan = plan
         self.manifest = manifest
@@ -36,14 +36,14 @@ class ParallelModule:
     def step(self, *inputs, target=None) -> float:
         """One iteration over the global batch: all microbatches forward and backward,
         gradients synchronised. Returns the mean loss, identical on every rank."""
-        batch = tuple(inputs) + ((target,) if self.manifest["has_loss"] else ())
-        if self.manifest["has_loss"] and target is None:
+        batch = tuple(inputs) + ((target,) if self.manifest.has_loss else ())
+        if self.manifest.has_loss and target is None:
             raise PlanError("step() needs target=...: the model was compiled with a loss_fn")
         return self.engine.step(batch, train=True)
 
     def evaluate(self, *inputs, target=None) -> float:
         """Forward only (no gradients): the mean loss over the global batch."""
-        batch = tuple(inputs) + ((target,) if self.manifest["has_loss"] else ())
+        batch = tuple(inputs) + ((target,) if self.manifest.has_loss else ())
         sched = forward_only(self.plan.pp, self.plan.microbatches, self.plan.interleave)
         with torch.no_grad():
             return self.engine.step(batch, train=False, schedule=sched)
@@ -51,7 +51,7 @@ class ParallelModule:
     def forward(self, *inputs):
         """Forward-only inference: the model's outputs per microbatch on the last stage
         (concatenated along the batch), None on other stages."""
-        if self.manifest["has_loss"]:
+        if self.manifest.has_loss:
             raise PlanError("pm(x) returns model outputs, but this model was compiled with loss_fn, so its "
                             "last stage computes only the loss: use pm.evaluate(x, target=y) for the loss, "
                             "or parallelize without loss_fn for outputs")
@@ -61,7 +61,7 @@ class ParallelModule:
         outs = self.engine.last_outputs
         if not outs:
             return None
-        dims = self.manifest.get("output_batch_dims") or []   # the compiler's; old artifacts: 0
+        dims = self.manifest.output_batch_dims or []   # the compiler's; old artifacts: 0
         return tuple(torch.cat(parts, dim=dims[i] if i < len(dims) else 0)
                      for i, parts in enumerate(zip(*outs)))
 
@@ -143,31 +143,36 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
     if "kernels.py" in sources:
         import_source(sources["kernels.py"], _join(root, "kernels.py"))
     dev = torch.device(device) if device is not None else default_device()
-    coord = mesh.coord(rank)
     full = _full_state(model, payload["constants"])
     # one source of initial weights: rank 0's, broadcast where fingerprints differ
     from threefold.checkpoint.agree import same_as_rank0
-    source = WeightSource(weights, model, manifest.get("ties")) if weights is not None else None
+    source = WeightSource(weights, model, manifest.ties) if weights is not None else None
     full.update(same_as_rank0({k: v for k, v in full.items() if not k.startswith("_const.") and not v.is_meta
                                and not (source and source.key_of(k))}, dev)[0])
-    shards = {fqn: ShardSpec.from_json(d) for fqn, d in manifest.get("shards", {}).items()}
-    modules = {}
-    for c in local_chunks(manifest, coord.pp):
-        entry = manifest["chunks"][c]
-        name = entry["module"]   # shared by every tp rank; the weight shards are this rank's
-        cls = getattr(import_source(sources[name], _join(root, name)), entry["class"])
-        module = cls(device=dev)
-        state = {}
-        for fqn in list(cls.PARAMS) + list(cls.BUFFERS):
-            t = full[fqn]
-            if source is not None and not fqn.startswith("_const."):   # this rank's slices only
-                state[fqn] = source.fill(module.p(fqn).detach(), fqn, shards.get(fqn), coord.tp, t)
-                continue
-            state[fqn] = rank_shard(t, shards.get(fqn), coord.tp).to(dev)
-        module.load_state(state)
-        modules[c] = module
-    engine = make_engine(manifest, modules, rank, dev)
+    engine = assemble_rank(manifest, _CompiledSource(sources, root, full, source, manifest.shards), rank, dev)
     return ParallelModule(engine, plan, manifest, prog)
+
+
+class _CompiledSource:
+    """Where `assemble_rank` gets this rank's modules and weights in `parallelize`: the
+    sources rank 0 generated (in memory), and each parameter's shard cut from the model's
+    own full tensors, or read slice by slice from a weights file (checkpoint/weights.py)."""
+
+    def __init__(self, sources: dict[str, str], root: str, full: dict, weights, shards: dict):
+        self.sources, self.root, self.full, self.weights, self.shards = sources, root, full, weights, shards
+
+    def chunk_class(self, entry):
+        return getattr(import_source(self.sources[entry.module], _join(self.root, entry.module)), entry.cls)
+
+    def load_weights(self, module, entry, tp_rank: int, device) -> None:
+        state = {}
+        for fqn in list(module.PARAMS) + list(module.BUFFERS):
+            t, spec = self.full[fqn], self.shards.get(fqn)
+            if self.weights is not None and not fqn.startswith("_const."):   # this rank's slices only
+                state[fqn] = self.weights.fill(module.p(fqn).detach(), fqn, spec, tp_rank, t)
+            else:
+                state[fqn] = rank_shard(t, spec, tp_rank).to(device)
+        module.load_state(state)
 
 
 def _join(root: str, name: str) -> str:

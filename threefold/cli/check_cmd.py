@@ -30,7 +30,7 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _rank_losses(spec: str, plan: str, state_file: str, steps: int, lr: float) -> list[float]:
+def _rank_losses(spec: str, plan: Plan, state_file: str, steps: int, lr: float) -> list[float]:
     import threefold
     from threefold.workload import load_spec
     torch.set_num_threads(1)
@@ -77,7 +77,8 @@ def run(args) -> int:
         # independent draws of the loss, times sqrt(step) (docs/design.md, "What threefold check compares").
         noise = _loss_noise(w) if random_ops else 0.0
         reference = _reference(w, args.steps, args.lr)
-        parallel = run_on_ranks(_rank_losses, plan.world_size, args.spec, str(plan), state_file,
+        # the Plan value itself (parsed once, above), not its text
+        parallel = run_on_ranks(_rank_losses, plan.world_size, args.spec, plan, state_file,
                                 args.steps, args.lr)[0]
     diverged = next((i for i, b in enumerate(reference, start=1) if not math.isfinite(b)), None)
     diffs = [_rel_diff(a, b) for a, b in zip(parallel, reference)]

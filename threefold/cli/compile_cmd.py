@@ -60,10 +60,10 @@ def run(args) -> int:
         timings["total"] = time.perf_counter() - start
     for name, seconds in prog.pass_log:
         timings[name] = seconds
-    with_weights = any(c.get("weights") for c in art.chunks)
+    with_weights = art.manifest.has_weights
     summary = {
         "out": art.root, "model": prog.name, "plan": str(plan), "chunks": len(prog.chunks),
-        "files": sorted(f for f in art.manifest["files"] if f.endswith(".py")), "weights": with_weights,
+        "files": sorted(f for f in art.manifest.files if f.endswith(".py")), "weights": with_weights,
         "seconds": {k: round(v, 3) for k, v in timings.items()},
     }
     if args.json:

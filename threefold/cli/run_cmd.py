@@ -35,17 +35,11 @@ def register(sub) -> None:
 
 def _run_rank(root: str, steps: int, lr: float, trust: bool = False, skip_nonfinite: bool = False,
               save_every: int = 0, ckpt_dir: str | None = None, resume: str | None = None) -> dict:
-    from threefold.runtime.loader import load_batch, load_chunk, open_artifact
-    from threefold.runtime.mesh import Mesh
-    from threefold.runtime.session import check_world, default_device, local_chunks, make_engine
+    from threefold.runtime.assemble import assemble_rank
+    from threefold.runtime.loader import ArtifactSource, load_batch, open_artifact
     torch.set_num_threads(1)
     art = open_artifact(root, trust=trust)
-    mesh = Mesh(**art.manifest["mesh"])
-    rank = check_world(mesh, art.plan)
-    coord = mesh.coord(rank)
-    device = default_device()
-    modules = {c: load_chunk(art, c, coord.tp, device) for c in local_chunks(art.manifest, coord.pp)}
-    engine = make_engine(art.manifest, modules, rank, device)
+    engine = assemble_rank(art.manifest, ArtifactSource(art))
     batch = load_batch(art)
     opt = torch.optim.SGD(engine.parameters(), lr=lr)
     from threefold.cli.divergence import nonfinite
@@ -87,13 +81,13 @@ def run(args) -> int:
         raise PlanError(f"--lr {args.lr} is invalid: use a positive finite learning rate")
     art = open_artifact(args.dir, trust=args.trust)
     art.verify()        # every file against its sha256, before any rank imports or reads one
-    if not art.chunks or not art.chunks[0].get("weights"):
+    if not art.manifest.has_weights:
         raise PlanError(f"artifact {args.dir!r} has no weights (compiled on the meta device?); "
                         "compile a model with real weights to run it")
-    if BATCH_FILE not in art.manifest["files"]:
+    if BATCH_FILE not in art.manifest.files:
         raise PlanError(f"artifact {args.dir!r} has no saved batch ({BATCH_FILE}); "
                         "recompile it with `threefold compile`")
-    if not art.manifest.get("has_loss"):
+    if not art.manifest.has_loss:
         raise PlanError(f"artifact {args.dir!r} was compiled without a loss: run trains, so compile with loss_fn")
     if args.save_every < 0:
         raise PlanError(f"--save-every {args.save_every} is invalid: use a positive step count (0: never)")
@@ -103,16 +97,14 @@ def run(args) -> int:
     if resume is not None:
         from threefold.checkpoint.files import resolve
         resolve(resume)   # not a checkpoint: one line here, before any rank starts
-    mesh = art.manifest["mesh"]
-    world = mesh["tp"] * mesh["dp"] * mesh["pp"]
-    result = run_on_ranks(_run_rank, world, art.root, args.steps, args.lr, args.trust,
+    result = run_on_ranks(_run_rank, art.manifest.mesh.world_size, art.root, args.steps, args.lr, args.trust,
                           args.skip_nonfinite, args.save_every, ckpt_dir, resume)[0]
     from threefold.cli.jobs import is_main_rank
     losses, stopped = result["losses"], result["stopped"]
     if not is_main_rank():
         return 1 if stopped else 0
     if args.json:
-        out = {"plan": art.plan, "losses": losses, "skipped_steps": result["skipped"]}
+        out = {"plan": str(art.plan), "losses": losses, "skipped_steps": result["skipped"]}
         if stopped:
             out.update(stopped_at_step=stopped[0], reason=f"non-finite {stopped[1]}")
         print(dumps(out))

@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 
 import torch
 
 from threefold.codegen.python import content_hash, generate_module
 from threefold.compiler.program import Program
-from threefold.runtime.loader import BATCH_FILE, FORMAT, MANIFEST, Artifact, open_artifact
+from threefold.runtime.loader import BATCH_FILE, MANIFEST, Artifact, open_artifact
+from threefold.runtime.manifest import ChunkEntry, LossForm, Manifest, TensorSpec
 from threefold.runtime.mesh import stage_of
 from threefold.runtime.shard import rank_state
 
@@ -79,9 +79,9 @@ def save_artifact(prog: Program, out_dir: str, sources: dict[str, str] | None = 
             hashes[BATCH_FILE] = _write_bytes(os.path.join(tmp, BATCH_FILE), data)
         manifest = build_manifest(prog, sources, hashes, with_weights)
         if extra:
-            manifest.update(extra)
+            manifest = manifest.replace(extra={**manifest.extra, **extra})
         with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=2)
+            f.write(manifest.dumps())
 
     write_out_dir(out_dir, fill, kind="artifact", force=force)
     return open_artifact(out_dir)
@@ -106,68 +106,66 @@ def _weights_file(chunk: int, tp_rank: int) -> str:
 
 
 def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str],
-                   with_weights: bool) -> dict:
+                   with_weights: bool) -> Manifest:
+    """The typed manifest of a compiled program (runtime/manifest.py): what any rank needs
+    to assemble itself, with the sha256 `hashes` of the files written beside it."""
     import threefold
     plan = prog.plan
     by_name = {n.name: n for n in prog.graph.nodes}
     inputs = [n for n in prog.graph.nodes if n.op == "placeholder" and n.meta.get("tf", {}).get("kind") == "input"]
 
-    def spec(node):
+    def spec(node) -> TensorSpec:
         val = node.meta["val"]
-        return {"name": node.name, "shape": list(val.shape), "dtype": str(val.dtype).replace("torch.", ""),
-                "placement": node.meta.get("tf", {}).get("placement", "R")}
+        return TensorSpec(node.name, tuple(int(s) for s in val.shape), _dtype(val.dtype),
+                          str(node.meta.get("tf", {}).get("placement") or "R"))
 
     holders: dict[str, list[int]] = {}
     for c in prog.chunks:
         for fqn in c.params:
             holders.setdefault(fqn, []).append(c.index)
-    chunks = []
-    for c in prog.chunks:
-        chunks.append({
-            "index": c.index,
-            "stage": stage_of(c.index, plan.pp),
-            "class": f"Chunk{c.index}",
-            "module": module_file(c.index),   # shared by every tp rank
-            "weights": ({str(r): f"weights/{_weights_file(c.index, r)}" for r in range(plan.tp)}
-                        if with_weights else {}),
-            "inputs": [spec(by_name[v]) for v in c.inputs],
-            "user_inputs": c.user_inputs,
-            "outputs": [spec(by_name[v]) for v in c.outputs],
-            # outputs no op of this chunk reads: their storage can be freed once sent
-            "releasable": _releasable(c),
-            "params": c.params,
-            # parameters also held by other chunks (tied weights): their grads are summed
-            "shared_params": {fqn: holders[fqn] for fqn in c.params if len(holders[fqn]) > 1},
-            "hash": content_hash(sources[module_file(c.index)]),
-        })
-    return {
-        "format": FORMAT,
-        "threefold_version": threefold.__version__,
-        "torch_version": torch.__version__,
-        "model": prog.name,
-        "plan": str(plan),
-        "mesh": {"tp": plan.tp, "dp": plan.dp, "pp": plan.pp},
-        "num_chunks": len(prog.chunks),
-        "has_loss": prog.has_loss,
-        "num_model_inputs": prog.num_model_inputs,
-        "inputs": [spec(n) for n in inputs],
-        "outputs": [{"shape": list(m.shape), "dtype": str(m.dtype).replace("torch.", "")} for m in prog.output_meta],
-        "ties": prog.ties,
-        "tp_grad_sync": list(prog.tp_grad_sync),
+    chunks = tuple(ChunkEntry(
+        index=c.index,
+        stage=stage_of(c.index, plan.pp),
+        cls=f"Chunk{c.index}",
+        module=module_file(c.index),   # shared by every tp rank
+        weights=({r: f"weights/{_weights_file(c.index, r)}" for r in range(plan.tp)} if with_weights else {}),
+        inputs=tuple(spec(by_name[v]) for v in c.inputs),
+        user_inputs=tuple(c.user_inputs),
+        outputs=tuple(spec(by_name[v]) for v in c.outputs),
+        # outputs no op of this chunk reads: their storage can be freed once sent
+        releasable=tuple(_releasable(c)),
+        params=tuple(c.params),
+        # parameters also held by other chunks (tied weights): their grads are summed
+        shared_params={fqn: tuple(holders[fqn]) for fqn in c.params if len(holders[fqn]) > 1},
+        hash=content_hash(sources[module_file(c.index)]),
+    ) for c in prog.chunks)
+    return Manifest(
+        plan=plan,
+        chunks=chunks,
+        has_loss=prog.has_loss,
+        num_model_inputs=prog.num_model_inputs,
+        model=prog.name,
+        inputs=tuple(spec(n) for n in inputs),
+        outputs=tuple({"shape": list(m.shape), "dtype": _dtype(m.dtype)} for m in prog.output_meta),
+        ties=prog.ties,
+        tp_grad_sync=tuple(prog.tp_grad_sync),
         # how each sharded parameter is cut per tp rank (runtime/shard.py)
-        "shards": {fqn: spec.to_json() for fqn, spec in prog.shard_fns.items()},
+        shards=dict(prog.shard_fns),
         # full (unsharded) shape and dtype of every parameter and buffer: checkpoints/reshard
-        "state_shapes": {fqn: [list(prog.state[fqn].shape), str(prog.state[fqn].dtype).replace("torch.", "")]
-                         for c in prog.chunks for fqn in c.params + c.buffers},
-        "scatter_gather": bool(plan.scatter_gather and plan.tp > 1),
-        "schedule": {"kind": plan.schedule, "microbatches": plan.microbatches, "interleave": plan.interleave},
-        "chunks": chunks,
-        "files": hashes,
-        "notes": prog.notes,
+        state_shapes={fqn: (list(prog.state[fqn].shape), _dtype(prog.state[fqn].dtype))
+                      for c in prog.chunks for fqn in c.params + c.buffers},
         # semantics the runtime keeps (passes/loss_form.py, passes/batch_dims.py, trace.py)
-        "loss": prog.loss_form or {"mode": "whole", "denominator": {"kind": "const", "value": 1}},
-        "batch_dims": prog.batch_dims,
-        "output_batch_dims": prog.output_batch_dims,
-        "frozen": sorted(n.meta["tf"]["fqn"] for n in prog.graph.nodes
-                         if n.op == "placeholder" and n.meta.get("tf", {}).get("frozen")),
-    }
+        loss=LossForm.from_json(prog.loss_form),
+        batch_dims=prog.batch_dims,
+        output_batch_dims=prog.output_batch_dims,
+        frozen=tuple(sorted(n.meta["tf"]["fqn"] for n in prog.graph.nodes
+                            if n.op == "placeholder" and n.meta.get("tf", {}).get("frozen"))),
+        notes=tuple(prog.notes),
+        files=dict(hashes),
+        threefold_version=threefold.__version__,
+        torch_version=torch.__version__,
+    )
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")

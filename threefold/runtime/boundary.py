@@ -29,24 +29,24 @@ def sent_elements(placement: str, numel: int, t: int, scatter_gather: bool) -> i
 
 
 class Boundary:
-    """The tensors of one chunk boundary (a chunk's inputs or outputs), as the manifest lists them."""
+    """The tensors of one chunk boundary (a chunk's inputs or outputs): the manifest's
+    `TensorSpec`s of one side of a chunk."""
 
-    def __init__(self, entries: list[dict], tp_group, scatter_gather: bool, grads: bool = False):
+    def __init__(self, entries, tp_group, scatter_gather: bool, grads: bool = False):
         if grads:
-            entries = [e for e in entries if _DTYPES[e["dtype"]].is_floating_point]
+            entries = [e for e in entries if _DTYPES[e.dtype].is_floating_point]
         self.entries = entries
         self.group = tp_group
         self.t = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.r = dist.get_rank(tp_group) if tp_group is not None else 0
-        self.split = [is_scattered(e.get("placement", "R"), _numel(e["shape"]), self.t, scatter_gather)
-                      for e in entries]
+        self.split = [is_scattered(e.placement, e.numel, self.t, scatter_gather) for e in entries]
 
     def pack(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """What this rank sends: its 1/t piece of each split tensor, others whole."""
         return [t.reshape(-1).chunk(self.t)[self.r] if s else t for t, s in zip(tensors, self.split)]
 
     def recv_specs(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        return [((_numel(e["shape"]) // self.t,) if s else tuple(e["shape"]), _DTYPES[e["dtype"]])
+        return [((e.numel // self.t,) if s else tuple(e.shape), _DTYPES[e.dtype])
                 for e, s in zip(self.entries, self.split)]
 
     def unpack(self, received: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -55,15 +55,15 @@ class Boundary:
             if s:
                 pieces = [torch.empty_like(t) for _ in range(self.t)]
                 comm.all_gather(pieces, t, self.group, "the pieces of a scatter/gather boundary tensor")
-                t = torch.cat(pieces).view(e["shape"])
+                t = torch.cat(pieces).view(e.shape)
             out.append(t)
         return out
 
     @property
     def saved_fraction(self) -> float:
         """Share of point-to-point bytes scatter/gather saves (for inspect and benches)."""
-        total = sum(_numel(e["shape"]) for e in self.entries) or 1
-        saved = sum(_numel(e["shape"]) * (1 - 1 / self.t) for e, s in zip(self.entries, self.split) if s)
+        total = sum(e.numel for e in self.entries) or 1
+        saved = sum(e.numel * (1 - 1 / self.t) for e, s in zip(self.entries, self.split) if s)
         return saved / total
 
 

@@ -18,6 +18,7 @@ import torch
 from threefold.runtime import comm
 from threefold.runtime.boundary import Boundary
 from threefold.runtime.comm import Groups
+from threefold.runtime.manifest import Manifest
 from threefold.runtime.module import ChunkModule
 from threefold.runtime.schedule import Kind, Schedule
 from threefold.runtime.ties import tied_param_stages
@@ -58,7 +59,7 @@ class _Slot:
 
 
 class PipelineEngine:
-    def __init__(self, manifest: dict, modules: dict[int, ChunkModule], schedule: Schedule,
+    def __init__(self, manifest: Manifest, modules: dict[int, ChunkModule], schedule: Schedule,
                  groups: Groups, device: torch.device):
         self.manifest = manifest
         self.modules = modules
@@ -68,12 +69,12 @@ class PipelineEngine:
         self.coord = self.mesh.coord(groups.rank)
         self.stage = self.coord.pp
         self.device = device
-        self.num_chunks = manifest["num_chunks"]
-        self.chunk_meta = manifest["chunks"]
-        self.has_loss = manifest["has_loss"]
-        # how partial losses combine (compiler's passes/loss_form.py); old artifacts: mean
-        self.loss_form = manifest.get("loss") or {"denominator": {"kind": "const", "value": 1}}
-        self.batch_dims = manifest.get("batch_dims")
+        self.num_chunks = manifest.num_chunks
+        self.chunk_meta = manifest.chunks
+        self.has_loss = manifest.has_loss
+        # how partial losses combine (compiler's passes/loss_form.py)
+        self.loss_form = manifest.loss
+        self.batch_dims = manifest.batch_dims
         self._step_count = 0
         self._rng_base = _shared_seed()
         for mod in modules.values():
@@ -205,7 +206,7 @@ class PipelineEngine:
             st.slots.pop((a.chunk, a.mb))
             st.inflight -= 1
         else:
-            _release_outputs(slot.outputs, self.chunk_meta[a.chunk].get("releasable", []))
+            _release_outputs(slot.outputs, self.chunk_meta[a.chunk].releasable)
 
     def _recv_grad(self, st: "_StepState", a) -> None:
         slot = st.slots[(a.chunk, a.mb)]
@@ -266,8 +267,8 @@ class PipelineEngine:
     def _boundary(self, chunk: int, side: str, grads: bool = False) -> Boundary:
         key = (chunk, side, grads)
         if key not in self._boundaries:
-            self._boundaries[key] = Boundary(self.chunk_meta[chunk][side], self.groups.tp,
-                                             self.manifest.get("scatter_gather", False), grads)
+            self._boundaries[key] = Boundary(getattr(self.chunk_meta[chunk], side), self.groups.tp,
+                                             self.manifest.scatter_gather, grads)
         return self._boundaries[key]
 
     def _peer(self, stage: int) -> int:
@@ -305,7 +306,7 @@ class PipelineEngine:
 
     def _sync_tp_grads(self) -> None:
         """Parameters applied to sequence shards: each tp rank has part of the gradient."""
-        for fqn in self.manifest.get("tp_grad_sync", []):
+        for fqn in self.manifest.tp_grad_sync:
             p = self.params.get(fqn)
             if p is not None and p.grad is not None and self.groups.tp is not None:
                 comm.all_reduce(p.grad, self.groups.tp, f"sequence-parallel gradient {fqn}")
@@ -317,11 +318,11 @@ class PipelineEngine:
         A per-microbatch constant c gives c*m*dp; a sum-reduced loss gives 1; a graph (the
         number of targets != ignore_index) is evaluated on every microbatch by the last
         chunk's module and summed over dp (only the last stage needs it)."""
-        den = self.loss_form["denominator"]
-        if den["kind"] == "one":
+        den = self.loss_form
+        if den.denominator == "one":
             return 1.0
-        if den["kind"] == "const":
-            return float(den["value"]) * st.m * self.mesh.dp
+        if den.denominator == "const":
+            return float(den.value) * st.m * self.mesh.dp
         last = self.modules.get(self.num_chunks - 1)
         if last is None:
             return float("nan")  # not the last stage: never seeds a loss backward

@@ -1,0 +1,343 @@
+"""`Manifest`: what the runtime needs to assemble any rank of a compiled model, as one value.
+
+The compiler writes it (codegen/artifact.py `build_manifest`), `manifest.json` stores its
+JSON form, and `parallelize`, `threefold run` and `threefold check` all hand the same
+value to `runtime/assemble.assemble_rank`. Reading JSON is also where a manifest is
+checked: structure, safe paths, and consistency (mesh and schedule against the plan,
+chunks against the mesh, one module and shard per tp rank), so a bad or tampered manifest
+is a one-line PlanError before anything it names is touched.
+
+The plan is stored as its string form and parsed once, here; the mesh and the schedule are
+the plan's (the JSON repeats them for readers, and a disagreement is an error).
+Keys a newer writer adds are kept in `extra` and written back unchanged.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from dataclasses import dataclass, field
+
+from threefold.errors import PlanError
+from threefold.plan import Plan
+from threefold.runtime.mesh import Mesh, stage_of
+from threefold.runtime.shard import ShardSpec
+
+MANIFEST = "manifest.json"
+FORMAT = 3                         # 3: one module per chunk ("module"), shared by its tp ranks
+MAX_RANKS = 1 << 16                # a mesh beyond this is a corrupt manifest, not a job
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor crossing a chunk boundary (or a model input/output): its name in the
+    graph, local (per tp rank) shape, dtype name and tensor-parallel placement."""
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    placement: str = "R"       # the TP pass's placement text: "R", "R(f)", "S(2)", ...
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= int(s)
+        return n
+
+    def to_json(self) -> dict:
+        out = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+        if self.placement is not None:
+            out["placement"] = self.placement
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TensorSpec":
+        return cls(str(d.get("name", "")), tuple(int(s) for s in d["shape"]), str(d["dtype"]),
+                   d.get("placement", "R"))
+
+
+@dataclass(frozen=True)
+class ChunkEntry:
+    """One pipeline chunk: its generated module (shared by every tp rank), its weight shard
+    per tp rank, what crosses its boundaries and which parameters it shares with others."""
+    index: int
+    stage: int
+    cls: str                                   # the ChunkModule subclass in `module`
+    module: str                                # relative path of the generated source
+    weights: dict[int, str]                    # tp rank -> relative path of its shard ({} = none)
+    inputs: tuple[TensorSpec, ...]             # boundary tensors received, in order
+    user_inputs: tuple[int, ...]               # batch entries read directly
+    outputs: tuple[TensorSpec, ...]            # boundary tensors sent on (last chunk: the loss)
+    releasable: tuple[bool, ...]               # per output: no op of the chunk reads it
+    params: tuple[str, ...]
+    shared_params: dict[str, tuple[int, ...]]  # tied FQN -> every chunk holding it
+    hash: str = ""                             # the module's content hash (its header)
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "stage": self.stage, "class": self.cls, "module": self.module,
+                "weights": {str(r): w for r, w in sorted(self.weights.items())},
+                "inputs": [s.to_json() for s in self.inputs], "user_inputs": list(self.user_inputs),
+                "outputs": [s.to_json() for s in self.outputs], "releasable": list(self.releasable),
+                "params": list(self.params),
+                "shared_params": {k: list(v) for k, v in self.shared_params.items()},
+                "hash": self.hash}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ChunkEntry":
+        return cls(index=d["index"], stage=d["stage"], cls=d["class"], module=d["module"],
+                   weights={int(r): w for r, w in (d.get("weights") or {}).items()},
+                   inputs=tuple(TensorSpec.from_json(s) for s in d.get("inputs", [])),
+                   user_inputs=tuple(d.get("user_inputs", [])),
+                   outputs=tuple(TensorSpec.from_json(s) for s in d.get("outputs", [])),
+                   releasable=tuple(bool(x) for x in d.get("releasable", [])),
+                   params=tuple(d.get("params", [])),
+                   shared_params={k: tuple(v) for k, v in (d.get("shared_params") or {}).items()},
+                   hash=d.get("hash", ""))
+
+
+@dataclass(frozen=True)
+class LossForm:
+    """How microbatch and dp partial losses combine (compiler's passes/loss_form.py):
+    `denominator` is "graph" (the last chunk's loss_denominator method), "const" (`value`
+    per microbatch) or "one" (a sum-reduced loss)."""
+    mode: str = "whole"
+    denominator: str = "const"
+    value: float = 1
+    detail: dict = field(default_factory=dict)   # reduction, op: for inspect and messages
+
+    def to_json(self) -> dict:
+        den = {"kind": self.denominator}
+        if self.denominator == "const":
+            den["value"] = self.value
+        return {**self.detail, "mode": self.mode, "denominator": den}
+
+    @classmethod
+    def from_json(cls, d: dict | None) -> "LossForm":
+        if not d:
+            return cls()
+        den = d.get("denominator") or {"kind": "const", "value": 1}
+        detail = {k: v for k, v in d.items() if k not in ("mode", "denominator")}
+        return cls(d.get("mode", "exact"), den["kind"], den.get("value", 1), detail)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    plan: Plan
+    chunks: tuple[ChunkEntry, ...]
+    has_loss: bool
+    num_model_inputs: int
+    model: str = ""
+    inputs: tuple[TensorSpec, ...] = ()         # user inputs (model inputs, then target)
+    outputs: tuple[dict, ...] = ()              # the graph's outputs: {"shape", "dtype"}
+    ties: dict = field(default_factory=dict)    # canonical FQN -> every FQN of it
+    tp_grad_sync: tuple[str, ...] = ()          # params whose grads are summed over tp (sp)
+    shards: dict[str, ShardSpec] = field(default_factory=dict)
+    state_shapes: dict[str, tuple[list[int], str]] = field(default_factory=dict)  # full shapes
+    loss: LossForm = field(default_factory=LossForm)
+    batch_dims: list | None = None              # per user input: its batch dim (None: whole)
+    output_batch_dims: list | None = None       # per model output: its batch dim
+    frozen: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    files: dict[str, str] = field(default_factory=dict)   # relative path -> sha256
+    threefold_version: str = ""
+    torch_version: str = ""
+    extra: dict = field(default_factory=dict)   # keys this reader does not know, kept as is
+
+    # -- facts derived from the plan (one place) -----------------------------------------
+    @property
+    def mesh(self) -> Mesh:
+        return Mesh(tp=self.plan.tp, dp=self.plan.dp, pp=self.plan.pp)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def scatter_gather(self) -> bool:
+        return bool(self.plan.scatter_gather and self.plan.tp > 1)
+
+    @property
+    def has_weights(self) -> bool:
+        return bool(self.chunks) and bool(self.chunks[0].weights)
+
+    def local_chunks(self, stage: int) -> list[int]:
+        """The chunks pipeline stage `stage` holds."""
+        return [c.index for c in self.chunks if c.stage == stage]
+
+    def replace(self, **changes) -> "Manifest":
+        return dataclasses.replace(self, **changes)
+
+    # -- the JSON form by key: for readers written against the dict manifest (checkpoints,
+    # tests); new code reads the typed attributes above.
+    @functools.cached_property
+    def _json(self) -> dict:
+        return self.to_json()
+
+    def __getitem__(self, key: str):
+        return self._json[key]
+
+    def get(self, key: str, default=None):
+        return self._json.get(key, default)
+
+    # -- JSON ------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        plan = self.plan
+        out = {
+            "format": FORMAT,
+            "threefold_version": self.threefold_version,
+            "torch_version": self.torch_version,
+            "model": self.model,
+            "plan": str(plan),
+            "mesh": {"tp": plan.tp, "dp": plan.dp, "pp": plan.pp},
+            "num_chunks": len(self.chunks),
+            "has_loss": self.has_loss,
+            "num_model_inputs": self.num_model_inputs,
+            "inputs": [s.to_json() for s in self.inputs],
+            "outputs": [dict(o) for o in self.outputs],
+            "ties": self.ties,
+            "tp_grad_sync": list(self.tp_grad_sync),
+            "shards": {fqn: s.to_json() for fqn, s in self.shards.items()},
+            "state_shapes": {k: [list(v[0]), v[1]] for k, v in self.state_shapes.items()},
+            "scatter_gather": self.scatter_gather,
+            "schedule": {"kind": plan.schedule, "microbatches": plan.microbatches,
+                         "interleave": plan.interleave},
+            "chunks": [c.to_json() for c in self.chunks],
+            "files": dict(self.files),
+            "notes": list(self.notes),
+            "loss": self.loss.to_json(),
+            "batch_dims": self.batch_dims,
+            "output_batch_dims": self.output_batch_dims,
+            "frozen": list(self.frozen),
+        }
+        out.update({k: v for k, v in self.extra.items() if k not in out})
+        return out
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2)
+
+    @classmethod
+    def from_json(cls, m, root: str = "<manifest>") -> "Manifest":
+        """Check a manifest's JSON form (see `check_manifest`) and build the value."""
+        check_manifest(root, m)
+        try:
+            plan = Plan.parse(m["plan"])
+        except PlanError as exc:
+            raise PlanError(f"artifact {root!r}: {MANIFEST} has an invalid plan ({exc}); recompile the artifact") from None
+        _check_against_plan(root, m, plan)
+        known = {f.name for f in dataclasses.fields(cls)} | {"format", "mesh", "num_chunks",
+                                                              "scatter_gather", "schedule"}
+        try:
+            return cls(
+                plan=plan,
+                chunks=tuple(ChunkEntry.from_json(c) for c in m["chunks"]),
+                has_loss=bool(m.get("has_loss")),
+                num_model_inputs=int(m.get("num_model_inputs", 0)),
+                model=m.get("model", ""),
+                inputs=tuple(TensorSpec.from_json(s) for s in m.get("inputs", [])),
+                outputs=tuple(dict(o) for o in m.get("outputs", [])),
+                ties=dict(m.get("ties") or {}),
+                tp_grad_sync=tuple(m.get("tp_grad_sync", [])),
+                shards={fqn: ShardSpec.from_json(d) for fqn, d in (m.get("shards") or {}).items()},
+                state_shapes={k: (list(v[0]), v[1]) for k, v in (m.get("state_shapes") or {}).items()},
+                loss=LossForm.from_json(m.get("loss")),
+                batch_dims=m.get("batch_dims"),
+                output_batch_dims=m.get("output_batch_dims"),
+                frozen=tuple(m.get("frozen", [])),
+                notes=tuple(m.get("notes", [])),
+                files=dict(m["files"]),
+                threefold_version=m.get("threefold_version", ""),
+                torch_version=m.get("torch_version", ""),
+                extra={k: v for k, v in m.items() if k not in known},
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"artifact {root!r}: {MANIFEST} is inconsistent: a field is missing or "
+                            f"malformed ({type(exc).__name__}: {exc}); recompile the artifact") from None
+
+    @classmethod
+    def loads(cls, text: str, root: str = "<manifest>") -> "Manifest":
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise PlanError(f"artifact {root!r}: {MANIFEST} is not valid JSON ({exc}); recompile the artifact") from None
+        return cls.from_json(data, root)
+
+
+# -- validation (before anything a manifest names is touched) --------------------------------
+
+def safe_path(root: str, rel) -> str:
+    """root/rel, refusing anything that leaves root (absolute, '..', links pointing out)."""
+    if not isinstance(rel, str) or not rel or "\x00" in rel:
+        raise PlanError(f"artifact {root!r}: file entry {rel!r} in {MANIFEST} is not a relative path")
+    parts = rel.replace("\\", "/").split("/")
+    if os.path.isabs(rel) or rel.startswith(("/", "\\")) or ".." in parts or (len(rel) > 1 and rel[1] == ":"):
+        raise PlanError(f"artifact {root!r}: {rel} in {MANIFEST} points outside the artifact directory")
+    real_root = os.path.realpath(root)
+    path = os.path.realpath(os.path.join(real_root, rel))
+    if os.path.commonpath([real_root, path]) != real_root:
+        raise PlanError(f"artifact {root!r}: {rel} leads outside the artifact directory (symbolic link?)")
+    return path
+
+
+def _is_count(v, low: int = 1, high: int = MAX_RANKS) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
+
+
+def _bad(root: str, what: str):
+    raise PlanError(f"artifact {root!r}: {MANIFEST} is inconsistent: {what}; recompile the artifact")
+
+
+def check_manifest(root: str, m) -> None:
+    """Structure and consistency of a manifest's JSON form, and that every path it names
+    stays inside `root` (runtime/loader.safe_path)."""
+    if not isinstance(m, dict):
+        _bad(root, "it is not a JSON object")
+    if m.get("format") != FORMAT:
+        raise PlanError(f"{root!r}: artifact format {m.get('format')!r} is not supported (expected {FORMAT}; "
+                        "older formats had no weight hashes or one module per tp rank): recompile it with `threefold compile`")
+    mesh, chunks, files = m.get("mesh"), m.get("chunks"), m.get("files")
+    if not isinstance(files, dict) or not all(isinstance(v, str) and len(v) == 64 for v in files.values()):
+        _bad(root, "'files' must map each file to its sha256")
+    for rel in files:
+        safe_path(root, rel)
+    if not isinstance(mesh, dict) or set(mesh) != {"tp", "dp", "pp"} or not all(_is_count(v) for v in mesh.values()):
+        _bad(root, f"mesh {mesh!r} must have positive integers tp, dp, pp")
+    if mesh["tp"] * mesh["dp"] * mesh["pp"] > MAX_RANKS:
+        _bad(root, f"mesh {mesh} asks for more than {MAX_RANKS} ranks")
+    sched = m.get("schedule")
+    if (not isinstance(sched, dict) or not _is_count(sched.get("microbatches"), 1, 1 << 20)
+            or not _is_count(sched.get("interleave"), 1, 1024) or not isinstance(sched.get("kind"), str)):
+        _bad(root, f"schedule {sched!r} needs kind, microbatches and interleave")
+    if not isinstance(chunks, list) or len(chunks) != mesh["pp"] * sched["interleave"] or m.get("num_chunks") != len(chunks):
+        _bad(root, f"{len(chunks) if isinstance(chunks, list) else chunks!r} chunks for pp={mesh['pp']} "
+             f"v={sched['interleave']} (num_chunks {m.get('num_chunks')!r})")
+    tp_ranks = {str(r) for r in range(mesh["tp"])}
+    with_weights = None
+    for i, c in enumerate(chunks):
+        if not isinstance(c, dict) or c.get("index") != i or c.get("stage") != stage_of(i, mesh["pp"]):
+            _bad(root, f"chunk {i} must have index {i} and stage {stage_of(i, mesh['pp'])}")
+        if not isinstance(c.get("class"), str) or not c["class"].isidentifier():
+            _bad(root, f"chunk {i} class {c.get('class')!r} is not a name")
+        weights = c.get("weights", {})
+        if not isinstance(weights, dict) or (weights and set(weights) != tp_ranks):
+            _bad(root, f"chunk {i} weights must name one file per tp rank 0..{mesh['tp'] - 1}")
+        if not c.get("module"):
+            _bad(root, f"chunk {i} has no module")
+        for key, rel in [("module", c["module"])] + [("weights", w) for w in weights.values()]:
+            safe_path(root, rel)
+            if rel not in files:
+                _bad(root, f"chunk {i} {key} file {rel!r} has no sha256 in 'files'")
+        has = bool(c.get("weights"))
+        if with_weights is not None and has != with_weights:
+            _bad(root, "some chunks have weights and others do not")
+        with_weights = has
+
+
+def _check_against_plan(root: str, m: dict, plan: Plan) -> None:
+    """The JSON's mesh and schedule are the plan's (one fact: the plan)."""
+    mesh = {"tp": plan.tp, "dp": plan.dp, "pp": plan.pp}
+    if m["mesh"] != mesh:
+        _bad(root, f"mesh {m['mesh']} is not plan {plan}'s {mesh}")
+    sched = {"kind": plan.schedule, "microbatches": plan.microbatches, "interleave": plan.interleave}
+    if {k: m["schedule"].get(k) for k in sched} != sched:
+        _bad(root, f"schedule {m['schedule']} is not plan {plan}'s {sched}")
