@@ -134,7 +134,8 @@ def _coerce(name: str, value, where: str):
                 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
             ok = (float(value[0]), float(value[1]))
     if ok is None:
-        raise PlanError(f"{where} = {_show(value)} is invalid: {name} takes {_KIND_WORD[kind]}")
+        sep = " " if where.startswith("--") else " = "
+        raise PlanError(f"{where}{sep}{_show(value)} is invalid: {name} takes {_KIND_WORD[kind]}")
     return ok
 
 
@@ -255,7 +256,8 @@ def load_config(path: str | None = None, overrides: dict | None = None) -> Train
     cfg = TrainConfig(**values, given=frozenset(given))
     for name, why in _range_checks(cfg):
         src = where.get(name, f"default {name}")
-        raise PlanError(f"{src} = {_show(getattr(cfg, name))} is invalid: {why}")
+        sep = " " if src.startswith("--") else " = "     # "--lr -1.0" / "FILE: [optim] lr = -1.0"
+        raise PlanError(f"{src}{sep}{_show(getattr(cfg, name))} is invalid: {why}")
     return cfg
 
 

@@ -1,8 +1,9 @@
 """`threefold train [SPEC] --plan PLAN --steps N`: the main job.
 
-Without a SPEC it trains the embedded small GPT (threefold/models/gpt.py) on the embedded
-character corpus (threefold/data/corpus.txt), a fresh random window batch each step. With a
-SPEC it trains that workload on its own batch. Runs on local gloo ranks, or under torchrun.
+Without a SPEC it trains the embedded small GPT (threefold/models/gpt.py) on --data (default:
+the embedded corpus, threefold/data/python_reference.txt) through threefold.dataset. Settings
+come from threefold.config: embedded defaults < --config FILE < flags. With a SPEC it trains
+that workload on its own batch. Runs on local gloo ranks, or under torchrun.
 """
 from __future__ import annotations
 
@@ -16,54 +17,43 @@ from threefold.cli.jsonout import dumps
 from threefold.errors import PlanError
 from threefold.plan import Plan
 
-DEFAULT_PLAN = "pp=2,m=4"
-
 
 def register(sub) -> None:
     p = sub.add_parser(
         "train", help="train a model with a plan (default: a small GPT on the embedded corpus)",
-        description="Train with tensor/pipeline/data parallelism. Without SPEC: a 4-layer GPT on "
-        "the character corpus that ships with threefold. Shows a progress bar with loss and "
+        description="Train with tensor/pipeline/data parallelism. Without SPEC: a small GPT on "
+        "--data (default: the corpus that ships with threefold). Settings: embedded defaults < "
+        "--config FILE < flags (--print-config shows them). Shows a progress bar with loss and "
         "tokens/s, prints a summary, and writes OUT/loss.png and OUT/losses.json.")
     p.add_argument("spec", metavar="SPEC", nargs="?", default=None,
                    help="workload path/to/file.py:factory (default: the embedded GPT and corpus)")
-    p.add_argument("--plan", default=DEFAULT_PLAN, help=f"parallel plan (default {DEFAULT_PLAN!r})")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    p.add_argument("--batch", type=int, default=16, help="global batch, sequences (embedded job)")
-    p.add_argument("--seq", type=int, default=64, help="sequence length (embedded job)")
-    p.add_argument("--seed", type=int, default=0, help="seed for weights and batches")
-    p.add_argument("--out", default="runs/train", help="directory for loss.png and losses.json "
-                   "(checked before training; replaced only if threefold wrote it)")
-    p.add_argument("--force", action="store_true",
-                   help="write --out even if it holds other files (they are moved aside, not deleted)")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.add_argument("--skip-nonfinite", action="store_true",
-                   help="skip a step whose loss or gradients are not finite (default: stop, exit 1)")
-    p.add_argument("--save-every", type=int, default=0, metavar="N",
-                   help="write a sharded checkpoint every N steps to --ckpt-dir (keeps the last 2)")
-    p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (default: OUT.ckpt)")
-    p.add_argument("--resume", nargs="?", const="", default=None, metavar="DIR",
-                   help="continue from the newest checkpoint in DIR (default: --ckpt-dir); any plan")
+    from threefold.config import add_arguments
+    add_arguments(p)      # --config, --print-config and one flag per TrainConfig field
     p.set_defaults(func=run)
 
 
-def _embedded(batch: int, seq: int, seed: int):
-    from threefold.corpus import CharCorpus
+def _embedded(cfg):
+    """The embedded job: the GPT of cfg's [model] shape over cfg's data (threefold.dataset.Data)."""
+    from threefold.dataset import load_data
     from threefold.models.gpt import GPT, GPTConfig, lm_loss
-    corpus = CharCorpus()
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(vocab_size=corpus.vocab_size, block_size=seq, n_layer=4, n_head=4, n_embd=64))
-    return model, lm_loss, lambda step: corpus.batch(batch, seq, step, seed)
+    data = load_data(cfg)
+    torch.manual_seed(cfg.seed)
+    model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=cfg.seq, n_layer=cfg.n_layer,
+                          n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout))
+    return model, lm_loss, data
 
 
-def _train_rank(spec, plan, steps, lr, batch, seq, seed, show, skip_nonfinite=False,
-                save_every=0, ckpt_dir=None, resume=None):
+def _train_rank(cfg, show, ckpt_dir=None, resume=None):
     import threefold
     from threefold.cli.jobs import is_main_rank
     torch.set_num_threads(1)
+    spec, plan, steps, lr, skip_nonfinite, save_every = (cfg.spec, cfg.plan, cfg.steps, cfg.lr,
+                                                         cfg.skip_nonfinite, cfg.save_every)
+    sampler = None
     if spec is None:
-        model, loss_fn, data = _embedded(batch, seq, seed)
+        model, loss_fn, dataset = _embedded(cfg)
+        sampler = dataset.sampler(cfg)   # its position goes into every checkpoint (extra["data"])
+        data = lambda step: sampler.next()  # noqa: E731
         batch_dims = None
     else:
         from threefold.workload import load_spec
@@ -74,16 +64,18 @@ def _train_rank(spec, plan, steps, lr, batch, seq, seed, show, skip_nonfinite=Fa
         from threefold.checkpoint.agree import batch_as_rank0
         fixed = batch_as_rank0((*w.inputs, w.target))   # one batch: rank 0's
         data = lambda step: fixed  # noqa: E731
-    example = data(0)
+    example = sampler.peek() if sampler is not None else data(0)
     pm = threefold.parallelize(model, plan, example[:-1], loss_fn, target=example[-1], batch_dims=batch_dims)
     opt = torch.optim.AdamW(pm.parameters(), lr=lr)
     tokens_per_step = example[0].numel()
     from threefold.cli.divergence import nonfinite
     losses, seconds, skipped, stopped = [], [], [], None
     start = 0
-    if resume is not None:   # the batch of step k is data(k): the data position is the step
+    if resume is not None:
         info = threefold.load(pm, opt, resume)
         start, done = int(info["step"]), info["extra"] or {}
+        if sampler is not None:   # continue where the saved run's data stopped
+            sampler.load_state_dict(done.get("data") or {"position": start * cfg.batch})
         losses, seconds, skipped = list(done.get("losses", [])), list(done.get("seconds", [])), list(done.get("skipped", []))
         if is_main_rank():
             print(f"threefold train: resumed from {info['path']} at step {start}", file=sys.stderr)
@@ -107,7 +99,8 @@ def _train_rank(spec, plan, steps, lr, batch, seq, seed, show, skip_nonfinite=Fa
                 skipped.append(step + 1)
             if save_every and (step + 1) % save_every == 0:
                 threefold.save(pm, opt, ckpt_dir, step=step + 1, keep=2,
-                               extra={"losses": losses, "seconds": seconds, "skipped": skipped})
+                               extra={"losses": losses, "seconds": seconds, "skipped": skipped,
+                                      "data": sampler.state_dict() if sampler is not None else None})
     return {"losses": losses, "seconds": seconds, "tokens_per_step": tokens_per_step,
             "skipped": skipped, "stopped": stopped}
 
@@ -136,29 +129,16 @@ class _Progress:
             self.bar.update(self.task, advance=1, loss=loss, tps=tps)
 
 
-EMBEDDED_MAX_SEQ = 1024     # the embedded GPT's position table limit (GPT-2's n_positions)
-EMBEDDED_MAX_BATCH = 4096
-
-
-def check_numbers(args) -> None:
-    import math
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        raise PlanError(f"--lr {args.lr} is invalid: use a positive finite learning rate")
-    if args.spec is None:
-        if not 1 <= args.seq <= EMBEDDED_MAX_SEQ:
-            raise PlanError(f"--seq {args.seq} is invalid: the embedded GPT takes 1..{EMBEDDED_MAX_SEQ} tokens")
-        if not 1 <= args.batch <= EMBEDDED_MAX_BATCH:
-            raise PlanError(f"--batch {args.batch} is invalid: use 1..{EMBEDDED_MAX_BATCH} sequences")
-
-
-def validate_in_parent(spec, plan: Plan, batch: int, seq: int, seed: int) -> None:
+def validate_in_parent(cfg, plan: Plan) -> None:
     """Build the workload and compile it here, once, so a plan that cannot work for this
     model (heads vs tp, layers vs chunks, batch vs dp*m) fails before any rank starts."""
     from threefold.compiler.api import compile_workload
     from threefold.workload import Workload, load_spec
-    if spec is None:
-        model, loss_fn, data = _embedded(batch, seq, seed)
-        *inputs, target = data(0)
+    spec = cfg.spec
+    if spec is None:    # reads and checks the data too: bad --data fails here, before any rank
+        model, loss_fn, data = _embedded(cfg)
+        *inputs, target = data.sampler(cfg).peek()
+        data.val_batches(cfg)
         workload = Workload(model, tuple(inputs), target, loss_fn)
     else:
         workload = load_spec(spec)
@@ -172,25 +152,24 @@ def validate_in_parent(spec, plan: Plan, batch: int, seq: int, seed: int) -> Non
 def run(args) -> int:
     from threefold.cli.jobs import run_on_ranks
     from threefold.outdir import check_out_dir
-    plan = Plan.parse(args.plan)
-    if args.steps < 1:
-        raise PlanError(f"--steps {args.steps} is invalid: use 1 or more")
-    check_out_dir(args.out, args.force)     # a bad --out must fail before training, not after
-    check_numbers(args)
-    if args.save_every < 0:
-        raise PlanError(f"--save-every {args.save_every} is invalid: use a positive step count (0: never)")
-    ckpt_dir = args.ckpt_dir or os.path.abspath(args.out).rstrip("/") + ".ckpt"
-    resume = None if args.resume is None else (args.resume or ckpt_dir)
+    from threefold.config import from_args
+    cfg = from_args(args)     # embedded defaults < --config FILE < flags; ranges checked
+    if args.print_config:
+        print(cfg.to_toml(), end="")
+        return 0
+    args = cfg                # the resolved values under the flags' names
+    plan = Plan.parse(cfg.plan)
+    check_out_dir(cfg.out, cfg.force)     # a bad --out must fail before training, not after
+    ckpt_dir = cfg.ckpt_dir or os.path.abspath(cfg.out).rstrip("/") + ".ckpt"
+    resume = None if cfg.resume is None else (cfg.resume or ckpt_dir)
     if resume is not None:
         from threefold.checkpoint.files import resolve
         resolve(resume)   # not a checkpoint: one line here, before any rank starts
     from threefold.cli.jobs import check_local_capacity, under_torchrun
     check_local_capacity(plan.world_size)
     if not under_torchrun():     # under torchrun every process is a rank: no parent to check in
-        validate_in_parent(args.spec, plan, args.batch, args.seq, args.seed)
-    result = run_on_ranks(_train_rank, plan.world_size, args.spec, str(plan), args.steps, args.lr,
-                          args.batch, args.seq, args.seed, not args.json, args.skip_nonfinite,
-                          args.save_every, ckpt_dir, resume)[0]
+        validate_in_parent(cfg, plan)
+    result = run_on_ranks(_train_rank, plan.world_size, cfg, not cfg.json, ckpt_dir, resume)[0]
     from threefold.cli.jobs import is_main_rank
     if not is_main_rank():
         return 1 if result["stopped"] else 0
