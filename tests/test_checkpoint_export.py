@@ -12,8 +12,8 @@ KW = {"gpt2": {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 64, "seq":
                 "vocab_size": 64, "seq": 8, "batch": 4}}
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_export_loads_in_transformers_with_equal_logits(arch, tmp_path):
+@pytest.mark.parametrize("arch,shard", [("gpt2", None), ("llama", None), ("llama", "20KB")])
+def test_export_loads_in_transformers_with_equal_logits(arch, shard, tmp_path):
     from transformers import AutoModelForCausalLM
     w = load_workload(arch, **KW[arch])
     pm = threefold.parallelize(w["model"], "tp=1", w["inputs"], w["loss_fn"], target=w["target"])
@@ -24,7 +24,16 @@ def test_export_loads_in_transformers_with_equal_logits(arch, tmp_path):
     threefold.save(pm, opt, str(tmp_path / "ckpt"))
     cfg_dir = tmp_path / "cfg"
     w["model"].model.config.save_pretrained(cfg_dir)
-    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"), "--hf-config", str(cfg_dir)]) == 0
+    size = ["--max-shard-size", shard] if shard else []
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"), "--hf-config", str(cfg_dir)]
+                + size) == 0
+    files = sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors"))
+    if shard:     # Hugging Face's sharded layout: numbered files, each within the limit, and an index
+        assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+        assert all((tmp_path / "hf" / f).stat().st_size < 20_000 + 4096 for f in files)
+        assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    else:
+        assert files == ["model.safetensors"]
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     trained = load_workload(arch, seed=9, **KW[arch])["model"].eval()   # other weights, then pm's
     with torch.no_grad():
@@ -40,3 +49,9 @@ def test_export_bad_input_is_one_line(tmp_path, capsys):
     assert main(["export", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert "not a threefold checkpoint" in err and "\n" not in err
+
+
+def test_max_shard_size_is_checked_first(tmp_path, capsys):
+    assert main(["export", str(tmp_path), "--out", str(tmp_path / "o"), "--max-shard-size", "lots"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--max-shard-size 'lots' is not a size" in err and "\n" not in err

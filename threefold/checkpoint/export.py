@@ -1,4 +1,10 @@
-"""`threefold export CKPT --out DIR [--hf-config CFG]`: one consolidated safetensors file.
+"""`threefold export CKPT --out DIR [--hf-config CFG] [--max-shard-size 5GB]`: safetensors.
+
+Up to --max-shard-size the weights are one file, `model.safetensors`; past it they are
+Hugging Face's sharded layout, `model-0000i-of-0000n.safetensors` plus
+`model.safetensors.index.json` (each tensor's file), which `from_pretrained` and
+`parallelize(weights=DIR)` both read. Tensors are packed in name order; one larger than the
+limit gets a file of its own.
 
 The checkpoint's pieces (any plan) are read back into full tensors in this process with
 DCP (the same checks as load first: index, every file's size and CRC, full coverage).
@@ -12,6 +18,7 @@ so `from_pretrained(DIR)` loads it.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -73,22 +80,68 @@ def hf_names(full: dict[str, torch.Tensor], hf_config: str):
     return out, config
 
 
-def export(ckpt_path: str, out: str, hf_config: str | None = None, force: bool = False) -> dict:
+DEFAULT_MAX_SHARD = 5 * 10**9       # transformers' own default for save_pretrained
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text) -> int:
+    """'5GB', '500MB', '2GiB' or a byte count -> bytes (a PlanError when unreadable)."""
+    if isinstance(text, int):
+        return text
+    t = str(text).strip().upper().replace(" ", "")
+    digits = t.rstrip("KMGTIB")
+    try:
+        n = float(digits) * _UNITS[t[len(digits):]]
+    except (ValueError, KeyError):
+        raise PlanError(f"--max-shard-size {text!r} is not a size: write e.g. 5GB, 500MB or 2GiB") from None
+    if n < 1:
+        raise PlanError(f"--max-shard-size {text!r} must be positive")
+    return int(n)
+
+
+def shard_groups(full: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    """Tensor names packed into files of at most max_bytes, in name order."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(full):
+        n = full[name].numel() * full[name].element_size()
+        if groups[-1] and size + n > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += n
+    return groups
+
+
+def export(ckpt_path: str, out: str, hf_config: str | None = None, force: bool = False,
+           max_shard_size=DEFAULT_MAX_SHARD) -> dict:
     from safetensors.torch import save_file
+    from threefold.checkpoint.weights import INDEX
     from threefold.outdir import check_out_dir, write_out_dir
+    max_bytes = parse_size(max_shard_size)
     check_out_dir(out, force)
     ckpt, full = consolidate(ckpt_path)
     config = None
     if hf_config is not None:
         full, config = hf_names(full, hf_config)
+    groups = shard_groups(full, max_bytes)
+    names = (["model.safetensors"] if len(groups) == 1 else
+             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    total = sum(v.numel() * v.element_size() for v in full.values())
 
     def fill(tmp: str) -> None:
-        # safetensors refuses shared storage: tied entries are written as separate copies
-        save_file({k: v.contiguous().clone() for k, v in full.items()}, os.path.join(tmp, "model.safetensors"),
-                  metadata={"format": "pt"})
+        for file, keys in zip(names, groups):
+            # safetensors refuses shared storage: tied entries are written as separate copies
+            save_file({k: full[k].contiguous().clone() for k in keys}, os.path.join(tmp, file),
+                      metadata={"format": "pt"})
+        if len(groups) > 1:
+            with open(os.path.join(tmp, INDEX), "w") as f:
+                json.dump({"metadata": {"total_size": total},
+                           "weight_map": {k: file for file, keys in zip(names, groups) for k in keys}}, f, indent=1)
         if config is not None:
             config.save_pretrained(tmp)
 
     write_out_dir(out, fill, kind="export", force=force)
-    return {"checkpoint": ckpt, "out": os.path.abspath(out), "tensors": len(full),
-            "bytes": sum(v.numel() * v.element_size() for v in full.values())}
+    return {"checkpoint": ckpt, "out": os.path.abspath(out), "tensors": len(full), "bytes": total,
+            "files": names}

@@ -116,8 +116,7 @@ class WeightSource:
                     return dest
                 dest.zero_()    # padded vocabulary rows stay zero
                 for p in parts:
-                    index = tuple([slice(None)] * dim + [slice(p.start, p.start + p.length)])
-                    dest.narrow(dim, p.local, p.length).copy_(sl[index])
+                    _read_piece(sl, dest, dim, p)
         except PlanError:
             raise
         except Exception as exc:
@@ -128,6 +127,26 @@ class WeightSource:
     @functools.cached_property
     def initialiser(self) -> ShardInit:
         return ShardInit(self.model, self.path)
+
+
+READ_BYTES = 8 * 2**20   # a piece is read in row blocks of about this size
+
+
+def _read_piece(sl, dest: torch.Tensor, dim: int, p) -> None:
+    """Copy one piece of a safetensors slice into `dest`, a block of rows at a time, so the
+    transient copy is a few MB rather than the piece (a vocabulary shard is tens of MB)."""
+    view = dest.narrow(dim, p.local, p.length)
+    row_bytes = max(1, view[0].numel() * view.element_size()) if view.dim() else 1
+    rows = max(1, READ_BYTES // row_bytes)
+    for r in range(0, view.shape[0] if view.dim() else 1, rows):
+        n = min(rows, view.shape[0] - r)
+        index = [slice(None)] * max(dim + 1, 1)
+        index[dim] = slice(p.start, p.start + p.length)
+        if dim == 0:
+            index[0] = slice(p.start + r, p.start + r + n)
+        else:
+            index[0] = slice(r, r + n)
+        view.narrow(0, r, n).copy_(sl[tuple(index)])
 
 
 def _tensor_files(path: str) -> dict[str, str]:
