@@ -68,6 +68,14 @@ def test_bad_flags_name_the_flag():
         load_config("/nonexistent/threefold.toml")
 
 
+def test_embedded_only_settings_are_refused_for_a_spec(tmp_path):
+    with pytest.raises(PlanError, match="^--n-layer 2 means nothing for SPEC 'm.py:f'"):
+        load_config(None, {"spec": "m.py:f", "n_layer": 2})
+    with pytest.raises(PlanError, match="c.toml: \\[data\\] data = \"x.txt\" means nothing"):
+        load_config(_file(tmp_path, '[data]\ndata = "x.txt"\n'), {"spec": "m.py:f"})
+    assert load_config(None, {"spec": "m.py:f", "lr": 0.01}).lr == 0.01
+
+
 def test_print_config_shows_the_resolved_values_and_exits_0(tmp_path, capsys):
     path = _file(tmp_path, "[run]\nsteps = 9\n[optim]\nlr = 0.01\n")
     assert main(["train", "--config", path, "--lr", "0.02", "--no-json", "--print-config"]) == 0

@@ -38,7 +38,7 @@ class TrainConfig:
     # [run] what to train, where, and how to report
     spec: str | None = _f(None, "run", "workload path/to/file.py:factory (unset: the embedded GPT)")
     plan: str = _f("pp=2,m=4", "run", "parallel plan, e.g. 'tp=2,pp=2,dp=2,m=4'")
-    steps: int = _f(200, "run", "optimizer steps")
+    steps: int = _f(400, "run", "optimizer steps")
     seed: int = _f(0, "run", "seed for weights and batch order")
     out: str = _f("runs/train", "run", "directory for the loss curve, logs and summary")
     force: bool = _f(False, "run", "write --out even if it holds other files (moved aside)")
@@ -177,6 +177,8 @@ def _range_checks(cfg: TrainConfig) -> list[tuple[str, str]]:
     return bad
 
 
+# Fields only the embedded GPT job reads.
+EMBEDDED_ONLY = ("data", "tokenizer", "data_dtype", "val_fraction", "n_layer", "n_head", "n_embd", "dropout")
 EMBEDDED_MAX_SEQ = 1024     # the embedded GPT's position table limit (GPT-2's n_positions)
 EMBEDDED_MAX_BATCH = 4096
 
@@ -254,6 +256,13 @@ def load_config(path: str | None = None, overrides: dict | None = None) -> Train
             if i > 0:
                 given.add(name)
     cfg = TrainConfig(**values, given=frozenset(given))
+    if cfg.spec is not None:   # a SPEC builds its own model and batches
+        for name in EMBEDDED_ONLY:
+            if name in given:
+                sep = " " if where[name].startswith("--") else " = "
+                raise PlanError(f"{where[name]}{sep}{_show(getattr(cfg, name))} means nothing for SPEC "
+                                f"{cfg.spec!r} (it builds its own model and data): drop it, or train the "
+                                "embedded GPT (no SPEC)")
     for name, why in _range_checks(cfg):
         src = where.get(name, f"default {name}")
         sep = " " if src.startswith("--") else " = "     # "--lr -1.0" / "FILE: [optim] lr = -1.0"

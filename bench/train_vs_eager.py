@@ -1,0 +1,131 @@
+"""The main job against a plain PyTorch loop: same model, data, optimizer and schedule.
+
+    python bench/train_vs_eager.py [train flags...] [--threads N] [--skip-threefold]
+
+Runs (1) a single-process eager loop written with nothing but torch (AdamW with decay on
+Linear matrices only, linear warmup + cosine, global-norm clipping, the same validation
+batches) over threefold.dataset's batches, then (2) `threefold train --json` with the same
+settings, and prints tokens/s of each, their ratio, and the train and validation losses at
+the start and the end. Settings are threefold's (embedded defaults < --config < flags).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from threefold.config import add_arguments, from_args  # noqa: E402
+from threefold.dataset import load_data  # noqa: E402
+from threefold.models.gpt import GPT, GPTConfig, lm_loss  # noqa: E402
+
+
+def lr_at(step: int, cfg) -> float:
+    """Linear warmup to cfg.lr, then cosine to cfg.min_lr at the last step."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / (cfg.warmup + 1)
+    span = cfg.steps - 1 - cfg.warmup
+    progress = min(1.0, (step - cfg.warmup) / span) if span > 0 else 0.0
+    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+
+@torch.no_grad()
+def val_loss(model, batches) -> float:
+    model.eval()
+    out = sum(lm_loss(model(x), y).item() for x, y in batches) / len(batches)
+    model.train()
+    return out
+
+
+def eager(cfg) -> dict:
+    data = load_data(cfg)
+    torch.manual_seed(cfg.seed)
+    model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=cfg.seq, n_layer=cfg.n_layer,
+                          n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout))
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    decay = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and id(m.weight) not in tables]
+    rest = [p for p in model.parameters() if all(p is not q for q in decay)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas)
+    sampler, vals = data.sampler(cfg), data.val_batches(cfg)
+    losses, evals, seconds = [], [], []
+    evals.append((0, val_loss(model, vals)))
+    for step in range(cfg.steps):
+        x, y = sampler.next()
+        t0 = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        opt.zero_grad()
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        seconds.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+            evals.append((step + 1, val_loss(model, vals)))
+    steady = seconds[1:] or seconds
+    return {"tokens_per_second": cfg.batch * cfg.seq * len(steady) / sum(steady), "seconds": sum(seconds),
+            "first_loss": losses[0], "final_loss": losses[-1], "val": evals,
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def threefold_train(argv: list[str]) -> tuple[dict, float]:
+    out = tempfile.mkdtemp(prefix="tf-bench-")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "threefold", "train", *argv, "--json", "--force",
+                           "--out", os.path.join(out, "run")], cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"threefold train failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1]), wall
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p, skip=("spec", "out", "json", "force"))
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the eager loop (default 2)")
+    p.add_argument("--skip-threefold", action="store_true", help="run the eager loop only")
+    args, = [p.parse_args()]
+    cfg = from_args(args)
+    torch.set_num_threads(args.threads)
+    print(f"settings: plan {cfg.plan}, {cfg.steps} steps, batch {cfg.batch} x seq {cfg.seq}, "
+          f"GPT {cfg.n_layer}x{cfg.n_embd} ({cfg.n_head} heads), lr {cfg.lr}, data {cfg.data or 'embedded'}; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    e = eager(cfg)
+    print(f"eager ({args.threads} threads, {e['params']:,} params): {e['tokens_per_second']:,.0f} tokens/s, "
+          f"{e['seconds']:.1f} s of steps; loss {e['first_loss']:.4f} -> {e['final_loss']:.4f}; "
+          f"val {e['val'][0][1]:.4f} -> {e['val'][-1][1]:.4f} (step {e['val'][-1][0]})")
+    if args.skip_threefold:
+        return
+    passthrough = [a for a in sys.argv[1:] if a not in ("--skip-threefold",)]
+    if "--threads" in passthrough:
+        i = passthrough.index("--threads")
+        del passthrough[i:i + 2]
+    t, wall = threefold_train(passthrough)
+    vals = t.get("val_losses") or []
+    val_text = ""
+    if vals:
+        first, last = vals[0], vals[-1]
+        val_text = f"; val {_v(first):.4f} -> {_v(last):.4f}"
+    print(f"threefold train ({cfg.plan}): {t['tokens_per_second']:,.0f} tokens/s, wall {wall:.1f} s "
+          f"({t['seconds']:.1f} s of steps); loss {t['first_loss']:.4f} -> {t['final_loss']:.4f}{val_text}")
+    print(f"ratio threefold/eager tokens/s: {t['tokens_per_second'] / e['tokens_per_second']:.2f}")
+
+
+def _v(entry) -> float:
+    return entry["loss"] if isinstance(entry, dict) else entry[1] if isinstance(entry, (list, tuple)) else entry
+
+
+if __name__ == "__main__":
+    main()
