@@ -18,7 +18,7 @@ from threefold.errors import PlanError
 from threefold.plan import Plan
 from threefold.runtime.assemble import assemble_rank, check_world, default_device
 from threefold.runtime.loader import import_source
-from threefold.runtime.mesh import Mesh
+from threefold.runtime.mesh import Mesh, chunk_layout
 from threefold.runtime.shard import rank_shard
 from threefold.runtime.schedule import forward_only
 from threefold.workload import Workload
@@ -44,7 +44,8 @@ class ParallelModule:
     def evaluate(self, *inputs, target=None) -> float:
         """Forward only (no gradients): the mean loss over the global batch."""
         batch = tuple(inputs) + ((target,) if self.manifest.has_loss else ())
-        sched = forward_only(self.plan.pp, self.plan.microbatches, self.plan.interleave)
+        sched = forward_only(self.plan.pp, self.plan.microbatches, self.plan.interleave,
+                             chunk_layout(self.plan.schedule))
         with torch.no_grad():
             return self.engine.step(batch, train=False, schedule=sched)
 
@@ -55,7 +56,8 @@ class ParallelModule:
             raise PlanError("pm(x) returns model outputs, but this model was compiled with loss_fn, so its "
                             "last stage computes only the loss: use pm.evaluate(x, target=y) for the loss, "
                             "or parallelize without loss_fn for outputs")
-        sched = forward_only(self.plan.pp, self.plan.microbatches, self.plan.interleave)
+        sched = forward_only(self.plan.pp, self.plan.microbatches, self.plan.interleave,
+                             chunk_layout(self.plan.schedule))
         with torch.no_grad():
             self.engine.step(tuple(inputs), train=False, schedule=sched)
         outs = self.engine.last_outputs

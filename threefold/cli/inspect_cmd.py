@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from threefold.plan import Plan
-from threefold.runtime.mesh import Mesh, stage_of
+from threefold.runtime.mesh import Mesh, chunk_layout, stage_of
 
 
 def register(sub) -> None:
@@ -51,7 +51,7 @@ def run(args) -> int:
 
 def chunk_ranks(plan: Plan, index: int) -> list[int]:
     """Global ranks that run chunk `index` (Megatron layout: tp fastest, then dp, then pp)."""
-    return Mesh(tp=plan.tp, dp=plan.dp, pp=plan.pp).stage_ranks(stage_of(index, plan.pp))
+    return Mesh(tp=plan.tp, dp=plan.dp, pp=plan.pp).stage_ranks(stage_of(index, plan.pp, chunk_layout(plan.schedule)))
 
 
 def chunk_report(prog) -> dict:
@@ -63,7 +63,7 @@ def chunk_report(prog) -> dict:
     plan = prog.plan
     chunks = [{
         "index": chunk.index,
-        "stage": stage_of(chunk.index, plan.pp),
+        "stage": stage_of(chunk.index, plan.pp, chunk_layout(plan.schedule)),
         "ranks": chunk_ranks(plan, chunk.index),
         "ops": c.ops,
         "params": c.params,

@@ -10,7 +10,7 @@ from threefold.codegen.python import content_hash, generate_module
 from threefold.compiler.program import Program
 from threefold.runtime.loader import BATCH_FILE, MANIFEST, Artifact, open_artifact
 from threefold.runtime.manifest import ChunkEntry, LossForm, Manifest, TensorSpec
-from threefold.runtime.mesh import stage_of
+from threefold.runtime.mesh import chunk_layout, stage_of
 from threefold.runtime.shard import rank_state
 
 
@@ -125,7 +125,7 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
             holders.setdefault(fqn, []).append(c.index)
     chunks = tuple(ChunkEntry(
         index=c.index,
-        stage=stage_of(c.index, plan.pp),
+        stage=stage_of(c.index, plan.pp, chunk_layout(plan.schedule)),
         cls=f"Chunk{c.index}",
         module=module_file(c.index),   # shared by every tp rank
         weights=({r: f"weights/{_weights_file(c.index, r)}" for r in range(plan.tp)} if with_weights else {}),

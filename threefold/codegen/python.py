@@ -17,8 +17,9 @@ from collections import Counter
 import torch
 import torch.fx as fx
 
+from threefold.codegen.backward_split import deferred_line, deferred_ops, splits_backward
 from threefold.compiler.program import Chunk, Program, tf
-from threefold.runtime.mesh import stage_of
+from threefold.runtime.mesh import chunk_layout, stage_of
 
 _HASH_LINE = "# content-hash: "
 
@@ -29,7 +30,7 @@ def generate_module(prog: Program, chunk: Chunk) -> str:
     body = _ClassWriter(prog, chunk, gm).write()
     digest = hashlib.sha256(body.encode()).hexdigest()[:16]
     plan = prog.plan
-    stage = stage_of(chunk.index, plan.pp)
+    stage = stage_of(chunk.index, plan.pp, chunk_layout(plan.schedule))
     header = [
         f'"""threefold generated code for {prog.name}: chunk {chunk.index} of {len(prog.chunks)}.',
         "",
@@ -135,11 +136,16 @@ class _ClassWriter:
         segments = self.gm.meta.get("recompute") or [] if name == "forward" else []
         first = {seg["nodes"][0]: seg for seg in segments}
         in_segment = {x for seg in segments for x in seg["nodes"]}
+        # zero-bubble schedules: ops reading weights leave their weight gradients to W
+        deferred = (deferred_ops(graph, in_segment) if name == "forward" and splits_backward(self.prog.plan)
+                    else {})
         for node in graph.nodes:
             if node.name in first:
                 lines += self._segment_call(graph, first[node.name])
             elif node.name in in_segment:
                 continue
+            elif node in deferred:
+                lines += deferred_line(self, node, deferred[node])
             elif node.op == "call_function":
                 lines += self._line(node)
             elif node.op == "output":

@@ -23,7 +23,7 @@ from threefold.errors import PlanError
 from threefold.runtime.comm import build_groups
 from threefold.runtime.engine import PipelineEngine
 from threefold.runtime.manifest import ChunkEntry, Manifest
-from threefold.runtime.mesh import Mesh
+from threefold.runtime.mesh import Mesh, chunk_layout
 from threefold.runtime.module import ChunkModule
 from threefold.runtime.schedule import make_schedule
 from threefold.runtime.simulate import verify
@@ -61,7 +61,8 @@ def assemble_rank(manifest: Manifest, source: RankSource, rank: int | None = Non
 
 def tie_stage_sets(manifest: Manifest) -> list[tuple[int, ...]]:
     """The distinct stage sets of tied parameters (each needs one process group)."""
-    return sorted(set(tied_param_stages(manifest.chunks, manifest.mesh.pp).values()))
+    layout = chunk_layout(manifest.plan.schedule)
+    return sorted(set(tied_param_stages(manifest.chunks, manifest.mesh.pp, layout).values()))
 
 
 def current_rank_and_world() -> tuple[int, int]:

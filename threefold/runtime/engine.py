@@ -22,6 +22,7 @@ from threefold.runtime.manifest import Manifest
 from threefold.runtime.module import ChunkModule
 from threefold.runtime.schedule import Kind, Schedule
 from threefold.runtime.ties import tied_param_stages
+from threefold.runtime import weight_grad   # zero bubble: W runs what B deferred
 
 BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket size (Megatron/DDP-like)
 
@@ -47,6 +48,8 @@ class _StepState:
     outputs: list = field(default_factory=list)         # forward-only outputs (no loss)
     inflight: int = 0
     peak: int = 0
+    split: bool = False                                 # zero bubble: B and W run apart
+    deferred: dict = field(default_factory=dict)        # (chunk, mb) -> what W needs (weight_grad)
 
 
 @dataclass
@@ -102,8 +105,10 @@ class PipelineEngine:
     def _plan_grad_sync(self) -> None:
         actions = self.schedule.actions[self.stage]
         last_bwd: dict[int, int] = {}
+        # a chunk's gradients are complete after its last W (zero bubble) or else its last B
+        grads_done = Kind.WEIGHT if self.schedule.splits_backward else Kind.BACKWARD
         for i, a in enumerate(actions):
-            if a.kind is Kind.BACKWARD:
+            if a.kind is grads_done:
                 last_bwd[a.chunk] = i
         # Each parameter is reduced with the local chunk whose backward finishes last.
         owner: dict[str, int] = {}
@@ -116,7 +121,7 @@ class PipelineEngine:
                 self._reduce_after.setdefault(last_bwd[c], []).append(fqn)
         # Tied parameters shared across stages: stage sets from the manifest.
         local = [self.chunk_meta[c] for c in sorted(self.modules)]
-        self._tied: list[tuple[str, tuple[int, ...]]] = sorted(tied_param_stages(local, self.mesh.pp).items())
+        self._tied: list[tuple[str, tuple[int, ...]]] = sorted(tied_param_stages(local, self.mesh.pp, self.schedule.layout).items())
 
     def parameters(self):
         """Trainable parameters only: frozen ones (requires_grad=False) get no optimizer state."""
@@ -137,17 +142,19 @@ class PipelineEngine:
         """Run all microbatches of the global `batch` (model inputs..., target); mean loss."""
         start = time.perf_counter()
         schedule = schedule or self.schedule
-        st = _StepState(micro=self._microbatches(batch, schedule.m), m=schedule.m, train=train)
+        st = _StepState(micro=self._microbatches(batch, schedule.m), m=schedule.m, train=train,
+                        split=train and schedule.splits_backward)
         for mod in self.modules.values():
             mod.train(train)  # generated code reads self.training (dropout, batch norm)
         st.denominator = self._global_denominator(st) if self.has_loss else 1.0
         self._step_count += 1
         handlers = {Kind.RECV_ACT: self._recv_act, Kind.FORWARD: self._forward,
                     Kind.SEND_ACT: self._send_act, Kind.RECV_GRAD: self._recv_grad,
-                    Kind.BACKWARD: self._backward_action, Kind.SEND_GRAD: self._send_grad}
+                    Kind.BACKWARD: self._backward_action, Kind.SEND_GRAD: self._send_grad,
+                    Kind.WEIGHT: self._weight_action}
         for i, a in enumerate(schedule.actions[self.stage]):
             handlers[a.kind](st, a)
-            if a.kind is Kind.BACKWARD and i in self._reduce_after:
+            if i in self._reduce_after:   # the last B (or W) of a chunk
                 st.reductions.extend(self._start_reduce(self._reduce_after[i]))
             if st.sends:  # drop finished sends so their buffers can be freed
                 st.sends = [s for s in st.sends if not s.done()]
@@ -181,6 +188,8 @@ class PipelineEngine:
         user = [st.micro[a.mb][j] for j in mod.USER_INPUTS]
         # random ops seed from (step, global microbatch): independent across dp ranks too
         mod.rng_key = (self._rng_base, self._step_count, self.coord.dp * st.m + a.mb)
+        # zero bubble: the module's deferred ops keep what W needs here (runtime/weight_grad.py)
+        mod.weight_stash = st.deferred.setdefault(key, []) if st.split else None
         with torch.set_grad_enabled(st.train):
             outs = list(mod(*slot.inputs, *user))
         st.inflight += 1
@@ -192,9 +201,12 @@ class PipelineEngine:
             else:
                 st.outputs.append([o.detach() for o in outs])
         slot.outputs = outs
+        local_next = not is_last and a.chunk + 1 in self.modules   # ZB-V's turn: no message
+        if local_next:
+            st.slots[(a.chunk + 1, a.mb)] = _Slot(inputs=_handed_over(outs, st.train))
         if not st.train:
             slot.inputs = []
-            if is_last:
+            if is_last or local_next:
                 st.slots.pop(key)
                 st.inflight -= 1
 
@@ -220,6 +232,13 @@ class PipelineEngine:
         st.inflight -= 1
         if a.chunk == 0 or not slot.inputs:  # nothing to send back
             st.slots.pop((a.chunk, a.mb))
+        elif a.chunk - 1 in self.modules:   # ZB-V's turn: the previous chunk is on this rank
+            st.slots.pop((a.chunk, a.mb))
+            st.slots[(a.chunk - 1, a.mb)].output_grads = _input_grads(slot)
+
+    def _weight_action(self, st: "_StepState", a) -> None:
+        """W (zero bubble): the weight gradients chunk a.chunk's B deferred for microbatch a.mb."""
+        weight_grad.run_deferred(st.deferred.pop((a.chunk, a.mb), []))
 
     def _send_grad(self, st: "_StepState", a) -> None:
         slot = st.slots.pop((a.chunk, a.mb))
@@ -371,6 +390,22 @@ def _unflatten_into(flat: torch.Tensor, grads: list[torch.Tensor], scale: float)
         n = g.numel()
         g.copy_(flat[offset:offset + n].view_as(g)).mul_(scale)
         offset += n
+
+
+def _handed_over(outs: list[torch.Tensor], train: bool) -> list[torch.Tensor]:
+    """A chunk's outputs as the next chunk's inputs on the same rank, as a receive gives
+    them: autograd leaves, so each chunk's backward stops at its own inputs."""
+    inputs = [o.detach() for o in outs]
+    for t in inputs:
+        if train and t.is_floating_point():
+            t.requires_grad_(True)
+    return inputs
+
+
+def _input_grads(slot: "_Slot") -> list[torch.Tensor]:
+    """The gradients of a chunk's floating inputs (zeros where autograd gave none)."""
+    return [g if g is not None else torch.zeros_like(x)
+            for x, g in zip(slot.inputs, slot.input_grads) if x.is_floating_point()]
 
 
 def _release_outputs(outputs: list[torch.Tensor], releasable: list[bool]) -> None:

@@ -35,7 +35,7 @@ def owned_grad_pieces(engine) -> list[torch.Tensor]:
     coord, manifest = engine.coord, engine.manifest
     if coord.dp != 0:
         return []
-    tied = tied_param_stages(manifest["chunks"], engine.mesh.pp)
+    tied = tied_param_stages(manifest["chunks"], engine.mesh.pp, engine.schedule.layout)
     shards = manifest.get("shards", {})
     shapes = manifest.get("state_shapes", {})
     out = []

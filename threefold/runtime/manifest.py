@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from threefold.errors import PlanError
 from threefold.plan import Plan
-from threefold.runtime.mesh import Mesh, stage_of
+from threefold.runtime.mesh import Mesh, chunk_layout, stage_of
 from threefold.runtime.shard import ShardSpec
 
 MANIFEST = "manifest.json"
@@ -314,8 +314,9 @@ def check_manifest(root: str, m) -> None:
     tp_ranks = {str(r) for r in range(mesh["tp"])}
     with_weights = None
     for i, c in enumerate(chunks):
-        if not isinstance(c, dict) or c.get("index") != i or c.get("stage") != stage_of(i, mesh["pp"]):
-            _bad(root, f"chunk {i} must have index {i} and stage {stage_of(i, mesh['pp'])}")
+        stage = stage_of(i, mesh["pp"], chunk_layout(sched["kind"]))
+        if not isinstance(c, dict) or c.get("index") != i or c.get("stage") != stage:
+            _bad(root, f"chunk {i} must have index {i} and stage {stage}")
         if not isinstance(c.get("class"), str) or not c["class"].isidentifier():
             _bad(root, f"chunk {i} class {c.get('class')!r} is not a name")
         weights = c.get("weights", {})

@@ -143,6 +143,7 @@ class Schedule:
     v: int                          # model chunks per stage
     m: int                          # microbatches per iteration
     actions: list[list[Action]]     # actions[stage]: that rank's list, in execution order
+    layout: str = "loop"            # chunk -> stage rule (mesh.LAYOUTS): "v" for ZB-V and its inference
 
     @property
     def num_chunks(self) -> int:
@@ -157,10 +158,6 @@ class Schedule:
         """B computes input gradients only and W actions the weight gradients (zero bubble)."""
         return self.name in SPLIT_KINDS
 
-    @property
-    def layout(self) -> str:
-        return chunk_layout(self.name)
-
     def stage_of(self, chunk: int) -> int:
         return stage_of(chunk, self.pp, self.layout)
 
@@ -174,13 +171,14 @@ class Schedule:
 
     def to_json(self) -> dict:
         return {"schedule": self.name, "pp": self.pp, "interleave": self.v, "microbatches": self.m,
-                "actions": [[str(a) for a in rank] for rank in self.actions]}
+                "layout": self.layout, "actions": [[str(a) for a in rank] for rank in self.actions]}
 
     @classmethod
     def from_json(cls, data: dict) -> "Schedule":
         return cls(name=data["schedule"], pp=int(data["pp"]), v=int(data["interleave"]),
                    m=int(data["microbatches"]),
-                   actions=[[parse_action(t) for t in rank] for rank in data["actions"]])
+                   actions=[[parse_action(t) for t in rank] for rank in data["actions"]],
+                   layout=data.get("layout", chunk_layout(data["schedule"])))
 
     def __str__(self) -> str:
         head = f"{self.name} pp={self.pp} m={self.m} v={self.v}"
@@ -229,9 +227,10 @@ def make_schedule(kind: str, pp: int, m: int, v: int = 1, layout: str | None = N
     return _with_communication(kind, pp, m, v, orders)
 
 
-def forward_only(pp: int, m: int, v: int = 1) -> Schedule:
-    """Inference: every chunk's forward on every microbatch, no backward, no gradients."""
-    return make_schedule("forward", pp, m, v)
+def forward_only(pp: int, m: int, v: int = 1, layout: str = "loop") -> Schedule:
+    """Inference: every chunk's forward on every microbatch, no backward, no gradients
+    (layout "v": on a ZB-V artifact's chunk placement)."""
+    return make_schedule("forward", pp, m, v, layout=layout)
 
 
 def _check_sizes(kind: str, pp: int, m: int, v: int) -> None:
@@ -392,7 +391,7 @@ def _with_communication(name: str, pp: int, m: int, v: int, orders: list[list[St
     for events in keyed:
         events.sort(key=lambda e: e[0])
         actions.append([a for _, a in events])
-    return Schedule(name=name, pp=pp, v=v, m=m, actions=actions)
+    return Schedule(name=name, pp=pp, v=v, m=m, actions=actions, layout=layout)
 
 
 def _unit_costs(name: str) -> tuple[int, int, int]:

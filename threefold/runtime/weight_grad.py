@@ -1,0 +1,102 @@
+"""The backward split of zero-bubble schedules at run time: B computes input gradients, W
+the weight gradients B deferred.
+
+The compiler (codegen/backward_split.py) writes every op that reads a trainable parameter
+(directly, or through ops on parameters only such as a transpose) as
+
+    y = weight_grad.deferred(self, aten.linear.default, (x, w, b), weights=(1, 2), params=(w, b))
+
+`deferred` runs the op inside an autograd Function of its own: the op's local graph is
+built on detached copies of its activation operands and on the weight operands as they are.
+The Function's backward (run by the chunk's B) differentiates that local graph with
+respect to the activation operands only, so autograd skips the weight-gradient kernels
+(e.g. grad_output^T @ input of a linear), and appends (the op's outputs, their gradients,
+its parameters) to the (chunk, microbatch)'s stash. The local graph is what W needs and
+nothing else: the op's own saved tensors (a linear's input and weight; a norm's input
+statistics) and the output gradient. W (`run_deferred`) differentiates all stashed local
+graphs of one (chunk, microbatch) in one autograd call restricted to the parameters, which
+accumulates into their .grad exactly what the fused backward would have, and frees them.
+
+With no stash (a fused schedule, inference, no grad) `deferred` is the op itself.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class _Call:
+    """One deferred op: what to run and where its W inputs go."""
+    __slots__ = ("op", "args", "kwargs", "act_pos", "params", "stash")
+
+    def __init__(self, op, args, kwargs, act_pos, params, stash):
+        self.op, self.args, self.kwargs = op, args, kwargs
+        self.act_pos, self.params, self.stash = act_pos, params, stash
+
+
+class _InputGradOnly(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, call: _Call, *tensors):
+        # tensors: the activation operands, then the parameters. The parameters are inputs
+        # only so that autograd reaches this op in B even when no activation operand needs a
+        # gradient (an embedding's token ids); their gradients are W's, so B returns None.
+        ctx.set_materialize_grads(False)
+        acts = tensors[:len(call.act_pos)]
+        leaves = [a.detach().requires_grad_(a.requires_grad) for a in acts]
+        args = list(call.args)
+        for pos, leaf in zip(call.act_pos, leaves):
+            args[pos] = leaf
+        with torch.enable_grad():
+            out = call.op(*args, **call.kwargs)
+        single = isinstance(out, torch.Tensor)
+        outs = (out,) if single else tuple(out)
+        ctx.call, ctx.leaves, ctx.outs = call, leaves, outs
+        results = tuple(o.detach() for o in outs)
+        frozen = [r for r, o in zip(results, outs) if not o.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return results[0] if single else results
+
+    @staticmethod
+    def backward(ctx, *grads):
+        call, leaves, outs = ctx.call, ctx.leaves, ctx.outs
+        ctx.call = ctx.leaves = ctx.outs = None
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        wanted = [leaf for leaf in leaves if leaf.requires_grad]
+        input_grads: list = [None] * len(leaves)
+        if pairs and wanted:
+            got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                           retain_graph=True, allow_unused=True))
+            input_grads = [next(got) if leaf.requires_grad else None for leaf in leaves]
+        if pairs:
+            call.stash.append((tuple(o for o, _ in pairs), tuple(g for _, g in pairs), call.params))
+        return (None, *input_grads, *[None] * len(call.params))
+
+
+def deferred(module, op, args: tuple, kwargs: dict | None = None, *, weights: tuple[int, ...],
+             params: tuple) -> object:
+    """Run `op(*args, **kwargs)`; under a zero-bubble schedule its weight gradients wait for W.
+
+    `weights`: positions in args of the weight operands (parameters, or values computed from
+    parameters only); `params`: the trainable parameters behind them."""
+    kwargs = kwargs or {}
+    stash = getattr(module, "weight_stash", None)
+    if stash is None or not torch.is_grad_enabled() or not any(p.requires_grad for p in params):
+        return op(*args, **kwargs)
+    act_pos = tuple(i for i, a in enumerate(args) if i not in weights and isinstance(a, torch.Tensor))
+    call = _Call(op, args, kwargs, act_pos, tuple(p for p in params if p.requires_grad), stash)
+    return _InputGradOnly.apply(call, *[args[i] for i in act_pos], *call.params)
+
+
+def run_deferred(stash: list) -> None:
+    """W for one (chunk, microbatch): the weight gradients of every op its B deferred,
+    accumulated into the parameters' .grad; frees what B kept for them."""
+    if not stash:
+        return
+    tensors, grads, params = [], [], {}
+    for outs, gs, ps in stash:
+        tensors.extend(outs)
+        grads.extend(gs)
+        for p in ps:
+            params[id(p)] = p
+    stash.clear()
+    torch.autograd.backward(tensors, grads, inputs=list(params.values()))
