@@ -6,7 +6,9 @@ squares of the gradient elements it is the one owner of, and one all-reduce over
 sums them:
 
   * data parallel: after the step's all-reduce every dp replica holds the same averaged
-    gradients, so only dp rank 0 contributes;
+    gradients, so only dp rank 0 contributes; under ZeRO-1 (plan zero=1) the gradients are
+    reduce-scattered instead and each dp rank holds only its own rows (the others zeroed,
+    runtime/zero.py), so every dp rank contributes its rows;
   * tensor parallel: a sharded parameter (the manifest's `shards`) contributes each tp
     rank's own pieces (checkpoint/layout.py `pieces`: fused q/k/v blocks, and never the
     padding rows of a vocabulary tp does not divide); a replicated one (layer norms,
@@ -14,8 +16,11 @@ sums them:
     the engine summed over tp) only tp rank 0's copy;
   * pipeline parallel: each stage holds different parameters, except tied ones (an input
     embedding reused as the LM head): after the engine summed them, every holder stage has
-    the same gradient, and only the lowest holder stage contributes.
+    the same gradient, and only the stage of its first holder chunk contributes.
 Squares are summed in float64 so the norm does not depend on how the terms are split.
+Under fp16 the gradients are still multiplied by the loss scale when the loop clips (the
+loss-scaled optimizer unscales them in its step): the norm reported is of the unscaled
+gradients, and scaling by the clip coefficient commutes with the later unscaling.
 """
 from __future__ import annotations
 
@@ -26,23 +31,22 @@ import torch.distributed as dist
 
 from threefold.runtime import comm
 from threefold.runtime.shard import ShardSpec
-from threefold.runtime.ties import tied_param_stages
 
 
 def owned_grad_pieces(engine) -> list[torch.Tensor]:
     """The gradient pieces this rank contributes to the global norm (views, no copies)."""
     from threefold.checkpoint.layout import pieces   # layout math only (no checkpoint I/O)
     coord, manifest = engine.coord, engine.manifest
-    if coord.dp != 0:
+    if coord.dp != 0 and _plan(engine).zero != 1:
         return []
-    tied = tied_param_stages(manifest["chunks"], engine.mesh.pp, engine.schedule.layout)
+    first_holder = _first_holder_stage(manifest["chunks"])
     shards = manifest.get("shards", {})
     shapes = manifest.get("state_shapes", {})
     out = []
     for fqn, p in engine.params.items():
         if not p.requires_grad or p.grad is None:
             continue
-        if fqn in tied and engine.stage != min(tied[fqn]):
+        if fqn in first_holder and engine.stage != first_holder[fqn]:
             continue
         g = p.grad
         if fqn not in shards:
@@ -54,6 +58,22 @@ def owned_grad_pieces(engine) -> list[torch.Tensor]:
         dim, parts = pieces(spec, full_shape, coord.tp)
         out.extend(g.narrow(dim, piece.local, piece.length) for piece in parts)
     return out
+
+
+def _first_holder_stage(chunks) -> dict[str, int]:
+    """Tied FQN -> the stage of the first chunk holding it (the manifest's recorded stage,
+    so any chunk layout works): the one stage that counts it."""
+    stage = {c["index"]: c["stage"] for c in chunks}
+    out = {}
+    for c in chunks:
+        for fqn, holders in (c.get("shared_params") or {}).items():
+            out[fqn] = stage[min(holders)]
+    return out
+
+
+def _plan(engine):
+    from threefold.runtime.mixed_precision import plan_of
+    return plan_of(engine.manifest)
 
 
 def _unpadded_shape(local: torch.Tensor, spec: ShardSpec) -> list[int]:
@@ -70,7 +90,7 @@ def global_grad_norm(engine) -> float:
         total += g.detach().double().pow(2).sum()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         comm.all_reduce(total, None, "the gradient norm")
-    return math.sqrt(float(total))
+    return math.sqrt(float(total)) / float(getattr(engine, "loss_scale", 1.0) or 1.0)
 
 
 def clip_grad_norm_(engine, max_norm: float, eps: float = 1e-6) -> float:
