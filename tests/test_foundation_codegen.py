@@ -15,8 +15,13 @@ from threefold.codegen.artifact import build_sources, save_artifact
 from threefold.codegen.python import content_hash
 from threefold.compiler.api import compile_workload
 from threefold.compiler.cost import annotate_costs
+from threefold.compiler.contracts import stage_pass
 from threefold.compiler.pipeline import PassFailed, default_passes, run_passes
+from threefold.compiler.stage_io import load_stage
+from threefold.compiler.stages import Partitioned, Sharded, Traced, copy_graph_module
 from threefold.compiler.trace import trace
+from threefold.passes.pipeline_split import split_pipeline
+from threefold.passes.tensor_parallel import tensor_parallel
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "gpt_tiny_pp2")
 UPDATE = os.environ.get("THREEFOLD_UPDATE_GOLDEN") == "1"
@@ -125,9 +130,13 @@ def test_debug_dir_gets_every_pass_and_generated_file(tmp_path, monkeypatch):
     prog = compile_workload(workload("gpt", **TINY), "pp=2")
     build_sources(prog)
     files = sorted(os.listdir(tmp_path))
-    assert files[0] == "00_traced.txt"
+    assert "00_traced.txt" in files and isinstance(load_stage(str(tmp_path / "00_traced")), Traced)
     for i, p in enumerate(default_passes(), start=1):
         assert f"{i:02d}_{p.__name__}.txt" in files
+        assert type(load_stage(str(tmp_path / f"{i:02d}_{p.__name__}"))).__name__ == p.spec.gives.__name__ \
+            or isinstance(load_stage(str(tmp_path / f"{i:02d}_{p.__name__}")), p.spec.gives)
+    last = load_stage(str(tmp_path / f"{len(default_passes()):02d}_{default_passes()[-1].__name__}"))
+    assert build_sources(last) == build_sources(prog)   # the dump is the real stage
     assert {"chunk00.py", "chunk01.py"} <= set(files)
     assert "%p_wte_weight = param wte.weight" in (tmp_path / "00_traced.txt").read_text()
 
@@ -148,14 +157,50 @@ def test_runner_checks_invariants_after_each_pass():
     prog = trace(w["model"], w["inputs"], w["target"], w["loss_fn"])
 
     def drops_shapes(p):
-        for node in p.graph.nodes:
+        gm = copy_graph_module(p.gm)
+        for node in gm.graph.nodes:
             if node.op == "call_function":
                 node.meta.pop("val", None)
                 break
-        return p
+        return p.evolve(gm=gm)
 
-    with pytest.raises(PassFailed, match="pass drops_shapes failed after \\[\\]: AssertionError: node .* has no shape"):
+    with pytest.raises(PassFailed, match="pass drops_shapes failed after \\[\\]: ContractError: program: node .* has no shape"):
         run_passes(prog, [drops_shapes])
+
+
+def test_runner_fails_a_pass_that_changes_its_input():
+    w = workload("gpt", n_layer=1)
+    prog = trace(w["model"], w["inputs"], w["target"], w["loss_fn"])
+
+    def edits_in_place(p):
+        next(n for n in p.graph.nodes if n.op == "call_function").meta["tf"]["module"] = "elsewhere"
+        return p.evolve()
+
+    with pytest.raises(PassFailed, match="pass edits_in_place failed after \\[\\]: it changed its input stage in place"):
+        run_passes(prog, [edits_in_place])
+
+
+def test_runner_checks_declared_stage_types_and_guarantees():
+    w = workload("gpt", n_layer=1)
+    prog = trace(w["model"], w["inputs"], w["target"], w["loss_fn"], threefold.Plan(pp=2))
+    with pytest.raises(PassFailed, match="pass split_pipeline failed after \\[\\]: needs a Sharded stage, got Traced"):
+        run_passes(prog, [split_pipeline])
+
+    @stage_pass(needs=Traced, gives=Sharded)
+    def forgets_to_advance(p):
+        return p.evolve()
+    with pytest.raises(PassFailed, match="forgets_to_advance failed .*returned Traced, but declares Sharded"):
+        run_passes(prog, [forgets_to_advance])
+
+    @stage_pass(needs=Traced, guarantees=("costs",))
+    def claims_costs(p):
+        return p.evolve()
+    with pytest.raises(PassFailed, match="claims_costs failed .*ContractError: node .* has no cost"):
+        run_passes(prog, [claims_costs])
+    sharded = run_passes(prog, [tensor_parallel])
+    with pytest.raises(PassFailed, match="split_pipeline failed .*does not satisfy 'costs'"):
+        run_passes(sharded, [split_pipeline])
+    assert isinstance(run_passes(sharded, [annotate_costs, split_pipeline]), Partitioned)
 
 
 def test_layering_example_models_import_nothing_from_threefold():

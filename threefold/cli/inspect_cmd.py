@@ -80,7 +80,7 @@ def chunk_report(prog) -> dict:
     if getattr(plan, "recompute", "none") != "none":   # passes/recompute.py: what backward reruns
         report["recompute"] = {"mode": plan.recompute, "chunks": [
             [{"segment": seg["name"], "ops": len(seg["nodes"]), "why": seg["why"]}
-             for seg in ((chunk.gm.meta.get("recompute") or []) if chunk.gm is not None else [])]
+             for seg in chunk.recompute]
             for chunk in prog.chunks]}
     return report
 

@@ -7,7 +7,7 @@ import os
 import torch
 
 from threefold.codegen.python import content_hash, generate_module
-from threefold.compiler.program import Program
+from threefold.compiler.program import Program, tf
 from threefold.runtime.loader import BATCH_FILE, MANIFEST, Artifact, open_artifact
 from threefold.runtime.manifest import ChunkEntry, LossForm, Manifest, TensorSpec
 from threefold.runtime.mesh import chunk_layout, stage_of
@@ -94,11 +94,9 @@ def _write_bytes(path: str, data: bytes) -> str:
 
 
 def _releasable(chunk) -> list[bool]:
-    if chunk.gm is None:
-        return [False] * len(chunk.outputs)
     nodes = {n.name: n for n in chunk.gm.graph.nodes}
     return [all(u.op == "output" for u in nodes[v].users) and nodes[v].op != "placeholder"
-            for v in chunk.outputs]
+            for v in chunk.output_names]
 
 
 def _weights_file(chunk: int, tp_rank: int) -> str:
@@ -111,13 +109,9 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
     to assemble itself, with the sha256 `hashes` of the files written beside it."""
     import threefold
     plan = prog.plan
-    by_name = {n.name: n for n in prog.graph.nodes}
-    inputs = [n for n in prog.graph.nodes if n.op == "placeholder" and n.meta.get("tf", {}).get("kind") == "input"]
 
-    def spec(node) -> TensorSpec:
-        val = node.meta["val"]
-        return TensorSpec(node.name, tuple(int(s) for s in val.shape), _dtype(val.dtype),
-                          str(node.meta.get("tf", {}).get("placement") or "R"))
+    def spec(b) -> TensorSpec:   # a stages.BoundarySpec, as the manifest writes it
+        return TensorSpec(b.name, b.shape, _dtype(b.dtype), str(b.placement))
 
     holders: dict[str, list[int]] = {}
     for c in prog.chunks:
@@ -129,9 +123,9 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
         cls=f"Chunk{c.index}",
         module=module_file(c.index),   # shared by every tp rank
         weights=({r: f"weights/{_weights_file(c.index, r)}" for r in range(plan.tp)} if with_weights else {}),
-        inputs=tuple(spec(by_name[v]) for v in c.inputs),
+        inputs=tuple(spec(b) for b in c.inputs),
         user_inputs=tuple(c.user_inputs),
-        outputs=tuple(spec(by_name[v]) for v in c.outputs),
+        outputs=tuple(spec(b) for b in c.outputs),
         # outputs no op of this chunk reads: their storage can be freed once sent
         releasable=tuple(_releasable(c)),
         params=tuple(c.params),
@@ -145,7 +139,7 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
         has_loss=prog.has_loss,
         num_model_inputs=prog.num_model_inputs,
         model=prog.name,
-        inputs=tuple(spec(n) for n in inputs),
+        inputs=tuple(spec(b) for b in prog.user_inputs),
         outputs=tuple({"shape": list(m.shape), "dtype": _dtype(m.dtype)} for m in prog.output_meta),
         ties=prog.ties,
         tp_grad_sync=tuple(prog.tp_grad_sync),
@@ -158,8 +152,8 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
         loss=LossForm.from_json(prog.loss_form),
         batch_dims=prog.batch_dims,
         output_batch_dims=prog.output_batch_dims,
-        frozen=tuple(sorted(n.meta["tf"]["fqn"] for n in prog.graph.nodes
-                            if n.op == "placeholder" and n.meta.get("tf", {}).get("frozen"))),
+        frozen=tuple(sorted({tf(n)["fqn"] for _, n in prog.chunk_nodes()
+                             if n.op == "placeholder" and tf(n).get("frozen")})),
         notes=tuple(prog.notes),
         files=dict(hashes),
         threefold_version=threefold.__version__,

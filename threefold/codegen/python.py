@@ -110,7 +110,7 @@ class _ClassWriter:
         cls.append(f"    USER_INPUTS = {[tf(n)['input_index'] for n in args if tf(n)['kind'] == 'input']!r}")
         if den_inputs is not None:
             cls.append(f"    DENOMINATOR_INPUTS = {den_inputs!r}")
-        cls.append(f"    OUTPUTS = {list(self.chunk.outputs)!r}")
+        cls.append(f"    OUTPUTS = {self.chunk.output_names!r}")
         cls.append("")
         imports = ["import torch", "", "from threefold.runtime.module import ChunkModule"]
         imports += sorted(self.imports)
@@ -133,7 +133,7 @@ class _ClassWriter:
             lines.append(f"        {self.names[n]} = self.p({tf(n)['fqn']!r})")
         lines += self._prologue(graph, args)
         out_line = None
-        segments = self.gm.meta.get("recompute") or [] if name == "forward" else []
+        segments = list(self.chunk.recompute) if name == "forward" else []
         first = {seg["nodes"][0]: seg for seg in segments}
         in_segment = {x for seg in segments for x in seg["nodes"]}
         # zero-bubble schedules: ops reading weights leave their weight gradients to W
@@ -151,8 +151,8 @@ class _ClassWriter:
             elif node.op == "output":
                 outs = node.args[0]
                 out_line = "        return (" + "".join(self._arg(o) + ", " for o in outs) + ")"
-                if name == "forward" and [self._arg(o) for o in outs] != list(self.chunk.outputs):
-                    out_line += f"  # OUTPUTS {list(self.chunk.outputs)}"
+                if name == "forward" and [self._arg(o) for o in outs] != self.chunk.output_names:
+                    out_line += f"  # OUTPUTS {self.chunk.output_names}"
         lines.append(out_line)
         if self.uses_device:  # ops that create tensors run on the module's own device
             lines.insert(dev_line, "        dev = self.device")
@@ -330,7 +330,7 @@ def annotation(node: fx.Node) -> str:
     """`h.0.attn.c_attn  S(2)  [2, 8, 24]`: the source module, the TP pass's placement and
     the local (this tp rank's) shape, for the comment on a generated line."""
     # no placement: the TP pass did not run (tp=1), so every value is replicated
-    parts = [tf(node).get("module") or "<top>", tf(node).get("placement") or "R"]
+    parts = [tf(node).get("module") or "<top>", str(tf(node).get("placement") or "R")]
     shape = _shape_text(node.meta.get("val"))
     if shape:
         parts.append(shape)

@@ -1,10 +1,10 @@
-"""Compile entry points: a model or SPEC plus a plan -> a compiled Program (and sources)."""
+"""Compile entry points: a model or SPEC plus a plan -> the final stage (Fused) of the passes."""
 from __future__ import annotations
 
 from typing import Callable
 
 from threefold.compiler.pipeline import run_passes
-from threefold.compiler.program import Program
+from threefold.compiler.stages import Fused, Traced
 from threefold.compiler.trace import trace
 from threefold.errors import PlanError
 from threefold.passes.batch_dims import find_batch_dims
@@ -31,7 +31,7 @@ def microbatch(values, parts: int, what: str, dims=None):
 
 
 def compile_workload(workload: Workload | str, plan: Plan | str | None = None,
-                     progress: Callable[[str], None] | None = None) -> Program:
+                     progress: Callable[[str], None] | None = None) -> Fused:
     """Trace a workload at microbatch size and run the pass pipeline for `plan`.
 
     `progress(stage)` is told "trace" and then each pass's name as it starts."""
@@ -53,16 +53,15 @@ def compile_workload(workload: Workload | str, plan: Plan | str | None = None,
     inputs, target = (sliced[:-1], sliced[-1]) if has_target else (sliced, None)
     if progress is not None:
         progress("trace")
-    prog = trace(workload.model, inputs, target, workload.loss_fn, plan)
-    prog.batch_dims = list(dims)
+    traced = trace(workload.model, inputs, target, workload.loss_fn, plan)
     rows = [sliced[i].shape[d] for i, d in enumerate(dims) if d is not None]
-    prog.micro_rows = rows[0] if rows else None
-    prog.output_batch_dims = _output_batch_dims(prog, dims, batch, parts)
-    prog.notes.extend(notes)
-    return run_passes(prog, progress=progress)
+    traced = traced.evolve(batch_dims=list(dims), micro_rows=rows[0] if rows else None,
+                           notes=traced.notes + tuple(notes))
+    traced = traced.evolve(output_batch_dims=_output_batch_dims(traced, dims, batch, parts))
+    return run_passes(traced, progress=progress)
 
 
-def _output_batch_dims(prog: Program, dims: list, batch: tuple, parts: int) -> list:
+def _output_batch_dims(prog: Traced, dims: list, batch: tuple, parts: int) -> list:
     """Per model output: the dim that carries the batch (pm.forward() concatenates the
     microbatches' outputs along it). It is the dim whose length is the microbatch's row
     count; where several are, the one at the inputs' batch dim; else dim 0."""

@@ -1,35 +1,33 @@
 """Which collectives each chunk runs, per microbatch (for `inspect --json`).
 
 Tensor-parallel collectives are read off the chunk graphs (the TP pass tags every comm node
-with tf['collective']); pipeline point-to-point transfers come from the chunk boundaries;
-the data-parallel gradient all-reduce runs once per step, so per microbatch it counts 1/m.
+with a typed `Collective`); pipeline point-to-point transfers come from the chunks'
+boundary specs; the data-parallel gradient all-reduce runs once per step, so per
+microbatch it counts 1/m.
 """
 from __future__ import annotations
 
 from collections import Counter
 
-from threefold.compiler.program import Program, meta_of
+from threefold.compiler.program import meta_of, tf
 from threefold.runtime.boundary import sent_elements
 
 
-def chunk_collectives(prog: Program) -> list[list[dict]]:
+def chunk_collectives(prog) -> list[list[dict]]:
     plan = prog.plan
     out = []
-    by_name = {n.name: n for n in prog.graph.nodes}
     for i, chunk in enumerate(prog.chunks):
         counts: Counter = Counter()
-        if chunk.gm is not None:
-            for node in chunk.gm.graph.nodes:
-                c = node.meta.get("tf", {}).get("collective")
-                if not c:
-                    continue
-                n = c.get("count", 1)
-                counts[(c["kind"], c["group"], c["phase"], c["elements"])] += n
-                if c.get("backward"):
-                    counts[(c["backward"], c["group"], "backward", c["elements"])] += n
+        for node in chunk.gm.graph.nodes:
+            c = tf(node).get("collective")
+            if not c:
+                continue
+            counts[(c.kind, c.group, c.phase, c.elements)] += c.count
+            if c.backward:
+                counts[(c.backward, c.group, "backward", c.elements)] += c.count
         if plan.pp > 1:
-            sent = sum(_p2p_elements(by_name[v], plan) for v in chunk.outputs if i < len(prog.chunks) - 1)
-            got = sum(_p2p_elements(by_name[v], plan) for v in chunk.inputs)
+            sent = sum(_p2p_elements(b, plan) for b in chunk.outputs if i < len(prog.chunks) - 1)
+            got = sum(_p2p_elements(b, plan) for b in chunk.inputs)
             if sent:
                 counts[("send", "pp", "forward", sent)] += 1
                 counts[("recv", "pp", "backward", sent)] += 1
@@ -40,15 +38,14 @@ def chunk_collectives(prog: Program) -> list[list[dict]]:
                    for (k, g, p, e), n in sorted(counts.items())]
         if plan.dp > 1:
             params = sum(meta_of(n).numel for n in chunk.gm.graph.nodes
-                         if n.op == "placeholder" and n.meta.get("tf", {}).get("kind") == "param")
+                         if n.op == "placeholder" and tf(n).get("kind") == "param")
             entries.append({"kind": "all_reduce", "group": "dp", "phase": "backward",
                             "count_per_microbatch": round(1 / plan.microbatches, 6), "elements": params})
         out.append(entries)
     return out
 
 
-def _p2p_elements(node, plan) -> int:
+def _p2p_elements(spec, plan) -> int:
     """Elements one rank sends for a boundary value: 1/t of replicated ones under
     scatter/gather (runtime/boundary.py), the whole value otherwise."""
-    return sent_elements(node.meta.get("tf", {}).get("placement", "R"), meta_of(node).numel,
-                         plan.tp, plan.scatter_gather)
+    return sent_elements(spec.placement, spec.numel, plan.tp, plan.scatter_gather)

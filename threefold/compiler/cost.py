@@ -13,12 +13,14 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from threefold.compiler.program import Program, TensorMeta, compute_nodes, meta_of, tf
+from threefold.compiler.contracts import stage_pass
+from threefold.compiler.program import TensorMeta, compute_nodes, meta_of, tf
+from threefold.compiler.stages import Traced, copy_graph_module
 
 aten = torch.ops.aten
 
 
-@dataclass
+@dataclass(frozen=True)
 class NodeCost:
     flops: int = 0               # forward FLOPs
     bytes_read: int = 0
@@ -230,11 +232,14 @@ def node_cost(node: fx.Node) -> NodeCost:
                     saved_bytes=sum(b for _, b in saved), saved=saved)
 
 
-def annotate_costs(prog: Program) -> Program:
-    """Needs: shapes on every node. Guarantees: tf['cost'] (a NodeCost) on every compute node."""
-    for node in compute_nodes(prog.graph):
+@stage_pass(needs=Traced, guarantees=("costs",))
+def annotate_costs(stage: Traced) -> Traced:
+    """Needs: shapes on every node. Guarantees: tf['cost'] (a NodeCost) on every compute
+    node (of a copy of the graph)."""
+    gm = copy_graph_module(stage.gm)
+    for node in compute_nodes(gm.graph):
         tf(node)["cost"] = node_cost(node)
-    return prog
+    return stage.evolve(gm=gm)
 
 
 @dataclass
@@ -250,35 +255,34 @@ class ChunkCost:
     params: int = 0               # parameter elements
 
 
-def chunk_costs(prog: Program) -> list[ChunkCost]:
-    """Sum node costs per chunk, per tp rank (parameters counted once per chunk holding them)."""
-    nodes = {n.name: n for n in prog.graph.nodes}
-    param_nodes = {tf(n)["fqn"]: n for n in prog.graph.nodes
-                   if n.op == "placeholder" and tf(n).get("kind") == "param" and meta_of(n) is not None}
-    out = []
-    for chunk in prog.chunks:
-        c = ChunkCost()
-        kept: set[str] = set()
-        for name in chunk.nodes + chunk.recomputed:
-            cost: NodeCost = tf(nodes[name]).get("cost") or node_cost(nodes[name])
-            c.ops += 1
-            c.flops += cost.flops
-            c.bytes_read += cost.bytes_read
-            c.bytes_written += cost.bytes_written
-            for value, nbytes in cost.saved:  # a value several ops keep is held once
-                if value not in kept:
-                    kept.add(value)
-                    c.activation_bytes += nbytes
-        for fqn in chunk.params:  # this tp rank's share: the placeholder's (local) shape
-            m = meta_of(param_nodes[fqn]) if fqn in param_nodes else TensorMeta.of(prog.state[fqn])
-            c.params += m.numel
-            c.param_bytes += m.nbytes
-        c.boundary_in_bytes = sum(meta_of(nodes[v]).nbytes for v in chunk.inputs)
-        if chunk is not prog.chunks[-1]:  # the last chunk's outputs (the loss) go nowhere
-            c.boundary_out_bytes = sum(meta_of(nodes[v]).nbytes for v in chunk.outputs
-                                       if meta_of(nodes[v]) is not None)
-        out.append(c)
-    return out
+def chunk_costs(prog) -> list[ChunkCost]:
+    """Per chunk, per tp rank: what split_pipeline measured when it cut the graph."""
+    return [c.cost for c in prog.chunks]
+
+
+def measure_chunk(state, nodes: dict, param_nodes: dict, chunk, is_last: bool) -> ChunkCost:
+    """Sum the node costs of one chunk (names into the cut graph's `nodes`), per tp rank;
+    parameters counted once per chunk holding them, at their placeholders' local shapes."""
+    c = ChunkCost()
+    kept: set[str] = set()
+    for name in chunk.nodes + chunk.recomputed:
+        cost: NodeCost = tf(nodes[name]).get("cost") or node_cost(nodes[name])
+        c.ops += 1
+        c.flops += cost.flops
+        c.bytes_read += cost.bytes_read
+        c.bytes_written += cost.bytes_written
+        for value, nbytes in cost.saved:  # a value several ops keep is held once
+            if value not in kept:
+                kept.add(value)
+                c.activation_bytes += nbytes
+    for fqn in chunk.params:  # this tp rank's share: the placeholder's (local) shape
+        m = meta_of(param_nodes[fqn]) if fqn in param_nodes else TensorMeta.of(state[fqn])
+        c.params += m.numel
+        c.param_bytes += m.nbytes
+    c.boundary_in_bytes = sum(b.nbytes for b in chunk.inputs)
+    if not is_last:  # the last chunk's outputs (the loss) go nowhere
+        c.boundary_out_bytes = sum(b.nbytes for b in chunk.outputs)
+    return c
 
 
 def imbalance(values: list[float]) -> float:

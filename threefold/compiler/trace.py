@@ -1,4 +1,4 @@
-"""Front end: an unmodified nn.Module (plus its loss) -> a `Program` over ATen ops.
+"""Front end: an unmodified nn.Module (plus its loss) -> the first stage, `Traced`, over ATen ops.
 
 We use torch.export in non-strict mode, which gives the training IR: ATen ops that autograd
 can differentiate (aten.linear, aten.layer_norm, ...), every node with a fake tensor in
@@ -26,7 +26,8 @@ import torch
 import torch.fx as fx
 from torch.export.graph_signature import InputKind
 
-from threefold.compiler.program import Program, TensorMeta, tf
+from threefold.compiler.program import TensorMeta, tf
+from threefold.compiler.stages import Traced
 from threefold.errors import PlanError
 from threefold.plan import Plan
 
@@ -47,8 +48,8 @@ class _ModelWithLoss(torch.nn.Module):
 
 
 def trace(model: torch.nn.Module, inputs: tuple, target=None, loss_fn: Callable | None = None,
-          plan: Plan | None = None) -> Program:
-    """Export `model` (with `loss_fn` when given) on example `inputs` to a Program."""
+          plan: Plan | None = None) -> Traced:
+    """Export `model` (with `loss_fn` when given) on example `inputs` to a Traced stage."""
     if not isinstance(model, torch.nn.Module):
         raise PlanError(f"cannot trace a {type(model).__name__}: pass a torch.nn.Module")
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
@@ -60,8 +61,8 @@ def trace(model: torch.nn.Module, inputs: tuple, target=None, loss_fn: Callable 
     ep = _export(wrapper, args, type(model).__name__)
     start = time.perf_counter()
     prog = _to_program(ep, model, wrapper, len(inputs), has_loss, plan or Plan())
-    prog.pass_log.append(("to_program", time.perf_counter() - start))  # names, ties, inlining
-    return prog
+    # names, ties, inlining
+    return prog.evolve(pass_log=prog.pass_log + (("to_program", time.perf_counter() - start),))
 
 
 def _export(wrapper: torch.nn.Module, args: tuple, name: str):
@@ -133,7 +134,7 @@ def _user_frame(exc: BaseException, text: str) -> str:
     return f"{os.path.basename(f.filename)}:{f.lineno}{code}"
 
 
-def _to_program(ep, model, wrapper, num_model_inputs: int, has_loss: bool, plan: Plan) -> Program:
+def _to_program(ep, model, wrapper, num_model_inputs: int, has_loss: bool, plan: Plan) -> Traced:
     gm: fx.GraphModule = ep.graph_module
     graph = gm.graph
     specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
@@ -203,11 +204,10 @@ def _to_program(ep, model, wrapper, num_model_inputs: int, has_loss: bool, plan:
     if has_loss and (len(outs) != 1 or output_meta[0].numel != 1):
         raise PlanError(f"{type(model).__name__}: loss_fn must return one scalar tensor, "
                         f"got {len(outs)} outputs")
-    prog = Program(name=type(model).__name__, gm=gm, plan=plan, state=state, ties=ties,
-                   input_names=input_names, num_model_inputs=num_model_inputs,
-                   has_loss=has_loss, output_meta=output_meta)
-    prog.pass_log.append(("export", getattr(ep, "_threefold_export_seconds", 0.0)))
-    return prog
+    return Traced(name=type(model).__name__, gm=gm, plan=plan, state=state, ties=ties,
+                  input_names=tuple(input_names), num_model_inputs=num_model_inputs,
+                  has_loss=has_loss, output_meta=tuple(output_meta),
+                  pass_log=(("export", getattr(ep, "_threefold_export_seconds", 0.0)),))
 
 
 def _input_names(model: torch.nn.Module, num_model_inputs: int, has_loss: bool) -> list[str]:

@@ -8,7 +8,9 @@ chooses m=1 and dp=1, or opts in to per-microbatch statistics with batchnorm=loc
 """
 from __future__ import annotations
 
-from threefold.compiler.program import Program, tf
+from threefold.compiler.contracts import stage_pass
+from threefold.compiler.program import tf
+from threefold.compiler.stages import Traced
 from threefold.errors import PlanError
 
 # op name -> index of its `training` argument
@@ -18,10 +20,12 @@ _BATCH_STAT_OPS = {"batch_norm": 5, "native_batch_norm": 5, "_native_batch_norm_
                    "_batch_norm_with_update": -1, "_batch_norm_with_update_functional": -1}
 
 
-def check_batch_statistics(prog: Program) -> Program:
+@stage_pass(needs=Traced)
+def check_batch_statistics(prog: Traced) -> Traced:
     """Needs: a traced graph. Guarantees: no training-mode batch statistics over a split
     batch, unless the plan says batchnorm=local (then a note says so)."""
     parts = prog.plan.dp * prog.plan.microbatches
+    notes = []
     for node in prog.graph.nodes:
         if node.op != "call_function":
             continue
@@ -37,11 +41,11 @@ def check_batch_statistics(prog: Program) -> Program:
         if prog.plan.batchnorm == "local":
             note = (f"batchnorm=local: {where} ({name}) uses per-microbatch batch statistics "
                     f"({parts} microbatches x dp ranks), not the global batch's")
-            if note not in prog.notes:
-                prog.notes.append(note)
+            if note not in prog.notes and note not in notes:
+                notes.append(note)
             continue
         raise PlanError(f"{prog.name}: module {where!r} (aten.{name}) computes batch statistics in "
                         f"training mode, which with m*dp={parts} would be per microbatch, not over the "
                         "global batch; use m=1 and dp=1, put the module in eval mode, or set "
                         "batchnorm=local in the plan to accept per-microbatch statistics")
-    return prog
+    return prog.noted(*notes)

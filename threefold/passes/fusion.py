@@ -20,7 +20,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from threefold.compiler.program import Program, tf
+from threefold.compiler.contracts import stage_pass
+from threefold.compiler.program import tf
+from threefold.compiler.stages import Fused, Partitioned, copy_graph_module
 from threefold.passes.fusion_patterns import (causal_form, fusible, half_to_float, last_dim, mask_pos, match_rms,
                                               match_rotary, users, val_of)
 from threefold.passes.fusion_regions import ELEMENTWISE, FLOAT_DTYPES, FusedRegion, Op, Ref, RegionInput, classify
@@ -30,26 +32,27 @@ SOFTMAX = ("aten.softmax.int", "aten._softmax.default")
 NORMS = ("aten.layer_norm.default", "aten.rms_norm.default")
 
 
-def fuse(prog: Program) -> Program:
-    """Needs a traced (partitioned) Program; replaces fusible regions in each chunk graph by
-    FusedRegion nodes and sets prog.kernels {kernel_name: FusedRegion}. No-op when fusion is off."""
-    if not fusion_enabled(prog):
-        return prog
+@stage_pass(needs=Partitioned, gives=Fused, guarantees=("kernels",))
+def fuse(stage: Partitioned) -> Fused:
+    """Replaces fusible regions in (copies of) each chunk graph by FusedRegion nodes and
+    sets kernels {kernel_name: FusedRegion}. The chunks as they are when fusion is off."""
+    if not fusion_enabled(stage):
+        return stage.advance(Fused)
     names: dict = {}
-    gms = [c.gm for c in prog.chunks if getattr(c, "gm", None) is not None] or [prog.gm]
-    regions: list[FusedRegion] = []
-    for gm in gms:
+    chunks, regions = [], []
+    for c in stage.chunks:
+        gm = copy_graph_module(c.gm)
         regions += fuse_graph(gm, names=names)
+        chunks.append(c.evolve(gm=gm))
     kernels: dict[str, FusedRegion] = {}
     for r in regions:
         kernels.setdefault(r.kernel_name, r)
-    prog.kernels = kernels
-    prog.notes.append(f"fusion: {len(regions)} regions, {len(kernels)} kernels"
-                      + (f" ({', '.join(sorted(kernels))})" if kernels else ""))
-    return prog
+    note = (f"fusion: {len(regions)} regions, {len(kernels)} kernels"
+            + (f" ({', '.join(sorted(kernels))})" if kernels else ""))
+    return stage.advance(Fused, chunks=tuple(chunks), kernels=kernels, notes=stage.notes + (note,))
 
 
-def fusion_enabled(prog: Program) -> bool:
+def fusion_enabled(prog) -> bool:
     """plan.fuse True/False decides; None means: on when the model's tensors are on CUDA."""
     if prog.plan.fuse is not None:
         return bool(prog.plan.fuse)

@@ -28,7 +28,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from threefold.compiler.program import Program, tf
+from threefold.compiler.contracts import stage_pass
+from threefold.compiler.program import tf
+from threefold.compiler.stages import Draft, Traced
 from threefold.errors import PlanError
 
 aten = torch.ops.aten
@@ -44,18 +46,18 @@ _FIX = ("set loss=microbatch_mean in the plan (the mean of per-microbatch losses
         "and dp=1")
 
 
-def loss_form(prog: Program) -> Program:
+@stage_pass(needs=Traced, guarantees=("loss_combined",))
+def loss_form(stage: Traced) -> Traced:
     """Needs: a traced graph whose output is the loss. Guarantees: the output is this
-    microbatch's numerator and prog.loss_form says how to combine it (see module doc)."""
-    if not prog.has_loss:
-        return prog
-    if prog.plan.loss == "microbatch_mean":
-        prog.loss_form = {"mode": "microbatch_mean", "denominator": {"kind": "const", "value": 1}}
-        return prog
-    parts = prog.plan.dp * prog.plan.microbatches
+    microbatch's numerator and loss_form says how to combine it (see module doc)."""
+    if not stage.has_loss:
+        return stage.evolve()
+    if stage.plan.loss == "microbatch_mean":
+        return stage.evolve(loss_form={"mode": "microbatch_mean", "denominator": {"kind": "const", "value": 1}})
+    parts = stage.plan.dp * stage.plan.microbatches
     if parts == 1:  # one microbatch on one replica: nothing to combine, keep the loss as traced
-        prog.loss_form = {"mode": "whole", "denominator": {"kind": "const", "value": 1}}
-        return prog
+        return stage.evolve(loss_form={"mode": "whole", "denominator": {"kind": "const", "value": 1}})
+    prog = stage.draft()   # the rewrite below works on a copy of the graph
     out = next(n for n in prog.graph.nodes if n.op == "output")
     node, divisor = out.args[0][0], 1.0
     chain = []
@@ -80,14 +82,14 @@ def loss_form(prog: Program) -> Program:
     form["module"] = tf(node).get("module", "")
     prog.loss_form = form
     prog.gm.recompile()
-    return prog
+    return prog.freeze()
 
 
 class _NotSeparable(Exception):
     pass
 
 
-def _rewrite(prog: Program, node: fx.Node, divisor: float) -> dict:
+def _rewrite(prog: Draft, node: fx.Node, divisor: float) -> dict:
     name = _name(node)
     op = f"aten.{name}"
     if name in _TARGET_COUNTED or name in _ELEMENT_MEAN:
@@ -121,7 +123,7 @@ def _rewrite(prog: Program, node: fx.Node, divisor: float) -> dict:
                         f"{tf(node).get('module', '') or '<top>'!r}")
 
 
-def _sum_form(prog: Program, op: str, divisor: float) -> dict:
+def _sum_form(prog: Draft, op: str, divisor: float) -> dict:
     """A sum over rows. Divided by a constant that is a multiple of the microbatch's row
     count it is a per-row mean written by hand (kl_div 'batchmean', `.sum() / x.size(0)`):
     export baked the microbatch size into the constant, so every microbatch counts 1."""
@@ -131,7 +133,7 @@ def _sum_form(prog: Program, op: str, divisor: float) -> dict:
     return {"reduction": "sum", "op": op, "denominator": {"kind": "one"}}
 
 
-def _count_denominator(prog: Program, loss: fx.Node, op: str) -> dict:
+def _count_denominator(prog: Draft, loss: fx.Node, op: str) -> dict:
     """Targets that count: (target != ignore_index), weighted by class weights when given."""
     target = loss.args[1]
     weight = _arg(loss, 2, "weight", None)
@@ -158,7 +160,7 @@ def _count_denominator(prog: Program, loss: fx.Node, op: str) -> dict:
             "ignore_index": ignore, "weighted": weight is not None}
 
 
-def _ratio_form(prog: Program, div: fx.Node) -> dict:
+def _ratio_form(prog: Draft, div: fx.Node) -> dict:
     """`numerator / denominator` written by hand, e.g. `(ce * w).sum() / w.sum()`: a row sum
     over a scalar that depends on user inputs only. The division leaves the graph; the
     divisor's graph becomes the per-microbatch denominator, summed over the global batch."""
@@ -175,7 +177,7 @@ def _ratio_form(prog: Program, div: fx.Node) -> dict:
     return {"reduction": "ratio", "op": inner["op"], "denominator": {"kind": "graph"}}
 
 
-def _input_graph(prog: Program, needed: list[fx.Node], build, at: fx.Node, op: str) -> fx.GraphModule:
+def _input_graph(prog: Draft, needed: list[fx.Node], build, at: fx.Node, op: str) -> fx.GraphModule:
     """A graph of user inputs only that recomputes `needed` and returns `build(g, env)`
     summed in float64: the loss's denominator for one microbatch."""
     g = fx.Graph()

@@ -23,7 +23,11 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from threefold.compiler.program import Chunk, Program, compute_nodes, meta_of, tf
+from threefold.compiler.contracts import stage_pass
+from threefold.compiler.cost import measure_chunk
+from threefold.compiler.program import compute_nodes, meta_of, tf
+from threefold.compiler.stages import BoundarySpec, Partitioned, Sharded
+from threefold.passes.extract_chunks import ChunkCut, extract_chunks
 from threefold.errors import PlanError
 from threefold.markers import PIPE_SPLIT_OP
 
@@ -37,8 +41,10 @@ class _Layout:
     pins: list[int]               # positions the user pinned
 
 
-def split_pipeline(prog: Program) -> Program:
-    """Needs: costs on nodes. Guarantees: prog.chunks (pp*v of them) cover every compute node."""
+@stage_pass(needs=Sharded, gives=Partitioned, requires=("costs",), guarantees=("chunks", "costs"))
+def split_pipeline(prog: Sharded) -> Partitioned:
+    """Needs: costs on nodes. Guarantees: pp*v chunks, each with its own graph, covering
+    every compute node; boundaries as typed specs; no whole-program graph any more."""
     k = prog.plan.num_chunks
     free = _free_nodes(prog.graph, k)
     layout = _layout(prog, free)
@@ -54,9 +60,17 @@ def split_pipeline(prog: Program) -> Program:
         cuts = layout.pins
     else:
         cuts = _best_cuts(prog, layout, k)
-    prog.chunks = _build_chunks(prog, layout, free, cuts)
-    _drop_markers(prog)
-    return prog
+    cut = _build_chunks(prog, layout, free, cuts)
+    by_name = {x.name: x for x in prog.graph.nodes}
+    params = {tf(x)["fqn"]: x for x in prog.graph.nodes
+              if x.op == "placeholder" and tf(x).get("kind") == "param" and meta_of(x) is not None}
+    chunks = [chunk.evolve(cost=measure_chunk(prog.state, by_name, params, chunk, chunk.index == k - 1))
+              for chunk in extract_chunks(prog.graph, cut)]
+    order = tuple(x.name for x in compute_nodes(prog.graph))
+    inputs = sorted((x for x in prog.graph.nodes if x.op == "placeholder" and tf(x)["kind"] == "input"),
+                    key=lambda x: tf(x)["input_index"])
+    return prog.advance(Partitioned, chunks=tuple(chunks), source_order=order,
+                        user_inputs=tuple(BoundarySpec.of(x) for x in inputs))
 
 
 # ---- analysis -----------------------------------------------------------------------------
@@ -90,7 +104,7 @@ def _mutates(node: fx.Node) -> bool:
     return bool(schema is not None and schema.is_mutable)
 
 
-def _layout(prog: Program, free: set[fx.Node]) -> _Layout:
+def _layout(prog: Sharded, free: set[fx.Node]) -> _Layout:
     order = [n for n in compute_nodes(prog.graph) if n not in free and n.target is not PIPE_SPLIT_OP]
     index = {n: i for i, n in enumerate(order)}
     n = len(order)
@@ -126,7 +140,7 @@ def _layout(prog: Program, free: set[fx.Node]) -> _Layout:
     return _Layout(order, flops_prefix, boundary, legal, pins)
 
 
-def _pins(prog: Program, order: list[fx.Node], legal: list[bool]) -> list[int]:
+def _pins(prog: Sharded, order: list[fx.Node], legal: list[bool]) -> list[int]:
     """Positions from pipe_split() markers and Plan.split_points FQNs."""
     index = {n: i for i, n in enumerate(order)}
     pins = set()
@@ -155,7 +169,7 @@ def _pins(prog: Program, order: list[fx.Node], legal: list[bool]) -> list[int]:
 
 # ---- balancing ----------------------------------------------------------------------------
 
-def _best_cuts(prog: Program, layout: _Layout, k: int) -> list[int]:
+def _best_cuts(prog: Sharded, layout: _Layout, k: int) -> list[int]:
     n = len(layout.order)
     legal_positions = [p for p in range(1, n) if layout.legal[p]]
     if len(legal_positions) < k - 1:
@@ -265,7 +279,7 @@ def _balanced_cuts(prefix: list[int], cands: list[int], k: int, limit: int) -> l
 
 # ---- chunk construction -------------------------------------------------------------------
 
-def _build_chunks(prog: Program, layout: _Layout, free: set[fx.Node], cuts: list[int]) -> list[Chunk]:
+def _build_chunks(prog: Sharded, layout: _Layout, free: set[fx.Node], cuts: list[int]) -> list[ChunkCut]:
     order = layout.order
     n = len(order)
     bounds = [0] + list(cuts) + [n]
@@ -302,20 +316,10 @@ def _build_chunks(prog: Program, layout: _Layout, free: set[fx.Node], cuts: list
         if b == n:
             used_ph |= {x for x in output_node.all_input_nodes if x.op == "placeholder"}
         mine = [x for x in placeholders if x in used_ph]
-        for node in body:
-            tf(node)["chunk"] = ci
-        chunks.append(Chunk(
+        chunks.append(ChunkCut(
             index=ci, nodes=[x.name for x in body], inputs=live[ci] if a else [],
             outputs=live[ci + 1], user_inputs=[tf(x)["input_index"] for x in mine if tf(x)["kind"] == "input"],
             params=[tf(x)["fqn"] for x in mine if tf(x)["kind"] == "param"],
             buffers=[tf(x)["fqn"] for x in mine if tf(x)["kind"] == "buffer"],
             recomputed=[x.name for x in recomputed]))
     return chunks
-
-
-def _drop_markers(prog: Program) -> None:
-    markers = [n for n in prog.graph.nodes if n.op == "call_function" and n.target is PIPE_SPLIT_OP]
-    for node in markers:
-        prog.graph.erase_node(node)
-    if markers:
-        prog.gm.recompile()

@@ -12,7 +12,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from threefold.compiler.program import Program, tf
+from threefold import placement
+from threefold.compiler.contracts import stage_pass
+from threefold.compiler.program import tf
+from threefold.compiler.stages import Partitioned, copy_graph_module
 from threefold.runtime import random_ops as rt
 
 aten = torch.ops.aten
@@ -27,23 +30,35 @@ _TRAINING_ARG = {"batch_norm": 5, "native_batch_norm": 5, "_native_batch_norm_le
                  "native_dropout": 2, "rrelu": 4, "rrelu_with_noise": 5}
 
 
-def seed_random_ops(prog: Program) -> Program:
+@stage_pass(needs=Partitioned)
+def seed_random_ops(stage: Partitioned) -> Partitioned:
     """Needs: chunk graphs. Guarantees: no random op reads the default generator; no
-    train-mode flag is a constant in a chunk graph."""
-    index: dict[str, int] = {}
-    for node in prog.graph.nodes:
-        if node.op == "call_function" and _is_random(node):
-            index.setdefault(node.name, len(index))
-    for chunk in prog.chunks:
-        if chunk.gm is None:
+    train-mode flag is a constant in a chunk graph. Random ops are numbered in the traced
+    graph's order (a free op copied into several chunks keeps one number); chunks with
+    something to rewrite get a rewritten copy of their graph."""
+    pos = {name: i for i, name in enumerate(stage.source_order)}
+    random = {n.name for _, n in stage.chunk_nodes() if n.op == "call_function" and _is_random(n)}
+    index = {name: i for i, name in enumerate(sorted(random, key=lambda x: pos.get(x, len(pos))))}
+    chunks = []
+    for chunk in stage.chunks:
+        if not any(_to_rewrite(n, index) for n in chunk.gm.graph.nodes):
+            chunks.append(chunk)
             continue
-        changed = False
-        for node in list(chunk.gm.graph.nodes):
+        gm = copy_graph_module(chunk.gm)
+        for node in list(gm.graph.nodes):
             if node.op == "call_function":
-                changed |= _rewrite(chunk.gm.graph, node, index)
-        if changed:
-            chunk.gm.graph.lint()
-    return prog
+                _rewrite(gm.graph, node, index)
+        gm.graph.lint()
+        chunks.append(chunk.evolve(gm=gm))
+    return stage.evolve(chunks=tuple(chunks))
+
+
+def _to_rewrite(node: fx.Node, index: dict[str, int]) -> bool:
+    """_rewrite would change this node (a random op, a train flag, SDPA dropout)."""
+    if node.op != "call_function":
+        return False
+    base = _short(node).rstrip("_")
+    return node.name in index or base in _TRAINING_ARG or base in _SDPA
 
 
 def _short(node: fx.Node) -> str:
@@ -69,8 +84,7 @@ def _dropout_p(node: fx.Node):
 
 
 def _sharded(node: fx.Node) -> bool:
-    place = tf(node).get("placement")
-    return place is not None and not str(place).startswith("R")
+    return placement.is_split(tf(node).get("placement"))
 
 
 def _rewrite(graph: fx.Graph, node: fx.Node, index: dict[str, int]) -> bool:

@@ -14,7 +14,7 @@
              GPT that is the attention core (scores, mask, softmax, dropout, scores x V); the
              MLP's 4h activations fail the rule (their GEMMs are most of the layer's FLOPs).
 
-Guarantees: `chunk.gm.meta["recompute"]` is a list of segments {"name", "nodes" (contiguous
+Guarantees: `chunk.recompute` is a tuple of segments {"name", "nodes" (contiguous
 compute nodes in graph order), "why"}; codegen writes each as a method run under
 `torch.utils.checkpoint` (ChunkModule.recompute). A segment that writes in place into a value
 it does not create (recomputing it would write twice) or whose result is not a tensor is
@@ -27,18 +27,20 @@ import re
 import torch.fx as fx
 
 from threefold.compiler.cost import NodeCost, node_cost
-from threefold.compiler.program import Program, meta_of, tf
+from threefold.compiler.contracts import stage_pass
+from threefold.compiler.program import meta_of, tf
+from threefold.compiler.stages import Partitioned
 
 _INDEXED = re.compile(r"^\d+$")
 
 
-def plan_recompute(prog: Program) -> Program:
-    """Needs: chunk graphs (extract_chunks), costs. Guarantees: gm.meta['recompute'] per chunk."""
+@stage_pass(needs=Partitioned, guarantees=("recompute",))
+def plan_recompute(prog: Partitioned) -> Partitioned:
+    """Needs: chunk graphs, costs. Guarantees: chunk.recompute (segments) per chunk."""
     mode = getattr(prog.plan, "recompute", "none")
-    layers = _repeated_containers(prog.graph)
+    layers = _repeated_containers(n for _, n in prog.chunk_nodes())
+    chunks, notes = [], []
     for chunk in prog.chunks:
-        if chunk.gm is None:
-            continue
         segments = []
         if mode != "none":
             for name, nodes in _layer_runs(chunk.gm.graph, layers):
@@ -53,18 +55,18 @@ def plan_recompute(prog: Program) -> Program:
         for seg in segments:
             problem = _unsafe(chunk.gm.graph, seg["nodes"])
             if problem:
-                prog.notes.append(f"recompute: chunk {chunk.index} keeps {seg['name']} (not recomputed): {problem}")
+                notes.append(f"recompute: chunk {chunk.index} keeps {seg['name']} (not recomputed): {problem}")
             else:
                 kept.append(seg)
-        chunk.gm.meta["recompute"] = kept
-    return prog
+        chunks.append(chunk.evolve(recompute=tuple(kept)))
+    return prog.evolve(chunks=tuple(chunks), notes=prog.notes + tuple(notes))
 
 
 # --- layers -------------------------------------------------------------------------------
-def _repeated_containers(graph: fx.Graph) -> set[str]:
+def _repeated_containers(nodes) -> set[str]:
     """Module-path prefixes 'a.b.<i>' whose container 'a.b' holds two or more indices."""
     indices: dict[str, set[str]] = {}
-    for node in graph.nodes:
+    for node in nodes:
         parts = (tf(node).get("module") or "").split(".")
         for i, part in enumerate(parts):
             if _INDEXED.match(part):

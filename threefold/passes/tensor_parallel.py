@@ -36,7 +36,10 @@ import torch.fx as fx
 from torch.utils._pytree import tree_map
 
 from threefold.compiler.cost import op_name
-from threefold.compiler.program import Program, tf
+from threefold.compiler.contracts import stage_pass
+from threefold.compiler.program import tf
+from threefold.compiler.stages import Sharded, Traced
+from threefold import placement
 from threefold.errors import PlanError
 from threefold.passes.tp_placement import (P, R, Partial, Replicate, Shard, local_size, padded)
 from threefold.passes.tp_patterns import (_GROUPED, _TRANSPOSES, _coll, _feeds_cross_entropy, _head_count,
@@ -52,12 +55,16 @@ from threefold.runtime.tp_ops import TP
 aten = torch.ops.aten
 
 
-def tensor_parallel(prog: Program) -> Program:
+@stage_pass(needs=Traced, gives=Sharded, guarantees=("placements",))
+def tensor_parallel(stage: Traced) -> Sharded:
     """Needs: a traced program. Guarantees: for tp>1, local shapes, TP collectives inserted,
-    prog.shard_fns for every sharded parameter, prog.tp_grad_sync for shard-applied ones,
-    prog.tp_report (sharded share, fallbacks); every op on inputs of the right layout."""
-    if prog.plan.tp == 1:
-        return prog
+    shard_fns for every sharded parameter, tp_grad_sync for shard-applied ones,
+    tp_report (sharded share, fallbacks); every op on inputs of the right layout.
+    The input graph is only read: the rewrite writes a new graph."""
+    if stage.plan.tp == 1:
+        return stage.advance(Sharded)
+    prog = stage.draft(copy_graphs=False)
+    prog.shard_fns, prog.tp_grad_sync, prog.notes = {}, [], list(stage.notes)
     # Megatron's pairing: a column-parallel matmul pays off only if its shards reach a
     # row-parallel matmul (or another sharded consumer). When its shards run into an op with
     # no sharded rule, rewrite with that projection replicated instead of gathering them.
@@ -70,7 +77,7 @@ def tensor_parallel(prog: Program) -> Program:
             break
         avoid.update(more)
     rw.commit()
-    return prog
+    return prog.freeze(Sharded)
 
 
 _MAX_RETRIES = 8
@@ -85,7 +92,7 @@ def _to_meta(v):
 
 
 class _Rewriter:
-    def __init__(self, prog: Program, avoid: dict[str, str] | None = None):
+    def __init__(self, prog, avoid: dict[str, str] | None = None):   # prog: a Draft of the Traced stage
         self.prog = prog
         self.avoid = dict(avoid or {})          # weights to keep replicated (see tensor_parallel)
         self.fallbacks: list[dict] = []         # ops run on gathered inputs (tp_redistribute)
@@ -152,7 +159,7 @@ class _Rewriter:
         for fqn, (dim, blocks, pad) in self.decisions.items():
             node = self.param_nodes[fqn]
             node.meta["val"] = self._param_local(fqn)
-            tf(node)["placement"] = str(Shard(dim, blocks))
+            tf(node)["placement"] = Shard(dim, blocks)
         both = self.shard_uses & self.replicated_uses
         if both:
             raise PlanError(f"parameter {sorted(both)[0]} is applied both to sharded and to replicated "
@@ -186,7 +193,7 @@ class _Rewriter:
         if src is not None:
             node.meta["nn_module_stack"] = src.meta.get("nn_module_stack", {})
             node.meta["tf"] = {k: v for k, v in tf(src).items() if k in ("module",)}
-        tf(node)["placement"] = str(place) if not isinstance(place, list) else "(" + ", ".join(map(str, place)) + ")"
+        tf(node)["placement"] = placement.of(place)
         if collective:
             tf(node)["collective"] = collective
         self.place[node] = place

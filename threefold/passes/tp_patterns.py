@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from threefold.compiler.annotations import Collective
 from threefold.compiler.cost import op_name
 from threefold.compiler.program import tf
 
@@ -183,9 +184,6 @@ def _needs_grad(v) -> bool:
     return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
 
 
-def _coll(kind: str, phase: str, v, back: str | None = None) -> dict:
+def _coll(kind: str, phase: str, v, back: str | None = None) -> Collective:
     numel = int(v.numel()) if isinstance(v, torch.Tensor) else 0
-    c = {"kind": kind, "group": "tp", "phase": phase, "elements": numel}
-    if back:
-        c["backward"] = back
-    return c
+    return Collective(kind, phase, numel, backward=back)

@@ -10,44 +10,12 @@ PlanError naming the node, the size and t.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import sympy
 
 from threefold.errors import PlanError
-
-
-@dataclass(frozen=True)
-class Replicate:
-    gathered: bool = False      # all-gathered from sequence shards: its backward already reduces
-    partial_grad: bool = False  # f's output: equal values, but each rank's gradient is a summand
-
-    def __str__(self):
-        return "R*" if self.gathered else "R(f)" if self.partial_grad else "R"
-
-
-@dataclass(frozen=True)
-class Partial:
-    def __str__(self):
-        return "P"
-
-
-@dataclass(frozen=True)
-class Shard:
-    dim: int
-    blocks: tuple[int, ...] = ()   # global sizes of the concatenated pieces, () = one piece
-    seq: bool = False              # a sequence-parallel shard (plain activations, Korthikanti)
-
-    def __str__(self):
-        extra = f",blocks={list(self.blocks)}" if self.blocks else ""
-        return f"S({self.dim}{extra}{',seq' if self.seq else ''})"
-
-    def moved(self, dim: int) -> "Shard":
-        return Shard(dim, self.blocks, self.seq)
-
-
-R = Replicate()
-P = Partial()
+# The placement types live in threefold/placement.py (the runtime reads them too).
+from threefold.placement import P, R, Partial, Replicate, Shard  # noqa: F401
 
 
 def local_size(global_size: int, t: int, what: str) -> int:

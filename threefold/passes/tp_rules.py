@@ -10,6 +10,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from threefold.compiler.annotations import Collective
 from threefold.compiler.cost import op_name
 from threefold.errors import PlanError
 from threefold.passes.tp_dims import reshape_placement
@@ -467,12 +468,12 @@ def cross_entropy(rw, old):
     vocab = old.args[0].meta["val"].shape[-1]
     n = rw.val[logits].shape[0]
     out = _meta_like(old.meta["val"])
-    coll = {"kind": "all_reduce", "group": "tp", "phase": "forward", "elements": n, "count": 2}
+    coll = Collective("all_reduce", "forward", n, count=2)
     if reduction_ == 1 and not smoothing:
         return rw.emit(tp_ops.vocab_parallel_cross_entropy, (logits, target, ignore, vocab, TP),
                        place=Replicate(), val=out, collective=coll)
     red = {0: "none", 1: "mean", 2: "sum"}[reduction_]
-    coll["elements"] = 3 * n
+    coll = Collective("all_reduce", "forward", 3 * n, count=2)
     return rw.emit(tp_ops.vocab_parallel_cross_entropy_full,
                    (logits, target, ignore, vocab, float(smoothing), red, TP),
                    place=Replicate(), val=out, collective=coll)

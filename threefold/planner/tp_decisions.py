@@ -13,9 +13,9 @@ compiler's annotations change form only this file follows:
 """
 from __future__ import annotations
 
-import re
-
 import torch.fx as fx
+
+from threefold import placement as placements
 
 from threefold.compiler.program import Program, meta_of, tf
 from threefold.errors import PlanError
@@ -25,7 +25,6 @@ from threefold.runtime import tp_ops
 TRIAL_DEGREES = (2, 3)   # the first the pass accepts is used; tp=1 only if none is
 _COMMUNICATION = {tp_ops.f, tp_ops.g, tp_ops.scatter, tp_ops.gather, tp_ops.reduce_scatter,
                   tp_ops.all_gather_seq, tp_ops.scatter_blocks, tp_ops.gather_blocks}
-_SHARD = re.compile(r"S\((-?\d+)(?:,blocks=\[([\d, ]*)\])?")
 
 
 def shard_program(traced: Program) -> tuple[Program, int]:
@@ -34,8 +33,7 @@ def shard_program(traced: Program) -> tuple[Program, int]:
     accepts none. `traced` itself is left as it was."""
     from threefold.passes.tensor_parallel import tensor_parallel
     for t in TRIAL_DEGREES:
-        trial = traced.replace(plan=Plan(tp=t), shard_fns={}, tp_grad_sync=[], notes=[],
-                               pass_log=[], chunks=[])
+        trial = traced.evolve(plan=Plan(tp=t), notes=(), pass_log=())
         try:
             return tensor_parallel(trial), t
         except PlanError:
@@ -47,27 +45,24 @@ def sharded_params(prog: Program) -> dict:
     return dict(prog.shard_fns)
 
 
-def placement(node: fx.Node) -> str:
-    """The pass's placement of a value as text ('R', 'R(f)', 'P', 'S(2)', '(S(1), R)');
-    typed placements print the same way."""
-    return str(tf(node).get("placement", "R"))
+def placement(node: fx.Node):
+    """The pass's typed placement of a value (threefold.placement); R where it wrote none."""
+    return tf(node).get("placement") or placements.R
 
 
 def is_split(node: fx.Node) -> bool:
-    text = placement(node)
-    return bool(_SHARD.search(text)) or re.search(r"(^|[(, ])P($|[), ])", text) is not None
+    return placements.is_split(placement(node))
 
 
 def shard_sizes(node: fx.Node, t: int) -> set[int]:
     """Global sizes of the dims the pass split this value on (each block of a fused one)."""
     meta = meta_of(node)
     sizes: set[int] = set()
-    for match in _SHARD.finditer(placement(node)):
-        dim, blocks = int(match.group(1)), match.group(2)
-        if blocks:
-            sizes |= {int(b) for b in blocks.split(",") if b.strip()}
+    for s in placements.shards(placement(node)):
+        if s.blocks:
+            sizes |= set(s.blocks)
         elif meta is not None and meta.shape:
-            sizes.add(int(meta.shape[dim]) * t)
+            sizes.add(int(meta.shape[s.dim]) * t)
     return sizes
 
 
