@@ -68,6 +68,7 @@ def gpt_model_cost(layers: int, hidden: int, heads: int, vocab: int = 51200, seq
         boundary_bytes=B * h,
         # Korthikanti et al. 2022, sec. 4.1: sbh(10 + 24/t + 5as/(ht)) per layer.
         act_split=24 * h + 5 * A, act_repl=10 * h, act_input=B * h,
+        act_selective_split=24 * h, act_selective_repl=10 * h,             # sbh(10 + 24/t): no 5as/(ht)
         post_act=(B + 4) * V, post_act_split=True,                          # fp16 logits + fp32 softmax
         tp_divides=(heads, f),                                              # vocab is padded
         flops_per_iteration_fn=lambda batch, recompute: eq3_flops(batch, s, layers, h, V, recompute),

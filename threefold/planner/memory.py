@@ -1,25 +1,161 @@
-"""Memory per GPU of one pipeline stage: weights, gradients, optimizer state, activations.
+"""The memory model: bytes per rank, by component, for a plan (inspect --memory, the planner, fits).
 
-16 bytes per local parameter (fp16 weights and grads, fp32 master weights and two Adam
-moments), plus the activations the schedule keeps in flight: how many (chunk, microbatch)
-a stage holds is the runtime's own bound for the schedule it will run
-(`runtime.schedule.inflight_bound`; 1F1B min(p-r, m), interleaved its warm-up plus one).
-Per layer and microbatch that is the layer input (2sbh) with recomputation, or
-sbh(10 + 24/t + 5as/(ht)) without (Korthikanti et al. 2022, sec. 4.1), plus one layer's full
-activations while it is recomputed, plus the logits on the last stage.
+One set of rules, fed either by a compiled program (`program_memory`: exact local shapes,
+saved activations derived from the chunk graphs by planner/saved_bytes.py) or by the
+planner's per-layer `ModelCost` (`stage_memory`: a model too large to compile per candidate).
+
+  params      this rank's parameter shards (unique: a tied parameter two local chunks use
+              is one Parameter) and module buffers, in their dtype. dtype=bf16|fp16 keeps
+              parameters fp32 (runtime/mixed_precision.py: they are the master weights).
+  grads       one gradient per trainable parameter, fp32 under every dtype.
+  optimizer   AdamW's two moments (and its step counter) per trainable element; zero=1
+              keeps only this dp rank's rows (runtime/zero.py: ceil(R/d) rows of dim 0 each).
+  activations what autograd keeps for backward over the schedule: each (chunk, microbatch)
+              between its forward and its backward holds its chunk's saved bytes; the peak
+              over this stage's action list from the runtime's own schedule generator
+              (runtime/schedule.make_schedule), so gpipe, 1f1b and interleaved (and any
+              schedule added there) are counted from the order the engine runs, not a formula.
+  recompute   while backward reruns a recomputed segment its saved values exist again: the
+              largest segment's (0 without recomputation).
+  buffers     communication: the received boundary tensors no op keeps (the engine holds
+              them until backward) for each in-flight microbatch, one gradient message, and,
+              with dp > 1, the flat gradient buckets of the dp all-reduce / reduce-scatter.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from threefold.planner.model_cost import BYTES_PER_PARAM, ModelCost
-from threefold.runtime.schedule import inflight_bound
+from threefold.runtime.schedule import make_schedule
 
 if TYPE_CHECKING:
     from threefold.planner.estimate import Config
 
+ADAM_MOMENTS = 2             # AdamW: exp_avg, exp_avg_sq (fp32)
+STATE_BYTES = 4              # fp32 master parameters, gradients and moments (every dtype)
+STEP_BYTES = 4               # AdamW's per-parameter step counter (a 0-d fp32 tensor)
+COMPONENTS = ("params", "grads", "optimizer", "activations", "recompute", "buffers")
 
+
+@dataclass
+class RankMemory:
+    rank: int
+    stage: int
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    recompute: int = 0
+    buffers: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, k) for k in COMPONENTS)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+# ---- shared rules ---------------------------------------------------------------------------
+def zero_rows(rows: int, dp: int, dp_rank: int) -> int:
+    """Rows of a dim-0 size `rows` that dp rank `dp_rank` owns under zero=1 (runtime/zero.py)."""
+    per = math.ceil(rows / dp)
+    return max(0, min(per, rows - dp_rank * per))
+
+
+def optimizer_bytes(shapes: list[tuple[int, ...]], plan, dp_rank: int = 0,
+                    moments: int = ADAM_MOMENTS) -> int:
+    """AdamW state of these trainable parameter shapes on one dp rank."""
+    dp = plan.dp if getattr(plan, "zero", 0) else 1
+    dp_rank = dp_rank if dp > 1 else 0
+    total = 0
+    for shape in shapes:
+        rows = int(shape[0]) if len(shape) else 1
+        width = math.prod(shape[1:]) if len(shape) > 1 else 1
+        owned = zero_rows(rows, dp, dp_rank) * width
+        total += moments * STATE_BYTES * owned + (STEP_BYTES if owned or dp == 1 else 0)
+    return total
+
+
+def peak_inflight(plan, stage: int, chunk_bytes: dict[int, float]) -> float:
+    """The most activation bytes a stage holds at once under the plan's schedule: walk its
+    compute actions (runtime/schedule.py); a (chunk, mb) holds chunk_bytes[chunk] from its
+    forward to the last compute action (B, or a later weight-gradient action) that names it."""
+    sched = make_schedule(plan.schedule, plan.pp, plan.microbatches, plan.interleave)
+    actions = [a for a in sched.actions[stage] if a.is_compute or a.kind.value == "W"]
+    last = {}
+    for i, a in enumerate(actions):
+        last[(a.chunk, a.mb)] = i
+    live, peak = 0.0, 0.0
+    for i, a in enumerate(actions):
+        key = (a.chunk, a.mb)
+        if a.kind.value == "F":
+            live += chunk_bytes.get(a.chunk, 0.0)
+            peak = max(peak, live)
+        if last[key] == i and a.kind.value != "F":
+            live -= chunk_bytes.get(a.chunk, 0.0)
+    return peak
+
+
+def inflight_count(plan, stage: int) -> int:
+    """Most (chunk, microbatch) pairs a stage holds at once (every chunk weighted 1)."""
+    return int(peak_inflight(plan, stage, {c: 1.0 for c in range(plan.num_chunks)}))
+
+
+# ---- from a compiled program ------------------------------------------------------------------
+def program_memory(prog) -> list[RankMemory]:
+    """Bytes per rank, by component, of a compiled Program (every rank of the mesh)."""
+    from threefold.compiler.program import meta_of, tf
+    from threefold.planner.saved_bytes import chunk_saved
+    from threefold.runtime.mesh import Mesh, stage_of
+    from threefold.runtime.mixed_precision import COMPUTE_DTYPES
+
+    plan = prog.plan
+    autocast = COMPUTE_DTYPES.get(getattr(plan, "dtype", "fp32"))
+    local = {}        # fqn -> (local shape, dtype bytes, trainable)
+    for n in prog.graph.nodes:
+        if n.op == "placeholder" and tf(n).get("kind") in ("param", "buffer") and meta_of(n) is not None:
+            m = meta_of(n)
+            key = tf(n).get("fqn") or n.name
+            local[key] = (m.shape, m.nbytes, tf(n).get("kind") == "param" and not tf(n).get("frozen"))
+    saved = {}
+    for chunk in prog.chunks:
+        saved[chunk.index] = chunk_saved(chunk.gm, autocast) if chunk.gm is not None else None
+    mesh = Mesh(tp=plan.tp, dp=plan.dp, pp=plan.pp)
+    out = []
+    for stage in range(plan.pp):
+        chunks = [c for c in prog.chunks if stage_of(c.index, plan.pp) == stage]
+        names = sorted({f for c in chunks for f in list(c.params) + list(getattr(c, "buffers", []) or [])})
+        held = [local[f] for f in names if f in local]
+        params = sum(nb for _, nb, _ in held)
+        trainable = [shape for shape, _, tr in held if tr]
+        grads = sum(math.prod(s) * STATE_BYTES for s in trainable)
+        acts = peak_inflight(plan, stage, {c.index: saved[c.index].saved_bytes for c in chunks if saved[c.index]})
+        unsaved = peak_inflight(plan, stage, {c.index: saved[c.index].boundary_unsaved_bytes
+                                              for c in chunks if saved[c.index]})
+        grad_msg = max((_boundary_out(prog, c) for c in chunks), default=0)
+        rerun = max((s.recompute_peak_bytes for c in chunks if (s := saved[c.index])), default=0)
+        buffers = int(unsaved + grad_msg + (grads if plan.dp > 1 else 0))
+        for dp_rank in range(plan.dp):
+            opt = optimizer_bytes(trainable, plan, dp_rank)
+            for tp_rank in range(plan.tp):
+                out.append(RankMemory(rank=mesh.rank(tp=tp_rank, dp=dp_rank, pp=stage), stage=stage,
+                                      params=int(params), grads=int(grads), optimizer=int(opt),
+                                      activations=int(acts), recompute=int(rerun), buffers=buffers))
+    return sorted(out, key=lambda r: r.rank)
+
+
+def _boundary_out(prog, chunk) -> int:
+    from threefold.compiler.program import meta_of
+    if chunk is prog.chunks[-1]:
+        return 0
+    nodes = {n.name: n for n in prog.graph.nodes}
+    return sum(meta_of(nodes[v]).nbytes for v in chunk.outputs if v in nodes and meta_of(nodes[v]) is not None)
+
+
+# ---- from the planner's per-layer ModelCost ----------------------------------------------------
 def stage_params(model: ModelCost, n_layers: int, stage: int, pp: int, tp: int) -> float:
     """Parameters one GPU of this stage holds."""
     split = model.layer_params - model.layer_params_repl
@@ -33,17 +169,39 @@ def stage_params(model: ModelCost, n_layers: int, stage: int, pp: int, tp: int) 
     return params
 
 
+def layer_activation_bytes(model: ModelCost, plan, tokens: float) -> tuple[float, float]:
+    """(kept per layer and microbatch, rerun while one layer recomputes) for the plan's
+    recompute mode and sp: the ModelCost's per-token figures, which spec_cost.py derives from
+    the graph (planner/saved_bytes.py) and gpt_cost.py takes from Megatron's kernels."""
+    t = plan.tp
+    def per_rank(split, repl):
+        return (split / t + (repl / t if plan.sp else repl)) * tokens
+    full = per_rank(model.act_split, model.act_repl)
+    mode = plan.recompute
+    if mode == "full":
+        return model.act_input * tokens / (t if plan.sp else 1), full
+    if mode == "selective":
+        kept = per_rank(model.act_selective_split, model.act_selective_repl)
+        return kept, full - kept
+    return full, 0.0
+
+
 def stage_memory(model: ModelCost, cfg: Config, stage: int, n_layers: int, params: float) -> float:
-    t, p, v, b = cfg.tp, cfg.pp, cfg.interleave, cfg.microbatch_size
-    tokens = b * model.seq_len
-    full_layer = (model.act_split / t + model.act_repl) * tokens
-    chunks = inflight_bound(cfg.plan.schedule, p, cfg.microbatches, v)[stage]
+    """Bytes of the fullest GPU of a stage (the planner's `fits`), by the rules above."""
+    plan = cfg.plan
+    t, p, v = plan.tp, plan.pp, plan.interleave
+    tokens = cfg.microbatch_size * model.seq_len
+    kept, rerun = layer_activation_bytes(model, plan, tokens)
     layers_per_chunk = math.ceil(n_layers / v)
-    if cfg.recompute:
-        # Inputs of every in-flight layer, plus the one layer being recomputed.
-        acts = chunks * layers_per_chunk * model.act_input * tokens + full_layer
-    else:
-        acts = chunks * layers_per_chunk * full_layer
-    if stage == p - 1:
-        acts += model.post_act * tokens / (t if model.post_act_split else 1)
-    return params * BYTES_PER_PARAM + acts
+    chunk_bytes = {stage + k * p: layers_per_chunk * kept for k in range(v)}
+    last = p * v - 1
+    if last in chunk_bytes:
+        chunk_bytes[last] += model.post_act * tokens / (t if model.post_act_split else 1)
+    acts = peak_inflight(plan, stage, chunk_bytes)
+    # State: the ModelCost's 16-bit training (BYTES_PER_PARAM: 16-bit weight and gradient, fp32
+    # master and moments), the moments and master sharded over dp under zero=1.
+    per_param = BYTES_PER_PARAM
+    if getattr(plan, "zero", 0) and plan.dp > 1:
+        sharded = (ADAM_MOMENTS + 1) * STATE_BYTES
+        per_param = BYTES_PER_PARAM - sharded + sharded / plan.dp
+    return params * per_param + acts + rerun

@@ -76,6 +76,16 @@ class ModelCost:
     tp_divides: tuple[int, ...] = ()  # tp must divide each (attention heads, ...)
     flops_per_iteration_fn: Callable[[int, bool], float] | None = None  # (batch, recompute) -> FLOPs
     post_params_repl: float = 0.0     # replicated post parameters (final norm)
+    # recompute=selective: bytes per token a layer keeps when its attention core is recomputed
+    # (None: the same as without recomputation, i.e. nothing is selected)
+    act_selective_split: float | None = None
+    act_selective_repl: float | None = None
+
+    def __post_init__(self):
+        if self.act_selective_split is None:
+            object.__setattr__(self, "act_selective_split", self.act_split)
+        if self.act_selective_repl is None:
+            object.__setattr__(self, "act_selective_repl", self.act_repl)
 
     @property
     def params(self) -> float:
