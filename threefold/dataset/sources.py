@@ -76,14 +76,14 @@ def _encode(docs: list[str], tokenizer, path: str) -> np.ndarray:
     docs = [d for d in docs if d]
     if not docs:
         raise PlanError(f"--data {path!r} holds no text: give a non-empty file")
-    sep = tokenizer.encode(SEPARATOR)
-    ids: list[int] = []
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+    sep = np.asarray(tokenizer.encode(SEPARATOR), dtype=dtype)
+    parts = []     # numpy pieces, not one Python list: a list of ints costs ~30 bytes a token
     for i, doc_ids in enumerate(tokenizer.encode_batch(docs)):
         if i:
-            ids.extend(sep)
-        ids.extend(doc_ids)
-    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
-    return np.asarray(ids, dtype=dtype)
+            parts.append(sep)
+        parts.append(np.asarray(doc_ids, dtype=dtype))
+    return np.concatenate(parts)
 
 
 def token_dtype(path: str, dtype: str = "auto") -> str:
