@@ -77,6 +77,21 @@ def test_bad_tokenizer_is_one_line(tmp_path, kind):
     assert "\n" not in str(e.value)
 
 
+def test_text_data_with_a_local_tokenizer(tmp_path, hf_dir):
+    cfg = load_config(None, {"data": _write(tmp_path / "t.txt", TEXT), "tokenizer": hf_dir, "seq": 8})
+    d = load_data(cfg)
+    assert d.vocab_size == load_tokenizer(hf_dir).vocab_size > 256
+    assert int(max(d.train.max(), d.val.max())) < d.vocab_size
+    assert len(d.train) + len(d.val) < len(TEXT) / 2            # merges: far fewer ids than bytes
+    assert d.tokenizer.decode(d.train[:9]) == TEXT[:len(d.tokenizer.decode(d.train[:9]))]
+
+
+def test_data_dtype_is_refused_for_text(tmp_path):
+    cfg = load_config(None, {"data": _write(tmp_path / "t.txt", TEXT), "data_dtype": "uint32"})
+    with pytest.raises(PlanError, match="--data-dtype uint32 applies to token-id files"):
+        load_data(cfg)
+
+
 # ---- sources -------------------------------------------------------------------------------
 
 def test_text_file_directory_and_jsonl_sources(tmp_path):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from threefold.dataset.sampler import Sampler, fixed_batches, windows
-from threefold.dataset.sources import read_tokens
+from threefold.dataset.sources import is_token_file, read_tokens
 from threefold.dataset.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, tokenizer_from_dict
 from threefold.errors import PlanError
 
@@ -51,6 +51,9 @@ def load_data(cfg) -> Data:
     """Read cfg.data (or the embedded corpus) with cfg.tokenizer, check it and split it."""
     tokenizer = load_tokenizer(cfg.tokenizer)
     source = cfg.data or EMBEDDED
+    if cfg.data_dtype != "auto" and not is_token_file(source):
+        raise PlanError(f"--data-dtype {cfg.data_dtype} applies to token-id files (.bin, .u16, .u32), and "
+                        f"{source!r} is text: drop --data-dtype, or give a token-id file")
     tokens = read_tokens(source, tokenizer, cfg.data_dtype)
     if len(tokens) == 0:
         raise PlanError(f"--data {source!r} holds no tokens: give a non-empty source")
