@@ -1,9 +1,10 @@
 """`threefold schedule`: build a pipeline schedule, verify it, show its step x rank grid.
 
-    threefold schedule --pp 4 -m 8 [-v 2] [--schedule gpipe|1f1b|interleaved|forward]
+    threefold schedule --pp 4 -m 8 [-v 2] [--schedule gpipe|1f1b|interleaved|zb-h1|zbv|forward]
                        [--json] [--svg FILE]
 
-Times are the simulator's unit costs: forward 1, backward 2 per chunk, free communication.
+Times are the simulator's unit costs: forward 1, backward 2 per chunk, free communication;
+zero-bubble schedules (zb-h1, zbv) split the backward into B 1 and W 1 (T_F = T_B = T_W).
 Exit 0 when the schedule verifies, 1 when the verifier rejects it, 2 for bad input.
 """
 from __future__ import annotations
@@ -23,7 +24,8 @@ def register(subparsers) -> None:
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--pp", type=int, required=True, help="pipeline stages")
     p.add_argument("-m", "--microbatches", type=int, required=True, help="microbatches per iteration")
-    p.add_argument("-v", "--interleave", type=int, default=1, help="model chunks per stage (interleaved only)")
+    p.add_argument("-v", "--interleave", type=int, default=None,
+                   help="model chunks per stage (interleaved; zbv is always 2)")
     p.add_argument("--schedule", default="1f1b", metavar="KIND", help=f"one of {', '.join(KINDS)} (default 1f1b)")
     p.add_argument("--forward-only", action="store_true", help="same as --schedule forward (inference)")
     p.add_argument("--json", action="store_true", help="print the verifier's report as JSON")
@@ -38,10 +40,13 @@ MAX_GRID_ACTIONS = 4_000  # the text grid is for people; bigger schedules print 
 def run(args) -> int:
     from threefold.errors import PlanError
     kind = "forward" if args.forward_only else args.schedule
+    if args.interleave is None:   # zbv runs two chunks per stage in a V; others default to one
+        args.interleave = 2 if str(kind).lower().replace("_", "-") in ("zbv", "zb-v") else 1
     for flag, value in (("--pp", args.pp), ("-m", args.microbatches), ("-v", args.interleave)):
         if value < 1:
             raise PlanError(f"{flag} {value} is invalid: use 1 or more")
-    actions = args.pp * args.interleave * args.microbatches * 2
+    split = str(kind).lower().replace("_", "-") in ("zb-h1", "zbh1", "zbv", "zb-v")
+    actions = args.pp * args.interleave * args.microbatches * (3 if split else 2)   # F, B (and W)
     if actions > MAX_ACTIONS:
         raise PlanError(f"schedule --pp {args.pp} -m {args.microbatches} -v {args.interleave} has {actions} "
                         f"compute actions, more than {MAX_ACTIONS} this command simulates; use fewer stages "
@@ -72,7 +77,8 @@ def run(args) -> int:
 
 
 def grid_cells(report: Report) -> list[list[tuple[str, str]]]:
-    """Per rank, one (text, role) per unit time step; role is F, B, cont-F, cont-B or idle."""
+    """Per rank, one (text, role) per unit time step; role is F, B, W, cont-F, cont-B, cont-W
+    or idle."""
     sim = report.simulation
     steps = int(round(sim.makespan))
     rows = []
@@ -80,7 +86,7 @@ def grid_cells(report: Report) -> list[list[tuple[str, str]]]:
         row = [("", "idle")] * steps
         for a, t0, t1 in zip(acts, sim.start[r], sim.end[r]):
             if a.is_compute:
-                role = "F" if a.kind is Kind.FORWARD else "B"
+                role = a.kind.value   # F, B or W
                 for t in range(int(t0), int(t1)):
                     row[t] = (f"{role}{a.chunk}.{a.mb}", role) if t == int(t0) else ("", "cont-" + role)
         rows.append(row)
@@ -98,8 +104,9 @@ def _print_text(report: Report) -> None:
     except ImportError:   # plain fallback
         console = Text = None
     styles = {"F": "bold white on blue", "cont-F": "on blue", "B": "bold white on green",
-              "cont-B": "on green", "idle": "dim"}
-    plain = {"cont-F": "-" * width, "cont-B": "-" * width, "idle": ".".center(width)}
+              "cont-B": "on green", "W": "bold white on dark_orange", "cont-W": "on dark_orange",
+              "idle": "dim"}
+    plain = {"cont-F": "-" * width, "cont-B": "-" * width, "cont-W": "-" * width, "idle": ".".center(width)}
 
     def emit(parts: list[tuple[str, str]]) -> None:
         if console is None:
@@ -113,13 +120,14 @@ def _print_text(report: Report) -> None:
             if role == "label":
                 line.append(text)
             else:
-                cell = text.ljust(width) if role in ("F", "B") else (" " * width if role.startswith("cont")
+                cell = text.ljust(width) if role in ("F", "B", "W") else (" " * width if role.startswith("cont")
                                                                      else ".".center(width))
                 line.append(cell, style=styles[role])
         console.print(line, soft_wrap=True)
 
     label_w = len(f"rank {s.pp - 1}")
-    print(f"{s.name} schedule: pp={s.pp} m={s.m} v={s.v}  (step = 1 forward; backward 2; cells chunk.microbatch)")
+    costs = ("B (input grads) 1, W (weight grads) 1" if s.splits_backward else "backward 2")
+    print(f"{s.name} schedule: pp={s.pp} m={s.m} v={s.v}  (step = 1 forward; {costs}; cells chunk.microbatch)")
     header = [("step".ljust(label_w), "label")] + [(str(t).rjust(width), "label") for t in range(len(rows[0]))]
     emit(header)
     for r, row in enumerate(rows):
@@ -127,9 +135,12 @@ def _print_text(report: Report) -> None:
     print(f"makespan            {report.makespan:g} steps "
           f"({report.rendezvous_makespan:g} if every send blocks until its receive is posted)")
     print(f"bubble fraction     {report.bubble_fraction:.4f}   idle / (pp * makespan)")
+    formula = {"zb-h1": "(p-1)/(3m)", "zbv": "(p-1)/(6m)"}.get(s.name, "(p-1)/(v*m)")
     print(f"bubble ratio        {report.bubble_ratio:.4f}   idle / busy; paper formula "
-          f"(p-1)/(v*m) = {report.formula_bubble_ratio:.4f}")
+          f"{formula} = {report.formula_bubble_ratio:.4f}")
     bound = "" if report.inflight_bound is None else f"   (bound {report.inflight_bound})"
     print(f"max in-flight       {report.max_inflight}   activations held per rank{bound}")
+    if report.simulation.max_weight_inflight is not None:
+        print(f"kept for W          {report.simulation.max_weight_inflight}   microbatches whose W has not run, per rank")
     print("verified            no deadlock (even with blocking sends), sends match receives in order, "
           "forward before backward")

@@ -246,6 +246,7 @@ class Report:
             "formula_bubble_ratio": self.formula_bubble_ratio,
             "makespan": self.makespan, "rendezvous_makespan": self.rendezvous_makespan,
             "max_inflight": list(self.max_inflight), "inflight_bound": self.inflight_bound,
+            "max_weight_inflight": self.simulation.max_weight_inflight,
             "definitions": {
                 "bubble_fraction": "idle rank-time / (pp * makespan): share of the iteration spent idle",
                 "bubble_ratio": "idle time / busy compute time: the paper's bubble, (p-1)/(v*m)",
@@ -255,6 +256,8 @@ class Report:
                             "durations were given, sends not waiting for receives",
                 "rendezvous_makespan": "the same when every send blocks until its receive is posted",
                 "max_inflight": "per pipeline rank, the most (chunk, microbatch) activations held for backward",
+                "max_weight_inflight": "zero-bubble schedules: per rank, the most (chunk, microbatch) whose "
+                                       "W has not run (what W keeps); null otherwise",
             },
         }
 

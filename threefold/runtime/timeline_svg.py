@@ -1,5 +1,6 @@
 """Draw a simulated schedule as an SVG timeline: one row per pipeline rank, one box per
-forward (blue) or backward (green) labelled with its microbatch id. With v > 1 the shade
+forward (blue) or backward (green; in zero-bubble schedules B, the input gradients, with W,
+the weight gradients, in orange) labelled with its microbatch id. With v > 1 the shade
 says which of the rank's chunks ran (darker = later in the model); hovering a box shows the
 full action. Hand-written SVG, no plotting library."""
 from __future__ import annotations
@@ -12,6 +13,7 @@ from threefold.runtime.simulate import Simulation
 
 _FWD = ["#4c78a8", "#2f5f8f", "#1c4670", "#0e2f52"]    # forward shades by local chunk index
 _BWD = ["#59a14f", "#3f8436", "#2a6623", "#184a14"]    # backward shades
+_WGT = ["#f28e2b", "#c46f1c", "#99530f", "#6e3a05"]    # weight-gradient (W) shades
 ROW, GAP, LEFT, TOP = 28, 6, 70, 46
 
 
@@ -27,7 +29,7 @@ def render_svg(sim: Simulation, width: int = 1000, title: str | None = None) -> 
            f'font-family="monospace" font-size="11">',
            '<rect width="100%" height="100%" fill="white"/>',
            f'<text x="{LEFT}" y="18" font-size="13">{escape(title)}</text>',
-           _legend(LEFT, 34, s.v)]
+           _legend(LEFT, 34, s.v, s.splits_backward)]
     for r, acts in enumerate(s.actions):
         y = TOP + r * (ROW + GAP)
         out.append(f'<text x="{LEFT - 8}" y="{y + ROW / 2 + 4}" text-anchor="end">rank {r}</text>')
@@ -35,7 +37,8 @@ def render_svg(sim: Simulation, width: int = 1000, title: str | None = None) -> 
         for a, t0, t1 in zip(acts, sim.start[r], sim.end[r]):
             if not a.is_compute:
                 continue
-            shade = (_FWD if a.kind is Kind.FORWARD else _BWD)[min(a.chunk // s.pp, 3)]
+            shades = _FWD if a.kind is Kind.FORWARD else _WGT if a.kind is Kind.WEIGHT else _BWD
+            shade = shades[min(a.chunk // s.pp, 3)]
             x, w = LEFT + t0 * scale, max((t1 - t0) * scale, 0.5)
             out.append(f'<g><title>{a} on rank {r}: {_num(t0)} to {_num(t1)}</title>'
                        f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{ROW}" fill="{shade}" '
@@ -56,9 +59,11 @@ def render_svg(sim: Simulation, width: int = 1000, title: str | None = None) -> 
     return "\n".join(out) + "\n"
 
 
-def _legend(x: int, y: int, v: int) -> str:
+def _legend(x: int, y: int, v: int, split: bool = False) -> str:
     parts = []
-    for label, shades in (("forward", _FWD), ("backward", _BWD)):
+    kinds = ((("forward", _FWD), ("B: input grads", _BWD), ("W: weight grads", _WGT)) if split
+             else (("forward", _FWD), ("backward", _BWD)))
+    for label, shades in kinds:
         for k in range(min(v, 4)):
             parts.append(f'<rect x="{x}" y="{y - 9}" width="12" height="10" fill="{shades[k]}"/>')
             x += 14
