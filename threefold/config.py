@@ -305,6 +305,10 @@ def to_toml(cfg: TrainConfig) -> str:
 
 # ---- command line -------------------------------------------------------------------------
 
+_METAVARS = {"data": "PATH", "tokenizer": "byte|DIR", "out": "DIR", "ckpt_dir": "DIR", "plan": "PLAN",
+             "data_dtype": "|".join(DTYPES)}
+
+
 def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("spec",)) -> None:
     """`--config`, `--print-config` and one flag per field (default None: 'not given', so
     the file and the embedded defaults show through)."""
@@ -318,7 +322,7 @@ def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("spe
             continue
         flag = "--" + name.replace("_", "-")
         default = getattr(defaults, name)
-        help = f"{f.metadata['help']} (default {_toml_value(default) if default is not None else 'unset'})"
+        help = f.metadata["help"] + (f" (default {_toml_value(default)})" if default is not None else "")
         kind = _kind(name)
         if kind == "bool":
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help)
@@ -326,7 +330,8 @@ def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("spe
             parser.add_argument(flag, dest=name, nargs="?", const="", default=None, metavar="DIR", help=help)
         else:
             typ = {"int": int, "float": float}.get(kind, str)
-            parser.add_argument(flag, dest=name, type=typ, default=None, metavar=name.upper(), help=help)
+            metavar = _METAVARS.get(name) or {"int": "N", "float": "X", "pair": "B1,B2"}.get(kind, "TEXT")
+            parser.add_argument(flag, dest=name, type=typ, default=None, metavar=metavar, help=help)
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:
