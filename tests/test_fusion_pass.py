@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from test_fusion_models import BiasDropoutAdd
 from test_fusion_parity import _gpt, run_graph
 from threefold.codegen.triton_rules import BWD, FWD
-from threefold.compiler.program import Chunk
+from threefold.compiler.stages import Chunk, Fused, Partitioned
 from threefold.compiler.trace import trace
 from threefold.passes.fusion import fuse, fuse_graph, split_linear_bias
 from threefold.passes.fusion_regions import ELEMENTWISE, ROW_OPS, FusedRegion
@@ -64,19 +64,28 @@ def test_fused_graph_is_well_formed_and_computes_the_same():
         torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-5, atol=1e-6)
 
 
+def _as_chunks(*progs):
+    """A Partitioned stage whose chunks are whole traced graphs (fusion reads only chunk graphs)."""
+    chunks = tuple(Chunk(index=i, gm=p.gm, nodes=(), inputs=(), outputs=(), user_inputs=(), params=(), buffers=())
+                   for i, p in enumerate(progs))
+    return progs[0].advance(Partitioned, chunks=chunks)
+
+
 def test_fuse_follows_the_plan_and_fuses_every_chunk():
     off, _ = _gpt_prog(n_layer=1, plan=Plan(fuse=False))
     code = off.gm.code
-    assert fuse(off) is off and off.gm.code == code and not off.kernels
+    out = fuse(_as_chunks(off))
+    assert isinstance(out, Fused) and out.chunks[0].gm is off.gm and off.gm.code == code and not out.kernels
     auto, _ = _gpt_prog(n_layer=1)                                # fuse=None, CPU tensors: off
-    fuse(auto)
-    assert not auto.kernels and not _fused_nodes(auto.gm)
+    out = fuse(_as_chunks(auto))
+    assert not out.kernels and not _fused_nodes(out.chunks[0].gm)
 
     prog, _ = _gpt_prog(n_layer=1, plan=Plan(fuse=True))
     other, _ = _gpt_prog(n_layer=1)
-    prog.chunks = [Chunk(index=i, nodes=[], inputs=[], outputs=[], user_inputs=[], params=[], buffers=[], gm=gm)
-                   for i, gm in enumerate((prog.gm, other.gm))]
-    fuse(prog)
+    before = prog.gm.code
+    prog = fuse(_as_chunks(prog, other))
+    assert _as_chunks(other).chunks[0].gm.code == other.gm.code and not _fused_nodes(other.gm)  # inputs untouched
+    assert before == prog.chunks[0].gm.code or _fused_nodes(prog.chunks[0].gm)
     assert set(prog.kernels) == {"layer_norm", "scale_mask_softmax", "bias_dropout_add", "bias_gelu_erf",
                                  "ew_add_dropout"}
     names = [sorted(n.target.kernel_name for n in _fused_nodes(c.gm)) for c in prog.chunks]

@@ -42,7 +42,7 @@ def test_full_is_one_segment_per_layer_and_selective_the_attention_core(factory,
     full = _compile(factory, kwargs, "pp=2,m=2,recompute=full")
     names = []
     for chunk in full.chunks:   # a cut by FLOPs may fall inside a layer: each part is a segment
-        segs = chunk.gm.meta["recompute"]
+        segs = chunk.recompute
         src = generate_module(full, chunk)
         assert segs and src.count("= self.recompute(self._recompute_") == len(segs)
         for seg in segs:
@@ -51,7 +51,7 @@ def test_full_is_one_segment_per_layer_and_selective_the_attention_core(factory,
     assert {layer.format(i) for i in range(kwargs["n_layer"])} == set(names)
     sel = _compile(factory, kwargs, "recompute=selective")
     (chunk,) = sel.chunks
-    segs = chunk.gm.meta["recompute"]
+    segs = chunk.recompute
     assert len(segs) == kwargs["n_layer"]
     for seg in segs:
         ops = {n.target.__name__ if not hasattr(n.target, "_schema") else n.target._schema.name.split("::")[1]
@@ -62,7 +62,7 @@ def test_full_is_one_segment_per_layer_and_selective_the_attention_core(factory,
                        for n in _ops(chunk, seg) for a in n.all_input_nodes)
     assert "selective: frees" in generate_module(sel, chunk)
     none = _compile(factory, kwargs, "recompute=none")
-    assert none.chunks[0].gm.meta["recompute"] == []
+    assert none.chunks[0].recompute == ()
     assert "self.recompute(" not in generate_module(none, none.chunks[0])
 
 
@@ -73,7 +73,7 @@ def test_no_repeated_layers_falls_back_to_the_chunk():
     model.add_module("out", torch.nn.Linear(8, 2))
     x, y = torch.randn(4, 4), torch.randn(4, 2)
     prog = compile_workload(Workload(model, (x,), y, torch.nn.functional.mse_loss), "recompute=full")
-    (seg,) = prog.chunks[0].gm.meta["recompute"]
+    (seg,) = prog.chunks[0].recompute
     assert seg["name"] == "<chunk>"
 
 
@@ -202,6 +202,6 @@ def test_a_layer_that_writes_into_its_input_is_kept_with_a_note():
     torch.manual_seed(0)
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     prog = compile_workload(Workload(_InPlaceNet(), (x,), y, torch.nn.functional.mse_loss), "recompute=full")
-    assert prog.chunks[0].gm.meta["recompute"] == []
+    assert prog.chunks[0].recompute == ()
     notes = [n for n in prog.notes if n.startswith("recompute:")]
     assert len(notes) == 2 and "blocks.0" in notes[0] and "writes in place" in notes[0]

@@ -16,7 +16,7 @@ PLANS = [f"{base}{mode}" for base in ("pp=2,m=2", "tp=2")
 @pytest.mark.parametrize("factory,kwargs", [("gpt", GPT_KW), ("llama", LLAMA_KW)])
 def test_recompute_matches_none_and_single_process(factory, kwargs):
     for plan in ("pp=2,m=2,recompute=selective", "tp=2,recompute=selective"):  # something is recomputed
-        assert all(c.gm.meta["recompute"] for c in _compile(factory, kwargs, plan).chunks), plan
+        assert all(c.recompute for c in _compile(factory, kwargs, plan).chunks), plan
     ref = reference_losses(factory, kwargs, STEPS)
     results = launch(parallel_losses, 2, PLANS, factory, kwargs, STEPS, timeout=550)
     for rank_result in results:

@@ -54,7 +54,7 @@ def _collectives(prog, phase="forward"):
     for chunk in prog.chunks:
         for node in chunk.gm.graph.nodes:
             c = node.meta.get("tf", {}).get("collective")
-            if c and c["phase"] == phase:
+            if c and c.phase == phase:
                 out.append((node.meta["tf"].get("module", ""), c))
     return out
 
@@ -67,18 +67,18 @@ def test_each_layer_has_the_papers_minimum_of_tp_communication(sp):
     fwd = _collectives(prog)
     for layer in range(layers):
         mine = [c for module, c in fwd if module.startswith(f"h.{layer}.")]
-        kinds = sorted(c["kind"] for c in mine)
+        kinds = sorted(c.kind for c in mine)
         if sp:
             assert kinds == ["all_gather", "all_gather", "reduce_scatter", "reduce_scatter"], mine
-            assert all(c["elements"] == b * s * h if c["kind"] == "all_gather" else c["elements"] == b * s * h
+            assert all(c.elements == b * s * h if c.kind == "all_gather" else c.elements == b * s * h
                        for c in mine), mine
         else:
             assert kinds == ["all_reduce", "all_reduce"], mine
-            assert all(c["elements"] == b * s * h for c in mine), mine
+            assert all(c.elements == b * s * h for c in mine), mine
     # besides the layers: the vocab-parallel embedding and cross-entropy, nothing else
     others = [c for module, c in fwd if not module.startswith("h.")]
     vocab = 96
-    assert all(c["elements"] < b * s * vocab for _, c in fwd), "a full-vocabulary tensor was gathered"
+    assert all(c.elements < b * s * vocab for _, c in fwd), "a full-vocabulary tensor was gathered"
     assert len(others) == (3 if sp else 2), others   # embedding, (sp: all-gather before lm_head), CE
 
 

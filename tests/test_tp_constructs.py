@@ -491,5 +491,5 @@ def test_sum_over_the_sharded_dim_is_one_all_reduce_not_a_fallback():
             return self.down(h * h.pow(2).mean(-1, keepdim=True).rsqrt())
     wl = {"model": M(), "inputs": (torch.randn(B, T, C),), "target": torch.randn(B, T, C), "loss_fn": F.mse_loss}
     prog = compile_workload(wl, "tp=2,strict=true")
-    kinds = [n.meta["tf"]["collective"]["kind"] for n in prog.gm.graph.nodes if n.meta.get("tf", {}).get("collective")]
+    kinds = [n.meta["tf"]["collective"].kind for _, n in prog.chunk_nodes() if n.meta.get("tf", {}).get("collective")]
     assert "up.weight" in prog.shard_fns and kinds.count("all_reduce") >= 1

@@ -24,11 +24,11 @@ def test_megatron_layout_without_fallback(arch):
     assert rep["fallbacks"] == [] and rep["replicated_weights"] == {}, rep
     assert rep["sharded_share"] > 0.9, rep
     per_layer: dict[int, list] = {}
-    for node in prog.gm.graph.nodes:
+    for _, node in prog.chunk_nodes():
         c = node.meta.get("tf", {}).get("collective")
         layer = _layer_of(node.meta.get("tf", {}).get("module", ""))
-        if c and c["phase"] == "forward" and layer is not None:
-            per_layer.setdefault(layer, []).append((c["kind"], c["elements"]))
+        if c and c.phase == "forward" and layer is not None:
+            per_layer.setdefault(layer, []).append((c.kind, c.elements))
     assert sorted(per_layer) == list(range(LAYERS)), per_layer
     for layer, colls in per_layer.items():
         assert colls == [("all_reduce", BATCH * SEQ * HIDDEN)] * 2, (arch, layer, colls)
