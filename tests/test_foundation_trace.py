@@ -35,7 +35,7 @@ def test_gpt_example_traces_with_names_ties_and_loss():
     prog = _trace(w)
     _check_program(prog, w["model"])
     assert prog.ties == {"wte.weight": ["wte.weight", "lm_head.weight"]}
-    assert prog.input_names == ["idx", "target"]          # forward's parameter names + target
+    assert list(prog.input_names) == ["idx", "target"]          # forward's parameter names + target
     names = {n.name for n in prog.graph.nodes if n.op == "placeholder"}
     assert {"p_wte_weight", "p_h_1_attn_c_attn_weight", "b_h_0_attn_mask", "idx", "target"} <= names
     # the lm head reads the embedding's placeholder: one tensor, two uses
@@ -61,7 +61,7 @@ def test_hugging_face_models_trace(name):
     w = workload(name, n_layer=2)
     prog = _trace(w)
     _check_program(prog, w["model"])
-    assert prog.input_names == ["input_ids", "target"]
+    assert list(prog.input_names) == ["input_ids", "target"]
     modules = {tf(n).get("module") for n in compute_nodes(prog.graph)}
     layer = "model.transformer.h.1" if name == "gpt2" else "model.model.layers.1"
     assert any(m.startswith(layer + ".") for m in modules), sorted(modules)[:10]
