@@ -3,6 +3,12 @@
 The factory returns a `Workload` or a dict with keys model, inputs (tuple), target, loss_fn
 (target and loss_fn may be absent for forward-only use). Factory keyword arguments can be
 given after the name: `examples/gpt.py:workload(n_layer=8,seq=32)`.
+
+For training on more than one batch the dict may also give a data source: `batches`, a
+callable `batches(step) -> (inputs..., target)` or an iterable of such batches (one per
+step), and optionally `val_batches` (a list or iterable of batches, or a callable of the
+index) and `tokenizer` (with encode/decode, for text samples). With `batches`, `inputs` and
+`target` may be left out: the first batch is the example the model is compiled for.
 """
 from __future__ import annotations
 
@@ -29,27 +35,55 @@ class Workload:
     # Batch dimension of each input (model inputs, then the target), None = not split; or one
     # int for all. None (default): found from the inputs (passes/batch_dims.py).
     batch_dims: Any = None
+    # Training data (threefold train): batches(step) or an iterable of (inputs..., target);
+    # None: `inputs` and `target` are the one batch of every step.
+    batches: Any = None
+    val_batches: Any = None      # validation batches: a list/iterable or a callable of the index
+    tokenizer: Any = None        # encode(text) -> ids, decode(ids) -> text (samples, generate)
 
     @classmethod
     def coerce(cls, value, name: str = "") -> "Workload":
         if isinstance(value, Workload):
             return value
         if isinstance(value, dict):
-            unknown = set(value) - {"model", "inputs", "target", "loss_fn", "name", "batch_dims"}
-            if unknown or "model" not in value or "inputs" not in value:
+            unknown = set(value) - {"model", "inputs", "target", "loss_fn", "name", "batch_dims",
+                                    "batches", "val_batches", "tokenizer"}
+            if unknown or "model" not in value or ("inputs" not in value and value.get("batches") is None):
                 raise PlanError(f"workload {name!r} returned a dict with keys {sorted(value)}: it needs "
-                                "'model' and 'inputs' (and optionally 'target', 'loss_fn', 'batch_dims')")
-            inputs = value["inputs"]
+                                "'model' and 'inputs' (and optionally 'target', 'loss_fn', 'batch_dims', "
+                                "'batches', 'val_batches', 'tokenizer')")
+            batches = value.get("batches")
+            if batches is not None and not callable(batches) and not _iterable(batches):
+                raise PlanError(f"workload {name!r}: 'batches' is a {type(batches).__name__}: give a callable "
+                                "batches(step) -> (inputs..., target) or an iterable of such batches")
+            inputs, target = value.get("inputs"), value.get("target")
+            if inputs is None:   # the data source's first batch is the example
+                from threefold.train.source import peek_first
+                (*inputs, target), batches = peek_first(batches, name)
             inputs = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
-            return cls(value["model"], inputs, value.get("target"), value.get("loss_fn"),
-                       value.get("name", name), value.get("batch_dims"))
+            return cls(value["model"], inputs, target, value.get("loss_fn"),
+                       value.get("name", name), value.get("batch_dims"), batches,
+                       value.get("val_batches"), value.get("tokenizer"))
         raise PlanError(f"workload {name!r} returned {type(value).__name__}: return a dict with "
                         "keys model, inputs, target, loss_fn (or a threefold.Workload)")
 
 
-def load_spec(spec: str) -> Workload:
-    """Import the factory a SPEC names and call it."""
+def _iterable(value) -> bool:
+    try:
+        iter(value)
+    except TypeError:
+        return False
+    return not isinstance(value, (str, bytes, torch.Tensor))
+
+
+def load_spec(spec: str, sizes: dict | None = None) -> Workload:
+    """Import the factory a SPEC names and call it. `sizes` ({"batch": 32, "seq": 128}, what
+    train's --batch/--seq set) go to factory parameters of those names; a factory without
+    one is a PlanError (the flag would mean nothing)."""
     factory, kwargs = resolve_spec(spec)
+    if sizes:
+        from threefold.train.source import factory_overrides
+        kwargs = {**kwargs, **factory_overrides(factory, spec, sizes, kwargs)}
     try:
         value = factory(**kwargs)
     except PlanError:

@@ -12,7 +12,7 @@ import sys
 from threefold.errors import PlanError, Terminated
 
 # Subcommand modules, in the order `--help` lists them.
-COMMANDS = ["inspect", "compile", "check", "schedule", "train", "plan", "run", "export"]
+COMMANDS = ["inspect", "compile", "check", "schedule", "train", "plan", "run", "export", "generate"]
 
 
 class _Parser(argparse.ArgumentParser):

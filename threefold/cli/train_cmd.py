@@ -3,13 +3,14 @@
 Without a SPEC it trains the embedded small GPT (threefold/models/gpt.py) on --data (default:
 the embedded corpus, threefold/data/python_reference.txt) through threefold.dataset. Settings
 come from threefold.config: embedded defaults < --config FILE < flags. With a SPEC it trains
-that workload on its own batch. Runs on local gloo ranks, or under torchrun.
+that workload on its data source (`batches` in its dict) or its one batch. The loop itself
+(AdamW, warmup+cosine, clipping, evaluation, metrics, sample) is threefold/train/loop.py.
+Runs on local gloo ranks, or under torchrun.
 """
 from __future__ import annotations
 
 import os
 import sys
-import time
 
 import torch
 
@@ -43,97 +44,38 @@ def _embedded(cfg):
     return model, lm_loss, data
 
 
-def _train_rank(cfg, show, ckpt_dir=None, resume=None):
-    import threefold
-    from threefold.cli.jobs import is_main_rank
+def _train_rank(cfg, show, ckpt_dir=None, resume=None, live_dir=None):
+    """One rank: build the workload and its data source, then the loop (threefold/train/loop.py)."""
+    from threefold.train.loop import train_loop
+    from threefold.train.source import data_source, given_sizes, spec_source
     torch.set_num_threads(1)
-    spec, plan, steps, lr, skip_nonfinite, save_every = (cfg.spec, cfg.plan, cfg.steps, cfg.lr,
-                                                         cfg.skip_nonfinite, cfg.save_every)
-    sampler = None
-    if spec is None:
+    if cfg.spec is None:
         model, loss_fn, dataset = _embedded(cfg)
-        sampler = dataset.sampler(cfg)   # its position goes into every checkpoint (extra["data"])
-        data = lambda step: sampler.next()  # noqa: E731
+        source = data_source(cfg, dataset, model.cfg)   # its position goes into every checkpoint
         batch_dims = None
     else:
-        from threefold.workload import load_spec
-        w = load_spec(spec)
-        if w.loss_fn is None or w.target is None:
-            raise PlanError(f"SPEC {spec!r} has no loss_fn/target; training needs both")
+        w = _training_spec(cfg)
         model, loss_fn, batch_dims = w.model, w.loss_fn, w.batch_dims
-        from threefold.checkpoint.agree import batch_as_rank0
-        fixed = batch_as_rank0((*w.inputs, w.target))   # one batch: rank 0's
-        data = lambda step: fixed  # noqa: E731
-    example = sampler.peek() if sampler is not None else data(0)
-    pm = threefold.parallelize(model, plan, example[:-1], loss_fn, target=example[-1], batch_dims=batch_dims)
-    opt = torch.optim.AdamW(pm.parameters(), lr=lr)
-    tokens_per_step = example[0].numel()
-    from threefold.cli.divergence import nonfinite
-    losses, seconds, skipped, stopped = [], [], [], None
-    start = 0
-    if resume is not None:
-        info = threefold.load(pm, opt, resume)
-        start, done = int(info["step"]), info["extra"] or {}
-        if sampler is not None:   # continue where the saved run's data stopped
-            sampler.load_state_dict(done.get("data") or {"position": start * cfg.batch})
-        losses, seconds, skipped = list(done.get("losses", [])), list(done.get("seconds", [])), list(done.get("skipped", []))
-        if is_main_rank():
-            print(f"threefold train: resumed from {info['path']} at step {start}", file=sys.stderr)
-    progress = _Progress(steps, enabled=show and is_main_rank())
-    with progress:
-        for step in range(start, steps):
-            *inputs, target = data(step)
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            loss = pm.step(*inputs, target=target)
-            bad = nonfinite(loss, pm.parameters())
-            if bad is None:
-                opt.step()
-            seconds.append(time.perf_counter() - t0)
-            losses.append(loss)
-            progress.update(loss, tokens_per_step / seconds[-1])
-            if bad is not None:
-                if not skip_nonfinite:
-                    stopped = (step + 1, bad)
-                    break
-                skipped.append(step + 1)
-            if save_every and (step + 1) % save_every == 0:
-                threefold.save(pm, opt, ckpt_dir, step=step + 1, keep=2,
-                               extra={"losses": losses, "seconds": seconds, "skipped": skipped,
-                                      "data": sampler.state_dict() if sampler is not None else None})
-    return {"losses": losses, "seconds": seconds, "tokens_per_step": tokens_per_step,
-            "skipped": skipped, "stopped": stopped}
+        source = spec_source(w, cfg, cfg.spec, given_sizes(cfg))
+    return train_loop(cfg, model, loss_fn, source, batch_dims=batch_dims, show=show, live_dir=live_dir,
+                      ckpt_dir=ckpt_dir, resume=resume)
 
 
-class _Progress:
-    def __init__(self, total: int, enabled: bool):
-        self.enabled = enabled
-        if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("loss {task.fields[loss]:.4f}"),
-                                TextColumn("{task.fields[tps]:,.0f} tok/s"), TimeRemainingColumn())
-            self.task = self.bar.add_task("train", total=total, loss=float("nan"), tps=0.0)
-
-    def __enter__(self):
-        if self.enabled:
-            self.bar.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            self.bar.__exit__(*exc)
-
-    def update(self, loss: float, tps: float) -> None:
-        if self.enabled:
-            self.bar.update(self.task, advance=1, loss=loss, tps=tps)
+def _training_spec(cfg):
+    """The SPEC's workload, with --batch/--seq passed to its factory where it takes them."""
+    from threefold.train.source import given_sizes
+    from threefold.workload import load_spec
+    w = load_spec(cfg.spec, given_sizes(cfg))
+    if w.loss_fn is None or w.target is None:
+        raise PlanError(f"SPEC {cfg.spec!r} has no loss_fn/target; training needs both")
+    return w
 
 
 def validate_in_parent(cfg, plan: Plan) -> None:
     """Build the workload and compile it here, once, so a plan that cannot work for this
     model (heads vs tp, layers vs chunks, batch vs dp*m) fails before any rank starts."""
     from threefold.compiler.api import compile_workload
-    from threefold.workload import Workload, load_spec
+    from threefold.workload import Workload
     spec = cfg.spec
     if spec is None:    # reads and checks the data too: bad --data fails here, before any rank
         model, loss_fn, data = _embedded(cfg)
@@ -141,9 +83,7 @@ def validate_in_parent(cfg, plan: Plan) -> None:
         data.val_batches(cfg)
         workload = Workload(model, tuple(inputs), target, loss_fn)
     else:
-        workload = load_spec(spec)
-        if workload.loss_fn is None or workload.target is None:
-            raise PlanError(f"SPEC {spec!r} has no loss_fn/target; training needs both")
+        workload = _training_spec(cfg)
         if any(p.is_meta for p in workload.model.parameters()):
             raise PlanError(f"SPEC {spec!r} builds its model on the meta device: training needs real weights")
     compile_workload(workload, plan)
@@ -169,11 +109,12 @@ def run(args) -> int:
     check_local_capacity(plan.world_size)
     if not under_torchrun():     # under torchrun every process is a rank: no parent to check in
         validate_in_parent(cfg, plan)
-    result = run_on_ranks(_train_rank, plan.world_size, cfg, not cfg.json, ckpt_dir, resume)[0]
+    live = _live_dir(cfg.out)
+    result = run_on_ranks(_train_rank, plan.world_size, cfg, not cfg.json, ckpt_dir, resume, live)[0]
     from threefold.cli.jobs import is_main_rank
     if not is_main_rank():
         return 1 if result["stopped"] else 0
-    losses, seconds = result["losses"], result["seconds"]
+    losses = result["losses"]
     if result["stopped"]:
         from threefold.cli.divergence import stop_message
         step, what = result["stopped"]
@@ -181,46 +122,48 @@ def run(args) -> int:
             print(dumps({"plan": str(plan), "steps": len(losses), "losses": losses, "stopped_at_step": step,
                          "reason": f"non-finite {what}", "ok": False}))
         print(stop_message("train", step, what), file=sys.stderr)
+        if live:
+            print(f"threefold train: the metrics of the steps run are in {live}", file=sys.stderr)
         return 1
-    steady = seconds[1:] or seconds
-    summary = {
-        "plan": str(plan), "steps": len(losses), "first_loss": losses[0], "final_loss": losses[-1],
-        "tokens_per_second": result["tokens_per_step"] * len(steady) / sum(steady),
-        "seconds": sum(seconds), "out": os.path.abspath(args.out),
-        "skipped_steps": result["skipped"],
-    }
+    from threefold.train.report import summarize, write_run
+    summary = summarize(result, plan, os.path.abspath(args.out))
     from threefold.outdir import write_out_dir
-
-    def fill(tmp: str) -> None:
-        with open(os.path.join(tmp, "losses.json"), "w") as f:
-            f.write(dumps({"plan": str(plan), "losses": losses, "seconds": seconds}))
-        _plot(losses, plan, os.path.join(tmp, "loss.png"))
-
-    moved = write_out_dir(args.out, fill, kind="train", force=args.force)
+    moved = write_out_dir(args.out, lambda tmp: write_run(tmp, result, plan, live), kind="train",
+                          force=args.force)
     if moved:
         print(f"threefold train: moved the previous {args.out} aside to {moved}", file=sys.stderr)
-    summary["plot"] = os.path.join(os.path.abspath(args.out), "loss.png")
+    if live:
+        import shutil
+        shutil.rmtree(live, ignore_errors=True)   # our own staging directory, now copied into --out
     if args.json:
         print(dumps(summary))
     else:
-        print(f"trained {summary['steps']} steps with plan {plan}: loss {summary['first_loss']:.4f} -> "
-              f"{summary['final_loss']:.4f}, {summary['tokens_per_second']:,.0f} tokens/s, "
-              f"{summary['seconds']:.1f} s")
-        print(f"loss curve: {summary['plot']}")
+        print(summary_text(summary))
     return 0
 
 
-def _plot(losses: list[float], plan: Plan, path: str) -> str:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
-    ax.plot(range(1, len(losses) + 1), losses, color="#2463eb", linewidth=1.4)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title(f"threefold train  ({plan})", fontsize=10)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return os.path.abspath(path)
+def _live_dir(out: str) -> str | None:
+    """A fresh directory next to --out where rank 0 writes metrics.jsonl (and TensorBoard
+    events) while training; the finished run copies them into --out. Only the process that
+    will be rank 0 makes one (under torchrun every process runs this)."""
+    import tempfile
+    if os.environ.get("RANK", "0") != "0":
+        return None
+    full = os.path.abspath(out)
+    parent, base = os.path.split(full)
+    os.makedirs(parent, exist_ok=True)
+    live = tempfile.mkdtemp(prefix=f".{base}.live-", dir=parent)
+    return live
+
+
+def summary_text(summary: dict) -> str:
+    val = ""
+    if summary.get("first_val_loss") is not None:
+        val = f", val loss {summary['first_val_loss']:.4f} -> {summary['final_val_loss']:.4f}"
+    lines = [f"trained {summary['steps']} steps with plan {summary['plan']}: loss {summary['first_loss']:.4f} -> "
+             f"{summary['final_loss']:.4f}{val}, {summary['tokens_per_second']:,.0f} tokens/s, "
+             f"{summary['model_flops_per_second'] / 1e9:.2f} model GFLOP/s, {summary['seconds']:.1f} s"]
+    if summary.get("sample") is not None:
+        lines.append("sample:\n" + summary["sample"])
+    lines.append(f"loss curve: {summary['plot']} (also lr.png, tokens_per_second.png, metrics.jsonl)")
+    return "\n".join(lines)

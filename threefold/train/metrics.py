@@ -12,7 +12,6 @@ package); without it the JSON-lines log is the record, and nothing fails.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 
@@ -31,9 +30,10 @@ def graph_model_flops(program) -> int:
     from threefold.compiler.cost import node_cost
     from threefold.compiler.program import compute_nodes, meta_of, tf
     from threefold.planner.tp_decisions import is_split   # the compiler's tp decisions, read once
+    from threefold.train.optim import stage_graphs
     plan = program.plan
     forward = 0
-    for node in compute_nodes(program.graph):
+    for node in (n for g in stage_graphs(program) for n in compute_nodes(g)):
         flops = node_cost(node).flops
         if not flops:
             continue
@@ -101,7 +101,8 @@ class MetricsLog:
     def write(self, row: dict) -> None:
         self.rows.append(row)
         if self.file:
-            self.file.write(json.dumps(row, allow_nan=True) + "\n")
+            from threefold.cli.jsonout import dumps
+            self.file.write(dumps(row) + "\n")   # valid JSON: a non-finite value is null
             self.file.flush()
         if self.tb is not None:
             step = row["step"]

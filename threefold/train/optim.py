@@ -30,12 +30,17 @@ _MATMUL_ARGS = {
     "conv_transpose1d": (1,), "conv_transpose2d": (1,), "conv_transpose3d": (1,),
     "einsum": (1,), "tensordot": (0, 1),
 }
-_EMBEDDING_ARGS = {"embedding": (0,), "embedding_bag": (0,), "_embedding_bag": (0,)}
-# ops through which a parameter is still "the same matrix"
+# (the tensor-parallel pass's vocab-parallel lookup is an embedding too: roles must not
+# depend on the plan)
+_EMBEDDING_ARGS = {"embedding": (0,), "embedding_bag": (0,), "_embedding_bag": (0,),
+                   "vocab_parallel_embedding": (0,)}
+# ops through which a parameter is still "the same matrix" (views, casts, and the
+# tensor-parallel collectives runtime/tp_ops.py applies to a value as a whole)
 _SAME_VALUE = {"t", "transpose", "permute", "view", "reshape", "_unsafe_view", "expand", "unsqueeze",
                "squeeze", "_to_copy", "to", "clone", "contiguous", "alias", "detach", "type_as",
                "numpy_T", "split", "split_with_sizes", "chunk", "unbind", "getitem", "_reshape_alias",
-               "view_as", "lift_fresh_copy", "dequantize"}
+               "view_as", "lift_fresh_copy", "dequantize",
+               "f", "g", "scatter", "gather", "all_gather_seq", "scatter_blocks", "gather_blocks"}
 
 
 def _op(node) -> str:
@@ -75,11 +80,24 @@ def _role_of(node) -> str:
     return EMBEDDING if EMBEDDING in found else MATMUL if MATMUL in found else OTHER
 
 
-def graph_roles(program) -> dict[str, str]:
-    """Canonical FQN -> role, for every parameter placeholder of a compiled program."""
+def stage_graphs(stage) -> list:
+    """The fx graphs of a compiler stage: its whole-model graph, or one per chunk."""
+    return [gm.graph for name, gm in stage.graph_modules() if name != "loss_denominator"]
+
+
+def graph_roles(stage) -> dict[str, str]:
+    """Canonical FQN -> role, for every parameter placeholder of a compiled stage (a
+    parameter in several chunk graphs, such as a tied embedding, takes the strongest role)."""
     from threefold.compiler.program import tf
-    return {tf(n)["fqn"]: _role_of(n) for n in program.graph.nodes
-            if n.op == "placeholder" and tf(n).get("kind") == "param"}
+    rank = {OTHER: 0, MATMUL: 1, EMBEDDING: 2}
+    out: dict[str, str] = {}
+    for graph in stage_graphs(stage):
+        for n in graph.nodes:
+            if n.op == "placeholder" and tf(n).get("kind") == "param":
+                role, fqn = _role_of(n), tf(n)["fqn"]
+                if rank[role] >= rank[out.get(fqn, OTHER)]:
+                    out[fqn] = role
+    return out
 
 
 def param_roles(pm) -> dict[str, str]:

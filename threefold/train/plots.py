@@ -29,14 +29,16 @@ def _save(plt, fig, path: str) -> str:
     return os.path.abspath(path)
 
 
-def plot_run(rows: list[dict], plan: str, out_dir: str) -> dict[str, str]:
-    """Draw loss.png, lr.png and tokens_per_second.png from the per-step log rows."""
+def plot_run(rows: list[dict], plan: str, out_dir: str, val: list | None = None) -> dict[str, str]:
+    """Draw loss.png, lr.png and tokens_per_second.png from the per-step log rows (and the
+    validation points (step, loss), by default the rows' own)."""
     steps = [r["step"] for r in rows]
     paths = {}
     plt, fig, ax = _axes(f"threefold train  ({plan})", "loss")
     ax.plot(steps, [r["loss"] for r in rows], color=BLUE, linewidth=1.2, label="train")
-    val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None
-           and math.isfinite(r["val_loss"])]
+    if val is None:
+        val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+    val = [(s, v) for s, v in val if v is not None and math.isfinite(v)]
     if val:
         ax.plot(*zip(*val), color=ORANGE, linewidth=1.6, marker="o", markersize=3, label="validation")
         ax.legend()

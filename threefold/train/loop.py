@@ -1,0 +1,118 @@
+"""One rank's training run: compile, then for each step set the learning rate, run the
+parallel step, clip by the global gradient norm, update, log; evaluate every N steps;
+checkpoint every N steps; at the end sample text from a language model.
+
+Every rank runs this function with the same arguments (collectives in the same order);
+rank 0 alone draws the progress bar and writes the log. What it returns (on rank 0) is what
+the command writes into --out: the per-step rows, the losses, the sample.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+import torch
+
+from threefold.train.lr_schedule import WarmupCosine, set_lr
+from threefold.train.source import Source
+
+
+def _is_main() -> bool:
+    import torch.distributed as dist
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_dims=None,
+               show: bool = True, live_dir: str | None = None, ckpt_dir: str | None = None,
+               resume: str | None = None) -> dict:
+    import threefold
+    from threefold.train.evaluate import due, validation_loss
+    from threefold.train.metrics import MetricsLog, memory_per_rank, model_flops_per_step, tokens_per_second
+    from threefold.train.optim import adamw
+    from threefold.train.progress import Progress
+    main = _is_main()
+    progress = Progress(cfg.steps, enabled=show and main)
+    with progress:
+        example = source.peek()
+        pm = threefold.parallelize(model, cfg.plan, example[:-1], loss_fn, target=example[-1],
+                                   batch_dims=batch_dims)
+        opt = adamw(pm, cfg.lr, cfg.weight_decay, cfg.betas, getattr(cfg, "decay_embeddings", False))
+        schedule = WarmupCosine(cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
+        flops_per_step = model_flops_per_step(pm)
+        tokens_per_step = int(example[0].numel())
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+        rows, losses, seconds, skipped, stopped, start, done = [], [], [], [], None, 0, {}
+        if resume is not None:
+            info = threefold.load(pm, opt, resume)
+            start, done = int(info["step"]), info["extra"] or {}
+            losses, seconds = list(done.get("losses", [])), list(done.get("seconds", []))
+            skipped, rows = list(done.get("skipped", [])), list(done.get("rows", []))
+            source.load_state_dict(done.get("data"), start)
+            if main:
+                print(f"threefold train: resumed from {info['path']} at step {start}", file=sys.stderr)
+        log = MetricsLog(os.path.join(live_dir, "metrics.jsonl") if live_dir and main else None,
+                         os.path.join(live_dir, "tensorboard") if live_dir and main else None)
+        initial_val = done.get("initial_val_loss") if resume is not None else None
+        if resume is None and source.val and cfg.eval_every > 0:   # where the curve starts
+            initial_val = validation_loss(pm, source.val.__getitem__, len(source.val))
+        progress.training(start)
+        try:
+            for step in range(start, cfg.steps):
+                lr = schedule(step)
+                set_lr(opt, lr)
+                *inputs, target = source.next()
+                t0 = time.perf_counter()
+                opt.zero_grad()
+                loss = pm.step(*inputs, target=target)
+                norm = pm.clip_grad_norm_(max_norm)   # also the finiteness check, agreed by every rank
+                bad = f"loss {loss}" if not math.isfinite(loss) else (
+                    "gradient norm (inf or nan)" if not math.isfinite(norm) else None)
+                if bad is None:
+                    opt.step()
+                seconds.append(time.perf_counter() - t0)
+                losses.append(loss)
+                val = validation_loss(pm, source.val.__getitem__, len(source.val)) \
+                    if source.val and due(step + 1, cfg.eval_every, cfg.steps) else None
+                tps = tokens_per_second(seconds, tokens_per_step)
+                row = {"step": step + 1, "loss": loss, "val_loss": val, "lr": lr, "grad_norm": norm,
+                       "tokens_per_s": tokens_per_step / seconds[-1], "tokens_per_s_avg": tps,
+                       "model_flops_per_s": flops_per_step / seconds[-1], "step_seconds": seconds[-1],
+                       "memory": memory_per_rank(pm.engine.device)}
+                rows.append(row)
+                log.write(row)
+                progress.update(loss, tps, val)
+                if bad is not None:
+                    if not cfg.skip_nonfinite:
+                        stopped = (step + 1, bad)
+                        break
+                    skipped.append(step + 1)
+                if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
+                    threefold.save(pm, opt, ckpt_dir, step=step + 1, keep=2,
+                                   extra={"losses": losses, "seconds": seconds, "skipped": skipped,
+                                          "rows": rows, "data": source.state_dict(),
+                                          "initial_val_loss": initial_val,
+                                          "generate": source.generate_info})
+        finally:
+            log.close()
+    sample = None
+    if stopped is None and getattr(cfg, "sample_tokens", 0) > 0 and source.tokenizer is not None:
+        sample = final_sample(pm, model, source, cfg)
+    return {"losses": losses, "seconds": seconds, "tokens_per_step": tokens_per_step, "skipped": skipped,
+            "stopped": stopped, "rows": rows, "flops_per_step": flops_per_step, "sample": sample,
+            "initial_val_loss": initial_val}
+
+
+def final_sample(pm, model: torch.nn.Module, source: Source, cfg) -> str | None:
+    """Text from the trained weights (made whole on rank 0); None on other ranks."""
+    from threefold.train.generate import gather_full_state, load_into, sample
+    full = gather_full_state(pm)       # collective: every rank sends its pieces
+    if full is None:
+        return None
+    load_into(model, full)
+    tok = source.tokenizer
+    context = (source.generate_info or {}).get("context") or 1024
+    ids = sample(model, tok.encode(cfg.sample_prompt), cfg.sample_tokens, context,
+                 temperature=getattr(cfg, "sample_temperature", 0.8), top_k=None, seed=cfg.seed)
+    return tok.decode(ids)
