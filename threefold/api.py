@@ -75,6 +75,13 @@ class ParallelModule:
     def named_parameters(self):
         return self.engine.named_parameters()
 
+    def optimizer(self, optimizer_cls, params=None, *args, **kwargs):
+        """The optimizer this plan needs around `optimizer_cls` (runtime/optimizers.py):
+        the plain torch optimizer over pm.parameters() (zero=0), its ZeRO-1 sharded form
+        (zero=1), loss-scaled under dtype=fp16. `params`: pm.parameters() or groups of them."""
+        from threefold.runtime.optimizers import make_optimizer
+        return make_optimizer(self.engine, optimizer_cls, params, *args, **kwargs)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad(set_to_none)
 

@@ -103,14 +103,14 @@ def _optimizer_targets(pm, optimizer, md) -> dict:
             by_param.setdefault(fqn, []).append((key, name))
     out = {}
     mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    for fqn, p in pm.engine.params.items():
+    for fqn, p, layout in state.optimizer_params(pm, optimizer):   # zero=1: row shards
         if id(p) not in mine:
             continue
         current = optimizer.state.get(p, {})
         for key, name in by_param.get(fqn, []):
             m = md.state_dict_metadata[key]
             if isinstance(m, TensorStorageMetadata) and len(m.size) and list(m.size) == shapes[fqn][0]:
-                value = state.layout_of(pm, fqn, torch.zeros_like(p, dtype=m.properties.dtype))
+                value = layout(torch.zeros_like(p, dtype=m.properties.dtype))
             elif isinstance(m, TensorStorageMetadata) and not len(m.size):
                 old = current.get(name)
                 device = old.device if isinstance(old, torch.Tensor) else "cpu"

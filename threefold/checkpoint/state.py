@@ -49,13 +49,20 @@ def model_state(pm) -> dict[str, Sharded]:
     return {fqn: layout_of(pm, fqn, t.detach()) for fqn, t in local_tensors(pm).items()}
 
 
+def optimizer_params(pm, optimizer):
+    """(fqn, the tensor optimizer.state is keyed by, its state's layout) per parameter: the
+    parameter (zero=0) or its ZeRO-1 row shard (checkpoint/zero_state.py)."""
+    from threefold.checkpoint.zero_state import optimizer_params as params
+    return params(pm, optimizer, layout_of)
+
+
 def optimizer_state(pm, optimizer) -> dict:
     out = {}
-    for fqn, p in pm.engine.params.items():
+    for fqn, p, layout in optimizer_params(pm, optimizer):
         for name, v in optimizer.state.get(p, {}).items():
             key = f"{OPTIM}{fqn}.{name}"
             if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape:
-                out[key] = layout_of(pm, fqn, v.detach())
+                out[key] = layout(v.detach())
             elif isinstance(v, torch.Tensor) and v.dim() == 0:
                 out[key] = v.detach()
             elif isinstance(v, torch.Tensor):

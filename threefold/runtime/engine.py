@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from threefold.runtime import comm
+from threefold.runtime import comm, mixed_precision, optimizers
 from threefold.runtime.boundary import Boundary
 from threefold.runtime.comm import Groups
 from threefold.runtime.manifest import Manifest
@@ -82,6 +82,13 @@ class PipelineEngine:
         self._rng_base = _shared_seed()
         for mod in modules.values():
             mod.tp_group = groups.tp
+        # plan dtype / zero (runtime/mixed_precision.py, runtime/zero.py, runtime/optimizers.py)
+        mixed_precision.install_autocast(modules, mixed_precision.compute_dtype(manifest), device)
+        self.wire_dtype = mixed_precision.wire_dtype(manifest)   # boundary tensors on the wire
+        self.loss_scale = 1.0           # fp16: the loss scaler's, set by pm.optimizer's wrapper
+        self.dp_grad_hook = None        # zero=1: ZeroGradSync replaces the dp all-reduce
+        self.plan_optimizer = None      # the optimizer pm.optimizer(...) built
+        self._optimizer_needed = optimizers.requirement(manifest)
         self._share_local_ties()
         self._plan_grad_sync()
         self.stats = StepStats()
@@ -146,6 +153,9 @@ class PipelineEngine:
                         split=train and schedule.splits_backward)
         for mod in self.modules.values():
             mod.train(train)  # generated code reads self.training (dropout, batch norm)
+        if train and self._optimizer_needed and self.plan_optimizer is None:
+            from threefold.errors import PlanError
+            raise PlanError(self._optimizer_needed)
         st.denominator = self._global_denominator(st) if self.has_loss else 1.0
         self._step_count += 1
         handlers = {Kind.RECV_ACT: self._recv_act, Kind.FORWARD: self._forward,
@@ -161,9 +171,12 @@ class PipelineEngine:
         for s in st.sends:
             s.wait()
         if train:
-            for work, flat, grads in st.reductions:
-                comm.wait(work, "data-parallel gradient all-reduce")
-                _unflatten_into(flat, grads, scale=1.0 / self.mesh.dp)
+            if self.dp_grad_hook is not None:
+                self.dp_grad_hook.finish(st.reductions)
+            else:
+                for work, flat, grads in st.reductions:
+                    comm.wait(work, "data-parallel gradient all-reduce")
+                    _unflatten_into(flat, grads, scale=1.0 / self.mesh.dp)
             self._sum_tied()
             self._sync_tp_grads()
         loss = self._global_loss(st.losses, st.denominator) if self.has_loss else float("nan")
@@ -250,7 +263,7 @@ class PipelineEngine:
     def _backward(self, slot: _Slot, is_last: bool, denominator: float) -> None:
         if is_last and self.has_loss:
             # d(global loss)/d(numerator) = 1/D; times dp because the dp all-reduce averages
-            seed = self.mesh.dp / denominator
+            seed = self.mesh.dp / denominator * self.loss_scale   # loss_scale: fp16 only
             tensors, grads = [slot.outputs[0]], [torch.full_like(slot.outputs[0], seed)]
         else:
             pairs = [(o, g) for o, g in zip([o for o in slot.outputs if o.is_floating_point()],
@@ -287,7 +300,7 @@ class PipelineEngine:
         key = (chunk, side, grads)
         if key not in self._boundaries:
             self._boundaries[key] = Boundary(getattr(self.chunk_meta[chunk], side), self.groups.tp,
-                                             self.manifest.scatter_gather, grads)
+                                             self.manifest.scatter_gather, grads, wire=self.wire_dtype)
         return self._boundaries[key]
 
     def _peer(self, stage: int) -> int:
@@ -296,6 +309,8 @@ class PipelineEngine:
     # -- gradient synchronisation ----------------------------------------------------------
     def _start_reduce(self, fqns: list[str]) -> list:
         """Start async dp all-reduces of these gradients, in buckets of <= BUCKET_BYTES."""
+        if self.dp_grad_hook is not None:   # zero=1: reduce-scatter (runtime/zero.py)
+            return self.dp_grad_hook.start(fqns)
         grads = [self.params[f].grad for f in fqns if self.params[f].grad is not None]
         if self.groups.dp is None or not grads:
             return []

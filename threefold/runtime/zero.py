@@ -106,9 +106,12 @@ class ZeroGradSync:
             send = torch.zeros(self.d, span, dtype=torch.float32, device=bucket[0].param.device)
             off = 0
             for s in bucket:   # rank r's rows of every gradient, padded, side by side
-                n = s.per * s.width
-                dest = send[:, off:off + n].reshape(self.d * s.per, s.width)
-                dest[:s.rows].copy_(s.rows_of(s.param.grad))
+                if not s.param.grad.is_contiguous():   # finish() writes through a view of it
+                    s.param.grad = s.param.grad.contiguous()
+                g, n = s.rows_of(s.param.grad), s.per * s.width
+                for r in range(self.d):
+                    rows = g[r * s.per:(r + 1) * s.per]
+                    send[r, off:off + rows.numel()].view_as(rows).copy_(rows)
                 off += n
             recv = torch.empty(span, dtype=torch.float32, device=send.device)
             pending.append((_reduce_scatter(recv, send.view(-1), self.group, "gradients"), recv, bucket))
