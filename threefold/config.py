@@ -58,8 +58,8 @@ class TrainConfig:
     n_embd: int = _f(64, "model", "hidden size")
     dropout: float = _f(0.0, "model", "dropout probability")
     # [optim] AdamW, warmup then cosine decay, global-norm clipping
-    lr: float = _f(3e-3, "optim", "peak learning rate")
-    min_lr: float = _f(3e-4, "optim", "learning rate at the end of the cosine decay")
+    lr: float = _f(6e-3, "optim", "peak learning rate")
+    min_lr: float = _f(6e-4, "optim", "learning rate at the end of the cosine decay")
     warmup: int = _f(20, "optim", "linear warmup steps")
     weight_decay: float = _f(0.1, "optim", "AdamW weight decay (matrices only)")
     decay_embeddings: bool = _f(False, "optim", "also decay embedding tables (default: matrices fed to "
