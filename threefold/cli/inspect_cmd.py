@@ -25,6 +25,9 @@ def register(sub) -> None:
     p.add_argument("--plan", default="", help="e.g. 'pp=4' or 'pp=2,v=2,schedule=interleaved' (default: one chunk)")
     p.add_argument("--graph", action="store_true", help="also print each chunk's graph")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--memory", action="store_true",
+                   help="also print the memory model per rank: params, grads, optimizer (AdamW; zero=1 "
+                        "shards it), activations over the schedule, recompute, buffers (planner/memory.py)")
     p.set_defaults(func=run)
 
 
@@ -33,6 +36,11 @@ def run(args) -> int:
     plan = Plan.parse(args.plan)
     prog = compile_workload(args.spec, plan)
     report = chunk_report(prog)
+    memory = None
+    if getattr(args, "memory", False) or args.json:
+        from threefold.planner.memory import program_memory
+        memory = [r.to_json() for r in program_memory(prog)]
+        report["memory"] = memory
     if args.json:
         if args.graph:
             from threefold.compiler.program import format_chunk
@@ -40,7 +48,10 @@ def run(args) -> int:
                 row["graph"] = format_chunk(chunk)
         print(json.dumps(report, indent=2))
         return 0
-    print(format_report(prog, report))
+    print(format_report(prog, {k: v for k, v in report.items() if k != "memory"}))
+    if getattr(args, "memory", False):
+        print()
+        print_memory(prog, memory)
     if args.graph:
         from threefold.compiler.program import format_chunk
         for chunk in prog.chunks:
@@ -148,3 +159,41 @@ def human_bytes(x: float) -> str:
         if abs(x) >= scale:
             return f"{x / scale:.3g} {unit}"
     return f"{int(x)} B"
+
+
+MEMORY_COLUMNS = ("params", "grads", "optimizer", "activations", "recompute", "buffers", "total")
+
+
+def print_memory(prog, memory: list[dict]) -> None:
+    """The memory model per rank (planner/memory.py); ranks with equal figures share a row."""
+    import sys
+    rows: list[tuple[list[int], dict]] = []
+    for r in memory:
+        figures = {k: r[k] for k in MEMORY_COLUMNS}
+        if rows and rows[-1][1] == figures and rows[-1][0][-1] == r["rank"] - 1:
+            rows[-1][0].append(r["rank"])
+        else:
+            rows.append(([r["rank"]], figures))
+    title = (f"memory per rank, plan {prog.plan}: AdamW state"
+             + (" sharded over dp (zero=1)" if getattr(prog.plan, "zero", 0) else "")
+             + "; activations = the schedule's peak of saved-for-backward bytes")
+    cells = [[_ranks(ranks), str(memory[ranks[0]]["stage"] if ranks[0] < len(memory) else "")]
+             + [human_bytes(f[k]) for k in MEMORY_COLUMNS] for ranks, f in rows]
+    headers = ["ranks", "stage", *MEMORY_COLUMNS]
+    if sys.stdout.isatty():
+        from rich import box
+        from rich.console import Console
+        from rich.table import Table
+        table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
+        for h in headers:
+            table.add_column(h, justify="right", no_wrap=True)
+        for row in cells:
+            table.add_row(*row)
+        Console().print(table)
+        return
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+    print(title)
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))

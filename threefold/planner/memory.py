@@ -106,37 +106,40 @@ def inflight_count(plan, stage: int) -> int:
 
 # ---- from a compiled program ------------------------------------------------------------------
 def program_memory(prog) -> list[RankMemory]:
-    """Bytes per rank, by component, of a compiled Program (every rank of the mesh)."""
-    from threefold.compiler.program import meta_of, tf
+    """Bytes per rank, by component, of a compiled program (a Partitioned/Fused stage), for
+    every rank of the mesh."""
+    from threefold.compiler.program import tf
     from threefold.planner.saved_bytes import chunk_saved
-    from threefold.runtime.mesh import Mesh, stage_of
+    from threefold.runtime.mesh import Mesh, chunk_layout, stage_of
     from threefold.runtime.mixed_precision import COMPUTE_DTYPES
 
     plan = prog.plan
     autocast = COMPUTE_DTYPES.get(getattr(plan, "dtype", "fp32"))
-    local = {}        # fqn -> (local shape, dtype bytes, trainable)
-    for n in prog.graph.nodes:
-        if n.op == "placeholder" and tf(n).get("kind") in ("param", "buffer") and meta_of(n) is not None:
-            m = meta_of(n)
-            key = tf(n).get("fqn") or n.name
-            local[key] = (m.shape, m.nbytes, tf(n).get("kind") == "param" and not tf(n).get("frozen"))
+    layout = chunk_layout(plan.schedule)
+    local = {}        # fqn -> (local shape, bytes, trainable), from the chunk graphs' placeholders
     saved = {}
     for chunk in prog.chunks:
-        saved[chunk.index] = chunk_saved(chunk.gm, autocast) if chunk.gm is not None else None
+        for n in chunk.gm.graph.nodes:
+            val = n.meta.get("val")
+            if n.op == "placeholder" and tf(n).get("kind") in ("param", "buffer") and hasattr(val, "shape"):
+                key = tf(n).get("fqn") or n.name
+                local[key] = (tuple(val.shape), val.numel() * val.element_size(),
+                              tf(n).get("kind") == "param" and not tf(n).get("frozen"))
+        saved[chunk.index] = chunk_saved(chunk.gm, autocast, chunk.recompute)
     mesh = Mesh(tp=plan.tp, dp=plan.dp, pp=plan.pp)
     out = []
     for stage in range(plan.pp):
-        chunks = [c for c in prog.chunks if stage_of(c.index, plan.pp) == stage]
-        names = sorted({f for c in chunks for f in list(c.params) + list(getattr(c, "buffers", []) or [])})
+        chunks = [c for c in prog.chunks if stage_of(c.index, plan.pp, layout) == stage]
+        names = sorted({f for c in chunks for f in tuple(c.params) + tuple(c.buffers)})
         held = [local[f] for f in names if f in local]
         params = sum(nb for _, nb, _ in held)
         trainable = [shape for shape, _, tr in held if tr]
         grads = sum(math.prod(s) * STATE_BYTES for s in trainable)
-        acts = peak_inflight(plan, stage, {c.index: saved[c.index].saved_bytes for c in chunks if saved[c.index]})
-        unsaved = peak_inflight(plan, stage, {c.index: saved[c.index].boundary_unsaved_bytes
-                                              for c in chunks if saved[c.index]})
-        grad_msg = max((_boundary_out(prog, c) for c in chunks), default=0)
-        rerun = max((s.recompute_peak_bytes for c in chunks if (s := saved[c.index])), default=0)
+        acts = peak_inflight(plan, stage, {c.index: saved[c.index].saved_bytes for c in chunks})
+        unsaved = peak_inflight(plan, stage, {c.index: saved[c.index].boundary_unsaved_bytes for c in chunks})
+        last = prog.chunks[-1].index
+        grad_msg = max((sum(b.nbytes for b in c.outputs) for c in chunks if c.index != last), default=0)
+        rerun = max((saved[c.index].recompute_peak_bytes for c in chunks), default=0)
         buffers = int(unsaved + grad_msg + (grads if plan.dp > 1 else 0))
         for dp_rank in range(plan.dp):
             opt = optimizer_bytes(trainable, plan, dp_rank)
@@ -145,14 +148,6 @@ def program_memory(prog) -> list[RankMemory]:
                                       params=int(params), grads=int(grads), optimizer=int(opt),
                                       activations=int(acts), recompute=int(rerun), buffers=buffers))
     return sorted(out, key=lambda r: r.rank)
-
-
-def _boundary_out(prog, chunk) -> int:
-    from threefold.compiler.program import meta_of
-    if chunk is prog.chunks[-1]:
-        return 0
-    nodes = {n.name: n for n in prog.graph.nodes}
-    return sum(meta_of(nodes[v]).nbytes for v in chunk.outputs if v in nodes and meta_of(nodes[v]) is not None)
 
 
 # ---- from the planner's per-layer ModelCost ----------------------------------------------------

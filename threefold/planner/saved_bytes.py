@@ -14,7 +14,7 @@ fake run says so), so q, k and v split from one QKV projection are one value, as
 to `runtime/memory.SavedTensorCounter`, which measures the real thing. Parameters and
 buffers are state, not activations, and never count.
 
-Recomputed segments (passes/recompute.py, `gm.meta["recompute"]`) run under
+Recomputed segments (passes/recompute.py, `Chunk.recompute`) run under
 torch.utils.checkpoint: their ops keep nothing, and the segment's inputs are kept instead.
 While backward reruns a segment, its own saved values exist again for a moment: the
 largest segment's are `recompute_peak_bytes`.
@@ -234,12 +234,13 @@ def _storage_bytes(val) -> int:
     return span * val.element_size()
 
 
-def chunk_saved(gm: fx.GraphModule, autocast: torch.dtype | None = None) -> ChunkSaved:
+def chunk_saved(gm: fx.GraphModule, autocast: torch.dtype | None = None, segments=None) -> ChunkSaved:
     """Bytes one microbatch's forward through this chunk graph keeps for backward
-    (`autocast`: the 16-bit dtype generated code computes in under dtype=bf16|fp16)."""
+    (`autocast`: the 16-bit dtype generated code computes in under dtype=bf16|fp16;
+    `segments`: the chunk's recomputed segments, passes/recompute.py)."""
     from threefold.compiler.program import tf
     runner = _Runner(gm, autocast)
-    segments = gm.meta.get("recompute") or []
+    segments = list(segments if segments is not None else gm.meta.get("recompute") or [])
     segment_of = {name: i for i, seg in enumerate(segments) for name in seg["nodes"]}
     boundary = []
     for node in gm.graph.nodes:
