@@ -101,6 +101,8 @@ def test_text_file_directory_and_jsonl_sources(tmp_path):
     _write(tmp_path / "d" / "sub" / "b.txt", "beta")
     _write(tmp_path / "d" / "c.jsonl", '{"text": "gamma"}\n\n{"text": "delta", "id": 3}\n')
     _write(tmp_path / "d" / "skip.csv", "not read")
+    (tmp_path / "d" / ".git").mkdir()
+    _write(tmp_path / "d" / ".git" / "notes.txt", "hidden")
     assert tok.decode(read_tokens(a, tok)) == "alpha"
     # sorted by path: a.txt, c.jsonl (two documents), sub/b.txt; documents joined by a blank line
     joined = tok.decode(read_tokens(str(tmp_path / "d"), tok))

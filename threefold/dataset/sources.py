@@ -1,7 +1,8 @@
 """`--data PATH` -> one flat array of token ids.
 
 What PATH may be, decided by what it is and its name:
-- a directory: every `*.txt` and `*.jsonl` file under it (recursively, sorted by path);
+- a directory: every `*.txt` and `*.jsonl` file under it (recursively, sorted by path;
+  hidden files and folders are skipped);
 - `*.jsonl`: one JSON object per line, each with a string `text` field (one document each);
 - `*.bin`, `*.u16`, `*.u32`: pre-tokenised ids (as nanoGPT's train.bin), memory-mapped, never
   copied. The element type is `--data-dtype` if not `auto`; else the `dtype` of a sidecar
@@ -35,8 +36,7 @@ def read_tokens(path: str, tokenizer, dtype: str = "auto") -> np.ndarray:
         raise PlanError(f"--data {path!r} does not exist: give a text file, a directory of .txt/.jsonl "
                         "files, a .jsonl file or a token-id .bin file")
     if os.path.isdir(path):
-        files = sorted(os.path.join(d, n) for d, _, names in os.walk(path) for n in names
-                       if n.lower().endswith(TEXT_SUFFIXES))
+        files = sorted(_text_files(path))
         if not files:
             raise PlanError(f"--data {path!r} is a directory without .txt or .jsonl files: "
                             "give a directory that holds some, or a file")
@@ -45,6 +45,13 @@ def read_tokens(path: str, tokenizer, dtype: str = "auto") -> np.ndarray:
     if is_token_file(path):
         return _memmap(path, dtype)
     return _encode(list(_documents(path)), tokenizer, path)
+
+
+def _text_files(root: str):
+    """*.txt and *.jsonl under root, skipping hidden files and folders (.git, .ipynb_checkpoints)."""
+    for d, dirs, names in os.walk(root):
+        dirs[:] = [n for n in dirs if not n.startswith(".")]
+        yield from (os.path.join(d, n) for n in names if not n.startswith(".") and n.lower().endswith(TEXT_SUFFIXES))
 
 
 def _documents(path: str):
