@@ -37,7 +37,7 @@ def run(args) -> int:
     prog = compile_workload(args.spec, plan)
     report = chunk_report(prog)
     memory = None
-    if getattr(args, "memory", False) or args.json:
+    if getattr(args, "memory", False):
         from threefold.planner.memory import program_memory
         memory = [r.to_json() for r in program_memory(prog)]
         report["memory"] = memory
