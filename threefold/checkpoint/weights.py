@@ -42,9 +42,27 @@ def empty_weights():
             self._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
     torch.nn.Module.register_parameter = on_meta
     try:
-        yield
+        with _SkipMetaInit():
+            yield
     finally:
         torch.nn.Module.register_parameter = register
+
+
+class _SkipMetaInit(torch.overrides.TorchFunctionMode):
+    """Initialisers on meta tensors do nothing but cost: torch routes `normal_` on meta
+    through its Python references, which import torch._dynamo (~100 MB per rank). Their
+    values are never read (the weights come from the file), so they are skipped."""
+    SKIP = {torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.zero_, torch.Tensor.fill_,
+            torch.Tensor.exponential_, torch.Tensor.bernoulli_, torch.Tensor.random_,
+            torch.Tensor.log_normal_, torch.Tensor.cauchy_, torch.Tensor.geometric_}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        in_place_init = func in self.SKIP or getattr(func, "__module__", None) == "torch.nn.init"
+        target = args[0] if args else kwargs.get("tensor")     # nn.init passes it by keyword
+        if in_place_init and isinstance(target, torch.Tensor) and target.is_meta:
+            return target
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
