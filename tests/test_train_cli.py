@@ -1,0 +1,80 @@
+"""threefold train end to end: a SPEC's own data source, --batch/--seq rules, the metrics it
+writes, the final sample, and `threefold generate` on the checkpoint it saved."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.parity import ROOT
+
+
+def _threefold(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "threefold", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_batch_or_seq_for_a_fixed_batch_spec_is_one_line(tmp_path):
+    out = _threefold("train", "tests/train_specs.py:fixed", "--seq", "8", "--steps", "1",
+                     "--out", str(tmp_path / "o"), timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "--seq 8 means nothing for SPEC" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_spec_batches_train_under_dp_with_metrics_sample_and_generate(tmp_path):
+    from tests.train_specs import batch_at, model
+    from threefold.models.gpt import lm_loss
+    from threefold.train.lr_schedule import WarmupCosine
+    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    out = _threefold("train", "tests/train_specs.py:stepped", "--plan", "dp=2", "--batch", "4", "--seq", "8",
+                     "--steps", "4", "--warmup", "1", "--lr", "0.01", "--min-lr", "0.001", "--eval-every", "2",
+                     "--eval-batches", "2", "--sample-tokens", "10", "--sample-prompt", "the ",
+                     "--save-every", "4", "--ckpt-dir", str(ckpt), "--json", "--out", str(run))
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    # the first step trains on batches(0) at --batch 4 --seq 8: its loss is one process's
+    x, y = batch_at(0, 4, 8)
+    assert summary["first_loss"] == pytest.approx(lm_loss(model(8)(x), y).item(), rel=1e-5)
+    losses = json.load(open(run / "losses.json"))["losses"]
+    assert len(losses) == 4 and len(set(losses)) == 4
+    assert [s for s, _ in summary["val_losses"]] == [0, 2, 4]
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    schedule = WarmupCosine(0.01, 0.001, 1, 4)
+    assert [r["lr"] for r in rows] == pytest.approx([schedule(i) for i in range(4)])
+    assert all(r["grad_norm"] > 0 and r["model_flops_per_s"] > 0 and len(r["memory"]) == 2 for r in rows)
+    assert [r["val_loss"] is not None for r in rows] == [False, True, False, True]
+    assert summary["tokens_per_second"] == pytest.approx(rows[-1]["tokens_per_s_avg"])   # the bar's figure
+    for name in ("loss.png", "lr.png", "tokens_per_second.png"):
+        assert os.path.getsize(run / name) > 1000
+    assert summary["sample"].startswith("the ") and len(summary["sample"]) == 14
+    gen = _threefold("generate", str(ckpt), "--prompt", "the ", "--tokens", "10", "--json", timeout=120)
+    assert gen.returncode == 0, gen.stderr[-2000:]
+    # the recorded SPEC and tokenizer rebuild the model; same weights, seed and temperature
+    assert "the " + json.loads(gen.stdout)["text"] == summary["sample"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_generate_from_an_embedded_run_checkpoint_matches_the_runs_sample(tmp_path):
+    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    common = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq", "16", "--batch", "4"]
+    out = _threefold("train", "--plan", "pp=2,m=2", "--steps", "3", "--save-every", "3", "--ckpt-dir", str(ckpt),
+                     "--eval-every", "0", "--sample-tokens", "12", "--sample-prompt", "def ", "--json",
+                     "--out", str(run), *common)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sample = json.loads(out.stdout.strip().splitlines()[-1])["sample"]
+    assert open(run / "sample.txt").read() == sample
+    gen = _threefold("generate", str(ckpt), "--prompt", "def ", "--tokens", "12", timeout=120)
+    assert gen.returncode == 0, gen.stderr[-2000:]
+    assert gen.stdout.rstrip("\n") == sample.rstrip("\n")      # pieces of 2 stages made whole, twice
+    greedy = [_threefold("generate", str(ckpt), "--prompt", "def ", "--tokens", "8", "--temperature", "0",
+                         "--json", timeout=120) for _ in range(2)]
+    texts = [json.loads(g.stdout)["text"] for g in greedy]
+    assert texts[0] == texts[1] and json.loads(greedy[0].stdout)["tokens"] == 8
+    bad = _threefold("generate", str(tmp_path), "--prompt", "x", timeout=60)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
