@@ -8,6 +8,7 @@ from the model's own weights, and wraps them in a `ParallelModule`.
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -84,6 +85,13 @@ class ParallelModule:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad(set_to_none)
+
+    def clip_grad_norm_(self, max_norm: float = math.inf) -> float:
+        """Clip this step's gradients by their global norm over every rank (each shard,
+        replicated and tied parameter counted once, as one process would); returns the
+        norm before clipping, the same on every rank. Every rank must call it."""
+        from threefold.runtime.grad_norm import clip_grad_norm_
+        return clip_grad_norm_(self.engine, max_norm)
 
     def state_dict(self) -> dict:
         """This rank's parameters (frozen included) and buffers by original FQN, each a
