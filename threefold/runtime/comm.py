@@ -151,6 +151,32 @@ def send(tensors: list[torch.Tensor], peer: int, what: str) -> PendingSend:
     return PendingSend(works, buffers, peer, what)
 
 
+class PendingRecv:
+    """Receives posted with irecv (runtime/receives.py says when): `wait()` gives the tensors."""
+
+    def __init__(self, works: list, tensors: list[torch.Tensor], peer: int, what: str):
+        self.works, self.tensors, self.peer, self.what = works, tensors, peer, what
+
+    def wait(self) -> list[torch.Tensor]:
+        try:
+            for w in self.works:
+                w.wait()
+        except Exception as exc:
+            raise _fail(f"receiving {self.what} from", self.peer, exc) from None
+        return self.tensors
+
+
+def post_recv(specs: list[tuple[tuple[int, ...], torch.dtype]], peer: int, what: str,
+              device: torch.device) -> PendingRecv:
+    """Post the receives without waiting; the bytes land while this rank computes."""
+    tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
+    try:
+        works = [dist.irecv(t, src=peer) for t in tensors]
+    except Exception as exc:
+        raise _fail(f"receiving {what} from", peer, exc) from None
+    return PendingRecv(works, tensors, peer, what)
+
+
 def recv(specs: list[tuple[tuple[int, ...], torch.dtype]], peer: int, what: str,
          device: torch.device) -> list[torch.Tensor]:
     out = []

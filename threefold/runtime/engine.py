@@ -18,6 +18,7 @@ import torch
 from threefold.runtime import comm, mixed_precision, optimizers
 from threefold.runtime.boundary import Boundary
 from threefold.runtime.comm import Groups
+from threefold.runtime.receives import ReceivePlan, receive_plan
 from threefold.runtime.manifest import Manifest
 from threefold.runtime.module import ChunkModule
 from threefold.runtime.schedule import Kind, Schedule
@@ -42,6 +43,8 @@ class _StepState:
     train: bool
     slots: dict = field(default_factory=dict)           # (chunk, mb) -> _Slot
     sends: list = field(default_factory=list)           # comm.PendingSend not yet complete
+    posted: dict = field(default_factory=dict)          # receive position -> comm.PendingRecv
+    loss_posted: tuple | None = None                    # (this rank's share, its all-reduce)
     reductions: list = field(default_factory=list)      # (work, flat, grads) dp all-reduces
     losses: list = field(default_factory=list)
     denominator: float = 1.0                            # the global loss denominator D
@@ -93,6 +96,7 @@ class PipelineEngine:
         self._plan_grad_sync()
         self.stats = StepStats()
         self._boundaries: dict = {}
+        self._plan_cache: tuple | None = None   # (schedule, its ReceivePlan, loss position)
 
     # -- set-up ----------------------------------------------------------------------------
     def _share_local_ties(self) -> None:
@@ -158,16 +162,29 @@ class PipelineEngine:
             raise PlanError(self._optimizer_needed)
         st.denominator = self._global_denominator(st) if self.has_loss else 1.0
         self._step_count += 1
-        handlers = {Kind.RECV_ACT: self._recv_act, Kind.FORWARD: self._forward,
-                    Kind.SEND_ACT: self._send_act, Kind.RECV_GRAD: self._recv_grad,
+        handlers = {Kind.FORWARD: self._forward, Kind.SEND_ACT: self._send_act,
                     Kind.BACKWARD: self._backward_action, Kind.SEND_GRAD: self._send_grad,
                     Kind.WEIGHT: self._weight_action}
-        for i, a in enumerate(schedule.actions[self.stage]):
-            handlers[a.kind](st, a)
+        actions = schedule.actions[self.stage]
+        rx, loss_after = self._step_plan(schedule)
+        if loss_after < 0:
+            self._post_loss(st)
+        for i, a in enumerate(actions):
+            # receives are posted ahead and land just before the compute that reads them
+            for j in rx.post_before.get(i, ()):
+                st.posted[j] = self._post_recv(st, actions[j])
+            for j in rx.land_before.get(i, ()):
+                self._land(st, actions[j], st.posted.pop(j))
+            if not a.is_recv:
+                handlers[a.kind](st, a)
+            if i == loss_after:
+                self._post_loss(st)
             if i in self._reduce_after:   # the last B (or W) of a chunk
                 st.reductions.extend(self._start_reduce(self._reduce_after[i]))
-            if st.sends:  # drop finished sends so their buffers can be freed
+            if st.sends and a.is_compute:  # drop finished sends so their buffers can be freed
                 st.sends = [s for s in st.sends if not s.done()]
+        for j in rx.land_before.get(len(actions), ()):
+            self._land(st, actions[j], st.posted.pop(j))
         for s in st.sends:
             s.wait()
         if train:
@@ -179,16 +196,40 @@ class PipelineEngine:
                     _unflatten_into(flat, grads, scale=1.0 / self.mesh.dp)
             self._sum_tied()
             self._sync_tp_grads()
-        loss = self._global_loss(st.losses, st.denominator) if self.has_loss else float("nan")
+        loss = self._global_loss(st.losses, st.denominator, st.loss_posted) if self.has_loss else float("nan")
         self.stats = StepStats(time.perf_counter() - start, st.peak, loss)
         self.last_outputs = st.outputs
         return loss
 
     # One method per action kind; each reads and updates the step's state.
-    def _recv_act(self, st: "_StepState", a) -> None:
-        b = self._boundary(a.chunk, "inputs")
-        tensors = b.unpack(comm.recv(b.recv_specs(), self._peer(a.peer),
-                                     f"activations of chunk {a.chunk - 1} microbatch {a.mb}", self.device))
+    def _step_plan(self, schedule: Schedule) -> tuple[ReceivePlan, int]:
+        """This rank's receive plan for `schedule`, and the position after which its share of
+        the loss is known (-1: before the first action; None: no loss all-reduce)."""
+        if self._plan_cache is None or self._plan_cache[0] is not schedule:
+            actions = schedule.actions[self.stage]
+            last = self.num_chunks - 1
+            loss_after = None
+            if self.has_loss and self.mesh.pp > 1:
+                loss_after = max((i for i, a in enumerate(actions)
+                                  if a.kind is Kind.FORWARD and a.chunk == last), default=-1)
+            self._plan_cache = (schedule, receive_plan(actions), loss_after)
+        return self._plan_cache[1], self._plan_cache[2]
+
+    def _post_recv(self, st: "_StepState", a) -> comm.PendingRecv:
+        if a.kind is Kind.RECV_ACT:
+            b, what = self._boundary(a.chunk, "inputs"), f"activations of chunk {a.chunk - 1} microbatch {a.mb}"
+        else:
+            b, what = self._boundary(a.chunk, "outputs", grads=True), f"gradients of chunk {a.chunk} microbatch {a.mb}"
+        return comm.post_recv(b.recv_specs(), self._peer(a.peer), what, self.device)
+
+    def _land(self, st: "_StepState", a, pending: comm.PendingRecv) -> None:
+        if a.kind is Kind.RECV_ACT:
+            self._recv_act(st, a, pending.wait())
+        else:
+            self._recv_grad(st, a, pending.wait())
+
+    def _recv_act(self, st: "_StepState", a, received: list[torch.Tensor]) -> None:
+        tensors = self._boundary(a.chunk, "inputs").unpack(received)
         for t in tensors:
             if st.train and t.is_floating_point():
                 t.requires_grad_(True)
@@ -233,11 +274,9 @@ class PipelineEngine:
         else:
             _release_outputs(slot.outputs, self.chunk_meta[a.chunk].releasable)
 
-    def _recv_grad(self, st: "_StepState", a) -> None:
+    def _recv_grad(self, st: "_StepState", a, received: list[torch.Tensor]) -> None:
         slot = st.slots[(a.chunk, a.mb)]
-        b = self._boundary(a.chunk, "outputs", grads=True)
-        slot.output_grads = b.unpack(comm.recv(b.recv_specs(), self._peer(a.peer),
-                                               f"gradients of chunk {a.chunk} microbatch {a.mb}", self.device))
+        slot.output_grads = self._boundary(a.chunk, "outputs", grads=True).unpack(received)
 
     def _backward_action(self, st: "_StepState", a) -> None:
         slot = st.slots[(a.chunk, a.mb)]
@@ -368,18 +407,33 @@ class PipelineEngine:
             comm.all_reduce(total, self.groups.dp, "the loss denominator")
         return float(total)
 
-    def _global_loss(self, losses: list[torch.Tensor], denominator: float) -> float:
+    def _post_loss(self, st: "_StepState") -> None:
+        """pp > 1: start the loss all-reduce as soon as this rank's share is known (the
+        stages without the last chunk at once, the last stage after its last forward), so
+        no rank waits for it at the end of the step."""
+        total = self._loss_share(st.losses, st.denominator)
+        st.loss_posted = (total, comm.all_reduce(total, None, "the loss", async_op=True))
+
+    def _loss_share(self, losses: list[torch.Tensor], denominator: float) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for loss in losses:
+            total += loss.double()
+        if losses:
+            total /= denominator
+        return total
+
+    def _global_loss(self, losses: list[torch.Tensor], denominator: float, posted=None) -> float:
         """The loss over the global batch (sum of numerators / D), the same on every rank.
 
         The last stage's ranks hold the microbatch numerators (every tp rank the same ones)
         and divide by D. Without pipelining a dp all-reduce suffices; with it, one
         all-reduce over the world brings the loss to the other stages too.
         """
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for loss in losses:
-            total += loss.double()
-        if losses:
-            total /= denominator
+        if posted is not None:
+            total, work = posted
+            comm.wait(work, "the loss all-reduce", None)
+            return float(total) / self.mesh.tp
+        total = self._loss_share(losses, denominator)
         if self.mesh.pp > 1:
             comm.all_reduce(total, None, "the loss")
             return float(total) / self.mesh.tp
