@@ -15,7 +15,7 @@ from threefold.plan import _SHORT as PLAN_SPELLING
 from threefold.plan import Plan
 
 # Plan fields the planner searches over; the performance model assumes the others' defaults.
-SEARCHED = ("tp", "pp", "dp", "microbatches", "interleave", "recompute", "schedule")
+SEARCHED = ("tp", "pp", "dp", "microbatches", "interleave", "recompute", "schedule", "zero")
 # Plan fields it models at one value only (Megatron's setting), and that value.
 ASSUMED = {"sp": False, "scatter_gather": True}
 MODELLED_SCHEDULES = ("1f1b", "interleaved")
@@ -30,7 +30,8 @@ class Constraints:
     dp: int | None = None
     microbatches: int | None = None
     interleave: int | None = None
-    recompute: bool | None = None
+    recompute: bool | str | None = None   # True/False = full/none, or "selective"
+    zero: int | None = None         # ZeRO stage (0, or 1: AdamW state sharded over dp)
     schedule: str | None = None     # 1f1b (v=1) or interleaved (any v)
     microbatch_size: int | None = None
 
@@ -60,10 +61,7 @@ class Constraints:
         if schedule is not None and schedule not in MODELLED_SCHEDULES:
             raise PlanError(f"plan schedule={schedule!r} cannot be evaluated: the planner models "
                             "1f1b and interleaved (Megatron's schedules); use one of those")
-        if given.get("recompute") == "selective":
-            raise PlanError("plan recompute=selective cannot be evaluated: the planner models recompute=none "
-                            "and recompute=full; use one of those")
-        if isinstance(given.get("recompute"), str):   # the planner's recompute is a bool (full or none)
+        if given.get("recompute") in ("full", "none"):   # full/none read as booleans; selective stays a mode
             given["recompute"] = given["recompute"] == "full"
         return cls(microbatch_size=b, **{k: v for k, v in given.items() if k in SEARCHED})
 
@@ -72,8 +70,10 @@ class Constraints:
             return False
         if self.microbatch_size is not None and self.microbatch_size != microbatch_size:
             return False
-        def planned(k):  # Plan.recompute is a mode; the planner's recompute means "full"
-            return plan.recompute == "full" if k == "recompute" else getattr(plan, k)
+        def planned(k):  # Plan.recompute is a mode; a boolean constraint means full (True) or none
+            if k == "recompute" and isinstance(self.recompute, bool):
+                return plan.recompute == "full"
+            return getattr(plan, k)
         return all(getattr(self, k) is None or getattr(self, k) == planned(k)
                    for k in SEARCHED if k != "schedule")
 

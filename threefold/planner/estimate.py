@@ -111,6 +111,9 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
 
     # -- one microbatch through one stage ---------------------------------------------
     layer_fwd = _ops_s(model.layer_ops, tokens, t, cluster, dtype)
+    # recompute=selective reruns the ops it recomputes (the attention core) once more in backward
+    rerun_fwd = (_ops_s([op for op in model.layer_ops if op.selective], tokens, t, cluster, dtype)
+                 if cfg.plan.recompute == "selective" else 0.0)
     pre_fwd = _ops_s(model.pre_ops, tokens, t, cluster, dtype)
     post_fwd = _ops_s(model.post_ops, tokens, t, cluster, dtype)
     tp_in_node = t <= g
@@ -134,7 +137,7 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
     compute, tp_time, fwd, bwd = [], [], [], []
     for r, n in enumerate(stage_layers):
         edge = (pre_fwd if r == 0 else 0.0) + (post_fwd if r == p - 1 else 0.0)
-        compute.append(n * layer_fwd * passes + edge * 3)
+        compute.append(n * (layer_fwd * passes + rerun_fwd) + edge * 3)
         tp_time.append(n * ar_fwd * (passes - 1))
         fwd.append(n * (layer_fwd + ar_fwd) + edge)
         bwd.append(compute[-1] + tp_time[-1] - fwd[-1])      # backward, with the recomputed forward

@@ -54,11 +54,13 @@ def legal_configs(model: ModelCost, batch: int, gpus: int, cluster: Cluster,
                 for v in vs:
                     if v > 1 and m < pp:
                         continue
-                    for recompute in (False, True):
+                    for recompute in (False, "selective", True):
                         plan = Plan(tp=tp, pp=pp, dp=dp, microbatches=m, interleave=v, recompute=recompute,
                                     schedule="interleaved" if v > 1 else "1f1b")
                         if where.admits(plan, b):
                             yield Config(plan, batch)
+                        if dp > 1 and where.admits(plan.replace(zero=1), b):   # ZeRO-1: AdamW state / dp
+                            yield Config(plan.replace(zero=1), batch)
 
 
 def _check_inputs(batch: int, gpus: int, cluster: Cluster, where: Constraints) -> None:
@@ -110,4 +112,5 @@ def _order(e: Estimate):
     c = e.config
     # Fastest first (to 9 significant digits); ties go to less model parallelism, no
     # interleaving, no recompute, then larger microbatches (fewer, larger kernels).
-    return (float(f"{e.iteration_s:.9g}"), c.tp * c.pp, c.interleave, c.recompute, -c.microbatch_size)
+    return (float(f"{e.iteration_s:.9g}"), c.tp * c.pp, c.interleave, c.recompute, c.plan.recompute != "none", c.plan.zero,
+            -c.microbatch_size)
