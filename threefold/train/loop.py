@@ -43,6 +43,7 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
         flops_per_step = model_flops_per_step(pm)
         tokens_per_step = int(example[0].numel())
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+        scaled = hasattr(opt, "scaler")   # fp16's loss-scaled optimizer (runtime/optimizers.py)
         rows, losses, seconds, skipped, stopped, start, done = [], [], [], [], None, 0, {}
         if resume is not None:
             info = threefold.load(pm, opt, resume)
@@ -67,8 +68,10 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
                 opt.zero_grad()
                 loss = pm.step(*inputs, target=target)
                 norm = pm.clip_grad_norm_(max_norm)   # also the finiteness check, agreed by every rank
+                # under fp16 an overflowing gradient is the loss scaler's to handle: its step
+                # skips the update and lowers the scale
                 bad = f"loss {loss}" if not math.isfinite(loss) else (
-                    "gradient norm (inf or nan)" if not math.isfinite(norm) else None)
+                    "gradient norm (inf or nan)" if not math.isfinite(norm) and not scaled else None)
                 if bad is None:
                     opt.step()
                 seconds.append(time.perf_counter() - t0)
@@ -80,6 +83,8 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
                        "tokens_per_s": tokens_per_step / seconds[-1], "tokens_per_s_avg": tps,
                        "model_flops_per_s": flops_per_step / seconds[-1], "step_seconds": seconds[-1],
                        "memory": memory_per_rank(pm.engine.device)}
+                if scaled:
+                    row["loss_scale"] = float(opt.scaler.scale)
                 rows.append(row)
                 log.write(row)
                 progress.update(loss, tps, val)

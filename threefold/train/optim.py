@@ -125,10 +125,13 @@ def decay_split(named_params, roles: dict[str, str], decay_embeddings: bool = Fa
 
 
 def adamw(pm, lr: float, weight_decay: float, betas=(0.9, 0.95), decay_embeddings: bool = False,
-          roles: dict[str, str] | None = None) -> torch.optim.AdamW:
+          roles: dict[str, str] | None = None):
     """AdamW over this rank's shards: two groups (decayed, not), always both, so every rank
-    and every plan has the same groups (checkpoints resume under any plan)."""
+    and every plan has the same groups (checkpoints resume under any plan). Built by
+    `pm.optimizer`, so zero=1 shards it over dp and fp16 wraps it in loss scaling."""
     roles = param_roles(pm) if roles is None else roles
     decayed, kept = decay_split(pm.named_parameters(), roles, decay_embeddings)
-    return torch.optim.AdamW([{"params": decayed, "weight_decay": weight_decay},
-                              {"params": kept, "weight_decay": 0.0}], lr=lr, betas=tuple(betas))
+    groups = [{"params": decayed, "weight_decay": weight_decay}, {"params": kept, "weight_decay": 0.0}]
+    if hasattr(pm, "optimizer"):
+        return pm.optimizer(torch.optim.AdamW, groups, lr=lr, betas=tuple(betas))
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas))
