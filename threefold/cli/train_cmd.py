@@ -108,7 +108,10 @@ def run(args) -> int:
     from threefold.cli.jobs import check_local_capacity, under_torchrun
     check_local_capacity(plan.world_size)
     if not under_torchrun():     # under torchrun every process is a rank: no parent to check in
-        validate_in_parent(cfg, plan)
+        from threefold.train.progress import compiling_status
+        with compiling_status(f"compiling for plan {plan} (checking it before starting "
+                              f"{plan.world_size} ranks)", enabled=not cfg.json):
+            validate_in_parent(cfg, plan)
     live = _live_dir(cfg.out)
     result = run_on_ranks(_train_rank, plan.world_size, cfg, not cfg.json, ckpt_dir, resume, live)[0]
     from threefold.cli.jobs import is_main_rank

@@ -3,6 +3,7 @@ step starts, then steps, loss, the last validation loss and tokens/s. The tokens
 `metrics.tokens_per_second` over the steps so far, the figure the summary prints at the end."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 
@@ -38,3 +39,14 @@ class Progress:
             if val_loss is not None:
                 fields["val"] = f"val {val_loss:.4f}"
             self.bar.update(self.task, advance=1, **fields)
+
+
+@contextlib.contextmanager
+def compiling_status(text: str, enabled: bool):
+    """A spinner on stderr while the parent process compiles the plan once to check it."""
+    if not enabled:
+        yield
+        return
+    from rich.console import Console
+    with Console(stderr=True).status(text):
+        yield
