@@ -17,13 +17,16 @@ def reference(factory: str, kwargs: dict, steps: int, optimizer: str, dtype=None
     model = w["model"]
     cls, opts = OPTIMIZERS[optimizer]
     opt = cls([p for p in model.parameters() if p.requires_grad], **opts)
+    # fp16: torch's own dynamic loss scaling, with the defaults our LossScaler shares
+    scaler = torch.amp.GradScaler("cpu", enabled=dtype is torch.float16)
     out = []
     for _ in range(steps):
         opt.zero_grad()
         with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             loss = w["loss_fn"](model(*w["inputs"]), w["target"])
-        loss.backward()
-        opt.step()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
         out.append(loss.item())
     return out
 
@@ -52,7 +55,8 @@ def rounding_noise(factory: str, kwargs: dict, steps: int, optimizer: str, dtype
                    rel: float = 2.0 ** -8) -> list[float]:
     """The standard deviation, per step, of a 16-bit run's rounding error on this model.
 
-    Each draw multiplies every weight by (1 + rel*U(-1,1)) (rel = bf16's unit roundoff, so
+    Each draw multiplies every weight by (1 + rel*U(-1,1)) (rel = the format's unit roundoff:
+    2^-8 for bf16, 2^-11 for fp16; so
     each value lands somewhere new inside its 16-bit rounding interval and every rounding
     downstream is re-drawn), then trains the perturbed model twice, under autocast(dtype)
     and in fp32; the difference of their losses is that draw's rounding error (the fp32
@@ -79,11 +83,13 @@ def _train(w: dict, steps: int, optimizer: str, dtype) -> list[float]:
     cls, opts = OPTIMIZERS[optimizer]
     opt = cls([p for p in model.parameters() if p.requires_grad], **opts)
     out = []
+    scaler = torch.amp.GradScaler("cpu", enabled=dtype is torch.float16)
     for _ in range(steps):
         opt.zero_grad()
         with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             loss = w["loss_fn"](model(*w["inputs"]), w["target"])
-        loss.backward()
-        opt.step()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
         out.append(loss.item())
     return out

@@ -186,3 +186,18 @@ def test_zero1_checkpoint_round_trips_and_loads_under_zero0(tmp_path):
         assert r["dp=2,zero=1"] == r["expected"]                  # same plan: bitwise
         for plan in ("dp=2", "dp=2,tp=1,m=2,zero=1"):            # other layouts: fp32 parity
             assert max(abs(a - b) / b for a, b in zip(r[plan], r["expected"])) < 1e-5, (plan, r)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_fp16_matches_single_process_autocast_with_grad_scaler_within_rounding_noise():
+    """fp16 with dynamic loss scaling against torch.autocast(float16) + torch.amp.GradScaler
+    (same initial scale 2^16 and growth rule), tolerance as for bf16 with fp16's 2^-11."""
+    plans = ["dp=2,dtype=fp16", "pp=2,m=2,dtype=fp16", "dp=2,zero=1,dtype=fp16"]
+    ref = reference("gpt", GPT, STEPS, "sgd", torch.float16)
+    sigma = rounding_noise("gpt", GPT, STEPS, "sgd", torch.float16, draws=6, rel=2.0 ** -11)
+    tol = [4 * math.sqrt(2) * s for s in sigma]
+    results = launch(parallel, 2, plans, "gpt", GPT, STEPS, "sgd", timeout=600)
+    for r in results[0]:
+        diffs = [abs(a - b) for a, b in zip(r["losses"], ref)]
+        assert all(d <= t for d, t in zip(diffs, tol)), (r["plan"], diffs, tol)
