@@ -183,3 +183,28 @@ def test_metrics_log_is_valid_json_lines(tmp_path):
     assert [r["step"] for r in rows] == [1, 2] and rows[0]["grad_norm"] is None and rows[1]["val_loss"] == 1.7
     assert tokens_per_second([9.0, 1.0, 3.0], 100) == pytest.approx(50.0)      # the first step left out
     assert tokens_per_second([2.0], 100) == pytest.approx(50.0)
+
+
+def test_metrics_go_to_tensorboard_when_it_is_installed(tmp_path, monkeypatch):
+    import sys
+    import types
+    from threefold.train.metrics import MetricsLog
+    written = []
+
+    class Writer:          # stands in for torch.utils.tensorboard.SummaryWriter
+        def __init__(self, logdir):
+            self.logdir = logdir
+
+        def add_scalar(self, tag, value, step):
+            written.append((tag, value, step))
+
+        def close(self):
+            written.append("closed")
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    log = MetricsLog(None, str(tmp_path / "tb"))
+    log.write({"step": 3, "loss": 2.0, "val_loss": None, "lr": 0.1, "grad_norm": math.inf,
+               "memory": [{"rss_mb": 5.0}, {"rss_mb": 6.0}]})
+    log.close()
+    assert ("train/loss", 2.0, 3) in written and ("train/lr", 0.1, 3) in written
+    assert ("memory/rank1_rss_mb", 6.0, 3) in written and written[-1] == "closed"
+    assert not any(t[0] in ("train/val_loss", "train/grad_norm") for t in written[:-1])   # None, inf: left out
