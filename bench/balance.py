@@ -28,7 +28,10 @@ def layer_cut_imbalance(prog, k: int) -> float:
     """Imbalance of the best whole-layer assignment (embedding first, head last), for contrast."""
     layers: dict[int, int] = {}
     pre = post = 0
-    for node in prog.graph.nodes:
+    first: dict = {}   # each traced op once, from the first chunk graph that holds it
+    for _, node in prog.chunk_nodes():
+        first.setdefault(node.name, node)
+    for node in (first[name] for name in prog.source_order if name in first):
         cost = node.meta.get("tf", {}).get("cost")
         if cost is None:
             continue

@@ -26,7 +26,7 @@ def build_sources(prog: Program) -> dict[str, str]:
     if prog.kernels:
         from threefold.codegen.triton import kernels_source
         # every region in program order, so a shared kernel's comment lists all it serves
-        regions = [n.target for c in prog.chunks if c.gm is not None for n in c.gm.graph.nodes
+        regions = [n.target for c in prog.chunks for n in c.gm.graph.nodes
                    if n.op == "call_function" and getattr(n.target, "kernel_name", None) in prog.kernels]
         files["kernels.py"] = kernels_source(regions or list(prog.kernels.values()))
     debug_dir = os.environ.get("THREEFOLD_DEBUG_DIR")
