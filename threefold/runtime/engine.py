@@ -167,7 +167,7 @@ class PipelineEngine:
                     Kind.WEIGHT: self._weight_action}
         actions = schedule.actions[self.stage]
         rx, loss_after = self._step_plan(schedule)
-        if loss_after < 0:
+        if loss_after is not None and loss_after < 0:
             self._post_loss(st)
         for i, a in enumerate(actions):
             # receives are posted ahead and land just before the compute that reads them

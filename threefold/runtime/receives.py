@@ -63,3 +63,10 @@ def receive_plan(actions: list[Action], lookahead: int = LOOKAHEAD) -> ReceivePl
         post_before.setdefault(post[j], []).append(j)
     return ReceivePlan({p: tuple(js) for p, js in post_before.items()},
                        {p: tuple(js) for p, js in land.items()})
+
+
+def blocking_plan(actions: list[Action]) -> ReceivePlan:
+    """Each receive posted and waited for at its own place in the list: a blocking receive,
+    as the engine ran before issue 13 (bench/pipeline_vs_torch.py --ablations compares)."""
+    recvs = {j: (j,) for j, a in enumerate(actions) if a.is_recv}
+    return ReceivePlan(dict(recvs), dict(recvs))
