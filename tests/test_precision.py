@@ -201,3 +201,20 @@ def test_fp16_matches_single_process_autocast_with_grad_scaler_within_rounding_n
     for r in results[0]:
         diffs = [abs(a - b) for a, b in zip(r["losses"], ref)]
         assert all(d <= t for d, t in zip(diffs, tol)), (r["plan"], diffs, tol)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_check_cli_compares_a_bf16_zero1_plan_with_autocast():
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "threefold", "check", "examples/gpt.py:workload",
+                          "--plan", "dp=2,zero=1,dtype=bf16", "--steps", "2", "--json"],
+                         cwd=root, capture_output=True, text=True, timeout=550)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["ok"] and report["compares"] == "rounding noise"
+    assert report["reference"] == "torch.autocast(bf16)" and len(report["tolerance"]) == 2

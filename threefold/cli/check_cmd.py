@@ -39,7 +39,7 @@ def _rank_losses(spec: str, plan: Plan, state_file: str, steps: int, lr: float) 
     w.model.load_state_dict(saved["state"])
     pm = threefold.parallelize(w.model, plan, saved["inputs"], w.loss_fn, target=saved["target"],
                                batch_dims=w.batch_dims)
-    opt = torch.optim.SGD(pm.parameters(), lr=lr)
+    opt = pm.optimizer(torch.optim.SGD, lr=lr)   # plain SGD, or its zero=1 / fp16 form
     losses = []
     for _ in range(steps):
         opt.zero_grad()
@@ -77,6 +77,11 @@ def run(args) -> int:
         # independent draws of the loss, times sqrt(step) (docs/design.md, "What threefold check compares").
         noise = _loss_noise(w) if random_ops else 0.0
         reference = _reference(w, args.steps, args.lr)
+        tolerance16 = sigma16 = None
+        if plan.dtype != "fp32":   # 16 bits: against torch.autocast, within its rounding noise
+            from threefold.cli.check_precision import autocast_reference
+            reference, tolerance16, sigma16 = autocast_reference(args.spec, state_file, plan.dtype,
+                                                                 args.steps, args.lr)
         # the Plan value itself (parsed once, above), not its text
         parallel = run_on_ranks(_rank_losses, plan.world_size, args.spec, plan, state_file,
                                 args.steps, args.lr)[0]
@@ -84,6 +89,8 @@ def run(args) -> int:
     diffs = [_rel_diff(a, b) for a, b in zip(parallel, reference)]
     worst = max(diffs)
     ok = worst <= TOLERANCE and diverged is None
+    if tolerance16 is not None:
+        ok = diverged is None and all(abs(a - b) <= t for a, b, t in zip(parallel, reference, tolerance16))
     if random_ops:
         # the runs' weights drift apart step by step like a random walk: sqrt(step)
         ok = diverged is None and all(abs(a - b) <= 4 * noise * math.sqrt(2 * i) + TOLERANCE * abs(b)
@@ -92,11 +99,18 @@ def run(args) -> int:
         out = {"plan": str(plan), "losses_parallel": parallel, "losses_reference": reference,
                "max_rel_diff": worst, "ok": ok,
                "compares": "distribution" if random_ops else "exact", "loss_noise_std": noise}
+        if tolerance16 is not None:
+            out.update(compares="rounding noise", reference=f"torch.autocast({plan.dtype})",
+                       rounding_noise_std=sigma16, tolerance=tolerance16)
         if diverged is not None:
             out["diverged_at_step"] = diverged
         print(dumps(out))
     else:
         _print_table(plan, parallel, reference, diffs, worst, ok and diverged is None)
+        if tolerance16 is not None:
+            print(f"dtype={plan.dtype}: compared with the single process under torch.autocast({plan.dtype}); "
+                  "step k agrees within 4 sqrt(2) sigma_k of the measured rounding noise: "
+                  + ", ".join(f"{t:.2e}" for t in tolerance16) + " (the rel-diff tolerance above is fp32's)")
         if random_ops:
             print(f"the model has random ops (dropout p > 0): compared in distribution, step k within "
                   f"4 sigma * sqrt(k) of two independent draws (loss std {noise:.3g}); set p=0 for an exact check")
