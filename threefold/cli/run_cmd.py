@@ -41,7 +41,8 @@ def _run_rank(root: str, steps: int, lr: float, trust: bool = False, skip_nonfin
     art = open_artifact(root, trust=trust)
     engine = assemble_rank(art.manifest, ArtifactSource(art))
     batch = load_batch(art)
-    opt = torch.optim.SGD(engine.parameters(), lr=lr)
+    from threefold.runtime.optimizers import make_optimizer   # plain SGD, or its zero=1 / fp16 form
+    opt = make_optimizer(engine, torch.optim.SGD, lr=lr)
     from threefold.cli.divergence import nonfinite
     losses, skipped, start = [], [], 1
     # what threefold.save/load read from a ParallelModule (no compiler import here)
@@ -58,7 +59,8 @@ def _run_rank(root: str, steps: int, lr: float, trust: bool = False, skip_nonfin
     for step in range(start, steps + 1):
         opt.zero_grad()
         losses.append(engine.step(batch))
-        bad = nonfinite(losses[-1], engine.parameters())
+        # fp16: an overflowing (scaled) gradient is the loss scaler's to skip, not a divergence
+        bad = nonfinite(losses[-1], [] if hasattr(opt, "scaler") else engine.parameters())
         if bad is None:
             opt.step()
         elif skip_nonfinite:
