@@ -96,7 +96,7 @@ def main() -> None:
     add_arguments(p, skip=("spec", "out", "json", "force"))
     p.add_argument("--threads", type=int, default=2, help="torch threads of the eager loop (default 2)")
     p.add_argument("--skip-threefold", action="store_true", help="run the eager loop only")
-    args, = [p.parse_args()]
+    args = p.parse_args()
     cfg = from_args(args)
     torch.set_num_threads(args.threads)
     print(f"settings: plan {cfg.plan}, {cfg.steps} steps, batch {cfg.batch} x seq {cfg.seq}, "
@@ -113,18 +113,12 @@ def main() -> None:
         i = passthrough.index("--threads")
         del passthrough[i:i + 2]
     t, wall = threefold_train(passthrough)
-    vals = t.get("val_losses") or []
     val_text = ""
-    if vals:
-        first, last = vals[0], vals[-1]
-        val_text = f"; val {_v(first):.4f} -> {_v(last):.4f}"
+    if t.get("first_val_loss") is not None:
+        val_text = f"; val {t['first_val_loss']:.4f} -> {t['final_val_loss']:.4f}"
     print(f"threefold train ({cfg.plan}): {t['tokens_per_second']:,.0f} tokens/s, wall {wall:.1f} s "
           f"({t['seconds']:.1f} s of steps); loss {t['first_loss']:.4f} -> {t['final_loss']:.4f}{val_text}")
     print(f"ratio threefold/eager tokens/s: {t['tokens_per_second'] / e['tokens_per_second']:.2f}")
-
-
-def _v(entry) -> float:
-    return entry["loss"] if isinstance(entry, dict) else entry[1] if isinstance(entry, (list, tuple)) else entry
 
 
 if __name__ == "__main__":
