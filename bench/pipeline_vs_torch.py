@@ -25,7 +25,8 @@ iteration, the same barrier for all). Reported:
     python bench/pipeline_vs_torch.py --profile     # per-action wall/CPU per rank, both
                                                     # systems; generated chunk vs torch
                                                     # stage in one process; microbatching cost
-    python bench/pipeline_vs_torch.py --ablations   # threefold with two proposed changes
+    python bench/pipeline_vs_torch.py --ablations   # + threefold with blocking receives (the
+                                                    # engine before issue 13)
 
 Both systems split at the same block boundaries: threefold through `split=h.k+...` in the
 plan, torch through hand-built `PipelineStage`s holding the same blocks (the first stage
@@ -67,7 +68,7 @@ class Config:
     warmup: int = 4
     iters: int = 12
     profile: bool = False
-    ablations: bool = False     # also time threefold with two proposed runtime changes
+    ablations: bool = False     # also time threefold with blocking receives (before issue 13)
     only: str = ""              # "1f1b" or "interleaved": run just that schedule
 
     @property
@@ -239,86 +240,12 @@ def measure_activations(step, modules, params) -> tuple[int, int]:
 
 # ---- one rank of the launched job --------------------------------------------------------
 
-class LazyReceives:
-    """A proposed engine change, emulated around an unchanged engine: each receive is posted
-    (irecv) where the action list has it, and waited only just before the forward or
-    backward that reads it, so the sends listed after it go out at once and the transfer
-    overlaps compute. Posting order is the list's, so the verified matching still holds."""
-
-    def __init__(self, pm):
-        self.pm, self.pending = pm, {}
-
-    def __enter__(self):
-        from threefold.runtime import comm, engine
-        self.saved = (comm.recv, engine.PipelineEngine._backward)
-        backward = engine.PipelineEngine._backward
-
-        def recv(specs, peer, what, device):
-            out = []
-            for shape, dtype in specs:
-                t = torch.empty(shape, dtype=dtype, device=device)
-                self.pending[id(t)] = (t, dist.irecv(t, src=peer))
-                out.append(t)
-            return out
-
-        def lazy_backward(eng, slot, is_last, m):
-            self.wait(slot.output_grads)
-            return backward(eng, slot, is_last, m)
-        comm.recv, engine.PipelineEngine._backward = recv, lazy_backward
-        for mod in self.pm.engine.modules.values():
-            def forward(*args, _inner=mod.forward, **kwargs):
-                self.wait(args)
-                return _inner(*args, **kwargs)
-            mod.forward = forward
-        return self
-
-    def wait(self, tensors) -> None:
-        for t in tensors:
-            entry = self.pending.pop(id(t), None)
-            if entry is not None:
-                entry[1].wait()
-
-    def __exit__(self, *exc):
-        from threefold.runtime import comm, engine
-        comm.recv, engine.PipelineEngine._backward = self.saved
-        for mod in self.pm.engine.modules.values():
-            mod.__dict__.pop("forward", None)
-        for _, work in self.pending.values():
-            work.wait()
-        self.pending.clear()
-
-
-def sends_first(schedule):
-    """The same schedule with, between two computes, every send posted before any receive.
-
-    A proposed change (not what threefold runs): the generator orders a rank's messages
-    that fall at the same simulated time activations-first, so e.g. 1F1B's `ra1.4<0
-    sg1.1>0` makes the gradient rank 0 waits for leave only after activation 1.4 has
-    arrived. threefold's engine posts sends with isend, so moving them earlier cannot
-    deadlock it (checked below by the simulator with non-blocking sends, and the per-pair
-    message order is unchanged); it does break the schedule IR's stronger promise that the
-    lists survive sends that block until received (the verifier's rendezvous check), so
-    the engine-side form of the change is: post receives early (irecv) and wait for them
-    just before the compute that reads them.
-    """
-    from threefold.runtime.schedule import Schedule
-    from threefold.runtime.simulate import _check_matching, simulate
-    lists = []
-    for acts in schedule.actions:
-        out, run = [], []
-        for a in acts + [None]:
-            if a is None or a.is_compute:
-                out += [x for x in run if x.is_send] + [x for x in run if x.is_recv]
-                run = []
-                if a is not None:
-                    out.append(a)
-            else:
-                run.append(a)
-        lists.append(out)
-    new = Schedule(schedule.name, schedule.pp, schedule.v, schedule.m, lists)
-    _check_matching(new)
-    simulate(new, comm="eager")
-    return new
+def blocking_receives(pm) -> None:
+    """Make this engine receive as it did before issue 13: each receive posted and waited
+    for at its place in the action list (a blocking recv), the loss all-reduced at the end."""
+    from threefold.runtime.receives import blocking_plan
+    eng = pm.engine
+    eng._plan_cache = (eng.schedule, blocking_plan(eng.schedule.actions[eng.stage]), None)
 
 
 def run_rotation(contenders, warmup: int, iters: int):
@@ -365,12 +292,7 @@ def rank_job(cfg: Config) -> dict:
         last = (PP * v - 1) % PP == rank
         idx, target = tw["inputs"][0], tw["target"]
 
-        base_schedule = pm.engine.schedule
-
-        def ours(schedule=base_schedule):
-            if pm.engine.schedule is not schedule:
-                pm.engine.schedule = schedule
-                pm.engine._plan_grad_sync()
+        def ours(pm=pm, w=w):
             pm.zero_grad()
             return pm.step(*w["inputs"], target=w["target"])
 
@@ -394,16 +316,11 @@ def rank_job(cfg: Config) -> dict:
 
         contenders = [("threefold", ours), ("torch", theirs), ("eager", eager)]
         if cfg.ablations:
-            reordered = sends_first(base_schedule)
-
-            def ours_lazy():
-                with LazyReceives(pm):
-                    return ours()
-            contenders[1:1] = [("threefold+sends_first", lambda: ours(reordered)),
-                               ("threefold+irecv", ours_lazy)]
+            bw = build_workload(cfg)
+            old = threefold.parallelize(bw["model"], plan, bw["inputs"], bw["loss_fn"], target=bw["target"])
+            blocking_receives(old)
+            contenders[1:1] = [("threefold blocking recv", lambda: ours(old, bw))]
         times, cpu, losses = run_rotation(contenders, cfg.warmup, cfg.iters)
-        pm.engine.schedule = base_schedule
-        pm.engine._plan_grad_sync()
         # Activations: one extra, untimed, instrumented iteration of each.
         ours_mods = [pm.engine.modules[c] for c in sorted(pm.engine.modules)]
         peak_ours, bytes_ours = measure_activations(ours, ours_mods, pm.parameters())
@@ -427,15 +344,17 @@ def profile_sides(pm, ours, sched, stages, theirs, iters: int = 4) -> dict:
     """Per step on this rank, both systems alternating: wall and CPU (this thread) time
     inside each kind of action, and for the whole step.
 
-    threefold: its chunk forwards (the last one includes the loss), backwards, blocking
-    receives, posted sends and the loss all-reduce. torch: its stages' forward_one_chunk,
+    threefold: its chunk forwards (the last one includes the loss), backwards, posting
+    receives (irecv), waiting for them before the compute that reads them, posting sends
+    and the loss all-reduce. torch: its stages' forward_one_chunk,
     backward_one_chunk and loss. "rest" is the step's wall time outside those: waiting for
     peers inside torch's schedule, and Python overhead in both.
     """
     from threefold.runtime import comm, engine as eng
     E = eng.PipelineEngine
     patches = {
-        "threefold": [(comm, "recv", "recv"), (comm, "send", "isend"), (E, "_backward", "backward"),
+        "threefold": [(comm, "post_recv", "irecv post"), (comm.PendingRecv, "wait", "recv wait"),
+                      (comm, "send", "isend"), (E, "_backward", "backward"),
                       (E, "_global_loss", "loss all-reduce")]
         + [(mod, "forward", "forward") for mod in pm.engine.modules.values()],
         "torch": [(st, "forward_one_chunk", "forward") for st in stages]
@@ -663,10 +582,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     ap.add_argument("--profile", action="store_true", help="add per-action times per rank, both systems")
     ap.add_argument("--ablations", action="store_true",
-                    help="also time threefold with sends posted before receives, and with receives "
-                         "posted early and waited late (proposed runtime changes)")
+                    help="also time threefold with blocking receives at their place in the list "
+                         "(the engine before issue 13)")
     ap.add_argument("--only", choices=["1f1b", "interleaved"], default="", help="run just one schedule")
-    for f in ("n_layer", "n_embd", "n_head", "seq", "batch", "microbatches", "warmup", "iters"):
+    for f in ("n_layer", "n_embd", "n_head", "vocab_size", "seq", "batch", "microbatches", "warmup", "iters"):
         ap.add_argument("--" + f.replace("_", "-"), type=int, dest=f)
     args = ap.parse_args(argv)
     over = dict(QUICK) if args.quick else {}
