@@ -1,6 +1,6 @@
 """The main job against a plain PyTorch loop: same model, data, optimizer and schedule.
 
-    python bench/train_vs_eager.py [train flags...] [--threads N] [--skip-threefold]
+    python bench/train_vs_eager.py [train flags...] [--threads N (default 1)] [--skip-threefold]
 
 Runs (1) a single-process eager loop written with nothing but torch (AdamW with decay on
 Linear matrices only, linear warmup + cosine, global-norm clipping, the same validation
@@ -94,7 +94,8 @@ def threefold_train(argv: list[str]) -> tuple[dict, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(p, skip=("spec", "out", "json", "force"))
-    p.add_argument("--threads", type=int, default=2, help="torch threads of the eager loop (default 2)")
+    # 1 by default: on a shared 2-core machine two OpenMP threads ran 8x slower than one
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the eager loop (default 1)")
     p.add_argument("--skip-threefold", action="store_true", help="run the eager loop only")
     args = p.parse_args()
     cfg = from_args(args)
