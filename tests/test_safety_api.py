@@ -1,4 +1,4 @@
-"""The API as documented: pm(x) on a loss-compiled model says what to do; parallelize under
+"""The API as documented: pm(x) on a loss-compiled model returns the model's outputs; parallelize under
 torchrun joins the job from the environment; no temporary files are left behind."""
 import os
 import re
@@ -26,15 +26,31 @@ class Tiny(torch.nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-def test_call_returns_outputs_without_a_loss_and_a_clear_error_with_one():
+class TwoOut(Tiny):
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.b(h), h.sum()
+
+
+def test_call_returns_outputs_with_and_without_a_loss():
     torch.manual_seed(0)
     model, x = Tiny(), torch.randn(4, 8)
     pm = threefold.parallelize(model, "", (x,))
     (out,) = pm(x)
     assert torch.allclose(out, model(x), atol=1e-6)
-    with_loss = threefold.parallelize(model, "", (x,), torch.nn.functional.mse_loss, target=torch.zeros(4, 4))
-    with pytest.raises(PlanError, match="compiled with loss_fn"):
-        with_loss(x)
+    with_loss = threefold.parallelize(model, "m=2", (x,), torch.nn.functional.mse_loss, target=torch.zeros(4, 4))
+    (out,) = with_loss(x)        # the model's outputs, as eager gives them; no target needed
+    assert torch.allclose(out, model(x), rtol=1e-5, atol=1e-6)
+    assert with_loss.evaluate(x, target=torch.zeros(4, 4)) == pytest.approx(float((model(x) ** 2).mean().detach()), rel=1e-5)
+
+
+def test_call_names_an_output_the_loss_never_reads():
+    torch.manual_seed(0)
+    model, x = TwoOut(), torch.randn(4, 8)
+    pm = threefold.parallelize(model, "", (x,), lambda out, y: torch.nn.functional.mse_loss(out[0], y),
+                               target=torch.zeros(4, 4))
+    with pytest.raises(PlanError, match="model output 1 is not read by the loss_fn"):
+        pm(x)
 
 
 TORCHRUN_JOB = textwrap.dedent('''

@@ -52,15 +52,16 @@ class ParallelModule:
 
     def forward(self, *inputs):
         """Forward-only inference: the model's outputs per microbatch on the last stage
-        (concatenated along the batch), None on other stages."""
-        if self.manifest.has_loss:
-            raise PlanError("pm(x) returns model outputs, but this model was compiled with loss_fn, so its "
-                            "last stage computes only the loss: use pm.evaluate(x, target=y) for the loss, "
-                            "or parallelize without loss_fn for outputs")
+        (concatenated along the batch; this dp rank's share of it), None on other stages.
+        For a model compiled with a loss the last chunk's `model_outputs` method computes
+        them, gathering tensor-parallel shards (vocab-parallel logits) there only."""
+        with_loss = self.manifest.has_loss
+        if with_loss and self.manifest.model_outputs_missing:   # every rank refuses alike
+            raise PlanError(f"pm(x) cannot return the model's outputs: {self.manifest.model_outputs_missing}")
         sched = forward_only(self.plan.pp, self.plan.microbatches, self.plan.interleave,
                              chunk_layout(self.plan.schedule))
         with torch.no_grad():
-            self.engine.step(tuple(inputs), train=False, schedule=sched)
+            self.engine.step(tuple(inputs), train=False, schedule=sched, model_outputs=with_loss)
         outs = self.engine.last_outputs
         if not outs:
             return None

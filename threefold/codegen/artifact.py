@@ -6,12 +6,14 @@ import os
 
 import torch
 
+from threefold.codegen.model_outputs import missing_reason
 from threefold.codegen.python import content_hash, generate_module
 from threefold.compiler.program import Program, tf
 from threefold.runtime.loader import BATCH_FILE, MANIFEST, Artifact, open_artifact
 from threefold.runtime.manifest import ChunkEntry, LossForm, Manifest, TensorSpec
 from threefold.runtime.mesh import chunk_layout, stage_of
 from threefold.runtime.shard import rank_state
+from threefold.placement import parse as parse_placement
 
 
 def chunk_state(prog: Program, chunk, tp_rank: int) -> dict[str, torch.Tensor]:
@@ -111,7 +113,7 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
     plan = prog.plan
 
     def spec(b) -> TensorSpec:   # a stages.BoundarySpec, as the manifest writes it
-        return TensorSpec(b.name, b.shape, _dtype(b.dtype), str(b.placement))
+        return TensorSpec(b.name, b.shape, _dtype(b.dtype), parse_placement(b.placement))
 
     holders: dict[str, list[int]] = {}
     for c in prog.chunks:
@@ -152,6 +154,7 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
         loss=LossForm.from_json(prog.loss_form),
         batch_dims=prog.batch_dims,
         output_batch_dims=prog.output_batch_dims,
+        model_outputs_missing=missing_reason(prog),
         frozen=tuple(sorted({tf(n)["fqn"] for _, n in prog.chunk_nodes()
                              if n.op == "placeholder" and tf(n).get("frozen")})),
         notes=tuple(prog.notes),

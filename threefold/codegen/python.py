@@ -91,6 +91,17 @@ class _ClassWriter:
             lines += [""] + self._method("loss_denominator", den.graph)
             den_inputs = [tf(n)["input_index"] for n in den.graph.nodes
                           if n.op == "placeholder" and tf(n)["kind"] == "input"]
+        outputs_attr = None
+        if is_last and self.prog.has_loss and self.prog.model_outputs:
+            # pm(x) on a model compiled with a loss: the model's outputs, whole (see
+            # codegen/model_outputs.py); forward (training) is left exactly as it is
+            from threefold.codegen.model_outputs import model_outputs_graph
+            g = model_outputs_graph(self.gm, self.prog.model_outputs, self.prog.model_output_meta,
+                                    self.prog.plan.tp)
+            if not isinstance(g, str):
+                lines += [""] + self._method("model_outputs", g)
+                outputs_attr = "    MODEL_OUTPUT_INPUTS = " + repr(
+                    [tf(n)["input_index"] for n in g.nodes if n.op == "placeholder" and tf(n)["kind"] == "input"])
 
         def spec(n):
             val = n.meta["val"]
@@ -111,6 +122,8 @@ class _ClassWriter:
         if den_inputs is not None:
             cls.append(f"    DENOMINATOR_INPUTS = {den_inputs!r}")
         cls.append(f"    OUTPUTS = {self.chunk.output_names!r}")
+        if outputs_attr:
+            cls.append(outputs_attr)
         cls.append("")
         imports = ["import torch", "", "from threefold.runtime.module import ChunkModule"]
         imports += sorted(self.imports)

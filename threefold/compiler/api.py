@@ -68,7 +68,8 @@ def _output_batch_dims(prog: Traced, dims: list, batch: tuple, parts: int) -> li
     rows = prog.micro_rows
     split = [d for d in dims if d is not None]
     out = []
-    for meta in prog.output_meta:
+    # with a loss the graph's output is the loss; pm(x) returns the model's outputs
+    for meta in (prog.model_output_meta if prog.has_loss else prog.output_meta):
         hits = [d for d, s in enumerate(meta.shape) if rows is not None and s == rows]
         if len(hits) > 1 and split and split[0] in hits:
             hits = [split[0]]

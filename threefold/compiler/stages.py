@@ -118,6 +118,11 @@ class Stage:
     batch_dims: list | None = None   # per user input: its batch dim, None = not split
     micro_rows: int | None = None    # rows (batch-dim length) of the traced microbatch
     output_batch_dims: list | None = None  # per model output: its batch dim (forward-only)
+    # With a loss: the model's own outputs (the loss_fn's input) by value name, None where
+    # the loss does not read one, and their full shapes; pm(x) returns them (codegen writes
+    # the last chunk's `model_outputs` method, codegen/model_outputs.py)
+    model_outputs: tuple = ()
+    model_output_meta: tuple = ()
 
     @property
     def is_meta(self) -> bool:

@@ -33,7 +33,11 @@ from threefold.plan import Plan
 
 
 class _ModelWithLoss(torch.nn.Module):
-    """Puts the loss in the graph: forward(*inputs, target) -> loss_fn(model(*inputs), target)."""
+    """Puts the loss in the graph: forward(*inputs, target) -> loss_fn(model(*inputs), target).
+
+    With a loss it also returns the model's own tensor outputs after the loss, so the graph
+    knows which values they are (`pm(x)` returns them); _to_program keeps only the loss as
+    the graph's output and records their names (`model_outputs`)."""
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable | None):
         super().__init__()
@@ -44,7 +48,16 @@ class _ModelWithLoss(torch.nn.Module):
         if self.loss_fn is None:
             return self.model(*args)
         *inputs, target = args
-        return self.loss_fn(self.model(*inputs), target)
+        out = self.model(*inputs)
+        # an alias of each output, taken before the loss runs: the loss may hand a tensor
+        # back as itself (broadcast_tensors), which would make the trace name it after the
+        # loss op; _to_program reads each alias's input and drops the aliases
+        marks = [torch.ops.aten.alias.default(t) for t in torch.utils._pytree.tree_leaves(out)
+                 if isinstance(t, torch.Tensor)]
+        loss = self.loss_fn(out, target)
+        if not isinstance(loss, torch.Tensor):   # not one loss tensor: _to_program says so
+            return loss
+        return (loss, *marks)
 
 
 def trace(model: torch.nn.Module, inputs: tuple, target=None, loss_fn: Callable | None = None,
@@ -194,10 +207,20 @@ def _to_program(ep, model, wrapper, num_model_inputs: int, has_loss: bool, plan:
     input_names = [n.name for n in graph.nodes if n.op == "placeholder" and tf(n)["kind"] == "input"]
     _inline_higher_order_ops(gm)
     _record_module_paths(graph)
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    model_outputs, model_output_meta = [], []
+    if has_loss and len(out_node.args[0]) > 1 and all(  # (loss, *model outputs): keep the loss
+            isinstance(v, fx.Node) and isinstance(v.meta.get("val"), torch.Tensor) for v in out_node.args[0]):
+        loss, *values = out_node.args[0]
+        out_node.args = ((loss,),)
+        values = [v.args[0] if v.target is torch.ops.aten.alias.default else v for v in values]
+        model_outputs = [v.name for v in values]
+        model_output_meta = [TensorMeta.of(v.meta["val"]) for v in values]
     graph.eliminate_dead_code()
     gm.recompile()
+    alive = {n.name for n in graph.nodes}   # an output the loss does not read is gone now
+    model_outputs = [n if n in alive else None for n in model_outputs]
 
-    out_node = next(n for n in graph.nodes if n.op == "output")
     outs = out_node.args[0]
     output_meta = [TensorMeta.of(o.meta["val"]) for o in outs if isinstance(o, fx.Node)
                    and isinstance(o.meta.get("val"), torch.Tensor)]
@@ -207,6 +230,7 @@ def _to_program(ep, model, wrapper, num_model_inputs: int, has_loss: bool, plan:
     return Traced(name=type(model).__name__, gm=gm, plan=plan, state=state, ties=ties,
                   input_names=tuple(input_names), num_model_inputs=num_model_inputs,
                   has_loss=has_loss, output_meta=tuple(output_meta),
+                  model_outputs=tuple(model_outputs), model_output_meta=tuple(model_output_meta),
                   pass_log=(("export", getattr(ep, "_threefold_export_seconds", 0.0)),))
 
 

@@ -49,6 +49,7 @@ class _StepState:
     losses: list = field(default_factory=list)
     denominator: float = 1.0                            # the global loss denominator D
     outputs: list = field(default_factory=list)         # forward-only outputs (no loss)
+    model_outputs: bool = False                         # pm(x) with a loss: the model's outputs
     inflight: int = 0
     peak: int = 0
     split: bool = False                                 # zero bubble: B and W run apart
@@ -149,24 +150,30 @@ class PipelineEngine:
                 p.grad.zero_()
 
     # -- one iteration ---------------------------------------------------------------------
-    def step(self, batch: tuple, train: bool = True, schedule: Schedule | None = None) -> float:
-        """Run all microbatches of the global `batch` (model inputs..., target); mean loss."""
+    def step(self, batch: tuple, train: bool = True, schedule: Schedule | None = None,
+             model_outputs: bool = False) -> float:
+        """Run all microbatches of the global `batch` (model inputs..., target); mean loss.
+        `model_outputs` (forward only, no target in `batch`): the last chunk computes the
+        model's outputs instead of the loss (its `model_outputs` method), kept in last_outputs."""
         start = time.perf_counter()
         schedule = schedule or self.schedule
-        st = _StepState(micro=self._microbatches(batch, schedule.m), m=schedule.m, train=train,
+        st = _StepState(micro=self._microbatches(batch, schedule.m), m=schedule.m, train=train, model_outputs=model_outputs,
                         split=train and schedule.splits_backward)
         for mod in self.modules.values():
             mod.train(train)  # generated code reads self.training (dropout, batch norm)
         if train and self._optimizer_needed and self.plan_optimizer is None:
             from threefold.errors import PlanError
             raise PlanError(self._optimizer_needed)
-        st.denominator = self._global_denominator(st) if self.has_loss else 1.0
+        with_loss = self.has_loss and not model_outputs
+        st.denominator = self._global_denominator(st) if with_loss else 1.0
         self._step_count += 1
         handlers = {Kind.FORWARD: self._forward, Kind.SEND_ACT: self._send_act,
                     Kind.BACKWARD: self._backward_action, Kind.SEND_GRAD: self._send_grad,
                     Kind.WEIGHT: self._weight_action}
         actions = schedule.actions[self.stage]
         rx, loss_after = self._step_plan(schedule)
+        if not with_loss:   # pm(x) with a loss: no loss to all-reduce
+            loss_after = None
         if loss_after is not None and loss_after < 0:
             self._post_loss(st)
         for i, a in enumerate(actions):
@@ -196,7 +203,7 @@ class PipelineEngine:
                     _unflatten_into(flat, grads, scale=1.0 / self.mesh.dp)
             self._sum_tied()
             self._sync_tp_grads()
-        loss = self._global_loss(st.losses, st.denominator, st.loss_posted) if self.has_loss else float("nan")
+        loss = self._global_loss(st.losses, st.denominator, st.loss_posted) if with_loss else float("nan")
         self.stats = StepStats(time.perf_counter() - start, st.peak, loss)
         self.last_outputs = st.outputs
         return loss
@@ -239,18 +246,21 @@ class PipelineEngine:
         key = (a.chunk, a.mb)
         slot = st.slots.setdefault(key, _Slot(inputs=[]))
         mod = self.modules[a.chunk]
-        user = [st.micro[a.mb][j] for j in mod.USER_INPUTS]
+        is_last = a.chunk == self.num_chunks - 1
+        # pm(x) with a loss: the last chunk's model_outputs method (codegen/model_outputs.py)
+        fn, reads = ((mod.model_outputs, mod.MODEL_OUTPUT_INPUTS) if is_last and st.model_outputs
+                     else (mod, mod.USER_INPUTS))
+        user = [st.micro[a.mb][j] for j in reads]
         # random ops seed from (step, global microbatch): independent across dp ranks too
         mod.rng_key = (self._rng_base, self._step_count, self.coord.dp * st.m + a.mb)
         # zero bubble: the module's deferred ops keep what W needs here (runtime/weight_grad.py)
         mod.weight_stash = st.deferred.setdefault(key, []) if st.split else None
         with torch.set_grad_enabled(st.train):
-            outs = list(mod(*slot.inputs, *user))
+            outs = list(fn(*slot.inputs, *user))
         st.inflight += 1
         st.peak = max(st.peak, st.inflight)
-        is_last = a.chunk == self.num_chunks - 1
         if is_last:
-            if self.has_loss:
+            if self.has_loss and not st.model_outputs:
                 st.losses.append(outs[0].detach())
             else:
                 st.outputs.append([o.detach() for o in outs])

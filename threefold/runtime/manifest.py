@@ -19,7 +19,9 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from threefold import placement as placements
 from threefold.errors import PlanError
+from threefold.placement import Placement
 from threefold.plan import Plan
 from threefold.runtime.mesh import Mesh, chunk_layout, stage_of
 from threefold.runtime.shard import ShardSpec
@@ -31,12 +33,13 @@ MAX_RANKS = 1 << 16                # a mesh beyond this is a corrupt manifest, n
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One tensor crossing a chunk boundary (or a model input/output): its name in the
-    graph, local (per tp rank) shape, dtype name and tensor-parallel placement."""
+    """One tensor crossing a chunk boundary (or a model input): its name in the graph,
+    local (per tp rank) shape, dtype name and tensor-parallel placement (typed,
+    threefold/placement.py; the JSON holds its text, parsed once here)."""
     name: str
     shape: tuple[int, ...]
     dtype: str
-    placement: str = "R"       # the TP pass's placement text: "R", "R(f)", "S(2)", ...
+    placement: Placement = placements.R
 
     @property
     def numel(self) -> int:
@@ -46,15 +49,13 @@ class TensorSpec:
         return n
 
     def to_json(self) -> dict:
-        out = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
-        if self.placement is not None:
-            out["placement"] = self.placement
-        return out
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
+                "placement": str(self.placement)}
 
     @classmethod
     def from_json(cls, d: dict) -> "TensorSpec":
         return cls(str(d.get("name", "")), tuple(int(s) for s in d["shape"]), str(d["dtype"]),
-                   d.get("placement", "R"))
+                   placements.parse(d.get("placement")))
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,9 @@ class Manifest:
     batch_dims: list | None = None              # per user input: its batch dim (None: whole)
     output_batch_dims: list | None = None       # per model output: its batch dim
     frozen: tuple[str, ...] = ()
+    # with a loss: why pm(x) cannot return the model's outputs ('' = it can: the last
+    # chunk's `model_outputs` method computes them; codegen/model_outputs.py)
+    model_outputs_missing: str = ""
     notes: tuple[str, ...] = ()
     files: dict[str, str] = field(default_factory=dict)   # relative path -> sha256
     threefold_version: str = ""
@@ -209,6 +213,7 @@ class Manifest:
             "batch_dims": self.batch_dims,
             "output_batch_dims": self.output_batch_dims,
             "frozen": list(self.frozen),
+            "model_outputs_missing": self.model_outputs_missing,
         }
         out.update({k: v for k, v in self.extra.items() if k not in out})
         return out
@@ -244,6 +249,7 @@ class Manifest:
                 batch_dims=m.get("batch_dims"),
                 output_batch_dims=m.get("output_batch_dims"),
                 frozen=tuple(m.get("frozen", [])),
+                model_outputs_missing=m.get("model_outputs_missing", _OLD_OUTPUTS if m.get("has_loss") else ""),
                 notes=tuple(m.get("notes", [])),
                 files=dict(m["files"]),
                 threefold_version=m.get("threefold_version", ""),
@@ -261,6 +267,9 @@ class Manifest:
         except ValueError as exc:
             raise PlanError(f"artifact {root!r}: {MANIFEST} is not valid JSON ({exc}); recompile the artifact") from None
         return cls.from_json(data, root)
+
+
+_OLD_OUTPUTS = "the artifact was compiled before forward-only outputs existed; recompile it"
 
 
 # -- validation (before anything a manifest names is touched) --------------------------------

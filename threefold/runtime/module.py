@@ -17,6 +17,9 @@ class ChunkModule(torch.nn.Module):
     USER_INPUTS: list[int] = []  # batch entries read directly (model inputs, then target)
     OUTPUTS: list[str] = []      # values returned (boundary values sent on, or the loss)
     FROZEN: list[str] = []       # parameters with requires_grad=False in the model
+    # last chunk of a model compiled with a loss: batch entries its `model_outputs` method
+    # reads (pm(x) returns the model's outputs; codegen/model_outputs.py)
+    MODEL_OUTPUT_INPUTS: list[int] = []
     tp_group = None              # tensor-parallel process group, set by the runtime
     # (base seed, step, global microbatch): set by the engine before each forward
     rng_key: tuple[int, int, int] = (0, 0, 0)
