@@ -86,5 +86,6 @@ def run(args) -> int:
     if args.json:
         print(dumps({"checkpoint": ckpt, "prompt": args.prompt, "text": text, "tokens": len(ids) - len(prompt)}))
     else:
-        print(args.prompt + text)
+        from threefold.cli.train_cmd import printable
+        print(printable(args.prompt + text))
     return 0

@@ -113,7 +113,11 @@ def run(args) -> int:
                               f"{plan.world_size} ranks)", enabled=not cfg.json):
             validate_in_parent(cfg, plan)
     live = _live_dir(cfg.out)
-    result = run_on_ranks(_train_rank, plan.world_size, cfg, not cfg.json, ckpt_dir, resume, live)[0]
+    try:
+        result = run_on_ranks(_train_rank, plan.world_size, cfg, not cfg.json, ckpt_dir, resume, live)[0]
+    except BaseException:
+        _keep_or_drop(live)
+        raise
     from threefold.cli.jobs import is_main_rank
     if not is_main_rank():
         return 1 if result["stopped"] else 0
@@ -159,6 +163,24 @@ def _live_dir(out: str) -> str | None:
     return live
 
 
+def _keep_or_drop(live: str | None) -> None:
+    """A failed run: keep the staging directory if it holds steps (and say where), else drop it."""
+    if not live:
+        return
+    log = os.path.join(live, "metrics.jsonl")
+    if os.path.isfile(log) and os.path.getsize(log) > 0:
+        print(f"threefold train: the metrics of the steps run are in {live}", file=sys.stderr)
+    else:
+        import shutil
+        shutil.rmtree(live, ignore_errors=True)   # ours, and empty of results
+
+
+def printable(text: str) -> str:
+    """Model output for a terminal: control characters (an untrained byte model emits escape
+    sequences too) shown as U+FFFD; newlines and tabs kept. sample.txt keeps the raw text."""
+    return "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)
+
+
 def summary_text(summary: dict) -> str:
     val = ""
     if summary.get("first_val_loss") is not None:
@@ -167,6 +189,6 @@ def summary_text(summary: dict) -> str:
              f"{summary['final_loss']:.4f}{val}, {summary['tokens_per_second']:,.0f} tokens/s, "
              f"{summary['model_flops_per_second'] / 1e9:.2f} model GFLOP/s, {summary['seconds']:.1f} s"]
     if summary.get("sample") is not None:
-        lines.append("sample:\n" + summary["sample"])
+        lines.append("sample:\n" + printable(summary["sample"]))
     lines.append(f"loss curve: {summary['plot']} (also lr.png, tokens_per_second.png, metrics.jsonl)")
     return "\n".join(lines)
