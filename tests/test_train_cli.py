@@ -16,11 +16,13 @@ def _threefold(*args, timeout=300):
                           text=True, timeout=timeout)
 
 
-def test_batch_or_seq_for_a_fixed_batch_spec_is_one_line(tmp_path):
-    out = _threefold("train", "tests/train_specs.py:fixed", "--seq", "8", "--steps", "1",
-                     "--out", str(tmp_path / "o"), timeout=120)
-    assert out.returncode == 2, out.stderr
-    assert "--seq 8 means nothing for SPEC" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+def test_batch_or_seq_for_a_fixed_batch_spec_is_one_line(tmp_path, capsys, monkeypatch):
+    from threefold.cli.main import main
+    monkeypatch.chdir(ROOT)
+    assert main(["train", "tests/train_specs.py:fixed", "--seq", "8", "--steps", "1", "--json",
+                 "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "--seq 8 means nothing for SPEC" in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.slow
@@ -80,3 +82,12 @@ def test_generate_from_an_embedded_run_checkpoint_matches_the_runs_sample(tmp_pa
     assert texts[0] == texts[1] and json.loads(greedy[0].stdout)["tokens"] == 8
     bad = _threefold("generate", str(tmp_path), "--prompt", "x", timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("flags,word", [(["--tokens", "-1"], "--tokens -1"), (["--temperature", "-1"], "--temperature"),
+                                        (["--temperature", "nan"], "--temperature"), (["--top-k", "0"], "--top-k 0")])
+def test_generate_bad_numbers_are_one_line(tmp_path, capsys, flags, word):
+    from threefold.cli.main import main
+    assert main(["generate", str(tmp_path), "--prompt", "x", *flags]) == 2
+    err = capsys.readouterr().err
+    assert word in err and len(err.strip().splitlines()) == 1, err
