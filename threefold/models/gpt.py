@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 @dataclass
 class GPTConfig:
-    vocab_size: int = 96     # tokens (the embedded corpus is character-level)
+    vocab_size: int = 96     # tokens (the main job sets it from its tokenizer: 256 bytes by default)
     block_size: int = 64     # longest sequence the position table covers
     n_layer: int = 4         # transformer blocks
     n_head: int = 4          # attention heads per block
