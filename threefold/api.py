@@ -13,8 +13,6 @@ import os
 
 import torch
 
-from threefold.codegen.artifact import build_manifest, build_sources
-from threefold.compiler.api import compile_workload
 from threefold.errors import PlanError
 from threefold.plan import Plan
 from threefold.runtime.assemble import assemble_rank, check_world, default_device
@@ -148,7 +146,8 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
     from threefold.checkpoint.weights import WeightSource, traceable
     with traceable(model):   # meta parameters: shapes suffice to compile
         prog, payload = _compile_once(rank, Workload(model, example_inputs, target, loss_fn,
-                                                        batch_dims=batch_dims), plan)
+                                                        batch_dims=batch_dims), plan,
+                                      isolate=weights is not None)
     sources, manifest = payload["sources"], payload["manifest"]
     # The sources are imported from memory (no temporary files to leave behind); with a
     # workdir they are also written there, for reading and debugging.
@@ -207,22 +206,27 @@ def _join_torchrun_job() -> None:
         init_from_env()
 
 
-def _compile_once(rank: int, workload: Workload, plan: Plan):
+def _compile_once(rank: int, workload: Workload, plan: Plan, isolate: bool = False):
     """Rank 0 compiles; the sources and manifest reach the other ranks by broadcast.
 
     Tracing is deterministic, so every rank could compile for itself; doing it once saves
-    (world - 1) compiles, which on a shared machine is most of the start-up time.
+    (world - 1) compiles, which on a shared machine is most of the start-up time. With
+    `isolate` (weights read from files: the model may be large) rank 0 compiles in a forked
+    child, so torch.export's ~190 MB of code never stays in a rank (threefold/isolated.py).
     """
     import torch.distributed as dist
+    from threefold.isolated import fork_available, run_in_child
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     prog, payload = None, None
     if rank == 0:
         try:
-            prog = compile_workload(workload, plan)
-            sources = build_sources(prog)
-            payload = {"sources": sources,
-                       "manifest": build_manifest(prog, sources, {}, with_weights=False),
-                       "constants": {k: v for k, v in prog.state.items() if k.startswith("_const.")}}
+            if isolate and fork_available():
+                stage_bytes, payload = run_in_child(_compile_payload, workload, plan, True,
+                                                    what="compiling on rank 0")
+                from threefold.compiler.stage_io import stage_from_bytes
+                prog = stage_from_bytes(stage_bytes)
+            else:
+                prog, payload = _compile_payload(workload, plan)
         except PlanError as exc:
             payload = {"error": str(exc), "plan_error": True}
         except Exception as exc:
@@ -230,6 +234,7 @@ def _compile_once(rank: int, workload: Workload, plan: Plan):
             if world > 1:
                 dist.broadcast_object_list([payload], src=0)
             raise
+        _return_freed_memory()
     if world > 1:
         box = [payload]
         dist.broadcast_object_list(box, src=0)
@@ -237,6 +242,32 @@ def _compile_once(rank: int, workload: Workload, plan: Plan):
     if "error" in payload:
         raise (PlanError if payload["plan_error"] else RuntimeError)(payload["error"])
     return prog, payload
+
+
+def _compile_payload(workload: Workload, plan: Plan, as_bytes: bool = False):
+    """(program, what every rank needs from it: sources, manifest, lifted constants); the
+    program as stage bytes (shapes, no weights) when it must leave a child process."""
+    # imported here: only the compiling rank (or its child) pays for the compiler's imports
+    from threefold.codegen.artifact import build_manifest, build_sources
+    from threefold.compiler.api import compile_workload
+    from threefold.compiler.stage_io import stage_to_bytes
+    prog = compile_workload(workload, plan)
+    sources = build_sources(prog)
+    return stage_to_bytes(prog) if as_bytes else prog, {"sources": sources,
+                  "manifest": build_manifest(prog, sources, {}, with_weights=False),
+                  "constants": {k: v for k, v in prog.state.items() if k.startswith("_const.")}}
+
+
+def _return_freed_memory() -> None:
+    """Give the tracer's garbage back to the OS before the weights are read, so the compiling
+    rank's peak is not its compile plus its shard (glibc keeps freed heap otherwise)."""
+    import ctypes
+    import gc
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc: nothing to trim
+        pass
 
 
 def _full_state(model: torch.nn.Module, constants: dict) -> dict:

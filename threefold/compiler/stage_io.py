@@ -155,3 +155,15 @@ def load_stage(directory: str):
     if not isinstance(stage, Stage):
         raise PlanError(f"{path} holds a {type(stage).__name__}, not a compiler stage")
     return stage
+
+
+def stage_to_bytes(stage, weights: bool = False) -> bytes:
+    """`stage` pickled as save_stage writes it (for a compile done in a child process)."""
+    buf = io.BytesIO()
+    _StagePickler(buf, weights).dump(stage)
+    return buf.getvalue()
+
+
+def stage_from_bytes(data: bytes):
+    """The stage `stage_to_bytes` wrote (trusted bytes only: this runs pickle)."""
+    return pickle.loads(data)
