@@ -175,6 +175,19 @@ def _zero_checkpoint_round_trip(root):
         w2, pm2, opt2 = build(plan)
         threefold.load(pm2, opt2, root)
         out[plan] = train(w2, pm2, opt2, 2)
+    # fp16: the loss scale reached (here grown every step) is saved and restored
+    from threefold.runtime.mixed_precision import LossScaler
+    scaled = []
+    for _ in range(2):
+        w3 = load_workload("gpt", **GPT)
+        pm3 = threefold.parallelize(w3["model"], "dp=2,zero=1,dtype=fp16", w3["inputs"], w3["loss_fn"],
+                                    target=w3["target"])
+        scaled.append((w3, pm3, pm3.optimizer(torch.optim.AdamW, lr=1e-2,
+                                              loss_scaler=LossScaler(init_scale=256.0, growth_interval=1))))
+    train(*scaled[0], 2)
+    threefold.save(scaled[0][1], scaled[0][2], root + "-fp16", step=2)
+    threefold.load(scaled[1][1], scaled[1][2], root + "-fp16")
+    out["scales"] = (scaled[0][2].scaler.scale, scaled[1][2].scaler.scale, scaled[1][1].engine.loss_scale)
     return out
 
 
@@ -186,6 +199,7 @@ def test_zero1_checkpoint_round_trips_and_loads_under_zero0(tmp_path):
         assert r["dp=2,zero=1"] == r["expected"]                  # same plan: bitwise
         for plan in ("dp=2", "dp=2,tp=1,m=2,zero=1"):            # other layouts: fp32 parity
             assert max(abs(a - b) / b for a, b in zip(r[plan], r["expected"])) < 1e-5, (plan, r)
+        assert r["scales"] == (1024.0, 1024.0, 1024.0), r["scales"]   # 256 doubled twice, restored
 
 
 @pytest.mark.slow

@@ -47,6 +47,9 @@ def load(pm, optimizer, directory: str) -> dict:
         sd[key] = value
     if optimizer is not None and state.GROUPS in md.state_dict_metadata:
         sd[state.GROUPS] = None
+    scaler = getattr(optimizer, "scaler", None)   # fp16 (runtime/mixed_precision.LossScaler)
+    if scaler is not None and state.SCALER in md.state_dict_metadata:
+        sd[state.SCALER] = None
     sd[state.META] = None
     same_layout = index.get("plan") == str(pm.plan) and index.get("world") == world
     rng_key = f"rng.rank{rank if same_layout else 0}"
@@ -64,6 +67,9 @@ def load(pm, optimizer, directory: str) -> dict:
 
     if optimizer is not None:
         _apply_optimizer(optimizer, moments, sd)
+    if scaler is not None and sd.get(state.SCALER):
+        scaler.load_state_dict(sd[state.SCALER])
+        pm.engine.loss_scale = scaler.scale
     meta = sd[state.META] or {}
     pm.engine._step_count = int(meta.get("engine_step", pm.engine._step_count))
     pm.engine._rng_base = int(meta.get("rng_base", pm.engine._rng_base))

@@ -76,6 +76,8 @@ def _collect(pm, optimizer, step, extra, rank) -> dict:
         sd.update(state.optimizer_state(pm, optimizer))
         if rank == 0:
             sd[state.GROUPS] = state.param_groups(optimizer)
+            if hasattr(optimizer, "scaler"):   # fp16: resume at the scale training had reached
+                sd[state.SCALER] = optimizer.scaler.state_dict()
     if rank == 0:
         sd[state.META] = {"step": step, "extra": extra, "engine_step": pm.engine._step_count,
                           "rng_base": pm.engine._rng_base}

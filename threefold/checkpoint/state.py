@@ -14,6 +14,7 @@ from threefold.errors import PlanError
 from threefold.runtime.shard import ShardSpec
 
 MODEL, OPTIM, GROUPS, META = "model.", "optim.", "optim.param_groups", "meta"
+SCALER = "loss_scaler"   # fp16's dynamic loss scale (runtime/mixed_precision.LossScaler), rank 0
 
 
 def full_shapes(manifest: dict) -> dict[str, tuple[list[int], str]]:
