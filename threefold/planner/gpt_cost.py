@@ -35,10 +35,10 @@ def gpt_model_cost(layers: int, hidden: int, heads: int, vocab: int = 51200, seq
         Op("layernorm1",            bytes_repl=2 * B * h),
         Op("qkv_gemm",              flops_split=2 * h * 3 * h, bytes_split=B * 3 * h, bytes_repl=B * h,
            weight_bytes=B * 3 * h * h, matmul=True),
-        Op("scores_bmm",            flops_split=2 * s * h, bytes_split=B * (2 * h + A), matmul=True),
-        Op("scale_mask_softmax",    bytes_split=2 * B * A),                 # fused: read + write
-        Op("attention_dropout",     bytes_split=2 * B * A + A),             # read, write, 1-byte mask
-        Op("context_bmm",           flops_split=2 * s * h, bytes_split=B * (A + 2 * h), matmul=True),
+        Op("scores_bmm",            flops_split=2 * s * h, bytes_split=B * (2 * h + A), matmul=True, selective=True),
+        Op("scale_mask_softmax",    bytes_split=2 * B * A, selective=True),                 # fused: read + write
+        Op("attention_dropout",     bytes_split=2 * B * A + A, selective=True),             # read, write, 1-byte mask
+        Op("context_bmm",           flops_split=2 * s * h, bytes_split=B * (A + 2 * h), matmul=True, selective=True),
         Op("context_transpose",     bytes_split=2 * B * h),                 # [b,a,s,d] -> [s,b,h]
         Op("dense_gemm",            flops_split=2 * h * h, bytes_split=B * h, bytes_repl=B * h,
            weight_bytes=B * h * h, matmul=True),

@@ -23,6 +23,7 @@ planner's per-layer `ModelCost` (`stage_memory`: a model too large to compile pe
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
@@ -79,11 +80,11 @@ def optimizer_bytes(shapes: list[tuple[int, ...]], plan, dp_rank: int = 0,
     return total
 
 
-def peak_inflight(plan, stage: int, chunk_bytes: dict[int, float]) -> float:
+def peak_inflight(plan, stage: int, chunk_bytes: dict[int, float], sched=None) -> float:
     """The most activation bytes a stage holds at once under the plan's schedule: walk its
     compute actions (runtime/schedule.py); a (chunk, mb) holds chunk_bytes[chunk] from its
     forward to the last compute action (B, or a later weight-gradient action) that names it."""
-    sched = make_schedule(plan.schedule, plan.pp, plan.microbatches, plan.interleave)
+    sched = sched or make_schedule(plan.schedule, plan.pp, plan.microbatches, plan.interleave)
     actions = [a for a in sched.actions[stage] if a.is_compute or a.kind.value == "W"]
     last = {}
     for i, a in enumerate(actions):
@@ -97,6 +98,24 @@ def peak_inflight(plan, stage: int, chunk_bytes: dict[int, float]) -> float:
         if last[key] == i and a.kind.value != "F":
             live -= chunk_bytes.get(a.chunk, 0.0)
     return peak
+
+
+def _inflight(schedule: str, pp: int, m: int, v: int, stage: int) -> int:
+    return _inflight_stages(schedule, pp, m, v)[stage]
+
+
+@functools.lru_cache(maxsize=1024)
+def _inflight_stages(schedule: str, pp: int, m: int, v: int) -> tuple[int, ...]:
+    from threefold.errors import PlanError
+    from threefold.plan import Plan
+    from threefold.runtime.schedule import inflight_bound
+    try:
+        return tuple(inflight_bound(schedule, pp, m, v))
+    except PlanError:   # a schedule without a stated bound (zero bubble): walk its actions
+        plan = Plan(pp=pp, microbatches=m, interleave=v, schedule=schedule)
+        sched = make_schedule(schedule, pp, m, v)
+        ones = {c: 1.0 for c in range(plan.num_chunks)}
+        return tuple(int(peak_inflight(plan, r, ones, sched)) for r in range(pp))
 
 
 def inflight_count(plan, stage: int) -> int:
@@ -188,11 +207,11 @@ def stage_memory(model: ModelCost, cfg: Config, stage: int, n_layers: int, param
     tokens = cfg.microbatch_size * model.seq_len
     kept, rerun = layer_activation_bytes(model, plan, tokens)
     layers_per_chunk = math.ceil(n_layers / v)
-    chunk_bytes = {stage + k * p: layers_per_chunk * kept for k in range(v)}
-    last = p * v - 1
-    if last in chunk_bytes:
-        chunk_bytes[last] += model.post_act * tokens / (t if model.post_act_split else 1)
-    acts = peak_inflight(plan, stage, chunk_bytes)
+    # Every chunk of a stage holds the same layers here, so the peak is the schedule's count
+    # of in-flight (chunk, mb) pairs: the runtime's bound where it states one, else its walk.
+    acts = _inflight(plan.schedule, p, plan.microbatches, v, stage) * layers_per_chunk * kept
+    if stage == p - 1:
+        acts += model.post_act * tokens / (t if model.post_act_split else 1)
     # State: the ModelCost's 16-bit training (BYTES_PER_PARAM: 16-bit weight and gradient, fp32
     # master and moments), the moments and master sharded over dp under zero=1.
     per_param = BYTES_PER_PARAM

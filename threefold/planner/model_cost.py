@@ -36,6 +36,7 @@ class Op:
     matmul: bool = False          # runs on tensor cores (counts toward Eq. 3's FLOPs)
     flops_repl: float = 0.0       # FLOPs per token every tp rank runs whole
     weight_bytes_repl: float = 0.0  # bytes of replicated weights read once per microbatch
+    selective: bool = False       # recompute=selective reruns it in backward (the attention core)
 
     def seconds(self, tokens: float, tp: int, cluster: Cluster, dtype: str) -> float:
         flops = (self.flops_split / tp + self.flops_repl) * tokens

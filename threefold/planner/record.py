@@ -20,5 +20,7 @@ def plan_record(e: Estimate) -> dict:
         "iteration_s": e.iteration_s,
         "samples_per_s": e.samples_per_s,
         "time_shares": {k: round(v, 6) for k, v in e.shares.items()},
+        "recompute_mode": c.plan.recompute,       # none | selective | full ("recompute": full)
+        "zero": c.plan.zero,
         "plan": str(c.plan),
     }
