@@ -86,6 +86,16 @@ def test_text_data_with_a_local_tokenizer(tmp_path, hf_dir):
     assert d.tokenizer.decode(d.train[:9]) == TEXT[:len(d.tokenizer.decode(d.train[:9]))]
 
 
+def test_pretokenised_bin_gives_the_same_batches_as_its_text(tmp_path, hf_dir):
+    text_cfg = load_config(None, {"data": _write(tmp_path / "t.txt", TEXT), "tokenizer": hf_dir, "seq": 8})
+    ids = np.concatenate([load_data(text_cfg).train, load_data(text_cfg).val])
+    ids.astype(np.uint16).tofile(tmp_path / "t.bin")          # what a nanoGPT-style prepare script writes
+    bin_cfg = load_config(None, {"data": str(tmp_path / "t.bin"), "tokenizer": hf_dir, "seq": 8})
+    a, b = load_data(text_cfg), load_data(bin_cfg)
+    assert torch.equal(a.sampler(text_cfg).next()[0], b.sampler(bin_cfg).next()[0])
+    assert all(torch.equal(x[1], y[1]) for x, y in zip(a.val_batches(text_cfg), b.val_batches(bin_cfg)))
+
+
 def test_data_dtype_is_refused_for_text(tmp_path):
     cfg = load_config(None, {"data": _write(tmp_path / "t.txt", TEXT), "data_dtype": "uint32"})
     with pytest.raises(PlanError, match="--data-dtype uint32 applies to token-id files"):
