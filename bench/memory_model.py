@@ -62,5 +62,43 @@ def main():
               f"(8 + 8/d = {8 + 8 / d:.2f}; params and grads fp32 under every dtype)")
 
 
+def step_times(hidden=1024, heads=16, seq=256, layers=2, batch=2, steps=5):
+    """Median step time per recompute mode, one process, modes interleaved (load hits all alike)."""
+    import statistics
+    import time
+
+    import threefold
+    torch.manual_seed(0)
+    out = {}
+    pms = {}
+    for mode in ("none", "selective", "full"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=512, block_size=seq, n_layer=layers, n_head=heads, n_embd=hidden,
+                              dropout=0.1))
+        idx = torch.randint(0, 512, (batch, seq + 1), generator=torch.Generator().manual_seed(1))
+        pms[mode] = (threefold.parallelize(model, f"recompute={mode}", (idx[:, :-1],), lm_loss,
+                                           target=idx[:, 1:]), idx)
+    times = {m: [] for m in pms}
+    for pm, idx in pms.values():
+        pm.step(idx[:, :-1], target=idx[:, 1:])
+    for _ in range(steps):
+        for m, (pm, idx) in pms.items():
+            t = time.perf_counter()
+            pm.step(idx[:, :-1], target=idx[:, 1:])
+            times[m].append(time.perf_counter() - t)
+    base = statistics.median(times["none"])
+    print(f"step time, GPT L={layers} h={hidden} a={heads} s={seq} b={batch}, dropout 0.1, "
+          f"{torch.get_num_threads()} thread(s), median of {steps}:")
+    for m in pms:
+        med = statistics.median(times[m])
+        out[m] = med / base
+        print(f"  {m:<9} {med * 1e3:7.0f} ms  x{med / base:.3f}")
+    return out
+
+
 if __name__ == "__main__":
-    main()
+    if "--time" in sys.argv:
+        torch.set_num_threads(1)
+        step_times()
+    else:
+        main()

@@ -136,3 +136,17 @@ def test_estimate_within_10pct_of_measured_gpt():
 def test_estimate_within_10pct_of_measured_llama():
     for results in _all(PLANS_LLAMA, "llama", LLAMA_KW):
         _check(results)
+
+
+def test_planner_spec_costs_use_graph_saved_bytes():
+    """The planner's SPEC ModelCost reads saved bytes from the graph (planner/saved_bytes.py)
+    and the recompute pass's selective choice: GPT-2 medium's shape (no dropout) keeps
+    56h split + 8.5h (+ norm statistics) replicated bytes per token per layer at 16 bits, selective drops exactly
+    the softmax output (2as bytes per token), and the rerun ops are marked selective."""
+    from threefold.planner.spec_cost import model_cost_from_spec
+    m = model_cost_from_spec("examples/gpt.py:gpt_medium_meta(n_layer=2)")
+    h, s, a = 1024, 1024, 16
+    # + 8: two layer norms' fp32 mean and rstd per token (2 x 2 x 4 bytes, scaled to 16 bits)
+    assert (m.act_split, m.act_repl) == (56 * h, 8.5 * h + 8)
+    assert m.act_split - m.act_selective_split == 2 * a * s
+    assert any(op.selective and op.name == "softmax" for op in m.layer_ops)

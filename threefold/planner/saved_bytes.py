@@ -275,3 +275,36 @@ def chunk_saved(gm: fx.GraphModule, autocast: torch.dtype | None = None, segment
     out.boundary_bytes = sum(runner.nbytes.get(b, 0) for b in boundary)
     out.boundary_unsaved_bytes = sum(runner.nbytes.get(b, 0) for b in boundary if b not in kept)
     return out
+
+
+def nodes_saved(gm: fx.GraphModule, names, segments=(), autocast: torch.dtype | None = None) -> dict[str, tuple[int, str]]:
+    """What the ops called `names` (a part of the graph: one layer) keep for backward, as
+    {value: (bytes, producing node)}, with `segments` (lists of node names) recomputed: their
+    ops keep nothing, their inputs are kept. The whole graph is run so values keep their roots."""
+    from threefold.compiler.program import tf
+    runner = _Runner(gm, autocast)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            runner.placeholder(node, tf(node).get("kind"), not tf(node).get("frozen"))
+        elif node.op == "call_function":
+            runner.call(node)
+    wanted = set(names)
+    segment_of = {n: i for i, seg in enumerate(segments) for n in seg}
+    by_name = {n.name: n for n in gm.graph.nodes}
+    kept: dict[str, tuple[int, str]] = {}
+    for name in names:
+        node = by_name[name]
+        seg = segment_of.get(name)
+        if seg is None:
+            for value, nbytes in runner.saved.get(name, []):
+                kept[value] = (nbytes, value.split("#")[0] if "#" in value else value)
+            continue
+        for a in node.all_input_nodes:
+            if segment_of.get(a.name) == seg:
+                continue
+            roots = runner.root.get(a.name)
+            for r in (roots if isinstance(roots, tuple) else (roots,)):
+                if isinstance(r, str) and r not in runner.state and r in runner.nbytes:
+                    kept[r] = (runner.nbytes[r], r)
+    del wanted
+    return kept

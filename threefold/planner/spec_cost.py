@@ -18,6 +18,7 @@ are those of the trial degree. Bytes are rescaled from the traced dtype to 16-bi
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import defaultdict
 
@@ -112,11 +113,20 @@ def model_cost_from_program(traced: Program, inputs: tuple, name: str) -> ModelC
         spec = split_params.get(fqn)
         if spec is not None:
             divides |= set(spec.blocks) or {int(traced.state[fqn].shape[spec.dim])}
-    saved_split, saved_repl = costing.saved(local["block0"])
-    post_split, post_repl = costing.saved(local["post"])
+    # Saved activations as autograd keeps them (planner/saved_bytes.py), with and without the
+    # recompute pass's selective choice for block 0 (passes/recompute.py's own rule).
+    from threefold.passes.recompute import _selective
+    selective = [seg["nodes"] for seg in _selective(f"{prefix}.{indices[0]}", block0_all)]
+    kept_graph = _GraphSaved(sharded.gm, t, scale, tokens)
+    saved_split, saved_repl = kept_graph.per_token([n.name for n in block0_all])
+    sel_split, sel_repl = kept_graph.per_token([n.name for n in block0_all], selective)
+    post_split, post_repl = kept_graph.per_token([n.name for n in local["post"]])
+    rerun = {name for seg in selective for name in seg}
     return ModelCost(
         name=name, layers=len(indices), seq_len=seq,
-        layer_ops=costing.ops(local["block0"]), pre_ops=costing.ops(local["pre"]),
+        layer_ops=tuple(dataclasses.replace(op, selective=True) if n.name in rerun else op
+                        for n in local["block0"] if (op := costing.op(n)) is not None),
+        pre_ops=costing.ops(local["pre"]),
         post_ops=costing.ops(local["post"]),
         layer_params=float(sum(p.numel() for p in layer_params.values())),
         layer_params_repl=numel(layer_params, split=False),
@@ -127,6 +137,7 @@ def model_cost_from_program(traced: Program, inputs: tuple, name: str) -> ModelC
         tp_allreduces_per_layer=max(1, count),
         boundary_bytes=bmeta.nbytes * scale / tokens,
         act_split=saved_split, act_repl=saved_repl, act_input=bmeta.nbytes * scale / tokens,
+        act_selective_split=sel_split, act_selective_repl=sel_repl,
         post_act=post_split + post_repl,
         tp_divides=tuple(sorted(divides)),
     )
@@ -200,6 +211,25 @@ class _Costing:
         split = sum(b for b, s in seen.values() if s) * self.t
         repl = sum(b for b, s in seen.values() if not s)
         return split * self.scale / self.tokens, repl * self.scale / self.tokens
+
+
+class _GraphSaved:
+    """Per-token (split, replicated) bytes a part of the sharded graph keeps for backward."""
+
+    def __init__(self, gm: fx.GraphModule, t: int, scale: float, tokens: int):
+        self.gm, self.t, self.scale, self.tokens = gm, t, scale, tokens
+        self.by_name = {n.name: n for n in gm.graph.nodes}
+
+    def per_token(self, names, segments=()) -> tuple[float, float]:
+        from threefold.planner.saved_bytes import nodes_saved
+        split = repl = 0
+        for nbytes, owner in nodes_saved(self.gm, names, segments).values():
+            node = self.by_name.get(owner)
+            if node is not None and tpd.is_split(node):
+                split += nbytes
+            else:
+                repl += nbytes
+        return split * self.t * self.scale / self.tokens, repl * self.scale / self.tokens
 
 
 def _input_named(node, name):
