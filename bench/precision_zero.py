@@ -3,6 +3,8 @@
   python bench/precision_zero.py memory    # bytes per trainable element, zero=0/1, d=2/4, fp32/bf16
   python bench/precision_zero.py bf16      # parallel bf16 vs single-process autocast, in sigmas
                                            # of the bf16 rounding noise; boundary wire fp32 vs bf16
+  python bench/precision_zero.py casts     # peak saved bytes per stage, bf16 1F1B, weight copies
+                                           # per step (CastCache) vs per microbatch
 
 Bytes are what each rank holds (runtime/zero.held_bytes: parameters, gradients, optimizer
 state, each storage once) divided by its trainable elements, after an AdamW step. bf16 also
@@ -114,6 +116,33 @@ def bf16() -> None:
                   + " ".join(f"{x:.2f}" for x in dev) + f"   max {max(dev):.2f} (limit {4 * math.sqrt(2):.2f})")
 
 
+def _peak_saved(plan: str, shared: bool) -> dict:
+    import threefold
+    import threefold.runtime.mixed_precision as mp
+    from threefold.runtime.memory import PeakSavedCounter
+    torch.set_num_threads(1)
+    if not shared:   # autocast's own behaviour: copies made per forward, kept per microbatch
+        mp.CastCache.hold = lambda self: None
+    w = load_workload("gpt", **GPT)
+    pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
+    params = list(pm.parameters())
+    with PeakSavedCounter(exclude=params) as c:
+        pm.step(*w["inputs"], target=w["target"])
+    return {"stage": pm.engine.stage, "peak": c.peak_bytes, "elements": sum(p.numel() for p in params)}
+
+
+def casts() -> None:
+    from threefold.runtime.launch import launch
+    for plan in ("pp=2,m=4,dtype=bf16", "pp=2,m=4"):
+        for shared in ((True, False) if "bf16" in plan else (True,)):
+            rows = launch(_peak_saved, 2, plan, shared, timeout=600)
+            label = "" if "bf16" not in plan else (" weight copies per step" if shared else
+                                                   " weight copies per microbatch")
+            print(f"{plan + label:<50}" + "  ".join(
+                f"stage {r['stage']}: {r['peak'] / 1024:.0f} KiB ({r['peak'] / r['elements']:.2f} B/param)"
+                for r in rows))
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "memory"
-    {"memory": memory, "bf16": bf16}[what]()
+    {"memory": memory, "bf16": bf16, "casts": casts}[what]()

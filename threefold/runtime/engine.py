@@ -93,6 +93,7 @@ class PipelineEngine:
         self.dp_grad_hook = None        # zero=1: ZeroGradSync replaces the dp all-reduce
         self.plan_optimizer = None      # the optimizer pm.optimizer(...) built
         self._optimizer_needed = optimizers.requirement(manifest)
+        self._casts = mixed_precision.CastCache(mixed_precision.compute_dtype(manifest))
         self._share_local_ties()
         self._plan_grad_sync()
         self.stats = StepStats()
@@ -167,6 +168,7 @@ class PipelineEngine:
         with_loss = self.has_loss and not model_outputs
         st.denominator = self._global_denominator(st) if with_loss else 1.0
         self._step_count += 1
+        self._casts.hold()   # bf16/fp16: one weight copy per step, not per microbatch
         handlers = {Kind.FORWARD: self._forward, Kind.SEND_ACT: self._send_act,
                     Kind.BACKWARD: self._backward_action, Kind.SEND_GRAD: self._send_grad,
                     Kind.WEIGHT: self._weight_action}
@@ -206,6 +208,7 @@ class PipelineEngine:
         loss = self._global_loss(st.losses, st.denominator, st.loss_posted) if with_loss else float("nan")
         self.stats = StepStats(time.perf_counter() - start, st.peak, loss)
         self.last_outputs = st.outputs
+        self._casts.release()
         return loss
 
     # One method per action kind; each reads and updates the step's state.

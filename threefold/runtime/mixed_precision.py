@@ -82,6 +82,37 @@ def _autocast_forward(forward, device_type: str, dtype: torch.dtype):
     return run
 
 
+class CastCache:
+    """One 16-bit copy of each weight per step, shared by every microbatch.
+
+    autocast caches the bf16 copy of each fp32 weight it casts, but clears that cache when
+    the outermost autocast region exits: with one region per chunk forward, every
+    microbatch makes its own copies, and autograd keeps each microbatch's until its
+    backward, so a stage holds 2 bytes per parameter per microbatch in flight (p of them on
+    1F1B's first stage). `hold()` at the start of a step raises autocast's nesting count
+    (without enabling autocast, so backward still runs outside it), which keeps the cache
+    alive across the step's forwards: one copy, shared; `release()` at the end of the step
+    clears it, before the optimizer changes the weights. The values are the same casts, so
+    results are bitwise unchanged."""
+
+    def __init__(self, dtype: torch.dtype | None):
+        self.enabled = dtype is not None
+        self.held = False
+
+    def hold(self) -> None:
+        if not self.enabled:
+            return
+        self.release()   # a step that raised never released: never reuse its copies
+        torch.autocast_increment_nesting()
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            if torch.autocast_decrement_nesting() == 0:
+                torch.clear_autocast_cache()
+
+
 class LossScaler:
     """Dynamic loss scaling for fp16 (the scheme of torch.amp.GradScaler and Megatron).
 
