@@ -64,6 +64,8 @@ def test_bad_config_files_are_one_line_errors(tmp_path, case):
 def test_bad_flags_name_the_flag():
     with pytest.raises(PlanError, match="^--n-embd 65 is invalid: use a positive multiple of n_head"):
         load_config(None, {"n_embd": 65})
+    with pytest.raises(PlanError, match='^--betas "0.9" is invalid: betas takes two numbers'):
+        load_config(None, {"betas": "0.9"})
     with pytest.raises(PlanError, match="does not exist"):
         load_config("/nonexistent/threefold.toml")
 

@@ -112,7 +112,7 @@ _KIND_WORD = {"bool": "true or false", "int": "an integer", "float": "a number",
 
 def _coerce(name: str, value, where: str):
     """The value as the field's type, or a PlanError naming `where` it came from."""
-    kind = _kind(name)
+    kind, raw = _kind(name), value
     ok = None
     if kind == "bool" and isinstance(value, bool):
         ok = value
@@ -135,7 +135,7 @@ def _coerce(name: str, value, where: str):
             ok = (float(value[0]), float(value[1]))
     if ok is None:
         sep = " " if where.startswith("--") else " = "
-        raise PlanError(f"{where}{sep}{_show(value)} is invalid: {name} takes {_KIND_WORD[kind]}")
+        raise PlanError(f"{where}{sep}{_show(raw)} is invalid: {name} takes {_KIND_WORD[kind]}")
     return ok
 
 
