@@ -28,6 +28,10 @@ class NodeCost:
     param_bytes: int = 0         # bytes of parameters this node reads (first use only)
     saved_bytes: int = 0         # activation bytes autograd keeps for backward
     saved: tuple = ()            # (value name, bytes) behind saved_bytes, to dedupe per chunk
+    # Backward FLOPs are twice the forward's; of those, a GEMM reading a parameter spends
+    # one forward's worth on grad_weight = grad_out^T @ input: zero bubble's W. The rest
+    # (grad_input, and every other op's backward) is B, the input gradients.
+    weight_grad_flops: int = 0
 
 
 def _numel(shape) -> int:
@@ -228,8 +232,22 @@ def node_cost(node: fx.Node) -> NodeCost:
     params = sum(meta_of(a).nbytes for a in node.all_input_nodes
                  if a.op == "placeholder" and tf(a).get("kind") == "param" and meta_of(a))
     saved = tuple(_saved_values(node, name))
+    weight_grad = flops if name in _WEIGHT_GEMMS and _reads_parameter(node) else 0
     return NodeCost(flops=flops, bytes_read=read, bytes_written=written, param_bytes=params,
-                    saved_bytes=sum(b for _, b in saved), saved=saved)
+                    saved_bytes=sum(b for _, b in saved), saved=saved, weight_grad_flops=weight_grad)
+
+
+_WEIGHT_GEMMS = {"mm", "bmm", "matmul", "linear", "addmm", "baddbmm", "conv1d", "conv2d", "convolution"}
+
+
+def _reads_parameter(node: fx.Node) -> bool:
+    """Does an operand come from a parameter, directly or through views (a transposed weight)?"""
+    for a in node.all_input_nodes:
+        while a.op == "call_function" and op_name(a) in _VIEW_OPS and a.all_input_nodes:
+            a = a.all_input_nodes[0]
+        if a.op == "placeholder" and tf(a).get("kind") == "param":
+            return True
+    return False
 
 
 @stage_pass(needs=Traced, guarantees=("costs",))
@@ -253,6 +271,12 @@ class ChunkCost:
     boundary_in_bytes: int = 0
     boundary_out_bytes: int = 0
     params: int = 0               # parameter elements
+    weight_grad_flops: int = 0    # backward FLOPs of W (zero bubble): see NodeCost
+
+    @property
+    def backward_flops(self) -> tuple[int, int]:
+        """(B, W): the backward's 2x forward FLOPs split into input and weight gradients."""
+        return 2 * self.flops - self.weight_grad_flops, self.weight_grad_flops
 
 
 def chunk_costs(prog) -> list[ChunkCost]:
@@ -269,6 +293,7 @@ def measure_chunk(state, nodes: dict, param_nodes: dict, chunk, is_last: bool) -
         cost: NodeCost = tf(nodes[name]).get("cost") or node_cost(nodes[name])
         c.ops += 1
         c.flops += cost.flops
+        c.weight_grad_flops += cost.weight_grad_flops
         c.bytes_read += cost.bytes_read
         c.bytes_written += cost.bytes_written
         for value, nbytes in cost.saved:  # a value several ops keep is held once

@@ -18,7 +18,7 @@ from threefold.plan import Plan
 SEARCHED = ("tp", "pp", "dp", "microbatches", "interleave", "recompute", "schedule", "zero")
 # Plan fields it models at one value only (Megatron's setting), and that value.
 ASSUMED = {"sp": False, "scatter_gather": True}
-MODELLED_SCHEDULES = ("1f1b", "interleaved")
+MODELLED_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zbv")
 _SHORT = {**PLAN_SPELLING, "microbatch_size": "b"}   # Plan's short keys (m, v), and b
 
 
@@ -60,13 +60,17 @@ class Constraints:
         schedule = given.get("schedule")
         if schedule is not None and schedule not in MODELLED_SCHEDULES:
             raise PlanError(f"plan schedule={schedule!r} cannot be evaluated: the planner models "
-                            "1f1b and interleaved (Megatron's schedules); use one of those")
+                            "1f1b, interleaved, zb-h1 and zbv; use one of those")
         if given.get("recompute") in ("full", "none"):   # full/none read as booleans; selective stays a mode
             given["recompute"] = given["recompute"] == "full"
         return cls(microbatch_size=b, **{k: v for k, v in given.items() if k in SEARCHED})
 
     def admits(self, plan: Plan, microbatch_size: int) -> bool:
         if self.schedule == "1f1b" and plan.interleave != 1:
+            return False
+        # a zero-bubble schedule is asked for by name; 1f1b/interleaved exclude them
+        zero_bubble = ("zb-h1", "zbv")
+        if (self.schedule in zero_bubble or plan.schedule in zero_bubble) and self.schedule not in (None, plan.schedule):
             return False
         if self.microbatch_size is not None and self.microbatch_size != microbatch_size:
             return False

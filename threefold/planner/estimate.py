@@ -43,7 +43,9 @@ from threefold.plan import Plan
 from threefold.planner.cluster import Cluster
 from threefold.planner.memory import stage_memory, stage_params
 from threefold.planner.model_cost import GRAD_BYTES, OPTIMIZER_BYTES_PER_PARAM, ModelCost
-from threefold.runtime.mesh import Mesh
+from threefold.planner.zero_bubble_time import bubble_seconds
+from threefold.runtime.mesh import Mesh, chunk_layout, stage_of
+from threefold.runtime.schedule import SPLIT_KINDS
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,9 @@ class Estimate:
     bubble_fraction: float          # share of the iteration a stage idles in fill/drain
     shares: dict = field(default_factory=dict)   # compute/bubble/tp/pp/dp/optimizer -> share of time
     stage_times: list = field(default_factory=list)  # per stage: (forward, backward) s of one chunk
+    # per stage: of one chunk's backward, the weight-gradient GEMMs' seconds (W of zero-bubble
+    # schedules; the rest is B, the input gradients)
+    weight_times: list = field(default_factory=list)
     transfer_s: float = 0.0         # one boundary transfer between stages
 
     @property
@@ -94,6 +99,13 @@ def _ring_allreduce_s(nbytes: float, n: int, bandwidth: float, latency: float) -
 
 def _ops_s(ops, tokens, tp, cluster, dtype) -> float:
     return sum(op.seconds(tokens, tp, cluster, dtype) for op in ops)
+
+
+def _weight_grad_s(ops, tokens, tp, cluster, dtype) -> float:
+    """The weight-gradient GEMMs of these ops' backward (zero bubble's W): one per GEMM that
+    reads a weight, as long as its forward (grad_W = grad_out^T @ input has its FLOPs)."""
+    return sum(op.seconds(tokens, tp, cluster, dtype) for op in ops
+               if op.matmul and (op.weight_bytes or op.weight_bytes_repl))
 
 
 def _layers_on_stages(layers: int, pp: int) -> list[int]:
@@ -134,9 +146,15 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
             xfer += (t - 1) / t * boundary / cluster.intra_node_bandwidth + (t - 1) * cluster.intra_node_latency_s
     stage_layers = _layers_on_stages(model.layers, p)
     ar_fwd = one_ar * model.tp_allreduces_per_layer            # one layer's forward all-reduces
-    compute, tp_time, fwd, bwd = [], [], [], []
+    # the stage holding the last chunk (the post part): p-1, or 0 on ZB-V's V (runtime/mesh.py)
+    post_stage = stage_of(p * v - 1, p, chunk_layout(cfg.plan.schedule))
+    layer_w = _weight_grad_s(model.layer_ops, tokens, t, cluster, dtype)
+    pre_w = _weight_grad_s(model.pre_ops, tokens, t, cluster, dtype)
+    post_w = _weight_grad_s(model.post_ops, tokens, t, cluster, dtype)
+    compute, tp_time, fwd, bwd, wgt = [], [], [], [], []
     for r, n in enumerate(stage_layers):
-        edge = (pre_fwd if r == 0 else 0.0) + (post_fwd if r == p - 1 else 0.0)
+        edge = (pre_fwd if r == 0 else 0.0) + (post_fwd if r == post_stage else 0.0)
+        wgt.append(n * layer_w + (pre_w if r == 0 else 0.0) + (post_w if r == post_stage else 0.0))
         compute.append(n * (layer_fwd * passes + rerun_fwd) + edge * 3)
         tp_time.append(n * ar_fwd * (passes - 1))
         fwd.append(n * (layer_fwd + ar_fwd) + edge)
@@ -147,6 +165,11 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
     mean = sum(stage) / p
     pipeline_s = m * stage[slowest] + (p - 1) / v * mean
     bubble_s = (p - 1) / v * mean
+    if cfg.plan.schedule in SPLIT_KINDS:   # zero bubble: the paper's forms (zero_bubble_time.py)
+        f_mean = sum(fwd) / p + v * xfer
+        b_mean = sum(b_ - w for b_, w in zip(bwd, wgt)) / p + v * xfer
+        bubble_s = bubble_seconds(cfg.plan.schedule, p, f_mean, b_mean, sum(wgt) / p)
+        pipeline_s = m * stage[slowest] + bubble_s
 
     # -- per-iteration work: gradients, tied embeddings, optimizer ---------------------
     # Stage 0 holds the most layers (extra layers go first), the embedding and the most
@@ -163,7 +186,7 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
         dp_lat = cluster.intra_node_latency_s if in_node else cluster.inter_node_latency_s
         dp_s = _ring_allreduce_s(most * GRAD_BYTES, d, bw, dp_lat)
     embed_s = 0.0
-    if p > 1 and model.tied_embedding:
+    if p > 1 and model.tied_embedding and post_stage != 0:   # ZB-V: both ends on stage 0
         embed_s = _ring_allreduce_s(model.pre_params / t * GRAD_BYTES, 2, link, lat)
     opt_s = most * OPTIMIZER_BYTES_PER_PARAM / cluster.hbm_bandwidth
     total = pipeline_s + dp_s + embed_s + opt_s
@@ -185,4 +208,5 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
         peak_fraction=tflops / cluster.peak(dtype), memory_bytes=mem, fits=mem <= cluster.usable_bytes,
         bubble_fraction=bubble_s / total, shares=shares,
         stage_times=[(f / v, b_ / v) for f, b_ in zip(fwd, bwd)], transfer_s=xfer,
+        weight_times=[w / v for w in wgt],
     )

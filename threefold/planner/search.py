@@ -13,7 +13,10 @@ divides the GPUs of a node (unless tp may span nodes); pp <= layers; dp divides 
 global batch and the microbatch size divides each replica's share; interleaving v > 1
 needs pp > 1, layers divisible by pp*v, and at least pp microbatches: the runtime's
 interleaved order (runtime/schedule.py) keeps the bubble at (p-1)/(v m) for any m >= pp,
-where Megatron's needs m divisible by pp. Every candidate is a `threefold.Plan`.
+where Megatron's needs m divisible by pp. Zero-bubble schedules are candidates too: zb-h1
+wherever 1F1B is (pp > 1), zbv wherever v=2 is (any m); they are priced by the paper's bubble forms
+in the model's F, B and W times (planner/zero_bubble_time.py). Every
+candidate is a `threefold.Plan`.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from threefold.planner.cluster import Cluster
 from threefold.planner.constraints import Constraints
 from threefold.planner.estimate import Config, Estimate, estimate
 from threefold.planner.model_cost import ModelCost
+from threefold.runtime.schedule import SPLIT_KINDS
 
 
 def divisors(n: int) -> list[int]:
@@ -52,15 +56,25 @@ def legal_configs(model: ModelCost, batch: int, gpus: int, cluster: Cluster,
             for b in divisors(share):
                 m = share // b
                 for v in vs:
-                    if v > 1 and m < pp:
-                        continue
-                    for recompute in (False, "selective", True):
+                    for recompute, schedule in ((r, s) for r in (False, "selective", True) for s in _schedules(pp, v)):
+                        if v > 1 and m < pp and schedule == "interleaved":
+                            continue
                         plan = Plan(tp=tp, pp=pp, dp=dp, microbatches=m, interleave=v, recompute=recompute,
-                                    schedule="interleaved" if v > 1 else "1f1b")
+                                    schedule=schedule)
                         if where.admits(plan, b):
                             yield Config(plan, batch)
                         if dp > 1 and where.admits(plan.replace(zero=1), b):   # ZeRO-1: AdamW state / dp
                             yield Config(plan.replace(zero=1), batch)
+
+
+def _schedules(pp: int, v: int) -> tuple[str, ...]:
+    """The schedules a (pp, v) admits: 1F1B and ZB-H1 with one chunk per stage, interleaved
+    with more, and ZB-V with exactly two (zero bubble needs pp > 1 to mean anything)."""
+    if pp == 1:
+        return ("1f1b",)
+    if v == 1:
+        return ("1f1b", "zb-h1")
+    return ("interleaved", "zbv") if v == 2 else ("interleaved",)
 
 
 def _check_inputs(batch: int, gpus: int, cluster: Cluster, where: Constraints) -> None:
@@ -112,5 +126,6 @@ def _order(e: Estimate):
     c = e.config
     # Fastest first (to 9 significant digits); ties go to less model parallelism, no
     # interleaving, no recompute, then larger microbatches (fewer, larger kernels).
-    return (float(f"{e.iteration_s:.9g}"), c.tp * c.pp, c.interleave, c.recompute, c.plan.recompute != "none", c.plan.zero,
+    return (float(f"{e.iteration_s:.9g}"), c.tp * c.pp, c.interleave, c.plan.schedule in SPLIT_KINDS,
+            c.recompute, c.plan.recompute != "none", c.plan.zero,
             -c.microbatch_size)

@@ -32,9 +32,17 @@ def plan_simulation(est: Estimate, max_steps: int = 4000) -> Simulation:
     schedule = make_schedule(plan.schedule, plan.pp, m, plan.interleave)
     times = est.stage_times
 
+    # zero bubble: a chunk's backward is B (input grads) then W (its weight-gradient GEMMs)
+    weights = est.weight_times if schedule.splits_backward else [0.0] * len(times)
+
     def ms(a: Action) -> float:
-        if a.kind is Kind.FORWARD or a.kind is Kind.BACKWARD:
-            return times[schedule.stage_of(a.chunk)][a.kind is Kind.BACKWARD] * MS
+        stage = schedule.stage_of(a.chunk)
+        if a.kind is Kind.FORWARD:
+            return times[stage][0] * MS
+        if a.kind is Kind.BACKWARD:
+            return (times[stage][1] - weights[stage]) * MS
+        if a.kind is Kind.WEIGHT:
+            return weights[stage] * MS
         return est.transfer_s * MS if a.is_send else 0.0
     return simulate(schedule, ms)
 
