@@ -232,3 +232,42 @@ def test_check_cli_compares_a_bf16_zero1_plan_with_autocast():
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["ok"] and report["compares"] == "rounding noise"
     assert report["reference"] == "torch.autocast(bf16)" and len(report["tolerance"]) == 2
+
+
+def _zero_tp_checkpoint(root):
+    """zero=1 under tp=2: optimizer state rows of column-, row-parallel and fused q/k/v
+    shards; saved, then loaded under zero=0 and under a pipelined zero=1 plan."""
+    import threefold
+    from tests.parity import load_workload
+    torch.set_num_threads(1)
+
+    def build(plan):
+        w = load_workload("gpt", **GPT)
+        pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
+        return w, pm, pm.optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+
+    def train(w, pm, opt, n):
+        out = []
+        for _ in range(n):
+            opt.zero_grad()
+            out.append(pm.step(*w["inputs"], target=w["target"]))
+            opt.step()
+        return out
+    w, pm, opt = build("dp=2,tp=2,zero=1")
+    train(w, pm, opt, 2)
+    threefold.save(pm, opt, root, step=2)
+    out = {"expected": train(w, pm, opt, 2)}
+    for plan in ("dp=2,tp=2", "pp=2,dp=2,m=2,zero=1"):
+        w2, pm2, opt2 = build(plan)
+        threefold.load(pm2, opt2, root)
+        out[plan] = train(w2, pm2, opt2, 2)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_zero1_tp2_checkpoint_loads_under_other_plans(tmp_path):
+    results = launch(_zero_tp_checkpoint, 4, str(tmp_path / "ckpt"), timeout=550)
+    for r in results:
+        for plan in ("dp=2,tp=2", "pp=2,dp=2,m=2,zero=1"):
+            assert max(abs(a - b) / b for a, b in zip(r[plan], r["expected"])) < 1e-5, (plan, r)
