@@ -149,7 +149,7 @@ def test_model_flops_do_not_depend_on_the_plan():
     from tests.parity import load_workload
     from threefold.train.metrics import graph_model_flops
     flops = {}
-    for plan in ("tp=1", "tp=2", "pp=2,m=2", "dp=2"):
+    for plan in ("tp=1", "tp=2", "pp=2,m=2,dp=2"):
         w = load_workload("gpt", n_layer=2, n_embd=32, n_head=2, seq=8, batch=4)
         flops[plan] = graph_model_flops(compile_workload(Workload(w["model"], w["inputs"], w["target"],
                                                                   w["loss_fn"]), Plan.parse(plan)))
