@@ -150,3 +150,22 @@ def test_planner_spec_costs_use_graph_saved_bytes():
     assert (m.act_split, m.act_repl) == (56 * h, 8.5 * h + 8)
     assert m.act_split - m.act_selective_split == 2 * a * s
     assert any(op.selective and op.name == "softmax" for op in m.layer_ops)
+
+
+def test_inspect_memory_json_and_fits(capsys):
+    """inspect --memory --json: one entry per rank with every component and the total;
+    --cluster says whether the largest rank fits (exit 1 when it does not)."""
+    import json
+
+    from threefold.cli.main import main
+    spec = "examples/gpt.py:workload(n_layer=2,n_embd=32,n_head=4,seq=16,batch=8)"
+    assert main(["inspect", spec, "--plan", "tp=2,dp=2,zero=1", "--memory", "--json",
+                 "--cluster", "a100-80gb"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["rank"] for r in report["memory"]] == [0, 1, 2, 3]
+    for r in report["memory"]:
+        assert {"rank", "params", "grads", "optimizer", "activations", "buffers", "total"} <= set(r)
+        assert r["total"] == sum(r[k] for k in ("params", "grads", "optimizer", "activations",
+                                                "recompute", "buffers"))
+        assert r["optimizer"] < 2 * r["grads"]      # zero=1 over dp=2: half of AdamW's 8 bytes/param
+    assert report["fits"]["fits"] is True

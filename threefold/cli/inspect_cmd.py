@@ -28,6 +28,9 @@ def register(sub) -> None:
     p.add_argument("--memory", action="store_true",
                    help="also print the memory model per rank: params, grads, optimizer (AdamW; zero=1 "
                         "shards it), activations over the schedule, recompute, buffers (planner/memory.py)")
+    p.add_argument("--cluster", metavar="NAME|TOML",
+                   help="with --memory: say whether every rank fits a GPU of this cluster preset or file "
+                        "(exit 1 when one does not)")
     p.set_defaults(func=run)
 
 
@@ -41,23 +44,34 @@ def run(args) -> int:
         from threefold.planner.memory import program_memory
         memory = [r.to_json() for r in program_memory(prog)]
         report["memory"] = memory
+        if getattr(args, "cluster", None):
+            from threefold.planner.cluster import load_cluster
+            cluster = load_cluster(args.cluster)
+            worst = max(memory, key=lambda r: r["total"])
+            report["fits"] = {"cluster": cluster.name, "usable_bytes": int(cluster.usable_bytes),
+                              "largest_rank": worst["rank"], "largest_bytes": worst["total"],
+                              "fits": worst["total"] <= cluster.usable_bytes}
     if args.json:
         if args.graph:
             from threefold.compiler.program import format_chunk
             for row, chunk in zip(report["chunks"], prog.chunks):
                 row["graph"] = format_chunk(chunk)
         print(json.dumps(report, indent=2))
-        return 0
+        return 0 if report.get("fits", {}).get("fits", True) else 1
     print(format_report(prog, {k: v for k, v in report.items() if k != "memory"}))
     if getattr(args, "memory", False):
         print()
         print_memory(prog, memory)
+        fit = report.get("fits")
+        if fit:
+            print(f"fits {fit['cluster']}: {'yes' if fit['fits'] else 'NO'} (largest: rank "
+                  f"{fit['largest_rank']} {human_bytes(fit['largest_bytes'])} of {human_bytes(fit['usable_bytes'])} usable)")
     if args.graph:
         from threefold.compiler.program import format_chunk
         for chunk in prog.chunks:
             print()
             print(format_chunk(chunk))
-    return 0
+    return 0 if report.get("fits", {}).get("fits", True) else 1
 
 
 def chunk_ranks(plan: Plan, index: int) -> list[int]:
