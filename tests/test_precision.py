@@ -92,7 +92,8 @@ def test_zero1_matches_single_process_optimizer_dp2(optimizer):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_zero1_matches_adamw_with_tp_and_pp():
-    _check_zero(4, ["dp=2,tp=2,zero=1", "dp=2,pp=2,m=2,zero=1"], "adamw")
+    _check_zero(4, ["dp=2,tp=2,zero=1", "dp=2,pp=2,m=2,zero=1", "dp=2,tp=2,sp=true,zero=1",
+                    "dp=2,pp=2,m=2,v=2,schedule=interleaved,zero=1"], "adamw")
 
 
 @pytest.mark.slow
