@@ -174,8 +174,17 @@ def spec_source(workload, cfg=None, spec_text: str = "", sizes: dict | None = No
     val = _val_batches(workload, n_val)
     context = int(workload.inputs[0].shape[-1]) if isinstance(workload.inputs[0], torch.Tensor) and \
         workload.inputs[0].dim() else None
-    info = {"spec": spec_text or workload.name, "sizes": dict(sizes or {}), "context": context}
+    info = {"spec": _absolute_spec(spec_text or workload.name), "sizes": dict(sizes or {}), "context": context}
     return Source(step_batch, val, workload.tokenizer, info)
+
+
+def _absolute_spec(spec: str) -> str:
+    """A file SPEC with an absolute path, so `threefold generate` finds it from any directory."""
+    import os
+    target, sep, call = spec.rpartition(":")
+    if sep and (target.endswith(".py") or "/" in target) and not os.path.isabs(target):
+        return f"{os.path.abspath(target)}:{call}"
+    return spec
 
 
 def _val_batches(workload, n: int) -> list:
