@@ -10,7 +10,8 @@ the compiler or runtime side imports it.
     spec_cost.py     ModelCost of a traced SPEC, from the tensor-parallel pass's decisions
     tp_decisions.py  reads those decisions off the compiled program
     estimate.py      Config (a Plan and the global batch) -> Estimate: time per iteration
-    memory.py        memory per GPU of a stage
+    memory.py        memory per rank by component (inspect --memory, fits, the search)
+    saved_bytes.py   saved-for-backward bytes of a graph, its ops run on fakes under saved-tensor hooks
     constraints.py   a partial plan to match (--evaluate), in Plan's grammar
     search.py        legal configurations, ranked
     record.py        the JSON form of one ranked plan
