@@ -44,6 +44,8 @@ class TrainConfig:
     force: bool = _f(False, "run", "write --out even if it holds other files (moved aside)")
     json: bool = _f(False, "run", "print the summary as JSON")
     skip_nonfinite: bool = _f(False, "run", "skip a step with a non-finite loss or gradient")
+    weights: str | None = _f(None, "run", "start from a .safetensors file or Hugging Face directory: the model "
+                             "is built on the meta device and each rank reads only its own slices")
     # [data] what the model reads
     data: str | None = _f(None, "data", "text file, directory of .txt, .jsonl ('text' field) or token-id .bin "
                           "(unset: the embedded corpus)")

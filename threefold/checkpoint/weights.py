@@ -103,6 +103,30 @@ class WeightSource:
                     return key
         return None
 
+    def check_shapes(self) -> None:
+        """Every model parameter the files hold has the model's shape (read from the files'
+        headers only); the first that differs is a PlanError. Parameters the files lack are
+        fine: they get their module's initialiser."""
+        from safetensors import safe_open
+        by_file: dict[str, list[tuple[str, str, list[int]]]] = {}
+        for fqn, p in self.model.named_parameters():
+            key = self.key_of(fqn)
+            if key is not None:
+                by_file.setdefault(self.files[key], []).append((fqn, key, list(p.shape)))
+        for file, entries in by_file.items():
+            try:
+                with safe_open(file, framework="pt") as f:
+                    for fqn, key, shape in entries:
+                        got = list(f.get_slice(key).get_shape())
+                        if got != shape:
+                            raise PlanError(f"weights {self.path}: {key} has shape {got}, the model's {fqn} is "
+                                            f"{shape}: these weights are of another model")
+            except PlanError:
+                raise
+            except Exception as exc:
+                raise PlanError(f"weights {self.path}: {file} is not a readable safetensors file "
+                                f"({type(exc).__name__}); the file is damaged") from None
+
     def local(self, fqn: str, spec, tp_rank: int, model_value: torch.Tensor) -> torch.Tensor:
         """This rank's shard of `fqn` as a new CPU tensor (see fill)."""
         out = torch.empty(local_shape(spec, list(model_value.shape), tp_rank), dtype=model_value.dtype)

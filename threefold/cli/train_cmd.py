@@ -39,8 +39,9 @@ def _embedded(cfg):
     from threefold.models.gpt import GPT, GPTConfig, lm_loss
     data = load_data(cfg)
     torch.manual_seed(cfg.seed)
-    model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=cfg.seq, n_layer=cfg.n_layer,
-                          n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout))
+    with _model_building(cfg):
+        model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=cfg.seq, n_layer=cfg.n_layer,
+                              n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout))
     return model, lm_loss, data
 
 
@@ -65,10 +66,21 @@ def _training_spec(cfg):
     """The SPEC's workload, with --batch/--seq passed to its factory where it takes them."""
     from threefold.train.source import given_sizes
     from threefold.workload import load_spec
-    w = load_spec(cfg.spec, given_sizes(cfg))
+    with _model_building(cfg):
+        w = load_spec(cfg.spec, given_sizes(cfg))
     if w.loss_fn is None or w.target is None:
         raise PlanError(f"SPEC {cfg.spec!r} has no loss_fn/target; training needs both")
     return w
+
+
+def _model_building(cfg):
+    """With --weights the model is built on the meta device (parameters from the file, slice
+    by slice on each rank: no process ever holds the full model); otherwise as written."""
+    import contextlib
+    if cfg.weights is None:
+        return contextlib.nullcontext()
+    from threefold.checkpoint.weights import empty_weights
+    return empty_weights()
 
 
 def validate_in_parent(cfg, plan: Plan) -> None:
@@ -84,9 +96,14 @@ def validate_in_parent(cfg, plan: Plan) -> None:
         workload = Workload(model, tuple(inputs), target, loss_fn)
     else:
         workload = _training_spec(cfg)
-        if any(p.is_meta for p in workload.model.parameters()):
-            raise PlanError(f"SPEC {spec!r} builds its model on the meta device: training needs real weights")
-    compile_workload(workload, plan)
+        if cfg.weights is None and any(p.is_meta for p in workload.model.parameters()):
+            raise PlanError(f"SPEC {spec!r} builds its model on the meta device: training needs real weights "
+                            "(pass --weights PATH, a safetensors file or Hugging Face directory)")
+    from threefold.checkpoint.weights import WeightSource, traceable
+    if cfg.weights is not None:     # a missing or foreign file fails here, before any rank starts
+        WeightSource(cfg.weights, workload.model).check_shapes()
+    with traceable(workload.model):
+        compile_workload(workload, plan)
 
 
 def run(args) -> int:

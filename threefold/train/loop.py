@@ -37,7 +37,7 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
     with progress:
         example = source.peek()
         pm = threefold.parallelize(model, cfg.plan, example[:-1], loss_fn, target=example[-1],
-                                   batch_dims=batch_dims)
+                                   batch_dims=batch_dims, weights=getattr(cfg, "weights", None))
         opt = adamw(pm, cfg.lr, cfg.weight_decay, cfg.betas, getattr(cfg, "decay_embeddings", False))
         schedule = WarmupCosine(cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
         flops_per_step = model_flops_per_step(pm)
