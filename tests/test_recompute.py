@@ -165,14 +165,16 @@ def test_inspect_says_what_each_chunk_recomputes():
     assert "recompute" not in chunk_report(_compile("gpt", GPT_KW, "pp=2,m=2"))
 
 
-def test_planner_reads_recompute_full_as_its_bool_and_refuses_selective():
+def test_planner_reads_recompute_full_as_its_bool_and_selective_as_a_mode():
     from threefold.planner.constraints import Constraints
     assert Constraints.parse("recompute=full").recompute is True
     assert Constraints.parse("recompute=none").recompute is False
     assert Constraints.parse("recompute=true").admits(Plan(recompute="full"), 1)
     assert not Constraints.parse("recompute=true").admits(Plan(recompute="none"), 1)
-    with pytest.raises(PlanError, match="selective"):
-        Constraints.parse("recompute=selective")
+    selective = Constraints.parse("recompute=selective")
+    assert selective.recompute == "selective"
+    assert selective.admits(Plan(recompute="selective"), 1)
+    assert not selective.admits(Plan(recompute="full"), 1)
 
 
 class _InPlaceBlock(torch.nn.Module):
