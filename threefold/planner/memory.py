@@ -212,10 +212,12 @@ def stage_memory(model: ModelCost, cfg: Config, stage: int, n_layers: int, param
     acts = _inflight(plan.schedule, p, plan.microbatches, v, stage) * layers_per_chunk * kept
     if stage == p - 1:
         acts += model.post_act * tokens / (t if model.post_act_split else 1)
-    # State: the ModelCost's 16-bit training (BYTES_PER_PARAM: 16-bit weight and gradient, fp32
-    # master and moments), the moments and master sharded over dp under zero=1.
+    # State: BYTES_PER_PARAM = 16 per parameter, which is both Megatron's 16-bit layout and
+    # threefold's (fp32 parameters = master 4, fp32 gradients 4, AdamW moments 8, every dtype).
+    # Under zero=1 threefold shards only the moments (runtime/zero.py; parameters and gradient
+    # buffers stay whole), so 8 + 8/d, the same rule as optimizer_bytes above.
     per_param = BYTES_PER_PARAM
     if getattr(plan, "zero", 0) and plan.dp > 1:
-        sharded = (ADAM_MOMENTS + 1) * STATE_BYTES
+        sharded = ADAM_MOMENTS * STATE_BYTES
         per_param = BYTES_PER_PARAM - sharded + sharded / plan.dp
     return params * per_param + acts + rerun
