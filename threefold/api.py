@@ -202,8 +202,18 @@ def _join_torchrun_job() -> None:
     import torch.distributed as dist
     if dist.is_available() and not dist.is_initialized() and all(
             k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        import atexit
         from threefold.runtime.launch import init_from_env
         init_from_env()
+        # The group is ours, so we close it: left to interpreter teardown, gloo's threads were
+        # sometimes destroyed while joinable (SIGABRT at exit, seen under load).
+        atexit.register(_leave_job)
+
+
+def _leave_job() -> None:
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _compile_once(rank: int, workload: Workload, plan: Plan, isolate: bool = False):
