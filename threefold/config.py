@@ -307,7 +307,7 @@ def to_toml(cfg: TrainConfig) -> str:
 
 # ---- command line -------------------------------------------------------------------------
 
-_METAVARS = {"data": "PATH", "tokenizer": "byte|DIR", "out": "DIR", "ckpt_dir": "DIR", "plan": "PLAN",
+_METAVARS = {"data": "PATH", "weights": "PATH", "tokenizer": "byte|DIR", "out": "DIR", "ckpt_dir": "DIR", "plan": "PLAN",
              "data_dtype": "|".join(DTYPES)}
 
 
