@@ -14,6 +14,7 @@ import torch
 
 from threefold.errors import PlanError
 from threefold.runtime.mixed_precision import LossScaler, plan_of
+from threefold.runtime.wrapped_optimizer import WrappedOptimizer
 
 
 def _plan(engine):
@@ -48,25 +49,13 @@ def make_optimizer(engine, optimizer_cls, params=None, *args, loss_scaler: LossS
     return opt
 
 
-class LossScaledOptimizer:
+class LossScaledOptimizer(WrappedOptimizer):
     """fp16: unscale the gradients, skip the step on every rank if any rank saw inf/nan,
     and update the scale the engine seeds the next backward with."""
 
     def __init__(self, engine, inner, scaler: LossScaler):
         self.engine, self.inner, self.scaler = engine, inner, scaler
         engine.loss_scale = scaler.scale
-
-    @property
-    def state(self):
-        return self.inner.state
-
-    @property
-    def param_groups(self):
-        return self.inner.param_groups
-
-    @property
-    def defaults(self):
-        return self.inner.defaults
 
     def grads(self) -> list[torch.Tensor]:
         if hasattr(self.inner, "grads"):

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from threefold.runtime import comm
+from threefold.runtime.wrapped_optimizer import WrappedOptimizer
 
 BUCKET_BYTES = 25 * 2**20   # like the engine's all-reduce buckets
 
@@ -156,7 +157,7 @@ class ZeroGradSync:
                         off += n
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(WrappedOptimizer):
     """A torch optimizer over this dp rank's row shards (built by `pm.optimizer(...)`).
 
     `params`: the ParallelModule's parameters or param groups over them (dicts with
@@ -184,19 +185,6 @@ class ZeroOptimizer:
         self.inner = optimizer_cls(mapped, *args, **kwargs)
         self.sync = ZeroGradSync(self.shards, engine.groups.dp, d)
         engine.dp_grad_hook = self.sync
-
-    # what checkpoints and schedulers read: the wrapped optimizer's
-    @property
-    def state(self):
-        return self.inner.state
-
-    @property
-    def param_groups(self):
-        return self.inner.param_groups
-
-    @property
-    def defaults(self):
-        return self.inner.defaults
 
     def row_shards(self) -> dict[str, RowShard]:
         return self.shards
