@@ -24,10 +24,10 @@ CASES = [("none", "", 1), ("tp", f"tp={T}", T), ("tp+sp", f"tp={T},sp=true", T),
          ("tp+sp+selective", f"tp={T},sp=true,recompute=selective", T), ("full", "recompute=full", 1)]
 
 
-def workload(layers):
+def workload(layers, batch=B):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=128, block_size=S, n_layer=layers, n_head=A, n_embd=H, dropout=0.1))
-    idx = torch.randint(0, 128, (B, S + 1), generator=torch.Generator().manual_seed(1))
+    idx = torch.randint(0, 128, (batch, S + 1), generator=torch.Generator().manual_seed(1))
     return Workload(model, (idx[:, :-1],), idx[:, 1:], lm_loss)
 
 
@@ -54,7 +54,7 @@ def main():
         print(f"{name:<16} {f32:7.2f} {fp32[name]:9.2f} {f32 / fp32[name]:6.3f} {b16:7.2f} {paper[name]:9.2f} "
               f"{b16 / paper[name]:6.3f}")
     print(f"none / tp+sp+selective (fp32): {got['none'] / got['tp+sp+selective']:.2f}x")
-    w = workload(2)
+    w = workload(2, batch=4)   # dp=4 splits the batch
     elems = sum(p.numel() for p in w.model.parameters())
     for d in (2, 4):
         r = program_memory(compile_workload(w, f"dp={d},zero=1"))[0]

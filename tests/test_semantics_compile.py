@@ -136,6 +136,16 @@ def test_batch_dims_found_declared_or_asked_for():
         compile_workload(w, "m=2")
 
 
+def test_a_sequence_dim_that_alone_divides_dp_m_is_not_taken_for_the_batch():
+    # batch 2, seq 16, m=4: only the sequence divides; a causal LM must not be split there
+    # (it trained wrong losses silently: each piece lacked its prefix)
+    from tests.parity import load_workload
+    w = load_workload("gpt", n_layer=1, n_embd=16, n_head=2, seq=16, batch=2)
+    with pytest.raises(threefold.PlanError, match=r"no batch dimension.*dp\*m=4.*do not split the model's rows"):
+        compile_workload(w, "m=4")
+    assert compile_workload(w, "m=2").batch_dims == [0, 0]
+
+
 def test_ambiguous_batch_dim_on_meta_is_dim_zero_with_a_note():
     with torch.device("meta"):
         model = Lin(4, 4)

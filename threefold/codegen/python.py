@@ -124,10 +124,17 @@ class _ClassWriter:
         cls.append(f"    OUTPUTS = {self.chunk.output_names!r}")
         if outputs_attr:
             cls.append(outputs_attr)
+        if self._gathers_sequence():
+            cls.append("    # sequence parallelism: backward all-gathers the shards again (runtime/saved_shards.py)")
+            cls.append("    SAVES_SHARDS = True")
         cls.append("")
         imports = ["import torch", "", "from threefold.runtime.module import ChunkModule"]
         imports += sorted(self.imports)
         return "\n".join(imports + ["", "aten = torch.ops.aten", "", ""] + cls + lines) + "\n"
+
+    def _gathers_sequence(self) -> bool:
+        from threefold.runtime import tp_ops
+        return any(n.op == "call_function" and n.target is tp_ops.all_gather_seq for n in self.gm.graph.nodes)
 
     def _method(self, name: str, graph: fx.Graph) -> list[str]:
         """`def name(self, <boundary and user inputs>)`: the graph's ops one per line."""

@@ -28,6 +28,9 @@ class Collective:
     group: str = "tp"
     backward: str | None = None  # the collective its backward runs, if it has one
     count: int = 1               # how many times per call (a vocab-parallel CE reduces twice)
+    # backward runs `kind` again: autograd kept the input shard, not this collective's output
+    # (sequence all-gathers: runtime/saved_shards.py)
+    regathers: bool = False
 
     def get(self, name: str, default=None):
         """Dict-style read, for callers written against the old dict form."""

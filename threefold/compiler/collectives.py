@@ -25,6 +25,8 @@ def chunk_collectives(prog) -> list[list[dict]]:
             counts[(c.kind, c.group, c.phase, c.elements)] += c.count
             if c.backward:
                 counts[(c.backward, c.group, "backward", c.elements)] += c.count
+            if c.regathers:
+                counts[(c.kind, c.group, "backward", c.elements)] += c.count
         if plan.pp > 1:
             sent = sum(_p2p_elements(b, plan) for b in chunk.outputs if i < len(prog.chunks) - 1)
             got = sum(_p2p_elements(b, plan) for b in chunk.inputs)

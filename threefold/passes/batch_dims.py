@@ -5,7 +5,8 @@ engine. The rule, in order:
   1. the workload declares `batch_dims` (an int for every tensor, or one entry per input,
      None for an input that is not split);
   2. candidates: a size B divisible by dp*m, and for each tensor input the dims of size B
-     (a tensor without one is not split); a unique candidate is the answer;
+     (a tensor without one is not split); a unique candidate at dim 0 is the answer, a
+     unique one elsewhere must pass rule 3's check (with real weights), or it is refused;
   3. several candidates and real weights: a numeric check. The model runs (eval mode, no
      grad) on the full batch and on the last 1/(dp*m) slice along each candidate; the batch
      dim is the one whose slice gives a slice of the full output (the last slice, so a
@@ -35,10 +36,20 @@ def find_batch_dims(model: torch.nn.Module, batch: tuple, num_model_inputs: int,
         shapes = ", ".join(str(tuple(batch[i].shape)) for i in tensors)
         raise PlanError(f"{name}: no dimension of the inputs ({shapes}) has a size divisible by "
                         f"dp*m={parts}; use a global batch that is a multiple of {parts}, or declare batch_dims")
-    if len(cands) == 1:
-        return cands[0]
     real = not any(p.is_meta for p in model.parameters()) and not any(
         batch[i].is_meta for i in tensors)
+    if len(cands) == 1:
+        only = cands[0]
+        if all(d in (None, 0) for d in only) or not real:
+            return only
+        # the one divisible size is not at dim 0 (a [batch=2, seq=16] input at dp*m=4 offers
+        # only its sequence): split there only if the model's rows are independent along it
+        if _slice_matches(model, batch[:num_model_inputs], only, parts):
+            return only
+        shapes = ", ".join(str(tuple(batch[i].shape)) for i in tensors)
+        raise PlanError(f"{name}: no batch dimension of the inputs ({shapes}) is divisible by dp*m={parts} "
+                        f"(the only divisible dims, {only}, do not split the model's rows independently); "
+                        f"use a global batch that is a multiple of {parts}, or declare batch_dims")
     if real:
         passing = [c for c in cands if _slice_matches(model, batch[:num_model_inputs], c, parts)]
         if len(passing) >= 1:

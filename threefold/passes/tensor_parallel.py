@@ -260,7 +260,8 @@ class _Rewriter:
             shape[dim] *= self.t
             out = torch.empty(shape, dtype=v.dtype, device="meta")
             node = self.emit(tp_ops.all_gather_seq, (x, dim, TP), place=Replicate(gathered=True), val=out,
-                             collective=_coll("all_gather", "forward", out, back="reduce_scatter"))
+                             collective=_coll("all_gather", "forward", out, back="reduce_scatter",
+                                              regathers=True))
             self.gathered_from[node] = x
             return node
         return self._cached(("ag", x, dim), make)

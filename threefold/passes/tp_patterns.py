@@ -184,6 +184,6 @@ def _needs_grad(v) -> bool:
     return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
 
 
-def _coll(kind: str, phase: str, v, back: str | None = None) -> Collective:
+def _coll(kind: str, phase: str, v, back: str | None = None, regathers: bool = False) -> Collective:
     numel = int(v.numel()) if isinstance(v, torch.Tensor) else 0
-    return Collective(kind, phase, numel, backward=back)
+    return Collective(kind, phase, numel, backward=back, regathers=regathers)

@@ -139,6 +139,16 @@ class _Runner:
                 self.dtype[node.name] = dtypes[i]
             self.saved[node.name] = []
             return
+        from threefold.runtime import tp_ops
+        if node.target is tp_ops.all_gather_seq:
+            # what autograd keeps of a sequence all-gather is its shard (runtime/saved_shards.py)
+            shard = node.args[0]
+            self.root[node.name] = self.root.get(shard.name, shard.name)
+            self.grad[node.name] = self.grad.get(shard.name, False)
+            if shard.name in self.dtype:
+                self.dtype[node.name] = self.dtype[shard.name]
+            self.saved[node.name] = []
+            return
         try:
             self._run(node)
         except Exception:   # noqa: BLE001  an op fakes cannot run: the cost table's rule

@@ -20,6 +20,9 @@ class ChunkModule(torch.nn.Module):
     # last chunk of a model compiled with a loss: batch entries its `model_outputs` method
     # reads (pm(x) returns the model's outputs; codegen/model_outputs.py)
     MODEL_OUTPUT_INPUTS: list[int] = []
+    # forward all-gathers sequence shards: run it so that autograd keeps the shards
+    # (runtime/saved_shards.py)
+    SAVES_SHARDS: bool = False
     tp_group = None              # tensor-parallel process group, set by the runtime
     # (base seed, step, global microbatch): set by the engine before each forward
     rng_key: tuple[int, int, int] = (0, 0, 0)
@@ -35,6 +38,13 @@ class ChunkModule(torch.nn.Module):
             t = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
             self._owner(fqn).register_buffer(fqn.rsplit(".", 1)[-1], t)
         self._state_cache: dict[str, torch.Tensor] | None = None
+
+    def __call__(self, *args, **kwargs):
+        if self.SAVES_SHARDS and torch.is_grad_enabled() and self.tp_group is not None:
+            from threefold.runtime.saved_shards import keep_shards
+            with keep_shards():
+                return super().__call__(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
     def _owner(self, fqn: str) -> torch.nn.Module:
         module: torch.nn.Module = self

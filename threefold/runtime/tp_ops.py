@@ -9,7 +9,8 @@ backward is the matching collective, so the compiled graph stays differentiable.
   scatter        this rank's slice forward, all-gather backward   (replicated -> sharded)
   gather         all-gather forward, slice backward               (sharded -> replicated)
   reduce_scatter reduce-scatter forward, all-gather backward      (partial -> sequence shard)
-  all_gather_seq all-gather forward, reduce-scatter backward      (sequence shard -> column input)
+  all_gather_seq all-gather forward, reduce-scatter backward      (sequence shard -> column input;
+                 saved for backward as the shard: runtime/saved_shards.py)
   vocab_parallel_embedding / vocab_parallel_cross_entropy: the vocabulary split over ranks
   tp_dropout     dropout whose mask differs per tp rank (sharded regions; see DESIGN notes)
 """
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from threefold.runtime import comm   # every collective goes through comm: bounded, names its group
+from threefold.runtime import saved_shards
 
 
 class GroupRef:
@@ -157,7 +159,13 @@ def reduce_scatter(x, dim, group):
 
 
 def all_gather_seq(x, dim, group):
-    return _AllGatherSeq.apply(x, dim, group) if group is not None else x
+    """The all-gather of sequence shards; what autograd saves of it is the shard
+    (runtime/saved_shards.py: backward gathers again, as Megatron does)."""
+    if group is None:
+        return x
+    full = _AllGatherSeq.apply(x, dim, group)
+    saved_shards.register(full, x, dim, group)
+    return full
 
 
 def vocab_parallel_embedding(weight, ids, group, seq_dim=None, padding_idx=-1):
