@@ -23,6 +23,12 @@ makespan), idle = not inside a forward, backward or weight-gradient compute), si
 with unit costs (runtime/simulate.py) and simulated with the measured per-chunk compute
 times. Goals (issue 13): threefold's best <= 0.85x torch's best; within 1.15x the limit at m=8.
 
+The limit leaves out two costs no schedule can remove: microbatches of batch/m rows run
+less efficiently than the whole batch, and two busy cores run slower than one. The floor
+contender measures both: each rank runs the whole model over its half of the m
+microbatches, both ranks at once; floor / limit is what they cost, contender / floor what
+the pipeline adds (bubble, communication, runtime).
+
     python bench/pipeline_bubbles.py [--quick] [--json] [--ms 2,4,8] [--iters N] [--warmup N]
 """
 from __future__ import annotations
@@ -212,16 +218,29 @@ def rank_job(cfg: Config) -> dict:
             step, inst = torch_contender(cfg, name, m, rank, group)
             contenders.append((f"torch {name}", step))
             instruments[f"torch {name}"] = (step, inst)
-        ew = build_workload(cfg) if rank == 0 else None
+        ew = build_workload(cfg)
 
         def eager():
-            if ew is None:
+            if rank != 0:
                 return None
             ew["model"].zero_grad(set_to_none=True)
             loss = ew["loss_fn"](ew["model"](*ew["inputs"]), ew["target"])
             loss.backward()
             return float(loss.detach())
+
+        def floor():
+            # each rank: the whole model over its half of the m microbatches, both at once:
+            # the work a bubble-free, overhead-free pipeline gives a core, at the same
+            # microbatch size and with both cores busy (what eager / 2 leaves out)
+            ew["model"].zero_grad(set_to_none=True)
+            rows = cfg.batch // m
+            for mb in range(rank * m // PP, (rank + 1) * m // PP):
+                sl = slice(mb * rows, (mb + 1) * rows)
+                loss = ew["loss_fn"](ew["model"](ew["inputs"][0][sl]), ew["target"][sl]) / m
+                loss.backward()
+            return None
         contenders.append(("eager", eager))
+        contenders.append(("floor", floor))
         times, cpu, losses = run_rotation(contenders, cfg.warmup, cfg.iters)
         bubbles = {name: measure_bubble(*fns) for name, fns in instruments.items()}
         out[m] = {"times": times, "cpu": cpu, "losses": losses, "bubbles": bubbles}
@@ -266,10 +285,12 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
         best = min(torch_names, key=med.get) if torch_names else None
         contenders = {}
         for n, t in times.items():
-            if n == "eager":
+            if n in ("eager", "floor"):
                 continue
             row = {"wall_s": med[n], "vs_limit_paired": statistics.median(
                 [x / (e / 2) for x, e in zip(t, times["eager"])])}
+            if "floor" in times:
+                row["vs_floor_paired"] = statistics.median([x / f for x, f in zip(t, times["floor"])])
             if best:
                 row["vs_torch_best_paired"] = statistics.median([x / y for x, y in zip(t, times[best])])
             bub, mean = measured_bubble([rk[m]["bubbles"][n] for rk in ranks])
@@ -281,7 +302,9 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
             contenders[n] = row
         ours = [n for n in contenders if n.startswith("threefold ")]
         ours_best = min(ours, key=med.get) if ours else None
-        rows[m] = {"eager_s": med["eager"], "limit_s": med["eager"] / 2, "torch_best": best,
+        floor = {"floor_s": med["floor"], "floor_vs_limit_paired": statistics.median(
+            [f / (e / 2) for f, e in zip(times["floor"], times["eager"])])} if "floor" in times else {}
+        rows[m] = {"eager_s": med["eager"], "limit_s": med["eager"] / 2, **floor, "torch_best": best,
                    "threefold_best": ours_best, "contenders": contenders,
                    "raw_wall_s": times}
     return {"config": asdict(cfg), "ranks": PP, "cores": os.cpu_count(), "rows": rows}
@@ -306,14 +329,18 @@ def report(s: dict) -> str:
     for m, r in s["rows"].items():
         lines.append(f"m={m}: eager {r['eager_s']*1e3:.0f} ms, limit {r['limit_s']*1e3:.0f} ms; torch best: "
                      f"{r['torch_best']}; threefold best: {r['threefold_best']}")
-        lines.append(f"  {'contender':<40} {'wall ms':>8} {'/torch best':>11} {'/limit':>7} "
+        if "floor_s" in r:
+            lines.append(f"  floor (both cores, each the whole model over m/2 microbatches of {c['batch'] // m}) "
+                         f"{r['floor_s']*1e3:.0f} ms = {r['floor_vs_limit_paired']:.3f} x limit")
+        lines.append(f"  {'contender':<40} {'wall ms':>8} {'/torch best':>11} {'/limit':>7} {'/floor':>7} "
                      f"{'bubble meas':>11} {'sim unit':>8} {'sim meas':>8} {'loss':>9}")
         for n, x in r["contenders"].items():
             sim_u = f"{x['sim_unit']:.3f}" if "sim_unit" in x else "-"
             sim_m = f"{x['sim_measured_costs']:.3f}" if "sim_measured_costs" in x else "-"
             loss = f"{x['loss']:.5f}" if x["loss"] is not None else "-"
             lines.append(f"  {n:<40} {x['wall_s']*1e3:>8.0f} {x.get('vs_torch_best_paired', float('nan')):>11.3f} "
-                         f"{x['vs_limit_paired']:>7.3f} {x['bubble_measured']:>11.3f} {sim_u:>8} {sim_m:>8} {loss:>9}")
+                         f"{x['vs_limit_paired']:>7.3f} {x.get('vs_floor_paired', float('nan')):>7.3f} "
+                         f"{x['bubble_measured']:>11.3f} {sim_u:>8} {sim_m:>8} {loss:>9}")
         lines.append("")
     return "\n".join(lines)
 
