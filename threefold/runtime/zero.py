@@ -74,16 +74,21 @@ def _buckets(items: list, nbytes) -> list[list]:
     return out
 
 
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); older torch has only those
+_REDUCE_SCATTER_FLAT = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, what: str):
     try:
-        return dist.reduce_scatter_tensor(out, inp, group=group, async_op=True)
+        return _REDUCE_SCATTER_FLAT(out, inp, group=group, async_op=True)
     except Exception as exc:
         raise comm._fail(f"reduce-scatter of {what} with", group, exc) from None
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group, what: str) -> None:
     try:
-        dist.all_gather_into_tensor(out, inp, group=group)
+        _ALL_GATHER_FLAT(out, inp, group=group)
     except Exception as exc:
         raise comm._fail(f"all-gather of {what} with", group, exc) from None
 
