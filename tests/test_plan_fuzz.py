@@ -80,6 +80,7 @@ def test_random_plans_match_single_process(factory):
 
 
 @pytest.mark.zoo
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize("factory", sorted(MODELS))
