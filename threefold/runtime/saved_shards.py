@@ -92,7 +92,8 @@ def _lookup(t: torch.Tensor) -> _Gathered | None:
 @contextlib.contextmanager
 def keep_shards():
     """Run a chunk's forward so that gathered sequence shards are saved as shards."""
-    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)   # private in torch
+    outer = top(False) if top is not None else None
     outer_pack, outer_unpack = outer if outer is not None else (None, None)
 
     def pack(t):
