@@ -25,8 +25,8 @@ import weakref
 
 import torch
 
-# storage pointer of a gathered tensor -> its _Gathered; entries leave when the tensor dies
-_REGISTRY: dict[int, "_Gathered"] = {}
+# (device, storage pointer) of a gathered tensor -> its _Gathered; entries leave when it dies
+_REGISTRY: dict[tuple, "_Gathered"] = {}
 
 
 class _Gathered:
@@ -73,7 +73,7 @@ def register(full: torch.Tensor, shard: torch.Tensor, dim: int, group) -> None:
     """`full` is the all-gather of `shard` along `dim` over `group` (tp_ops.all_gather_seq)."""
     if full.device.type == "meta" or not torch.is_grad_enabled():
         return
-    key = full.untyped_storage().data_ptr()
+    key = (full.device, full.untyped_storage().data_ptr())
     _REGISTRY[key] = _Gathered(full, shard, dim, group)
     # the storage can be reused once the tensor dies; forget it then (views that outlive the
     # tensor are saved as they are: correct, only not smaller)
@@ -83,7 +83,7 @@ def register(full: torch.Tensor, shard: torch.Tensor, dim: int, group) -> None:
 def _lookup(t: torch.Tensor) -> _Gathered | None:
     if not _REGISTRY or t.device.type == "meta":
         return None
-    g = _REGISTRY.get(t.untyped_storage().data_ptr())
+    g = _REGISTRY.get((t.device, t.untyped_storage().data_ptr()))
     if g is None or g.full() is None or t.dtype != g.dtype:
         return None
     return g
