@@ -36,8 +36,9 @@ def sgd_losses(w: dict, steps: int, lr: float = 0.1) -> list[float]:
 
 
 def parallel_sgd_losses(pm, w: dict, steps: int, lr: float = 0.1) -> list[float]:
-    """`steps` SGD steps of ParallelModule `pm` on workload `w`'s batch: the loss of each."""
-    opt = torch.optim.SGD(pm.parameters(), lr=lr)
+    """`steps` SGD steps of ParallelModule `pm` on workload `w`'s batch: the loss of each.
+    The optimizer is the one the plan needs (pm.optimizer: plain SGD, or its ZeRO-1 form)."""
+    opt = pm.optimizer(torch.optim.SGD, lr=lr)
     losses = []
     for _ in range(steps):
         opt.zero_grad()

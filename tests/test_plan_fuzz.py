@@ -53,14 +53,7 @@ def _losses(plans, factory):
     for plan in plans:
         w = load_workload(factory, **MODELS[factory])
         pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
-        if "zero=1" in plan:   # ZeRO-1 shards the optimizer: it must be the ParallelModule's
-            opt, losses = pm.optimizer(torch.optim.SGD, lr=0.1), []
-            for _ in range(STEPS):
-                opt.zero_grad()
-                losses.append(pm.step(*w["inputs"], target=w["target"]))
-                opt.step()
-        else:
-            losses = parallel_sgd_losses(pm, w, STEPS)
+        losses = parallel_sgd_losses(pm, w, STEPS)
         out.append((plan, losses))
     return out
 
