@@ -53,7 +53,7 @@ def test_unknown_keys_survive_and_missing_new_keys_read_as_old(manifest):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda d: d["mesh"].__setitem__("tp", 1), "is not plan"),
+    (lambda d: d["mesh"].__setitem__(-1, ["tp", 1]), "is not plan"),
     (lambda d: d["schedule"].__setitem__("microbatches", 4), "is not plan"),
     (lambda d: d.__setitem__("plan", "tp=2,tp=4"), "invalid plan"),
     (lambda d: d["chunks"][0].pop("params"), None),

@@ -130,6 +130,13 @@ def _cases() -> list[tuple[str, list[str]]]:
 
 # ---- tampered artifacts: each function edits a copy of a good artifact -------------------
 
+def _set_axis(m, name, size):
+    """Set one axis of a manifest's mesh (a list of [name, size] pairs)."""
+    for axis in m["mesh"]:
+        if axis[0] == name:
+            axis[1] = size
+
+
 def _manifest(d, edit=None):
     path = os.path.join(d, "manifest.json")
     with open(path) as f:
@@ -175,10 +182,10 @@ TAMPERS = {
         "0", "../../../../etc/passwd")),
     "hash removed": lambda d: _manifest(d, lambda m: m["files"].pop("chunk00.py")),
     "hash not hex": lambda d: _manifest(d, lambda m: m["files"].__setitem__("chunk00.py", "x")),
-    "mesh vs chunks": lambda d: _manifest(d, lambda m: m["mesh"].__setitem__("pp", 3)),
-    "mesh tp vs weights": lambda d: _manifest(d, lambda m: m["mesh"].__setitem__("tp", 2)),
-    "mesh not integers": lambda d: _manifest(d, lambda m: m["mesh"].__setitem__("dp", "2")),
-    "mesh huge": lambda d: _manifest(d, lambda m: m["mesh"].__setitem__("dp", 10 ** 9)),
+    "mesh vs chunks": lambda d: _manifest(d, lambda m: _set_axis(m, "pp", 3)),
+    "mesh tp vs weights": lambda d: _manifest(d, lambda m: _set_axis(m, "tp", 2)),
+    "mesh not integers": lambda d: _manifest(d, lambda m: _set_axis(m, "dp_shard", "2")),
+    "mesh huge": lambda d: _manifest(d, lambda m: _set_axis(m, "dp_shard", 10 ** 9)),
     "num_chunks wrong": lambda d: _manifest(d, lambda m: m.__setitem__("num_chunks", 5)),
     "stage wrong": lambda d: _manifest(d, lambda m: m["chunks"][1].__setitem__("stage", 0)),
     "class not a name": lambda d: _manifest(d, lambda m: m["chunks"][0].__setitem__("class", "os.system")),

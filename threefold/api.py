@@ -17,7 +17,7 @@ from threefold.errors import PlanError
 from threefold.plan import Plan
 from threefold.runtime.assemble import assemble_rank, check_world, default_device
 from threefold.runtime.loader import import_source
-from threefold.runtime.mesh import Mesh, chunk_layout
+from threefold.runtime.mesh import chunk_layout
 from threefold.runtime.shard import rank_shard
 from threefold.runtime.schedule import forward_only
 from threefold.workload import Workload
@@ -136,7 +136,7 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
     if example_inputs is None:
         raise PlanError("parallelize needs example_inputs: a global batch of the model's inputs")
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    mesh = Mesh(tp=plan.tp, dp=plan.dp, pp=plan.pp)
+    mesh = plan.mesh
     _join_torchrun_job()
     rank = check_world(mesh, str(plan))
     if weights is None and any(p.is_meta for p in model.parameters()):

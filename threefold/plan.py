@@ -23,10 +23,12 @@ BATCHNORM_MODES = ("exact", "local")
 RECOMPUTE_MODES = ("none", "selective", "full")
 # Compute dtype (runtime/mixed_precision.py): parameters, gradients and optimizer state stay
 # fp32 (the master weights); chunk forwards run under torch.autocast in bf16/fp16; fp16 adds
-# dynamic loss scaling. ZeRO stage (runtime/zero.py): 0 = every dp rank holds the whole
-# optimizer state; 1 = gradients reduce-scattered over dp, each dp rank updates its 1/d.
+# dynamic loss scaling. ZeRO stage (runtime/zero.py, runtime/fsdp.py), over the dp_shard
+# ranks (all of dp unless dp_shard says fewer: HSDP): 0 = every dp rank holds everything;
+# 1 = the optimizer state and update sharded; 2 = gradients too (reduce-scattered as
+# backward produces them); 3 = parameters too (FSDP: gathered per layer around its use).
 DTYPES = ("fp32", "bf16", "fp16")
-ZERO_STAGES = (0, 1)
+ZERO_STAGES = (0, 1, 2, 3)
 
 # Short keys accepted by Plan.parse and used by str(plan).
 _ALIASES = {"m": "microbatches", "v": "interleave"}
@@ -55,7 +57,9 @@ class Plan:
     batchnorm: str = "exact"
     strict: bool = False        # tp: an op with no sharded rule is a PlanError, not a gather/reduce fallback
     dtype: str = "fp32"         # fp32 | bf16 | fp16: compute dtype (master weights stay fp32)
-    zero: int = 0               # 0 | 1: ZeRO-1 shards optimizer state + master update over dp
+    zero: int = 0               # 0..3: what is sharded over the dp_shard ranks (see ZERO_STAGES)
+    # HSDP: ranks per shard group (dp_replicate = dp / dp_shard replicas of it); None = all of dp
+    dp_shard: int | None = None
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp", "microbatches", "interleave"):
@@ -90,15 +94,36 @@ class Plan:
         if self.dtype not in DTYPES:
             raise PlanError(f"plan dtype={self.dtype!r} is unknown: use one of {', '.join(DTYPES)}")
         if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
-            raise PlanError(f"plan zero={self.zero!r} is unsupported: use zero=0 or zero=1 "
-                            "(ZeRO-1: optimizer state sharded over dp)")
+            raise PlanError(f"plan zero={self.zero!r} is unsupported: use zero=0, 1, 2 or 3 (what is "
+                            "sharded over dp: 1 optimizer state, 2 also gradients, 3 also parameters)")
+        if self.dp_shard is not None:
+            d = self.dp_shard
+            if not isinstance(d, int) or isinstance(d, bool) or d < 1 or self.dp % d:
+                raise PlanError(f"plan dp_shard={d!r} is invalid: it must divide dp={self.dp} "
+                                f"(dp_replicate = dp / dp_shard replicas of each shard group)")
+            if self.zero == 0 and d != self.dp:
+                raise PlanError(f"plan dp_shard={d} needs zero>=1: it says over how many dp ranks ZeRO "
+                                "shards; add zero=3 (HSDP) or drop dp_shard")
+            if d == self.dp:   # the default spelled out: one form, so str() round-trips
+                object.__setattr__(self, "dp_shard", None)
         if isinstance(self.split_points, (list, str)):
             pts = (self.split_points,) if isinstance(self.split_points, str) else tuple(self.split_points)
             object.__setattr__(self, "split_points", pts)
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.mesh.world_size
+
+    @property
+    def shard_degree(self) -> int:
+        """Ranks ZeRO shards over (the dp_shard mesh axis): dp unless dp_shard says fewer."""
+        return self.dp if self.dp_shard is None else self.dp_shard
+
+    @property
+    def mesh(self):
+        """The named mesh this plan runs on (runtime/mesh.py: one entry per axis)."""
+        from threefold.runtime.mesh import Mesh
+        return Mesh.of_plan(self)
 
     @property
     def num_chunks(self) -> int:
@@ -156,7 +181,7 @@ class Plan:
             value = getattr(self, f.name)
             if value == getattr(default, f.name) and f.name in ("split_points", "fuse", "recompute",
                                                                  "scatter_gather", "sp", "loss", "batchnorm",
-                                                                 "strict", "dtype", "zero"):
+                                                                 "strict", "dtype", "zero", "dp_shard"):
                 continue
             key = _SHORT.get(f.name, f.name)
             if f.name == "split_points":
@@ -201,8 +226,8 @@ def _parse_value(name: str, value: str, previous):
             raise PlanError(f"plan dtype={value!r} is invalid: use one of {', '.join(DTYPES)}")
         return low
     if name == "zero":
-        if value not in ("0", "1"):
-            raise PlanError(f"plan zero={value!r} is invalid: use 0 or 1")
+        if value not in ("0", "1", "2", "3"):
+            raise PlanError(f"plan zero={value!r} is invalid: use 0, 1, 2 or 3")
         return int(value)
     try:
         return int(value)

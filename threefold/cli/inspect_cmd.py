@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from threefold.plan import Plan
-from threefold.runtime.mesh import Mesh, chunk_layout, stage_of
+from threefold.runtime.mesh import chunk_layout, stage_of
 
 
 def register(sub) -> None:
@@ -76,7 +76,7 @@ def run(args) -> int:
 
 def chunk_ranks(plan: Plan, index: int) -> list[int]:
     """Global ranks that run chunk `index` (Megatron layout: tp fastest, then dp, then pp)."""
-    return Mesh(tp=plan.tp, dp=plan.dp, pp=plan.pp).stage_ranks(stage_of(index, plan.pp, chunk_layout(plan.schedule)))
+    return plan.mesh.stage_ranks(stage_of(index, plan.pp, chunk_layout(plan.schedule)))
 
 
 def chunk_report(prog) -> dict:

@@ -129,7 +129,7 @@ def program_memory(prog) -> list[RankMemory]:
     every rank of the mesh."""
     from threefold.compiler.program import tf
     from threefold.planner.saved_bytes import chunk_saved
-    from threefold.runtime.mesh import Mesh, chunk_layout, stage_of
+    from threefold.runtime.mesh import chunk_layout, stage_of
     from threefold.runtime.mixed_precision import COMPUTE_DTYPES
 
     plan = prog.plan
@@ -145,7 +145,7 @@ def program_memory(prog) -> list[RankMemory]:
                 local[key] = (tuple(val.shape), val.numel() * val.element_size(),
                               tf(n).get("kind") == "param" and not tf(n).get("frozen"))
         saved[chunk.index] = chunk_saved(chunk.gm, autocast, chunk.recompute)
-    mesh = Mesh(tp=plan.tp, dp=plan.dp, pp=plan.pp)
+    mesh = plan.mesh
     out = []
     for stage in range(plan.pp):
         chunks = [c for c in prog.chunks if stage_of(c.index, plan.pp, layout) == stage]

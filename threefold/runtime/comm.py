@@ -29,34 +29,66 @@ class RankFailure(RuntimeError):
     """Another rank died or failed; the message names it."""
 
 
+# The groups every rank builds: one per mesh axis or alias that collectives run over.
+GROUP_AXES = ("tp", "dp", "pp", "dp_shard", "dp_replicate")
+
+
 @dataclass
 class Groups:
-    """This rank's process groups, built from the mesh in Megatron's rank order."""
+    """This rank's process groups, built from the mesh: `groups.of("dp")` (None when the
+    group has one rank), `groups.tp` and friends for the axes every job has, and the
+    tied-parameter groups over stage sets."""
     mesh: Mesh
     rank: int
-    tp: object = None            # dist.ProcessGroup (None when the size is 1)
-    dp: object = None
-    pp: object = None
+    by_axes: dict[str, object] = field(default_factory=dict)   # axis or alias -> dist.ProcessGroup
     ties: dict[tuple[int, ...], object] = field(default_factory=dict)  # stages -> group
 
+    def of(self, names: str):
+        return self.by_axes.get(names)
 
-def build_groups(mesh: Mesh, rank: int, tie_stage_sets: list[tuple[int, ...]] = ()) -> Groups:
-    """Create every group on every rank in the same order (torch.distributed requires it)."""
+    def size(self, names: str) -> int:
+        return self.mesh.size(names)
+
+    @property
+    def tp(self):
+        return self.by_axes.get("tp")
+
+    @property
+    def dp(self):
+        return self.by_axes.get("dp")
+
+    @property
+    def pp(self):
+        return self.by_axes.get("pp")
+
+
+def build_groups(mesh: Mesh, rank: int, tie_stage_sets: list[tuple[int, ...]] = (),
+                 axes: tuple[str, ...] = GROUP_AXES) -> Groups:
+    """Create every group on every rank in the same order (torch.distributed requires it).
+    Axes whose groups are the same rank sets (dp_shard = dp without HSDP) share one group."""
     groups = Groups(mesh, rank)
-    for kind, all_groups in (("tp", mesh.all_tp_groups()), ("dp", mesh.all_dp_groups()),
-                             ("pp", mesh.all_pp_groups())):
-        size = len(all_groups[0])
-        for ranks in all_groups:
-            g = dist.new_group(ranks, timeout=default_timeout()) if size > 1 else None
-            if rank in ranks:
-                setattr(groups, kind, g)
-    for stages in sorted(set(tie_stage_sets)):
-        for d in range(mesh.dp):
-            for t in range(mesh.tp):
-                ranks = [mesh.rank(t, d, s) for s in stages]
-                g = dist.new_group(ranks, timeout=default_timeout())
+    made: dict[tuple, object] = {}
+    for name in axes:
+        partition = tuple(tuple(g) for g in mesh.groups(name))
+        if len(partition[0]) == 1:
+            continue
+        if partition not in made:
+            mine = None
+            for ranks in partition:
+                g = dist.new_group(list(ranks), timeout=default_timeout())
                 if rank in ranks:
-                    groups.ties[stages] = g
+                    mine = g
+            made[partition] = mine
+        groups.by_axes[name] = made[partition]
+    for stages in sorted(set(tie_stage_sets)):
+        for r in range(mesh.world_size):
+            base = mesh.coord(r)
+            if base.pp != 0:
+                continue
+            ranks = [mesh.moved(r, pp=s) for s in stages]
+            g = dist.new_group(ranks, timeout=default_timeout())
+            if rank in ranks:
+                groups.ties[stages] = g
     return groups
 
 

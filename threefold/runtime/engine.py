@@ -356,7 +356,7 @@ class PipelineEngine:
         return self._boundaries[key]
 
     def _peer(self, stage: int) -> int:
-        return self.mesh.rank(self.coord.tp, self.coord.dp, stage)
+        return self.mesh.moved(self.groups.rank, pp=stage)
 
     # -- gradient synchronisation ----------------------------------------------------------
     def _start_reduce(self, fqns: list[str]) -> list:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -27,7 +28,7 @@ from threefold.runtime.mesh import Mesh, chunk_layout, stage_of
 from threefold.runtime.shard import ShardSpec
 
 MANIFEST = "manifest.json"
-FORMAT = 3                         # 3: one module per chunk ("module"), shared by its tp ranks
+FORMAT = 4                         # 4: the mesh as named axes; 3: one module per chunk, shared by its tp ranks
 MAX_RANKS = 1 << 16                # a mesh beyond this is a corrupt manifest, not a job
 
 
@@ -151,7 +152,7 @@ class Manifest:
     # -- facts derived from the plan (one place) -----------------------------------------
     @property
     def mesh(self) -> Mesh:
-        return Mesh(tp=self.plan.tp, dp=self.plan.dp, pp=self.plan.pp)
+        return self.plan.mesh
 
     @property
     def num_chunks(self) -> int:
@@ -193,7 +194,7 @@ class Manifest:
             "torch_version": self.torch_version,
             "model": self.model,
             "plan": str(plan),
-            "mesh": {"tp": plan.tp, "dp": plan.dp, "pp": plan.pp},
+            "mesh": self.mesh.to_json(),
             "num_chunks": len(self.chunks),
             "has_loss": self.has_loss,
             "num_model_inputs": self.num_model_inputs,
@@ -309,10 +310,15 @@ def check_manifest(root: str, m) -> None:
         _bad(root, "'files' must map each file to its sha256")
     for rel in files:
         safe_path(root, rel)
-    if not isinstance(mesh, dict) or set(mesh) != {"tp", "dp", "pp"} or not all(_is_count(v) for v in mesh.values()):
-        _bad(root, f"mesh {mesh!r} must have positive integers tp, dp, pp")
-    if mesh["tp"] * mesh["dp"] * mesh["pp"] > MAX_RANKS:
+    if (not isinstance(mesh, list) or not mesh or not all(
+            isinstance(a, list) and len(a) == 2 and isinstance(a[0], str) and _is_count(a[1]) for a in mesh)
+            or len({a[0] for a in mesh}) != len(mesh)):
+        _bad(root, f"mesh {mesh!r} must list its axes as [name, positive size] pairs, each name once")
+    if math.prod(a[1] for a in mesh) > MAX_RANKS:
         _bad(root, f"mesh {mesh} asks for more than {MAX_RANKS} ranks")
+    mesh = {name: size for name, size in mesh}
+    mesh.setdefault("pp", 1)
+    mesh.setdefault("tp", 1)
     sched = m.get("schedule")
     if (not isinstance(sched, dict) or not _is_count(sched.get("microbatches"), 1, 1 << 20)
             or not _is_count(sched.get("interleave"), 1, 1024) or not isinstance(sched.get("kind"), str)):
@@ -345,7 +351,7 @@ def check_manifest(root: str, m) -> None:
 
 def _check_against_plan(root: str, m: dict, plan: Plan) -> None:
     """The JSON's mesh and schedule are the plan's (one fact: the plan)."""
-    mesh = {"tp": plan.tp, "dp": plan.dp, "pp": plan.pp}
+    mesh = plan.mesh.to_json()
     if m["mesh"] != mesh:
         _bad(root, f"mesh {m['mesh']} is not plan {plan}'s {mesh}")
     sched = {"kind": plan.schedule, "microbatches": plan.microbatches, "interleave": plan.interleave}

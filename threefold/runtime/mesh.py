@@ -1,12 +1,30 @@
-"""Rank coordinates in Megatron's layout: rank = tp_rank + tp * (dp_rank + dp * pp_rank).
+"""The device mesh: an ordered tuple of named axes, and rank coordinates on it.
 
-Tensor-parallel ranks are adjacent (they share a node and its fast links), data-parallel
-replicas come next, pipeline stages are outermost. A `Mesh` is a plain value; process
-groups built from it are passed explicitly (see runtime/comm.py), never kept globally.
+A rank's coordinates are a mixed-radix number over the axes, outermost first. The default
+order puts pipeline stages outermost and tensor-parallel ranks innermost (they share a node
+and its fast links), which is Megatron's layout: rank = tp + tp * (dp + dp * pp).
+
+The axes (`AXES`, one entry each; adding a kind of parallelism is one entry here plus its
+rules where it is used):
+
+    pp            pipeline stages
+    dp_replicate  data-parallel replicas that hold whole copies of what dp_shard shards
+                  (HSDP: replicate across nodes, shard within); 1 unless `dp_shard` < dp
+    dp_shard      data-parallel ranks over which ZeRO shards optimizer state (zero=1),
+                  gradients (zero=2) and parameters (zero=3); all of dp by default
+    tp            tensor-parallel ranks
+
+An *alias* names a product of consecutive axes: `dp` is (dp_replicate, dp_shard), the
+data-parallel group that splits the batch. Sizes, coordinates and groups accept axes and
+aliases alike; an axis a mesh does not have has size 1 (so code written for `cp` runs on
+a mesh without it). A `Mesh` is a plain value; process groups built from it are passed
+explicitly (runtime/comm.py), never kept globally.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from math import prod
 
 
 # How model chunks sit on stages. "loop" (Megatron's interleaved assignment, every schedule
@@ -30,54 +48,226 @@ def stage_of(chunk: int, pp: int, layout: str = "loop") -> int:
 
 
 @dataclass(frozen=True)
+class Axis:
+    """One mesh axis: its name, its size under a plan, and what it is for."""
+    name: str
+    size_of: Callable    # plan -> size
+    doc: str
+
+
+# Outermost first. The rank formula is the mixed radix over this order.
+AXES: tuple[Axis, ...] = (
+    Axis("pp", lambda plan: plan.pp, "pipeline stages"),
+    Axis("dp_replicate", lambda plan: plan.dp // plan.shard_degree,
+         "data-parallel replicas of the sharded state (HSDP: across nodes)"),
+    Axis("dp_shard", lambda plan: plan.shard_degree,
+         "data-parallel ranks that shard optimizer state, gradients, parameters (zero>=1)"),
+    Axis("tp", lambda plan: plan.tp, "tensor-parallel ranks"),
+)
+AXIS_NAMES = tuple(a.name for a in AXES)
+# Products of consecutive axes, by name.
+ALIASES: dict[str, tuple[str, ...]] = {"dp": ("dp_replicate", "dp_shard")}
+
+
 class Coord:
-    tp: int
-    dp: int
-    pp: int
+    """A rank's index along every axis and alias: `coord.tp`, `coord["dp"]`."""
+    __slots__ = ("_index",)
+
+    def __init__(self, index: dict[str, int]):
+        object.__setattr__(self, "_index", dict(index))
+
+    def __getitem__(self, name: str) -> int:
+        return self._index.get(name, 0)
+
+    def __getattr__(self, name: str) -> int:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return self._index.get(name, 0)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Coord is immutable")
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Coord) and self._index == other._index
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._index.items())))
+
+    def __repr__(self) -> str:
+        return "Coord(" + ", ".join(f"{k}={v}" for k, v in self._index.items()) + ")"
 
 
-@dataclass(frozen=True)
 class Mesh:
-    tp: int = 1
-    dp: int = 1
-    pp: int = 1
+    """Named axes, outermost first, with their sizes: `Mesh(tp=2, dp=2, pp=2)`,
+    `Mesh(dp=4, dp_shard=2)` (HSDP 2 x 2), or `Mesh.from_axes([("pp", 2), ("dp_shard", 2), ("tp", 2)])`."""
+    __slots__ = ("axes", "_sizes")
+
+    def __init__(self, **sizes: int):
+        dp = sizes.pop("dp", None)
+        shard = sizes.pop("dp_shard", None)
+        replicate = sizes.pop("dp_replicate", None)
+        if dp is not None:
+            shard = dp if shard is None else shard
+            if replicate is None:
+                replicate = dp // shard if shard and dp % shard == 0 else 0
+            if replicate * shard != dp:
+                raise ValueError(f"mesh dp={dp} is not dp_replicate={replicate} x dp_shard={shard}")
+        sizes["dp_shard"] = 1 if shard is None else shard
+        sizes["dp_replicate"] = 1 if replicate is None else replicate
+        unknown = set(sizes) - set(AXIS_NAMES)
+        if unknown:
+            raise ValueError(f"mesh axes {sorted(unknown)} are unknown: the axes are {', '.join(AXIS_NAMES)}")
+        self._set([(name, int(sizes.get(name, 1))) for name in AXIS_NAMES])
+
+    @classmethod
+    def from_axes(cls, axes: Iterable[tuple[str, int]]) -> "Mesh":
+        mesh = cls.__new__(cls)
+        mesh._set([(str(n), int(s)) for n, s in axes])
+        return mesh
+
+    @classmethod
+    def of_plan(cls, plan) -> "Mesh":
+        """The mesh a plan runs on: every axis of AXES, sized by its rule."""
+        return cls.from_axes((a.name, a.size_of(plan)) for a in AXES)
+
+    def _set(self, axes: list[tuple[str, int]]) -> None:
+        names = [n for n, _ in axes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"mesh axes {names} repeat a name")
+        for n, s in axes:
+            if s < 1:
+                raise ValueError(f"mesh axis {n}={s} must be a positive integer")
+        object.__setattr__(self, "axes", tuple(axes))
+        object.__setattr__(self, "_sizes", dict(axes))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Mesh is immutable")
+
+    # -- sizes -------------------------------------------------------------------------
+    def _expand(self, names) -> tuple[str, ...]:
+        """Axis or alias names -> the mesh's axes they cover, in mesh order."""
+        if isinstance(names, str):
+            names = (names,)
+        wanted: set[str] = set()
+        for n in names:
+            wanted.update(ALIASES.get(n, (n,)))
+        return tuple(n for n, _ in self.axes if n in wanted)
+
+    def size(self, names) -> int:
+        """The size of an axis, an alias or a product of them (1 for an axis not in the mesh)."""
+        return prod(self._sizes[n] for n in self._expand(names))
+
+    def __getattr__(self, name: str) -> int:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name in self._sizes or name in ALIASES or name in _KNOWN_ELSEWHERE:
+            return self.size(name)
+        raise AttributeError(f"mesh has no axis {name!r} (axes: {', '.join(self._sizes)})")
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp * self.pp
+        return prod(s for _, s in self.axes)
 
-    def rank(self, tp: int = 0, dp: int = 0, pp: int = 0) -> int:
-        return tp + self.tp * (dp + self.dp * pp)
+    def to_json(self) -> list[list]:
+        return [[n, s] for n, s in self.axes]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Mesh) and self.axes == other.axes
+
+    def __hash__(self) -> int:
+        return hash(self.axes)
+
+    def __repr__(self) -> str:
+        return "Mesh(" + ", ".join(f"{n}={s}" for n, s in self.axes) + ")"
+
+    # -- coordinates ---------------------------------------------------------------------
+    def rank(self, **index: int) -> int:
+        """The rank at these indices (axes or aliases; unnamed axes at 0)."""
+        per_axis = {n: 0 for n, _ in self.axes}
+        for name, i in index.items():
+            parts = self._expand(name)
+            if not parts and i:
+                raise ValueError(f"mesh has no axis {name!r}")
+            for n, k in zip(parts, _digits(i, [self._sizes[p] for p in parts])):
+                per_axis[n] = k
+        r = 0
+        for n, s in self.axes:
+            r = r * s + per_axis[n]
+        return r
+
+    def moved(self, rank: int, **index: int) -> int:
+        """The rank with `rank`'s coordinates except along the named axes or aliases."""
+        c = self.coord(rank)
+        per_axis = {n: c[n] for n, _ in self.axes}
+        for name in index:
+            for n in self._expand(name):
+                per_axis.pop(n)
+        return self.rank(**per_axis, **index)
 
     def coord(self, rank: int) -> Coord:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a mesh of {self.world_size} ranks")
-        tp = rank % self.tp
-        dp = (rank // self.tp) % self.dp
-        pp = rank // (self.tp * self.dp)
-        return Coord(tp=tp, dp=dp, pp=pp)
+        index: dict[str, int] = {}
+        for n, s in reversed(self.axes):
+            index[n] = rank % s
+            rank //= s
+        index = {n: index[n] for n, _ in self.axes}
+        for alias, parts in ALIASES.items():
+            have = [p for p in parts if p in self._sizes]
+            k = 0
+            for p in have:
+                k = k * self._sizes[p] + index[p]
+            index[alias] = k
+        return Coord(index)
+
+    # -- groups ----------------------------------------------------------------------------
+    def group(self, rank: int, names) -> list[int]:
+        """The ranks that differ from `rank` only along `names` (axes or aliases), in the
+        order of their index along those axes (the order collectives use)."""
+        axes = self._expand(names)
+        c = self.coord(rank)
+        fixed = {n: c[n] for n, _ in self.axes if n not in axes}
+        out = []
+        for k in range(self.size(axes)):
+            index = dict(fixed)
+            for n, d in zip(axes, _digits(k, [self._sizes[a] for a in axes])):
+                index[n] = d
+            out.append(self.rank(**index))
+        return out
+
+    def groups(self, names) -> list[list[int]]:
+        """Every group along `names`: a partition of all ranks, in a fixed order."""
+        seen, out = set(), []
+        for r in range(self.world_size):
+            g = self.group(r, names)
+            if g[0] not in seen:
+                seen.add(g[0])
+                out.append(g)
+        return out
 
     def stage_ranks(self, stage: int) -> list[int]:
-        """Every rank of one pipeline stage (all its tp and dp ranks), ascending."""
-        return sorted(self.rank(t, d, stage) for d in range(self.dp) for t in range(self.tp))
+        """Every rank of one pipeline stage, ascending."""
+        return sorted(r for r in range(self.world_size) if self.coord(r).pp == stage)
 
+    # the three groups every job has, by their old names
     def tp_group(self, rank: int) -> list[int]:
-        c = self.coord(rank)
-        return [self.rank(t, c.dp, c.pp) for t in range(self.tp)]
+        return self.group(rank, "tp")
 
     def dp_group(self, rank: int) -> list[int]:
-        c = self.coord(rank)
-        return [self.rank(c.tp, d, c.pp) for d in range(self.dp)]
+        return self.group(rank, "dp")
 
     def pp_group(self, rank: int) -> list[int]:
-        c = self.coord(rank)
-        return [self.rank(c.tp, c.dp, p) for p in range(self.pp)]
+        return self.group(rank, "pp")
 
-    def all_tp_groups(self) -> list[list[int]]:
-        return [self.tp_group(self.rank(0, d, p)) for p in range(self.pp) for d in range(self.dp)]
 
-    def all_dp_groups(self) -> list[list[int]]:
-        return [self.dp_group(self.rank(t, 0, p)) for p in range(self.pp) for t in range(self.tp)]
+# Axes that other meshes may have (added by plans with more parallelism): absent, size 1.
+_KNOWN_ELSEWHERE = ("cp", "ep")
 
-    def all_pp_groups(self) -> list[list[int]]:
-        return [self.pp_group(self.rank(t, d, 0)) for d in range(self.dp) for t in range(self.tp)]
+
+def _digits(k: int, sizes: list[int]) -> list[int]:
+    """k as a mixed-radix number over `sizes` (outermost first)."""
+    out = []
+    for s in reversed(sizes):
+        out.append(k % s)
+        k //= s
+    return list(reversed(out))
