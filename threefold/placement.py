@@ -1,4 +1,8 @@
-"""Typed placements: how a value is laid out over the tp ranks of a stage.
+"""Typed placements: how a value is laid out over the ranks of each mesh axis.
+
+`OnMesh` holds one placement per mesh axis (as DTensor's), the axes it does not name
+replicated. The compiler's tensor-parallel pass decides the `tp` entry of every value; other
+axes (sequence shards over `cp`, rows over `dp_shard` under zero=3, ...) add theirs.
 
 Neutral ground: the compiler writes these, the manifest stores their text (`str(p)`, which
 `parse` reads back), and the runtime decides transfers with them. Nothing here imports the
@@ -67,6 +71,53 @@ class Tuple:
 Placement = Replicate | Partial | Shard | Tuple
 R = Replicate()
 P = Partial()
+
+
+@dataclass(frozen=True)
+class OnMesh:
+    """A value's placement on every mesh axis: `on["tp"]`, Replicate for axes not listed.
+    Text: the tp placement alone when no other axis is split (`S(1)`), else
+    `tp:S(1);cp:S(1,seq)`, which `parse_on_mesh` reads back."""
+    items: tuple[tuple[str, "Placement"], ...] = ()
+
+    @classmethod
+    def of(cls, **axes) -> "OnMesh":
+        return cls(tuple((a, of(p)) for a, p in axes.items() if of(p) != R))
+
+    def __getitem__(self, axis: str) -> "Placement":
+        for a, p in self.items:
+            if a == axis:
+                return p
+        return R
+
+    def with_axis(self, axis: str, place) -> "OnMesh":
+        rest = tuple((a, p) for a, p in self.items if a != axis)
+        return OnMesh(rest + (((axis, of(place)),) if of(place) != R else ()))
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return tuple(a for a, _ in self.items)
+
+    def __str__(self):
+        if not self.items:
+            return "R"
+        if self.axes == ("tp",):
+            return str(self["tp"])
+        return ";".join(f"{a}:{p}" for a, p in self.items)
+
+
+def parse_on_mesh(text) -> OnMesh:
+    """`OnMesh` from its text (a bare placement is the tp axis's)."""
+    if isinstance(text, OnMesh):
+        return text
+    s = (text or "").strip()
+    if ":" not in s:
+        return OnMesh.of(tp=parse(s))
+    items = []
+    for part in s.split(";"):
+        axis, _, place = part.partition(":")
+        items.append((axis.strip(), parse(place)))
+    return OnMesh(tuple((a, p) for a, p in items if p != R))
 
 
 def of(place) -> Placement:

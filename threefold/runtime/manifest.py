@@ -35,12 +35,14 @@ MAX_RANKS = 1 << 16                # a mesh beyond this is a corrupt manifest, n
 @dataclass(frozen=True)
 class TensorSpec:
     """One tensor crossing a chunk boundary (or a model input): its name in the graph,
-    local (per tp rank) shape, dtype name and tensor-parallel placement (typed,
-    threefold/placement.py; the JSON holds its text, parsed once here)."""
+    local (per rank) shape, dtype name, and placement: `placement` is the tensor-parallel
+    one (typed, threefold/placement.py; the JSON holds its text, parsed once here) and
+    `other_axes` the placements on the other mesh axes that split it (e.g. cp)."""
     name: str
     shape: tuple[int, ...]
     dtype: str
     placement: Placement = placements.R
+    other_axes: tuple[tuple[str, Placement], ...] = ()
 
     @property
     def numel(self) -> int:
@@ -49,14 +51,23 @@ class TensorSpec:
             n *= int(s)
         return n
 
+    @property
+    def on_mesh(self) -> placements.OnMesh:
+        """The placement on every mesh axis (tp included)."""
+        return placements.OnMesh(self.other_axes).with_axis("tp", self.placement)
+
     def to_json(self) -> dict:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
-                "placement": str(self.placement)}
+        out = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
+               "placement": str(self.placement)}
+        if self.other_axes:
+            out["axes"] = {a: str(p) for a, p in self.other_axes}
+        return out
 
     @classmethod
     def from_json(cls, d: dict) -> "TensorSpec":
+        other = tuple((str(a), placements.parse(p)) for a, p in (d.get("axes") or {}).items())
         return cls(str(d.get("name", "")), tuple(int(s) for s in d["shape"]), str(d["dtype"]),
-                   placements.parse(d.get("placement")))
+                   placements.parse(d.get("placement")), other)
 
 
 @dataclass(frozen=True)

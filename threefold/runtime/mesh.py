@@ -67,6 +67,11 @@ AXES: tuple[Axis, ...] = (
 AXIS_NAMES = tuple(a.name for a in AXES)
 # Products of consecutive axes, by name.
 ALIASES: dict[str, tuple[str, ...]] = {"dp": ("dp_replicate", "dp_shard")}
+# The axes that split the global batch: each of their ranks trains on its share of the rows
+# (or tokens), so a replicated parameter's gradient is summed over all of them and the loss's
+# global denominator counts all of them. One place: the engine's gradient reduction, the
+# loss seed and the denominator all read it. (A new axis that splits the data joins here.)
+BATCH_AXES = "dp"
 
 
 class Coord:
@@ -147,7 +152,7 @@ class Mesh:
     def _expand(self, names) -> tuple[str, ...]:
         """Axis or alias names -> the mesh's axes they cover, in mesh order."""
         if isinstance(names, str):
-            names = (names,)
+            names = tuple(names.split("+"))   # "dp+cp": the product of both
         wanted: set[str] = set()
         for n in names:
             wanted.update(ALIASES.get(n, (n,)))

@@ -19,6 +19,22 @@ Actions (all name a *local* chunk, i.e. one that lives on the rank holding the a
     sg3.1>2   SEND_GRAD(3, 1, peer=2)     send d(loss)/d(chunk 3's input) to stage 2 (chunk 2)
     rg3.1<0   RECV_GRAD(3, 1, peer=0)     receive d(loss)/d(chunk 3's output) from stage 0 (chunk 4)
 
+Collectives (inserted by runtime/collective_plan.py into a job's schedule, from its
+manifest: the communication a step needs is in the list, so the verifier checks it and the
+simulator costs it; the bare schedules of make_schedule have none):
+
+    dn        LOSS_DENOMINATOR            all-reduce the loss denominator over dp (the loss stage)
+    ls        LOSS                        post the loss all-reduce (waited at the end of the step)
+    ag3.0     UNSHARD(3, 0)               zero=3: all-gather chunk 3's parameters kept whole for
+                                          all its microbatches (unit 0); per-layer units are
+                                          gathered inside F and B (collective_plan.UnitProgram)
+    ar3.1     ALL_REDUCE_GRADS(3, 1)      start the dp all-reduce of chunk 3's gradient bucket 1
+    rs3.1     REDUCE_SCATTER_GRADS(3, 1)  zero=1: start its reduce-scatter instead
+    wg        WAIT_GRADS                  wait for every gradient reduction of the step
+    fr3.0     RESHARD(3, 0)               zero=3: free chunk 3's unit 0 (after its last backward)
+    ts.2      TIED_SUM(index 2)           all-reduce tied parameter 2's gradient over its stages
+    ss        SP_SUM                      all-reduce sequence-parallel gradients over tp
+
 So `sa c.i` on one stage pairs with `ra c+1.i` on the next, and `sg c.i` with `rg c-1.i`.
 Neighbouring chunks on the same stage (ZB-V's turn, chunks pp-1 and pp) exchange no
 message: the forward of c+1 reads c's outputs and the backward of c reads c+1's input
@@ -64,11 +80,24 @@ class Kind(str, enum.Enum):
     SEND_GRAD = "sg"
     RECV_GRAD = "rg"
     WEIGHT = "W"
+    LOSS_DENOMINATOR = "dn"
+    LOSS = "ls"
+    UNSHARD = "ag"
+    ALL_REDUCE_GRADS = "ar"
+    REDUCE_SCATTER_GRADS = "rs"
+    WAIT_GRADS = "wg"
+    RESHARD = "fr"
+    TIED_SUM = "ts"
+    SP_SUM = "ss"
 
 
 COMPUTE = (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
 SENDS = (Kind.SEND_ACT, Kind.SEND_GRAD)
 RECVS = (Kind.RECV_ACT, Kind.RECV_GRAD)
+# collectives that name a chunk (`ar3.1`), and those of the whole stage (`wg`, `ts.2`)
+CHUNK_COLLECTIVES = (Kind.UNSHARD, Kind.ALL_REDUCE_GRADS, Kind.REDUCE_SCATTER_GRADS, Kind.RESHARD)
+STAGE_COLLECTIVES = (Kind.LOSS_DENOMINATOR, Kind.LOSS, Kind.WAIT_GRADS, Kind.TIED_SUM, Kind.SP_SUM)
+COLLECTIVES = CHUNK_COLLECTIVES + STAGE_COLLECTIVES
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +120,10 @@ class Action:
         return self.kind in RECVS
 
     @property
+    def is_collective(self) -> bool:
+        return self.kind in COLLECTIVES
+
+    @property
     def message(self) -> tuple[str, int, int]:
         """Identity of the message a send/recv moves: (act|grad, producing chunk, mb).
 
@@ -109,6 +142,8 @@ class Action:
         raise ValueError(f"{self} is a compute action and moves no message")
 
     def __str__(self) -> str:
+        if self.kind in STAGE_COLLECTIVES:
+            return self.kind.value + (f".{self.mb}" if self.kind is Kind.TIED_SUM else "")
         text = f"{self.kind.value}{self.chunk}.{self.mb}"
         if self.is_send:
             return f"{text}>{self.peer}"
@@ -119,11 +154,24 @@ class Action:
     __repr__ = __str__
 
 
-_ACTION_RE = re.compile(r"^(F|B|W|sa|ra|sg|rg)(\d+)\.(\d+)(?:([<>])(\d+))?$")
+_ACTION_RE = re.compile(r"^(F|B|W|sa|ra|sg|rg|ag|ar|rs|fr)(\d+)\.(\d+)(?:([<>])(\d+))?$")
+_STAGE_RE = re.compile(r"^(dn|ls|wg|ss|ts)(?:\.(\d+))?$")
+
+
+def collective(kind: Kind, chunk: int = -1, index: int = 0) -> Action:
+    """A collective action: chunk-level ones name their chunk and bucket or unit `index`;
+    stage-level ones have chunk -1 (`index`: the tied parameter of a TIED_SUM)."""
+    return Action(kind, chunk if kind in CHUNK_COLLECTIVES else -1, index)
 
 
 def parse_action(text: str) -> Action:
-    """Inverse of str(action): 'F3.1', 'sa3.1>2', 'rg3.1<0'."""
+    """Inverse of str(action): 'F3.1', 'sa3.1>2', 'rg3.1<0', 'ar3.0', 'wg', 'ts.2'."""
+    stage_level = _STAGE_RE.match(text.strip())
+    if stage_level:
+        kind, index = stage_level.groups()
+        if (kind == "ts") != (index is not None):
+            raise ScheduleError(f"schedule action {text!r} is malformed: only ts takes an index (ts.2)")
+        return collective(Kind(kind), index=int(index or 0))
     match = _ACTION_RE.match(text.strip())
     if not match:
         raise ScheduleError(f"schedule action {text!r} is malformed: write e.g. F3.1, B3.1, sa3.1>2 or ra3.1<2")
