@@ -62,7 +62,7 @@ def test_names_never_collide_with_arguments_or_each_other():
 def test_one_place_rules():
     assert [stage_of(c, 4) for c in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
     mesh = Mesh(tp=2, dp=2, pp=2)
-    assert mesh.stage_ranks(1) == [4, 5, 6, 7] == sorted(mesh.rank(t, d, 1) for t in (0, 1) for d in (0, 1))
+    assert mesh.stage_ranks(1) == [4, 5, 6, 7] == sorted(mesh.rank(tp=t, dp=d, pp=1) for t in (0, 1) for d in (0, 1))
     chunks = [{"shared_params": {"wte.weight": [0, 7]}}, {"shared_params": {"b": [1, 5]}}]
     assert tied_param_stages(chunks, 4) == {"wte.weight": (0, 3)}   # b: chunks 1 and 5, both stage 1
     assert is_scattered("R", 16, 2, True) and not is_scattered("S(2)", 16, 2, True)

@@ -70,5 +70,5 @@ def test_world_size_mismatch_is_a_plan_error():
     import threefold
     from tests.parity import load_workload
     w = load_workload("gpt", n_layer=2, n_embd=16, n_head=2, seq=8, batch=4)
-    with pytest.raises(threefold.PlanError, match="needs tp\\*pp\\*dp=2 ranks"):
+    with pytest.raises(threefold.PlanError, match="needs 2 ranks"):
         threefold.parallelize(w["model"], Plan(pp=2), w["inputs"], w["loss_fn"], target=w["target"])

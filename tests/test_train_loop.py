@@ -11,7 +11,9 @@ from threefold.compiler.api import compile_workload
 from threefold.errors import PlanError
 from threefold.plan import Plan
 from threefold.train.lr_schedule import WarmupCosine
-from threefold.train.optim import EMBEDDING, MATMUL, OTHER, decay_split, graph_roles
+from threefold.compiler.param_roles import graph_roles
+from threefold.roles import EMBEDDING, MATMUL, OTHER
+from threefold.train.optim import decay_split
 from threefold.train.source import StepBatches, factory_overrides, spec_source
 from threefold.workload import Workload
 
@@ -147,7 +149,7 @@ def test_batch_and_seq_go_to_a_factory_that_takes_them_and_are_refused_elsewhere
 
 def test_model_flops_do_not_depend_on_the_plan():
     from tests.parity import load_workload
-    from threefold.train.metrics import graph_model_flops
+    from threefold.compiler.model_flops import graph_model_flops
     flops = {}
     for plan in ("tp=1", "tp=2", "pp=2,m=2,dp=2"):
         w = load_workload("gpt", n_layer=2, n_embd=32, n_head=2, seq=8, batch=4)

@@ -17,9 +17,7 @@ from threefold.errors import PlanError
 from threefold.plan import Plan
 from threefold.runtime.assemble import assemble_rank, check_world, default_device
 from threefold.runtime.loader import import_source
-from threefold.runtime.mesh import chunk_layout
 from threefold.runtime.shard import rank_shard
-from threefold.runtime.schedule import forward_only
 from threefold.workload import Workload
 
 
@@ -43,10 +41,8 @@ class ParallelModule:
     def evaluate(self, *inputs, target=None) -> float:
         """Forward only (no gradients): the mean loss over the global batch."""
         batch = tuple(inputs) + ((target,) if self.manifest.has_loss else ())
-        sched = forward_only(self.plan.pp, self.plan.microbatches, self.plan.interleave,
-                             chunk_layout(self.plan.schedule))
         with torch.no_grad():
-            return self.engine.step(batch, train=False, schedule=sched)
+            return self.engine.step(batch, train=False, schedule=self.engine.forward_schedule())
 
     def forward(self, *inputs):
         """Forward-only inference: the model's outputs per microbatch on the last stage
@@ -56,10 +52,9 @@ class ParallelModule:
         with_loss = self.manifest.has_loss
         if with_loss and self.manifest.model_outputs_missing:   # every rank refuses alike
             raise PlanError(f"pm(x) cannot return the model's outputs: {self.manifest.model_outputs_missing}")
-        sched = forward_only(self.plan.pp, self.plan.microbatches, self.plan.interleave,
-                             chunk_layout(self.plan.schedule))
         with torch.no_grad():
-            self.engine.step(tuple(inputs), train=False, schedule=sched, model_outputs=with_loss)
+            self.engine.step(tuple(inputs), train=False, schedule=self.engine.forward_schedule(),
+                             model_outputs=with_loss)
         outs = self.engine.last_outputs
         if not outs:
             return None

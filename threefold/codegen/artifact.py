@@ -8,6 +8,8 @@ import torch
 
 from threefold.codegen.model_outputs import missing_reason
 from threefold.codegen.python import content_hash, generate_module
+from threefold.compiler.model_flops import graph_model_flops
+from threefold.compiler.param_roles import graph_roles
 from threefold.compiler.program import Program, tf
 from threefold.runtime.loader import BATCH_FILE, MANIFEST, Artifact, open_artifact
 from threefold.runtime.manifest import ChunkEntry, LossForm, Manifest, TensorSpec
@@ -134,6 +136,8 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
         # parameters also held by other chunks (tied weights): their grads are summed
         shared_params={fqn: tuple(holders[fqn]) for fqn in c.params if len(holders[fqn]) > 1},
         hash=content_hash(sources[module_file(c.index)]),
+        units=tuple((u.name, tuple(u.params)) for u in c.units),
+        flops=_chunk_flops(c),
     ) for c in prog.chunks)
     return Manifest(
         plan=plan,
@@ -150,6 +154,10 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
         # full (unsharded) shape and dtype of every parameter and buffer: checkpoints/reshard
         state_shapes={fqn: (list(prog.state[fqn].shape), _dtype(prog.state[fqn].dtype))
                       for c in prog.chunks for fqn in c.params + c.buffers},
+        local_shapes=_local_shapes(prog),
+        # what the training loop reads, decided here (weight decay, model FLOP/s)
+        param_roles=graph_roles(prog),
+        model_flops=int(graph_model_flops(prog)),
         # semantics the runtime keeps (passes/loss_form.py, passes/batch_dims.py, trace.py)
         loss=LossForm.from_json(prog.loss_form),
         batch_dims=prog.batch_dims,
@@ -162,6 +170,23 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
         threefold_version=threefold.__version__,
         torch_version=torch.__version__,
     )
+
+
+def _chunk_flops(chunk) -> tuple[int, int, int]:
+    cost = chunk.cost
+    if cost is None:
+        return (0, 0, 0)
+    b, w = cost.backward_flops
+    return (int(cost.flops), int(b), int(w))
+
+
+def _local_shapes(prog: Program) -> dict[str, list[int]]:
+    """Every parameter's shape on one tp rank (its placeholders' shapes in the chunk graphs)."""
+    out: dict[str, list[int]] = {}
+    for _, n in prog.chunk_nodes():
+        if n.op == "placeholder" and tf(n).get("kind") == "param":
+            out.setdefault(tf(n)["fqn"], [int(x) for x in n.meta["val"].shape])
+    return out
 
 
 def _dtype(dtype: torch.dtype) -> str:

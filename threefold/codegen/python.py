@@ -159,15 +159,18 @@ class _ClassWriter:
         # zero-bubble schedules: ops reading weights leave their weight gradients to W
         deferred = (deferred_ops(graph, in_segment) if name == "forward" and splits_backward(self.prog.plan)
                     else {})
+        self.unit_starts = self._unit_starts() if name != "loss_denominator" else {}
         for node in graph.nodes:
             if node.name in first:
+                for n in first[node.name]["nodes"]:
+                    lines += self._unit_line(n)
                 lines += self._segment_call(graph, first[node.name])
             elif node.name in in_segment:
                 continue
             elif node in deferred:
-                lines += deferred_line(self, node, deferred[node])
+                lines += self._unit_line(node.name) + deferred_line(self, node, deferred[node])
             elif node.op == "call_function":
-                lines += self._line(node)
+                lines += self._unit_line(node.name) + self._line(node)
             elif node.op == "output":
                 outs = node.args[0]
                 out_line = "        return (" + "".join(self._arg(o) + ", " for o in outs) + ")"
@@ -197,7 +200,7 @@ class _ClassWriter:
         body.append(f"        # {seg['name']}: {seg['why']}")
         dev_line = len(body)
         for n in nodes:   # named and annotated like forward's own lines
-            body += self._line(n)
+            body += self._unit_line(n.name) + self._line(n)
         body.append("        return (" + "".join(self.names[o] + ", " for o in outputs) + ")")
         if self.uses_device:
             body.insert(dev_line, "        dev = self.device")
@@ -207,6 +210,19 @@ class _ClassWriter:
                 + wrap_call(f"        {''.join(self.names[o] + ', ' for o in outputs)}= self.recompute("
                             f"self.{method}" + (", " if inputs else ""), [self.names[a] for a in inputs],
                             "", "        "))
+
+    def _unit_starts(self) -> dict[str, tuple[int, str]]:
+        """zero=3: first node of each layer unit -> (unit index, layer) (passes/shard_units.py)."""
+        if self.prog.plan.zero < 3:
+            return {}
+        return {u.first: (k, u.name) for k, u in enumerate(self.chunk.units) if k > 0 and u.first}
+
+    def _unit_line(self, node_name: str) -> list[str]:
+        hit = self.unit_starts.get(node_name)
+        if hit is None:
+            return []
+        k, layer = hit
+        return [f"        self.unit({k})  # zero=3: {layer}'s parameters all-gathered here (the next layer's prefetched)"]
 
     def _prologue(self, graph: fx.Graph, args: list[fx.Node]) -> list[str]:
         """Copies of received and batch tensors that an op of this method writes in place

@@ -26,6 +26,7 @@ from threefold.passes.loss_form import loss_form
 from threefold.passes.pipeline_split import split_pipeline
 from threefold.passes.random_ops import seed_random_ops
 from threefold.passes.recompute import plan_recompute
+from threefold.passes.shard_units import plan_shard_units
 from threefold.passes.tensor_parallel import tensor_parallel
 
 Pass = Callable[[Stage], Stage]
@@ -36,9 +37,10 @@ def default_passes() -> list[Pass]:
     come after tensor parallelism; split_pipeline gives each chunk its own graph and fusion
     works on those. The loss's combination over microbatches and the batch-statistics check
     read the traced graph. Recomputation marks segments of the final chunk graphs (random
-    ops already seeded, so a recomputed dropout calls the same seeded op)."""
+    ops already seeded, so a recomputed dropout calls the same seeded op). ZeRO-2/3 units
+    group the final chunk graphs' parameters by layer."""
     return [check_batch_statistics, loss_form, tensor_parallel, annotate_costs, split_pipeline, fuse,
-            seed_random_ops, plan_recompute]
+            seed_random_ops, plan_recompute, plan_shard_units]
 
 
 class PassFailed(RuntimeError):

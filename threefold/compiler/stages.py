@@ -78,6 +78,7 @@ class Chunk:
     recomputed: tuple[str, ...] = ()        # cheap shared (free) nodes copied in
     cost: Any = None                        # compiler.cost.ChunkCost, per tp rank, at partition time
     recompute: tuple = ()                   # segments rerun in backward (passes/recompute.py)
+    units: tuple = ()                       # zero>=2: parameter units (passes/shard_units.py)
 
     @property
     def input_names(self) -> list[str]:

@@ -22,28 +22,25 @@ left out, with a reason in prog.notes.
 """
 from __future__ import annotations
 
-import re
-
 import torch.fx as fx
 
 from threefold.compiler.cost import NodeCost, node_cost
 from threefold.compiler.contracts import stage_pass
 from threefold.compiler.program import meta_of, tf
 from threefold.compiler.stages import Partitioned
-
-_INDEXED = re.compile(r"^\d+$")
+from threefold.passes.layers import layer_runs, repeated_containers
 
 
 @stage_pass(needs=Partitioned, guarantees=("recompute",))
 def plan_recompute(prog: Partitioned) -> Partitioned:
     """Needs: chunk graphs, costs. Guarantees: chunk.recompute (segments) per chunk."""
     mode = getattr(prog.plan, "recompute", "none")
-    layers = _repeated_containers(n for _, n in prog.chunk_nodes())
+    layers = repeated_containers(n for _, n in prog.chunk_nodes())
     chunks, notes = [], []
     for chunk in prog.chunks:
         segments = []
         if mode != "none":
-            for name, nodes in _layer_runs(chunk.gm.graph, layers):
+            for name, nodes in layer_runs(chunk.gm.graph, layers):
                 if mode == "full":
                     why = ("full: keeps the layer's inputs, recomputes its ops in backward"
                            if name != "<chunk>" else "full: no repeated layers in the graph; "
@@ -60,54 +57,6 @@ def plan_recompute(prog: Partitioned) -> Partitioned:
                 kept.append(seg)
         chunks.append(chunk.evolve(recompute=tuple(kept)))
     return prog.evolve(chunks=tuple(chunks), notes=prog.notes + tuple(notes))
-
-
-# --- layers -------------------------------------------------------------------------------
-def _repeated_containers(nodes) -> set[str]:
-    """Module-path prefixes 'a.b.<i>' whose container 'a.b' holds two or more indices."""
-    indices: dict[str, set[str]] = {}
-    for node in nodes:
-        parts = (tf(node).get("module") or "").split(".")
-        for i, part in enumerate(parts):
-            if _INDEXED.match(part):
-                indices.setdefault(".".join(parts[:i]), set()).add(part)
-    return {c for c, idx in indices.items() if len(idx) >= 2}
-
-
-def _layer_key(node: fx.Node, containers: set[str]) -> str | None:
-    """The outermost repeated layer this node belongs to ('h.3'), or None."""
-    parts = (tf(node).get("module") or "").split(".")
-    for i, part in enumerate(parts):
-        if _INDEXED.match(part) and ".".join(parts[:i]) in containers:
-            return ".".join(parts[:i + 1])
-    return None
-
-
-def _layer_runs(graph: fx.Graph, containers: set[str]) -> list[tuple[str, list[fx.Node]]]:
-    """Maximal runs of consecutive compute nodes of one layer; nodes without a module path
-    between two nodes of the same layer join it. No layer at all: the chunk is one run."""
-    compute = [n for n in graph.nodes if n.op == "call_function"]
-    runs: list[tuple[str, list[fx.Node]]] = []
-    current, pending = None, []
-    for node in compute:
-        key = _layer_key(node, containers)
-        if key is None:
-            pending.append(node)
-            continue
-        if runs and key == current:
-            runs[-1][1].extend(pending)
-            runs[-1][1].append(node)
-        else:
-            runs.append((key, [node]))
-        current, pending = key, []
-    if not runs and compute:
-        return [("<chunk>", compute)]
-    seen: dict[str, int] = {}
-    named = []
-    for key, nodes in runs:   # a layer split into two runs: h.0, h.0#2
-        seen[key] = seen.get(key, 0) + 1
-        named.append((key if seen[key] == 1 else f"{key}#{seen[key]}", nodes))
-    return named
 
 
 # --- selective ----------------------------------------------------------------------------

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from threefold.errors import PlanError
-from threefold.runtime.comm import build_groups
+from threefold.runtime.collective_plan import plan_collectives, with_collectives
+from threefold.runtime.comm import GROUP_AXES, build_groups
 from threefold.runtime.engine import PipelineEngine
 from threefold.runtime.manifest import ChunkEntry, Manifest
 from threefold.runtime.mesh import Mesh, chunk_layout
@@ -52,11 +53,21 @@ def assemble_rank(manifest: Manifest, source: RankSource, rank: int | None = Non
         module = source.chunk_class(entry)(device=dev)
         source.load_weights(module, entry, coord.tp, dev)
         modules[c] = module
+    schedule, collectives = step_schedule(manifest)
+    axes = GROUP_AXES + (("dp_shard#rs",) if collectives.zero >= 2 else ())
+    groups = build_groups(mesh, rank, tie_stage_sets(manifest), axes)
+    return PipelineEngine(manifest, modules, schedule, groups, dev, collectives)
+
+
+def step_schedule(manifest: Manifest):
+    """The verified schedule of one training step, its collectives included, and the
+    collective plan it was built from (the same on every rank)."""
     plan = manifest.plan
-    schedule = make_schedule(plan.schedule, mesh.pp, plan.microbatches, plan.interleave)
+    base = make_schedule(plan.schedule, manifest.mesh.pp, plan.microbatches, plan.interleave)
+    collectives = plan_collectives(manifest, base)
+    schedule = with_collectives(base, collectives)
     verify(schedule)
-    groups = build_groups(mesh, rank, tie_stage_sets(manifest))
-    return PipelineEngine(manifest, modules, schedule, groups, dev)
+    return schedule, collectives
 
 
 def tie_stage_sets(manifest: Manifest) -> list[tuple[int, ...]]:
@@ -75,7 +86,7 @@ def check_world(mesh: Mesh, plan_text: str) -> int:
     """This process's rank, after checking the job has exactly the plan's world size."""
     rank, world = current_rank_and_world()
     if world != mesh.world_size:
-        raise PlanError(f"plan {plan_text} needs tp*pp*dp={mesh.world_size} ranks but the job has "
+        raise PlanError(f"plan {plan_text} needs {mesh.world_size} ranks (the product of its mesh axes) but the job has "
                         f"{world}; launch {mesh.world_size} ranks or change the plan")
     return rank
 

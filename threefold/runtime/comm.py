@@ -30,6 +30,8 @@ class RankFailure(RuntimeError):
 
 
 # The groups every rank builds: one per mesh axis or alias that collectives run over.
+# (A name "axis#tag" asks for a second group over the same ranks, so that two streams of
+# collectives, ZeRO-3's all-gathers and its reduce-scatters, are ordered independently.)
 GROUP_AXES = ("tp", "dp", "pp", "dp_shard", "dp_replicate")
 
 
@@ -69,17 +71,19 @@ def build_groups(mesh: Mesh, rank: int, tie_stage_sets: list[tuple[int, ...]] = 
     groups = Groups(mesh, rank)
     made: dict[tuple, object] = {}
     for name in axes:
-        partition = tuple(tuple(g) for g in mesh.groups(name))
+        base, _, tag = name.partition("#")
+        partition = tuple(tuple(g) for g in mesh.groups(base))
         if len(partition[0]) == 1:
             continue
-        if partition not in made:
+        key = (partition, tag)
+        if key not in made:
             mine = None
             for ranks in partition:
                 g = dist.new_group(list(ranks), timeout=default_timeout())
                 if rank in ranks:
                     mine = g
-            made[partition] = mine
-        groups.by_axes[name] = made[partition]
+            made[key] = mine
+        groups.by_axes[name] = made[key]
     for stages in sorted(set(tie_stage_sets)):
         for r in range(mesh.world_size):
             base = mesh.coord(r)

@@ -2,14 +2,15 @@
 
 The engine holds this rank's chunk modules (`ChunkModule`s, from generated code), the
 artifact manifest that describes their boundaries, the verified schedule and the process
-groups. `step(batch)` slices the global batch for this dp rank into microbatches, executes
-the action list in order (compute, and point-to-point transfers posted in the verified
-order), all-reduces gradients over dp in buckets as soon as each chunk's last backward is
-done, sums tied-parameter gradients across the stages that share them, and returns the mean
-loss over the global batch on every rank.
+groups. `step(batch)` slices the global batch for this dp rank into microbatches and
+executes the action list in order: compute, point-to-point transfers posted in the verified
+order, and the step's collectives (runtime/collective_plan.py: the loss denominator and the
+loss, gradient reductions per bucket, ZeRO-3 gathers and frees, tied and sequence-parallel
+sums), each one a handler below. It returns the mean loss over the global batch on every rank.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -17,15 +18,14 @@ import torch
 
 from threefold.runtime import comm, mixed_precision, optimizers
 from threefold.runtime.boundary import Boundary
+from threefold.runtime.collective_plan import CollectivePlan, with_collectives
 from threefold.runtime.comm import Groups
 from threefold.runtime.receives import ReceivePlan, receive_plan
 from threefold.runtime.manifest import Manifest
+from threefold.runtime.mesh import BATCH_AXES, chunk_layout
 from threefold.runtime.module import ChunkModule
-from threefold.runtime.schedule import Kind, Schedule
-from threefold.runtime.ties import tied_param_stages
+from threefold.runtime.schedule import Kind, Schedule, forward_only
 from threefold.runtime import weight_grad   # zero bubble: W runs what B deferred
-
-BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket size (Megatron/DDP-like)
 
 
 @dataclass
@@ -46,10 +46,12 @@ class _StepState:
     posted: dict = field(default_factory=dict)          # receive position -> comm.PendingRecv
     loss_posted: tuple | None = None                    # (this rank's share, its all-reduce)
     reductions: list = field(default_factory=list)      # (work, flat, grads) dp all-reduces
+    gathered: set = field(default_factory=set)          # zero=3: chunks whose unit 0 this step holds
     losses: list = field(default_factory=list)
     denominator: float = 1.0                            # the global loss denominator D
     outputs: list = field(default_factory=list)         # forward-only outputs (no loss)
     model_outputs: bool = False                         # pm(x) with a loss: the model's outputs
+    with_loss: bool = False                             # this step computes the loss
     inflight: int = 0
     peak: int = 0
     split: bool = False                                 # zero bubble: B and W run apart
@@ -67,10 +69,11 @@ class _Slot:
 
 class PipelineEngine:
     def __init__(self, manifest: Manifest, modules: dict[int, ChunkModule], schedule: Schedule,
-                 groups: Groups, device: torch.device):
+                 groups: Groups, device: torch.device, collectives: CollectivePlan):
         self.manifest = manifest
         self.modules = modules
-        self.schedule = schedule
+        self.schedule = schedule          # with its collectives (runtime/collective_plan.py)
+        self.collectives = collectives
         self.groups = groups
         self.mesh = groups.mesh
         self.coord = self.mesh.coord(groups.rank)
@@ -95,7 +98,16 @@ class PipelineEngine:
         self._optimizer_needed = optimizers.requirement(manifest)
         self._casts = mixed_precision.CastCache(mixed_precision.compute_dtype(manifest))
         self._share_local_ties()
-        self._plan_grad_sync()
+        self.batch_ranks = self.mesh.size(BATCH_AXES)   # ranks that split the batch (gradients average over them)
+        self.batch_group = groups.of(BATCH_AXES)
+        self.sharded = None             # zero>=2: gradient (and zero=3 parameter) shards
+        if collectives.zero >= 2:
+            from threefold.runtime.fsdp import ShardedParams
+            self.sharded = ShardedParams(self, collectives)
+            for c, mod in modules.items():
+                mod.shard_units = (self.sharded, c)
+        self._casts.enabled = self._casts.enabled and collectives.zero < 3   # no whole-model copy
+        self._forward_schedule = None
         self.stats = StepStats()
         self._boundaries: dict = {}
         self._plan_cache: tuple | None = None   # (schedule, its ReceivePlan, loss position)
@@ -115,27 +127,6 @@ class PipelineEngine:
                     first[fqn] = mod.p(fqn)
         self.params: dict[str, torch.nn.Parameter] = first
 
-    def _plan_grad_sync(self) -> None:
-        actions = self.schedule.actions[self.stage]
-        last_bwd: dict[int, int] = {}
-        # a chunk's gradients are complete after its last W (zero bubble) or else its last B
-        grads_done = Kind.WEIGHT if self.schedule.splits_backward else Kind.BACKWARD
-        for i, a in enumerate(actions):
-            if a.kind is grads_done:
-                last_bwd[a.chunk] = i
-        # Each parameter is reduced with the local chunk whose backward finishes last.
-        owner: dict[str, int] = {}
-        for c in sorted(self.modules, key=lambda c: last_bwd.get(c, -1)):
-            for fqn in self.modules[c].PARAMS:
-                owner[fqn] = c
-        self._reduce_after: dict[int, list[str]] = {}   # action index -> FQNs to reduce
-        for fqn, c in owner.items():
-            if c in last_bwd:
-                self._reduce_after.setdefault(last_bwd[c], []).append(fqn)
-        # Tied parameters shared across stages: stage sets from the manifest.
-        local = [self.chunk_meta[c] for c in sorted(self.modules)]
-        self._tied: list[tuple[str, tuple[int, ...]]] = sorted(tied_param_stages(local, self.mesh.pp, self.schedule.layout).items())
-
     def parameters(self):
         """Trainable parameters only: frozen ones (requires_grad=False) get no optimizer state."""
         return [p for p in self.params.values() if p.requires_grad]
@@ -149,6 +140,16 @@ class PipelineEngine:
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
+        if self.sharded is not None:
+            self.sharded.zero_grad()
+
+    def forward_schedule(self) -> Schedule:
+        """Forward only (evaluate, pm(x)): every chunk's forwards, with their collectives."""
+        if self._forward_schedule is None:
+            plan = self.manifest.plan
+            base = forward_only(self.mesh.pp, plan.microbatches, plan.interleave, chunk_layout(plan.schedule))
+            self._forward_schedule = with_collectives(base, self.collectives, train=False)
+        return self._forward_schedule
 
     # -- one iteration ---------------------------------------------------------------------
     def step(self, batch: tuple, train: bool = True, schedule: Schedule | None = None,
@@ -166,64 +167,48 @@ class PipelineEngine:
             from threefold.errors import PlanError
             raise PlanError(self._optimizer_needed)
         with_loss = self.has_loss and not model_outputs
-        st.denominator = self._global_denominator(st) if with_loss else 1.0
+        st.with_loss = with_loss
         self._step_count += 1
         self._casts.hold()   # bf16/fp16: one weight copy per step, not per microbatch
         handlers = {Kind.FORWARD: self._forward, Kind.SEND_ACT: self._send_act,
                     Kind.BACKWARD: self._backward_action, Kind.SEND_GRAD: self._send_grad,
-                    Kind.WEIGHT: self._weight_action}
+                    Kind.WEIGHT: self._weight_action,
+                    Kind.LOSS_DENOMINATOR: self._denominator_action, Kind.LOSS: self._loss_action,
+                    Kind.ALL_REDUCE_GRADS: self._reduce_action, Kind.REDUCE_SCATTER_GRADS: self._reduce_action,
+                    Kind.WAIT_GRADS: self._wait_grads, Kind.TIED_SUM: self._tied_sum, Kind.SP_SUM: self._sp_sum,
+                    Kind.UNSHARD: self._unshard, Kind.RESHARD: self._reshard}
         actions = schedule.actions[self.stage]
-        rx, loss_after = self._step_plan(schedule)
-        if not with_loss:   # pm(x) with a loss: no loss to all-reduce
-            loss_after = None
-        if loss_after is not None and loss_after < 0:
-            self._post_loss(st)
-        for i, a in enumerate(actions):
-            # receives are posted ahead and land just before the compute that reads them
-            for j in rx.post_before.get(i, ()):
-                st.posted[j] = self._post_recv(st, actions[j])
-            for j in rx.land_before.get(i, ()):
+        rx = self._step_plan(schedule)
+        try:
+            for i, a in enumerate(actions):
+                # receives are posted ahead and land just before the compute that reads them
+                for j in rx.post_before.get(i, ()):
+                    st.posted[j] = self._post_recv(st, actions[j])
+                for j in rx.land_before.get(i, ()):
+                    self._land(st, actions[j], st.posted.pop(j))
+                if not a.is_recv:
+                    handlers[a.kind](st, a)
+                if st.sends and a.is_compute:  # drop finished sends so their buffers can be freed
+                    st.sends = [s for s in st.sends if not s.done()]
+            for j in rx.land_before.get(len(actions), ()):
                 self._land(st, actions[j], st.posted.pop(j))
-            if not a.is_recv:
-                handlers[a.kind](st, a)
-            if i == loss_after:
-                self._post_loss(st)
-            if i in self._reduce_after:   # the last B (or W) of a chunk
-                st.reductions.extend(self._start_reduce(self._reduce_after[i]))
-            if st.sends and a.is_compute:  # drop finished sends so their buffers can be freed
-                st.sends = [s for s in st.sends if not s.done()]
-        for j in rx.land_before.get(len(actions), ()):
-            self._land(st, actions[j], st.posted.pop(j))
-        for s in st.sends:
-            s.wait()
-        if train:
-            if self.dp_grad_hook is not None:
-                self.dp_grad_hook.finish(st.reductions)
-            else:
-                for work, flat, grads in st.reductions:
-                    comm.wait(work, "data-parallel gradient all-reduce")
-                    _unflatten_into(flat, grads, scale=1.0 / self.mesh.dp)
-            self._sum_tied()
-            self._sync_tp_grads()
-        loss = self._global_loss(st.losses, st.denominator, st.loss_posted) if with_loss else float("nan")
+            for s in st.sends:
+                s.wait()
+            loss = self._global_loss(st) if with_loss else float("nan")
+        finally:
+            for c in list(st.gathered):   # a step that raised: do not keep whole parameters
+                self.sharded.release(c, 0)
         self.stats = StepStats(time.perf_counter() - start, st.peak, loss)
         self.last_outputs = st.outputs
         self._casts.release()
         return loss
 
     # One method per action kind; each reads and updates the step's state.
-    def _step_plan(self, schedule: Schedule) -> tuple[ReceivePlan, int]:
-        """This rank's receive plan for `schedule`, and the position after which its share of
-        the loss is known (-1: before the first action; None: no loss all-reduce)."""
+    def _step_plan(self, schedule: Schedule) -> ReceivePlan:
+        """This rank's receive plan for `schedule` (cached per schedule)."""
         if self._plan_cache is None or self._plan_cache[0] is not schedule:
-            actions = schedule.actions[self.stage]
-            last = self.num_chunks - 1
-            loss_after = None
-            if self.has_loss and self.mesh.pp > 1:
-                loss_after = max((i for i, a in enumerate(actions)
-                                  if a.kind is Kind.FORWARD and a.chunk == last), default=-1)
-            self._plan_cache = (schedule, receive_plan(actions), loss_after)
-        return self._plan_cache[1], self._plan_cache[2]
+            self._plan_cache = (schedule, receive_plan(schedule.actions[self.stage]))
+        return self._plan_cache[1]
 
     def _post_recv(self, st: "_StepState", a) -> comm.PendingRecv:
         if a.kind is Kind.RECV_ACT:
@@ -258,8 +243,10 @@ class PipelineEngine:
         mod.rng_key = (self._rng_base, self._step_count, self.coord.dp * st.m + a.mb)
         # zero bubble: the module's deferred ops keep what W needs here (runtime/weight_grad.py)
         mod.weight_stash = st.deferred.setdefault(key, []) if st.split else None
-        with torch.set_grad_enabled(st.train):
+        with torch.set_grad_enabled(st.train), self._saving(a.chunk):
             outs = list(fn(*slot.inputs, *user))
+        if self.sharded is not None:
+            self.sharded.end_forward(a.chunk)
         st.inflight += 1
         st.peak = max(st.peak, st.inflight)
         if is_last:
@@ -291,9 +278,19 @@ class PipelineEngine:
         slot = st.slots[(a.chunk, a.mb)]
         slot.output_grads = self._boundary(a.chunk, "outputs", grads=True).unpack(received)
 
+    def _saving(self, chunk: int):
+        """zero=3: the forward saves parameter references whose unpack gathers them again."""
+        if self.sharded is None:
+            return contextlib.nullcontext()
+        return self.sharded.saving(chunk)
+
     def _backward_action(self, st: "_StepState", a) -> None:
         slot = st.slots[(a.chunk, a.mb)]
+        if self.sharded is not None:
+            self.sharded.begin_backward(a.chunk)
         self._backward(slot, a.chunk == self.num_chunks - 1, st.denominator)
+        if self.sharded is not None:
+            self.sharded.end_backward(a.chunk, weights_done=not st.split)
         st.inflight -= 1
         if a.chunk == 0 or not slot.inputs:  # nothing to send back
             st.slots.pop((a.chunk, a.mb))
@@ -303,7 +300,11 @@ class PipelineEngine:
 
     def _weight_action(self, st: "_StepState", a) -> None:
         """W (zero bubble): the weight gradients chunk a.chunk's B deferred for microbatch a.mb."""
+        if self.sharded is not None:
+            self.sharded.begin_backward(a.chunk)
         weight_grad.run_deferred(st.deferred.pop((a.chunk, a.mb), []))
+        if self.sharded is not None:
+            self.sharded.end_backward(a.chunk, weights_done=True)
 
     def _send_grad(self, st: "_StepState", a) -> None:
         slot = st.slots.pop((a.chunk, a.mb))
@@ -314,8 +315,9 @@ class PipelineEngine:
 
     def _backward(self, slot: _Slot, is_last: bool, denominator: float) -> None:
         if is_last and self.has_loss:
-            # d(global loss)/d(numerator) = 1/D; times dp because the dp all-reduce averages
-            seed = self.mesh.dp / denominator * self.loss_scale   # loss_scale: fp16 only
+            # d(global loss)/d(numerator) = 1/D; times the batch ranks because the gradient
+            # reduction averages over them
+            seed = self.batch_ranks / denominator * self.loss_scale   # loss_scale: fp16 only
             tensors, grads = [slot.outputs[0]], [torch.full_like(slot.outputs[0], seed)]
         else:
             pairs = [(o, g) for o, g in zip([o for o in slot.outputs if o.is_floating_point()],
@@ -358,57 +360,99 @@ class PipelineEngine:
     def _peer(self, stage: int) -> int:
         return self.mesh.moved(self.groups.rank, pp=stage)
 
-    # -- gradient synchronisation ----------------------------------------------------------
-    def _start_reduce(self, fqns: list[str]) -> list:
-        """Start async dp all-reduces of these gradients, in buckets of <= BUCKET_BYTES."""
-        if self.dp_grad_hook is not None:   # zero=1: reduce-scatter (runtime/zero.py)
-            return self.dp_grad_hook.start(fqns)
-        grads = [self.params[f].grad for f in fqns if self.params[f].grad is not None]
-        if self.groups.dp is None or not grads:
-            return []
-        buckets, current, size = [], [], 0
-        for g in grads:
-            nbytes = g.numel() * g.element_size()
-            if current and size + nbytes > BUCKET_BYTES:
-                buckets.append(current)
-                current, size = [], 0
-            current.append(g)
-            size += nbytes
-        buckets.append(current)
-        started = []
-        for bucket in buckets:
-            flat = torch.cat([g.reshape(-1) for g in bucket])
-            started.append((comm.all_reduce(flat, self.groups.dp, "gradients", async_op=True), flat, bucket))
-        return started
+    # -- collectives (the schedule's; runtime/collective_plan.py) ---------------------------
+    def _denominator_action(self, st: "_StepState", a) -> None:
+        if st.with_loss:
+            st.denominator = self._global_denominator(st)
 
-    def _sum_tied(self) -> None:
-        for fqn, stages in self._tied:
-            p = self.params[fqn]
-            if not p.requires_grad:  # frozen: no gradient to sum
-                continue
+    def _loss_action(self, st: "_StepState", a) -> None:
+        """Post the loss all-reduce as soon as this rank's share is known (the stages without
+        the last chunk at once, the last stage after its last forward); waited at the end."""
+        if not st.with_loss:
+            return
+        total = self._loss_share(st.losses, st.denominator)
+        group = None if self.mesh.pp > 1 else self.batch_group
+        work = comm.all_reduce(total, group, "the loss", async_op=True) if (
+            self.mesh.pp > 1 or self.batch_group is not None) else None
+        st.loss_posted = (total, work)
+
+    def _reduce_action(self, st: "_StepState", a) -> None:
+        """Start reducing one gradient bucket (all-reduce, or ZeRO-1's reduce-scatter)."""
+        if not st.train:
+            return
+        fqns = self.collectives.bucket(self.stage, a).fqns
+        if self.dp_grad_hook is not None:   # zero=1: reduce-scatter (runtime/zero.py)
+            st.reductions.extend(self.dp_grad_hook.start(list(fqns)))
+            return
+        if self.batch_group is None:
+            return
+        grads = []
+        for f in fqns:   # a parameter without a gradient this step contributes zeros
+            p = self.params[f]
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            comm.all_reduce(p.grad, self.groups.ties[stages], f"tied gradient {fqn}")
+            grads.append(p.grad)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        st.reductions.append((comm.all_reduce(flat, self.batch_group, "gradients", async_op=True), flat, grads))
 
-    def _sync_tp_grads(self) -> None:
+    def _wait_grads(self, st: "_StepState", a) -> None:
+        if self.sharded is not None:
+            self.sharded.finish()
+        elif self.dp_grad_hook is not None:
+            self.dp_grad_hook.finish(st.reductions)
+        else:
+            for work, flat, grads in st.reductions:
+                comm.wait(work, "data-parallel gradient all-reduce", self.batch_group)
+                _unflatten_into(flat, grads, scale=1.0 / self.batch_ranks)
+        st.reductions = []
+
+    def _grad_tensor(self, fqn: str) -> torch.Tensor:
+        """The gradient this rank holds for a parameter: whole, or its zero>=2 row shard."""
+        if self.sharded is not None:
+            g = self.sharded.grad_rows(fqn)
+            if g is None:
+                s = self.sharded.rows[fqn]
+                g = self.sharded.grads[fqn] = torch.zeros((s.count, *s.param.shape[1:]) if s.param.dim()
+                                                          else (s.count,), device=s.shard.device)
+            return g
+        p = self.params[fqn]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return p.grad
+
+    def _tied_sum(self, st: "_StepState", a) -> None:
+        """A tied parameter's gradient, summed over the stages holding it."""
+        fqn, stages = self.collectives.ties[a.mb]
+        comm.all_reduce(self._grad_tensor(fqn), self.groups.ties[stages], f"tied gradient {fqn}")
+
+    def _sp_sum(self, st: "_StepState", a) -> None:
         """Parameters applied to sequence shards: each tp rank has part of the gradient."""
-        for fqn in self.manifest.tp_grad_sync:
+        for fqn in self.collectives.sp:
             p = self.params.get(fqn)
-            if p is not None and p.grad is not None and self.groups.tp is not None:
-                comm.all_reduce(p.grad, self.groups.tp, f"sequence-parallel gradient {fqn}")
+            if p is not None and p.requires_grad and self.groups.tp is not None and (
+                    p.grad is not None or self.sharded is not None):
+                comm.all_reduce(self._grad_tensor(fqn), self.groups.tp, f"sequence-parallel gradient {fqn}")
+
+    def _unshard(self, st: "_StepState", a) -> None:
+        self.sharded.hold(a.chunk, a.mb)
+        st.gathered.add(a.chunk)
+
+    def _reshard(self, st: "_StepState", a) -> None:
+        self.sharded.release(a.chunk, a.mb)
+        st.gathered.discard(a.chunk)
 
     def _global_denominator(self, st: "_StepState") -> float:
         """D: the loss's denominator over the global batch (see the manifest's "loss"),
         known before the first backward so every microbatch's backward is seeded with 1/D.
 
-        A per-microbatch constant c gives c*m*dp; a sum-reduced loss gives 1; a graph (the
-        number of targets != ignore_index) is evaluated on every microbatch by the last
-        chunk's module and summed over dp (only the last stage needs it)."""
+        A per-microbatch constant c gives c*m*(batch ranks); a sum-reduced loss gives 1; a
+        graph (the number of targets != ignore_index) is evaluated on every microbatch by the
+        last chunk's module and summed over the batch ranks."""
         den = self.loss_form
         if den.denominator == "one":
             return 1.0
         if den.denominator == "const":
-            return float(den.value) * st.m * self.mesh.dp
+            return float(den.value) * st.m * self.batch_ranks
         last = self.modules.get(self.num_chunks - 1)
         if last is None:
             return float("nan")  # not the last stage: never seeds a loss backward
@@ -416,16 +460,9 @@ class PipelineEngine:
         with torch.no_grad():
             for mb in st.micro:
                 total += last.loss_denominator(*[mb[j] for j in last.DENOMINATOR_INPUTS])[0].double()
-        if self.mesh.dp > 1:
-            comm.all_reduce(total, self.groups.dp, "the loss denominator")
+        if self.batch_group is not None:
+            comm.all_reduce(total, self.batch_group, "the loss denominator")
         return float(total)
-
-    def _post_loss(self, st: "_StepState") -> None:
-        """pp > 1: start the loss all-reduce as soon as this rank's share is known (the
-        stages without the last chunk at once, the last stage after its last forward), so
-        no rank waits for it at the end of the step."""
-        total = self._loss_share(st.losses, st.denominator)
-        st.loss_posted = (total, comm.all_reduce(total, None, "the loss", async_op=True))
 
     def _loss_share(self, losses: list[torch.Tensor], denominator: float) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -435,24 +472,18 @@ class PipelineEngine:
             total /= denominator
         return total
 
-    def _global_loss(self, losses: list[torch.Tensor], denominator: float, posted=None) -> float:
+    def _global_loss(self, st: "_StepState") -> float:
         """The loss over the global batch (sum of numerators / D), the same on every rank.
 
         The last stage's ranks hold the microbatch numerators (every tp rank the same ones)
-        and divide by D. Without pipelining a dp all-reduce suffices; with it, one
-        all-reduce over the world brings the loss to the other stages too.
-        """
-        if posted is not None:
-            total, work = posted
+        and divide by D. Without pipelining a reduction over the batch ranks suffices; with
+        it, one all-reduce over the world (the schedule's `ls`) brings the loss to the other
+        stages too, counting each tp rank's copy."""
+        total, work = st.loss_posted if st.loss_posted is not None else (
+            self._loss_share(st.losses, st.denominator), None)
+        if work is not None:
             comm.wait(work, "the loss all-reduce", None)
-            return float(total) / self.mesh.tp
-        total = self._loss_share(losses, denominator)
-        if self.mesh.pp > 1:
-            comm.all_reduce(total, None, "the loss")
-            return float(total) / self.mesh.tp
-        if self.mesh.dp > 1:
-            comm.all_reduce(total, self.groups.dp, "the loss")
-        return float(total)
+        return float(total) / (self.mesh.tp if self.mesh.pp > 1 else 1)
 
 
 def _shared_seed() -> int:

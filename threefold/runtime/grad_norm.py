@@ -6,9 +6,10 @@ squares of the gradient elements it is the one owner of, and one all-reduce over
 sums them:
 
   * data parallel: after the step's all-reduce every dp replica holds the same averaged
-    gradients, so only dp rank 0 contributes; under ZeRO-1 (plan zero=1) the gradients are
-    reduce-scattered instead and each dp rank holds only its own rows (the others zeroed,
-    runtime/zero.py), so every dp rank contributes its rows;
+    gradients, so only dp rank 0 contributes; under ZeRO (plan zero>=1) the gradients are
+    reduce-scattered instead and each dp_shard rank holds only its own rows (zero=1: the
+    others zeroed, runtime/zero.py; zero>=2: a row shard, runtime/fsdp.py), so every dp_shard
+    rank of replica 0 contributes its rows;
   * tensor parallel: a sharded parameter (the manifest's `shards`) contributes each tp
     rank's own pieces (checkpoint/layout.py `pieces`: fused q/k/v blocks, and never the
     padding rows of a vocabulary tp does not divide); a replicated one (layer norms,
@@ -36,28 +37,55 @@ from threefold.runtime.shard import ShardSpec
 def owned_grad_pieces(engine) -> list[torch.Tensor]:
     """The gradient pieces this rank contributes to the global norm (views, no copies)."""
     from threefold.checkpoint.layout import pieces   # layout math only (no checkpoint I/O)
+    from threefold.runtime.zero import row_range
     coord, manifest = engine.coord, engine.manifest
-    if coord.dp != 0 and _plan(engine).zero != 1:
+    zero = _plan(engine).zero
+    # zero=0: dp replicas hold equal gradients (dp rank 0 counts them); zero>=1: each
+    # dp_shard rank owns its rows, and the replicas of a shard group (HSDP) are equal
+    if (coord["dp"] if zero == 0 else coord["dp_replicate"]) != 0:
         return []
+    d, r = engine.mesh.size("dp_shard"), coord["dp_shard"]
     first_holder = _first_holder_stage(manifest["chunks"])
     shards = manifest.get("shards", {})
     shapes = manifest.get("state_shapes", {})
     out = []
     for fqn, p in engine.params.items():
-        if not p.requires_grad or p.grad is None:
+        if not p.requires_grad or (fqn in first_holder and engine.stage != first_holder[fqn]):
             continue
-        if fqn in first_holder and engine.stage != first_holder[fqn]:
+        g, start, count = _rows(engine, fqn, p, zero, d, r, row_range)
+        if g is None:
             continue
-        g = p.grad
         if fqn not in shards:
             if coord.tp == 0:
                 out.append(g)
             continue
         spec = ShardSpec.from_json(shards[fqn])
-        full_shape = shapes[fqn][0] if fqn in shapes else _unpadded_shape(g, spec)
+        full_shape = shapes[fqn][0] if fqn in shapes else _unpadded_shape(p, spec)
         dim, parts = pieces(spec, full_shape, coord.tp)
-        out.extend(g.narrow(dim, piece.local, piece.length) for piece in parts)
+        for piece in parts:
+            if dim != 0 or g.dim() == 0:
+                out.append(g.narrow(dim, piece.local, piece.length) if g.dim() else g)
+                continue
+            lo, hi = max(piece.local, start), min(piece.local + piece.length, start + count)
+            if hi > lo:   # tp and ZeRO both split rows: their intersection
+                out.append(g.narrow(0, lo - start, hi - lo))
     return out
+
+
+def _rows(engine, fqn, p, zero: int, d: int, r: int, row_range):
+    """(this rank's part of the gradient, its first row, its rows): the whole gradient at
+    zero=0, its ZeRO rows otherwise (zero=1: rows of p.grad; zero>=2: the reduced row shard)."""
+    rows = p.shape[0] if p.dim() else 1
+    if zero == 0:
+        return p.grad, 0, rows
+    _, start, count = row_range(rows, d, r)
+    if zero >= 2:
+        g = engine.sharded.grad_rows(fqn)
+    else:
+        g = None if p.grad is None else (p.grad.narrow(0, start, count) if p.dim() else p.grad.view(1))
+    if g is not None and p.dim() == 0:
+        g = g.reshape(count)
+    return g, start, count
 
 
 def _first_holder_stage(chunks) -> dict[str, int]:
@@ -104,4 +132,7 @@ def clip_grad_norm_(engine, max_norm: float, eps: float = 1e-6) -> float:
             for p in engine.params.values():
                 if p.requires_grad and p.grad is not None:
                     p.grad.mul_(coef)
+            if engine.sharded is not None:   # zero>=2: the gradients are these row shards
+                for g in engine.sharded.grads.values():
+                    g.mul_(coef)
     return norm

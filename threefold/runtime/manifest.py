@@ -86,6 +86,11 @@ class ChunkEntry:
     params: tuple[str, ...]
     shared_params: dict[str, tuple[int, ...]]  # tied FQN -> every chunk holding it
     hash: str = ""                             # the module's content hash (its header)
+    # zero>=2: parameter units (name, FQNs), unit 0 kept whole for the chunk's window
+    # (passes/shard_units.py); () otherwise
+    units: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # per tp rank: forward FLOPs and the backward's (B, W) split (compiler/cost.py)
+    flops: tuple[int, int, int] = (0, 0, 0)
 
     def to_json(self) -> dict:
         return {"index": self.index, "stage": self.stage, "class": self.cls, "module": self.module,
@@ -94,7 +99,8 @@ class ChunkEntry:
                 "outputs": [s.to_json() for s in self.outputs], "releasable": list(self.releasable),
                 "params": list(self.params),
                 "shared_params": {k: list(v) for k, v in self.shared_params.items()},
-                "hash": self.hash}
+                "hash": self.hash, "units": [[n, list(ps)] for n, ps in self.units],
+                "flops": list(self.flops)}
 
     @classmethod
     def from_json(cls, d: dict) -> "ChunkEntry":
@@ -106,7 +112,9 @@ class ChunkEntry:
                    releasable=tuple(bool(x) for x in d.get("releasable", [])),
                    params=tuple(d.get("params", [])),
                    shared_params={k: tuple(v) for k, v in (d.get("shared_params") or {}).items()},
-                   hash=d.get("hash", ""))
+                   hash=d.get("hash", ""),
+                   units=tuple((str(n), tuple(ps)) for n, ps in d.get("units", [])),
+                   flops=tuple(int(x) for x in d.get("flops", (0, 0, 0))))
 
 
 @dataclass(frozen=True)
@@ -147,6 +155,9 @@ class Manifest:
     tp_grad_sync: tuple[str, ...] = ()          # params whose grads are summed over tp (sp)
     shards: dict[str, ShardSpec] = field(default_factory=dict)
     state_shapes: dict[str, tuple[list[int], str]] = field(default_factory=dict)  # full shapes
+    local_shapes: dict[str, list[int]] = field(default_factory=dict)  # per tp rank, every param
+    param_roles: dict[str, str] = field(default_factory=dict)   # FQN -> threefold/roles.py role
+    model_flops: int = 0                        # forward + backward of one step (compiler/model_flops.py)
     loss: LossForm = field(default_factory=LossForm)
     batch_dims: list | None = None              # per user input: its batch dim (None: whole)
     output_batch_dims: list | None = None       # per model output: its batch dim
@@ -215,6 +226,9 @@ class Manifest:
             "tp_grad_sync": list(self.tp_grad_sync),
             "shards": {fqn: s.to_json() for fqn, s in self.shards.items()},
             "state_shapes": {k: [list(v[0]), v[1]] for k, v in self.state_shapes.items()},
+            "local_shapes": {k: list(v) for k, v in self.local_shapes.items()},
+            "param_roles": dict(self.param_roles),
+            "model_flops": self.model_flops,
             "scatter_gather": self.scatter_gather,
             "schedule": {"kind": plan.schedule, "microbatches": plan.microbatches,
                          "interleave": plan.interleave},
@@ -257,6 +271,9 @@ class Manifest:
                 tp_grad_sync=tuple(m.get("tp_grad_sync", [])),
                 shards={fqn: ShardSpec.from_json(d) for fqn, d in (m.get("shards") or {}).items()},
                 state_shapes={k: (list(v[0]), v[1]) for k, v in (m.get("state_shapes") or {}).items()},
+                local_shapes={k: [int(x) for x in v] for k, v in (m.get("local_shapes") or {}).items()},
+                param_roles={str(k): str(v) for k, v in (m.get("param_roles") or {}).items()},
+                model_flops=int(m.get("model_flops") or 0),
                 loss=LossForm.from_json(m.get("loss")),
                 batch_dims=m.get("batch_dims"),
                 output_batch_dims=m.get("output_batch_dims"),

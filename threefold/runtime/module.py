@@ -26,6 +26,8 @@ class ChunkModule(torch.nn.Module):
     tp_group = None              # tensor-parallel process group, set by the runtime
     # (base seed, step, global microbatch): set by the engine before each forward
     rng_key: tuple[int, int, int] = (0, 0, 0)
+    # zero=3: (the engine's runtime/fsdp.ShardedParams, this chunk's index), set by the engine
+    shard_units = None
 
     def __init__(self, device: torch.device | str = "cpu"):
         super().__init__()
@@ -62,6 +64,13 @@ class ChunkModule(torch.nn.Module):
             cache.update(self.named_buffers(remove_duplicate=False))
             self._state_cache = cache
         return cache[fqn]
+
+    def unit(self, k: int) -> None:
+        """zero=3: layer unit k's parameters are needed now (generated code calls this before
+        the layer's first op): wait for their all-gather, prefetch the next layer's."""
+        if self.shard_units is not None:
+            sharded, chunk = self.shard_units
+            sharded.enter(chunk, k)
 
     def rng_seed(self, index: int, per_tp_rank: bool) -> int:
         """The seed of random op `index` for this step and microbatch (runtime/random_ops.py)."""

@@ -2,9 +2,10 @@
 
 * zero=0, fp32/bf16: the torch optimizer itself, over pm.parameters() (so building it by
   hand, `torch.optim.AdamW(pm.parameters())`, is the same thing);
-* zero=1: a `zero.ZeroOptimizer` (its state and update sharded over dp);
+* zero>=1: a `zero.ZeroOptimizer` (its state and update sharded over dp_shard; zero>=2 reads
+  the gradient row shards runtime/fsdp.py reduces, zero=3 updates the parameter shards);
 * fp16: either of those inside a `LossScaledOptimizer` (dynamic loss scaling).
-zero=1 and fp16 change how gradients arrive (reduce-scattered rows, scaled values), so a
+ZeRO and fp16 change how gradients arrive (reduce-scattered rows, scaled values), so a
 plain optimizer would silently be wrong under them: the engine refuses to train until one
 built here is attached (`requirement`).
 """
@@ -24,7 +25,7 @@ def _plan(engine):
 def requirement(manifest) -> str | None:
     """Why this plan needs pm.optimizer(...) (None if any torch optimizer will do)."""
     plan = plan_of(manifest)
-    why = [k for k, on in (("zero=1", plan.zero == 1), ("dtype=fp16", plan.dtype == "fp16")) if on]
+    why = [k for k, on in ((f"zero={plan.zero}", plan.zero >= 1), ("dtype=fp16", plan.dtype == "fp16")) if on]
     if not why:
         return None
     return (f"plan {' and '.join(why)} needs the optimizer built by the ParallelModule: "
@@ -36,7 +37,7 @@ def make_optimizer(engine, optimizer_cls, params=None, *args, loss_scaler: LossS
         raise PlanError(f"pm.optimizer needs a torch.optim.Optimizer class (got {optimizer_cls!r}): "
                         "e.g. pm.optimizer(torch.optim.AdamW, lr=1e-3)")
     plan = _plan(engine)
-    if plan.zero == 1:
+    if plan.zero >= 1:
         from threefold.runtime.zero import ZeroOptimizer
         opt = ZeroOptimizer(engine, optimizer_cls, params, *args, **kwargs)
     else:

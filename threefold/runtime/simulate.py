@@ -16,7 +16,14 @@
     covers buffered sends);
   * the in-flight activation bound of the schedule kind (see `schedule.inflight_bound`),
     and for zero-bubble schedules the bound on what W keeps
-    (`zero_bubble.weight_inflight_bound`).
+    (`zero_bubble.weight_inflight_bound`);
+  * collectives (runtime/collective_plan.py): a gradient reduction after its chunk's last
+    backward, the wait after every reduction and backward, tied and sequence-parallel sums
+    after the wait, a chunk's unit-0 gather before its first forward and its free after its
+    last use; every collective over several stages (a tied sum) is issued by each member in
+    the same order as by every other member, and the lists cannot deadlock with those sums
+    as blocking rendezvous. (Collectives within a stage are issued by every rank of the stage
+    from the same list, so they match by construction.)
 
 `simulate(schedule, durations)` times the lists. Durations: None (forward 1, backward 2,
 communication 0; zero-bubble schedules: B 1 and W 1, the paper's T_F = T_B = T_W), a
@@ -38,8 +45,8 @@ from dataclasses import dataclass
 from typing import Union
 
 from threefold.errors import PlanError
-from threefold.runtime.schedule import (COMPUTE, KINDS, RECVS, SENDS, Action, Kind, Schedule, ScheduleError,
-                                        inflight_bound)
+from threefold.runtime.schedule import (CHUNK_COLLECTIVES, COLLECTIVES, COMPUTE, KINDS, RECVS, SENDS, Action,
+                                        Kind, Schedule, ScheduleError, inflight_bound)
 
 # None (unit costs), action -> time, or chunk -> (fwd, bwd) / (fwd, b, w).
 Durations = Union[None, Callable[[Action], float], Mapping[int, tuple]]
@@ -149,6 +156,16 @@ def peak_inflight(schedule: Schedule, until: Kind = Kind.BACKWARD) -> list[int]:
     return peaks
 
 
+def _cross_stage_members(schedule: Schedule) -> dict[Action, set[int]]:
+    """Each tied sum -> the ranks (stages) whose lists hold it."""
+    out: dict[Action, set[int]] = {}
+    for r, acts in enumerate(schedule.actions):
+        for a in acts:
+            if a.kind is Kind.TIED_SUM:
+                out.setdefault(a, set()).add(r)
+    return out
+
+
 def _run(schedule: Schedule, dur: Callable[[Action], float], rendezvous: bool):
     """Execute all lists, each rank in order; returns per-action start and end times."""
     lists = schedule.actions
@@ -157,6 +174,9 @@ def _run(schedule: Schedule, dur: Callable[[Action], float], rendezvous: bool):
     end = [[0] * len(acts) for acts in lists]
     pos, clock = [0] * pp, [0] * pp
     arrived: dict[tuple, float] = {}      # eager: message -> time the send finished
+    comm_free = [0.0] * pp                # each rank's collective stream (async collectives)
+    members = _cross_stage_members(schedule)
+    at_sum: dict[Action, dict[int, float]] = {}   # a tied sum -> member rank -> arrival time
     moved = True
     while moved:
         moved = False
@@ -169,6 +189,23 @@ def _run(schedule: Schedule, dur: Callable[[Action], float], rendezvous: bool):
                 if kind in COMPUTE:
                     start[r][k] = t
                     t += dur(a)
+                elif kind in COLLECTIVES:
+                    start[r][k] = t
+                    if kind is Kind.TIED_SUM:   # blocking, over the stages holding the parameter
+                        arrivals = at_sum.setdefault(a, {})
+                        arrivals.setdefault(r, t)
+                        if set(arrivals) != members[a]:
+                            break
+                        t = max(arrivals.values()) + dur(a)
+                    elif kind is Kind.WAIT_GRADS:
+                        t = max(t, comm_free[r])
+                    elif kind in (Kind.ALL_REDUCE_GRADS, Kind.REDUCE_SCATTER_GRADS, Kind.LOSS):
+                        comm_free[r] = max(comm_free[r], t) + dur(a)   # started, runs beside compute
+                    elif kind is Kind.UNSHARD:
+                        comm_free[r] = max(comm_free[r], t) + dur(a)
+                        t = comm_free[r]          # the chunk's first forward needs it
+                    else:
+                        t += dur(a)
                 elif rendezvous:
                     q = a.peer
                     b = lists[q][pos[q]] if 0 <= q < pp and pos[q] < len(lists[q]) else None
@@ -266,6 +303,7 @@ def verify(schedule: Schedule, durations: Durations = None) -> Report:
     """Prove the schedule safe (see the module docstring) and time it; ScheduleError otherwise."""
     _check_placement(schedule)
     _check_matching(schedule)
+    _check_collectives(schedule)
     dur = duration_fn(durations, schedule.splits_backward)
     rendezvous_start, rendezvous_end = _run(schedule, dur, rendezvous=True)
     sim = simulate(schedule, dur)
@@ -306,6 +344,13 @@ def _check_placement(s: Schedule) -> None:
         where: dict[Action, int] = {}
         for i, a in enumerate(acts):
             c = a.chunk
+            if a.is_collective:
+                if a.kind in CHUNK_COLLECTIVES and not (0 <= c < chunks and s.stage_of(c) == r):
+                    raise _fail(s, r, a, f"chunk {c} does not live on rank {r}")
+                if a in where:
+                    raise _fail(s, r, a, f"appears twice (positions {where[a]} and {i})")
+                where[a] = i
+                continue
             if not (0 <= c < chunks and s.stage_of(c) == r):
                 raise _fail(s, r, a, f"chunk {c} does not live on rank {r}")
             if not 0 <= a.mb < m:
@@ -371,6 +416,46 @@ def _check_placement(s: Schedule) -> None:
                 if at(r, w, w) < bi:
                     raise _fail(s, r, w, f"runs before {b}, whose kept values it reads")
     # Every action was unique and valid, and every required one was found: nothing extra is left.
+
+
+def _check_collectives(s: Schedule) -> None:
+    """Where collectives sit in each list, and that cross-stage ones are issued in one order."""
+    done = Kind.WEIGHT if s.splits_backward else Kind.BACKWARD
+    for r, acts in enumerate(s.actions):
+        if not any(a.is_collective for a in acts):
+            continue
+        last_use: dict[int, int] = {}
+        first_fwd: dict[int, int] = {}
+        for i, a in enumerate(acts):
+            if a.kind is Kind.FORWARD:
+                first_fwd.setdefault(a.chunk, i)
+            if a.kind is (done if s.has_backward else Kind.FORWARD):
+                last_use[a.chunk] = i
+        last_compute = max((i for i, a in enumerate(acts) if a.is_compute), default=-1)
+        wait = next((i for i, a in enumerate(acts) if a.kind is Kind.WAIT_GRADS), None)
+        for i, a in enumerate(acts):
+            if a.kind in (Kind.ALL_REDUCE_GRADS, Kind.REDUCE_SCATTER_GRADS):
+                if i < last_use.get(a.chunk, -1):
+                    raise _fail(s, r, a, f"reduces chunk {a.chunk}'s gradients before its last backward")
+                if wait is None or wait < i:
+                    raise _fail(s, r, a, "no wg (wait for the gradient reductions) follows it")
+            elif a.kind is Kind.WAIT_GRADS and i < last_compute:
+                raise _fail(s, r, a, "waits for the gradients before the last backward ran")
+            elif a.kind in (Kind.TIED_SUM, Kind.SP_SUM) and s.has_backward and (wait is None or i < wait):
+                raise _fail(s, r, a, "sums gradients before the gradient reductions are waited for")
+            elif a.kind is Kind.UNSHARD and i > first_fwd.get(a.chunk, len(acts)):
+                raise _fail(s, r, a, f"gathers chunk {a.chunk}'s unit after its first forward")
+            elif a.kind is Kind.RESHARD and i < last_use.get(a.chunk, -1):
+                raise _fail(s, r, a, f"frees chunk {a.chunk}'s unit before its last use")
+    # a collective over several stages: every member issues the shared ones in one order
+    orders = [[a for a in acts if a.kind is Kind.TIED_SUM] for acts in s.actions]
+    for r in range(s.pp):
+        for q in range(r + 1, s.pp):
+            mine = [a for a in orders[r] if a in orders[q]]
+            theirs = [a for a in orders[q] if a in orders[r]]
+            if mine != theirs:
+                raise ScheduleError(f"schedule {_label(s)}: ranks {r} and {q} issue their tied-gradient sums "
+                                    f"in different orders ({mine} vs {theirs}): they would deadlock")
 
 
 def _check_matching(s: Schedule) -> None:

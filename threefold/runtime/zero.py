@@ -1,4 +1,8 @@
-"""ZeRO-1 (plan zero=1): the optimizer state and the update sharded over the dp group.
+"""ZeRO-1 (plan zero=1): the optimizer state and the update sharded over the dp_shard group.
+
+(zero=2 and 3 reuse the row shards and this optimizer; runtime/fsdp.py shards the gradients
+and parameters. Under HSDP, plan dp_shard < dp, the shards' gradients are summed over the
+dp_replicate ranks too.)
 
 Every dp rank of a stage holds the same parameters (its tp shard of them). Each parameter
 is split along its first dim into d row ranges (torch.chunk's rule: ceil(R/d) rows each,
@@ -49,14 +53,23 @@ class RowShard:
         return t.reshape(self.rows, self.width)
 
 
-def split_rows(fqn: str, p: torch.nn.Parameter, d: int, r: int) -> RowShard:
-    rows = p.shape[0] if p.dim() else 1
-    width = p.numel() // rows if rows else 0
+def row_range(rows: int, d: int, r: int) -> tuple[int, int, int]:
+    """(rows per rank with padding, first row, rows owned) of dp_shard rank r: torch.chunk's
+    rule, ceil(rows/d) each, the last ranks possibly short or empty. The one place it lives."""
     per = -(-rows // d)
     start = min(r * per, rows)
-    count = max(0, min(rows, start + per) - start)
+    return per, start, max(0, min(rows, start + per) - start)
+
+
+def split_rows(fqn: str, p: torch.nn.Parameter, d: int, r: int, own: bool = False) -> RowShard:
+    """dp_shard rank r's rows of parameter p; `own` (zero=3): the shard gets its own
+    storage, since the parameter's is freed between uses."""
+    rows = p.shape[0] if p.dim() else 1
+    width = p.numel() // rows if rows else 0
+    per, start, count = row_range(rows, d, r)
     flat_rows = p.data.view(rows, *p.shape[1:]) if p.dim() else p.data.view(1)
-    shard = torch.nn.Parameter(flat_rows[start:start + count], requires_grad=True)
+    piece = flat_rows[start:start + count]
+    shard = torch.nn.Parameter(piece.clone() if own else piece, requires_grad=True)
     return RowShard(fqn, p, rows, width, per, start, count, shard)
 
 
@@ -79,16 +92,17 @@ _REDUCE_SCATTER_FLAT = getattr(dist, "reduce_scatter_single", None) or dist.redu
 _ALL_GATHER_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, what: str):
+def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group, what: str):
+    """Started: `out` (1/d of `inp`) receives the sum of every rank's `inp` slice."""
     try:
         return _REDUCE_SCATTER_FLAT(out, inp, group=group, async_op=True)
     except Exception as exc:
         raise comm._fail(f"reduce-scatter of {what} with", group, exc) from None
 
 
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group, what: str) -> None:
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, what: str, async_op: bool = False):
     try:
-        _ALL_GATHER_FLAT(out, inp, group=group)
+        return _ALL_GATHER_FLAT(out, inp, group=group, async_op=async_op)
     except Exception as exc:
         raise comm._fail(f"all-gather of {what} with", group, exc) from None
 
@@ -99,8 +113,10 @@ class ZeroGradSync:
     after the step's last action, before tied and sequence-parallel gradient sums (those
     all-reduce over other groups, which commutes with the dp mean)."""
 
-    def __init__(self, shards: dict[str, RowShard], group, d: int):
+    def __init__(self, shards: dict[str, RowShard], group, d: int, replicate_group=None, dp: int | None = None):
         self.shards, self.group, self.d = shards, group, d
+        self.replicate_group = replicate_group   # HSDP: the shard's other replicas
+        self.scale = 1.0 / (dp or d)             # the mean over every data-parallel rank
 
     def start(self, fqns: list[str]) -> list:
         items = [self.shards[f] for f in fqns if f in self.shards and self.shards[f].param.grad is not None]
@@ -120,18 +136,20 @@ class ZeroGradSync:
                     send[r, off:off + rows.numel()].view_as(rows).copy_(rows)
                 off += n
             recv = torch.empty(span, dtype=torch.float32, device=send.device)
-            pending.append((_reduce_scatter(recv, send.view(-1), self.group, "gradients"), recv, bucket))
+            pending.append((reduce_scatter_flat(recv, send.view(-1), self.group, "gradients"), recv, bucket))
         return pending
 
     def finish(self, pending: list) -> None:
         for work, recv, bucket in pending:
             comm.wait(work, "data-parallel gradient reduce-scatter", self.group)
+            if self.replicate_group is not None:   # HSDP: sum the shard over its replicas
+                comm.all_reduce(recv, self.replicate_group, "gradient shards over replicas")
             off = 0
             for s in bucket:
                 g = s.rows_of(s.param.grad)
                 mine = recv[off:off + s.count * s.width].view(s.count, s.width)
                 g[:s.start].zero_()
-                g[s.start:s.start + s.count].copy_(mine).mul_(1.0 / self.d)
+                g[s.start:s.start + s.count].copy_(mine).mul_(self.scale)
                 g[s.start + s.count:].zero_()
                 off += s.per * s.width
 
@@ -152,7 +170,7 @@ class ZeroGradSync:
                     mine[off:off + s.count * s.width].copy_(s.shard.detach().reshape(-1))
                     off += s.per * s.width
                 every = torch.empty(self.d, span, dtype=dtype, device=mine.device)
-                _all_gather(every.view(-1), mine, self.group, "updated parameter rows")
+                all_gather_flat(every.view(-1), mine, self.group, "updated parameter rows")
                 off = 0
                 with torch.no_grad():
                     for s in ss:
@@ -169,11 +187,13 @@ class ZeroOptimizer(WrappedOptimizer):
     "params" and per-group options), as for the wrapped class."""
 
     def __init__(self, engine, optimizer_cls, params=None, *args, **kwargs):
-        d = engine.mesh.dp
-        r = engine.coord.dp
+        d = engine.mesh.size("dp_shard")
+        r = engine.coord.dp_shard
         trainable = engine.named_parameters()
         self.engine = engine
-        self.shards = {fqn: split_rows(fqn, p, d, r) for fqn, p in trainable}
+        self.sharded = engine.sharded       # zero>=2: gradients arrive as row shards (runtime/fsdp.py)
+        self.shards = (self.sharded.rows if self.sharded is not None
+                       else {fqn: split_rows(fqn, p, d, r) for fqn, p in trainable})
         by_id = {id(s.param): s for s in self.shards.values()}
         groups = list(params) if params is not None else [p for _, p in trainable]
         if groups and not isinstance(groups[0], dict):
@@ -188,16 +208,24 @@ class ZeroOptimizer(WrappedOptimizer):
                                 "ParallelModule: pass pm.parameters() (or groups over them)")
             mapped.append({**g, "params": [by_id[id(p)].shard for p in ps]})
         self.inner = optimizer_cls(mapped, *args, **kwargs)
-        self.sync = ZeroGradSync(self.shards, engine.groups.dp, d)
-        engine.dp_grad_hook = self.sync
+        self.sync = ZeroGradSync(self.shards, engine.groups.of("dp_shard"), d,
+                                 engine.groups.of("dp_replicate"), engine.mesh.size("dp"))
+        if self.sharded is None:
+            engine.dp_grad_hook = self.sync
 
     def row_shards(self) -> dict[str, RowShard]:
         return self.shards
 
+    def grad_of(self, s: RowShard) -> torch.Tensor | None:
+        """This rank's rows of one reduced gradient (shaped like the row shard), or None."""
+        if self.sharded is not None:
+            return self.sharded.grad_rows(s.fqn)
+        g = s.param.grad
+        return None if g is None else s.rows_of(g)[s.start:s.start + s.count].view_as(s.shard)
+
     def grads(self) -> list[torch.Tensor]:
         """The gradients this rank's update reads (its rows of each reduced gradient)."""
-        return [s.rows_of(s.param.grad)[s.start:s.start + s.count]
-                for s in self.shards.values() if s.param.grad is not None]
+        return [g for g in (self.grad_of(s) for s in self.shards.values()) if g is not None]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad(set_to_none)
@@ -205,14 +233,15 @@ class ZeroOptimizer(WrappedOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         for s in self.shards.values():
-            g = s.param.grad
-            s.shard.grad = None if g is None else s.rows_of(g)[s.start:s.start + s.count].view_as(s.shard)
+            g = self.grad_of(s)
+            s.shard.grad = None if g is None else g.view_as(s.shard)
         try:
             self.inner.step()
         finally:
             for s in self.shards.values():
                 s.shard.grad = None   # the views would keep last step's gradients alive
-        self.sync.all_gather_params()
+        if self.sharded is None or self.sharded.zero < 3:   # zero=3 gathers at the next use
+            self.sync.all_gather_params()
 
     def state_dict(self):
         return self.inner.state_dict()

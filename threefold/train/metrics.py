@@ -25,33 +25,11 @@ def tokens_per_second(seconds: list[float], tokens_per_step: int) -> float:
     return tokens_per_step * len(steady) / total if total > 0 else 0.0
 
 
-def graph_model_flops(program) -> int:
-    """Forward plus backward FLOPs of one optimizer step over the global batch."""
-    from threefold.compiler.cost import node_cost
-    from threefold.compiler.program import compute_nodes, meta_of, tf
-    from threefold.planner.tp_decisions import is_split   # the compiler's tp decisions, read once
-    from threefold.train.optim import stage_graphs
-    plan = program.plan
-    forward = 0
-    for node in (n for g in stage_graphs(program) for n in compute_nodes(g)):
-        flops = node_cost(node).flops
-        if not flops:
-            continue
-        values = [a for a in node.all_input_nodes if meta_of(a) is not None
-                  and not (a.op == "placeholder" and tf(a).get("kind") == "param")] + [node]
-        forward += flops * (plan.tp if any(is_split(v) for v in values) else 1)
-    # the graph is one microbatch of one dp rank's share
-    return 3 * forward * plan.microbatches * plan.dp
-
-
 def model_flops_per_step(pm) -> float:
-    """`graph_model_flops` of rank 0's program (only rank 0 compiles), on every rank."""
-    flops = float(graph_model_flops(pm.program)) if getattr(pm, "program", None) is not None else math.nan
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        box = [flops]
-        dist.broadcast_object_list(box, src=0)
-        flops = box[0]
-    return flops
+    """Forward plus backward FLOPs of one optimizer step over the global batch, as the
+    compiler's cost model counted them (the manifest's `model_flops`; nan if unknown)."""
+    flops = pm.manifest.model_flops
+    return float(flops) if flops else math.nan
 
 
 def _rss_bytes() -> int:

@@ -8,107 +8,21 @@ only change its view or dtype (t, transpose, view, _to_copy, ...):
     multiplies with it): not decayed unless asked (`decay_embeddings`);
   * "other": everything else (norm scales and shifts, biases, even addmm's bias, gates,
     position tables read by indexing): never decayed.
-The roles come from rank 0's program (only rank 0 compiles) and are broadcast, so every
-rank groups its shards the same way; without a program (an artifact run) the rule falls
-back to "2-D or more is a matrix".
+The roles are decided at compile time (compiler/param_roles.py) and read from the
+manifest, so every rank, and an artifact run, groups its shards the same way; a manifest
+without them (an old artifact) falls back to "2-D or more is a matrix".
 """
 from __future__ import annotations
 
-import operator
-
 import torch
 
-MATMUL = "matmul"
-EMBEDDING = "embedding"
-OTHER = "other"
-
-# op -> argument positions that are matrix operands
-_MATMUL_ARGS = {
-    "linear": (1,), "mm": (0, 1), "bmm": (0, 1), "matmul": (0, 1), "mv": (0,),
-    "addmm": (1, 2), "addbmm": (1, 2), "baddbmm": (1, 2), "addmv": (1,),
-    "convolution": (1,), "_convolution": (1,), "conv1d": (1,), "conv2d": (1,), "conv3d": (1,),
-    "conv_transpose1d": (1,), "conv_transpose2d": (1,), "conv_transpose3d": (1,),
-    "einsum": (1,), "tensordot": (0, 1),
-}
-# (the tensor-parallel pass's vocab-parallel lookup is an embedding too: roles must not
-# depend on the plan)
-_EMBEDDING_ARGS = {"embedding": (0,), "embedding_bag": (0,), "_embedding_bag": (0,),
-                   "vocab_parallel_embedding": (0,)}
-# ops through which a parameter is still "the same matrix" (views, casts, and the
-# tensor-parallel collectives runtime/tp_ops.py applies to a value as a whole)
-_SAME_VALUE = {"t", "transpose", "permute", "view", "reshape", "_unsafe_view", "expand", "unsqueeze",
-               "squeeze", "_to_copy", "to", "clone", "contiguous", "alias", "detach", "type_as",
-               "numpy_T", "split", "split_with_sizes", "chunk", "unbind", "getitem", "_reshape_alias",
-               "view_as", "lift_fresh_copy", "dequantize",
-               "f", "g", "scatter", "gather", "all_gather_seq", "scatter_blocks", "gather_blocks"}
-
-
-def _op(node) -> str:
-    target = node.target
-    if target is operator.getitem:
-        return "getitem"
-    schema = getattr(target, "_schema", None)
-    if schema is not None:
-        return schema.name.split("::")[-1]
-    return getattr(target, "__name__", str(target))
-
-
-def _positions(user, node) -> list[int]:
-    """Argument positions of `user` that hold `node` (directly or inside a list)."""
-    out = []
-    for i, a in enumerate(user.args):
-        if a is node or (isinstance(a, (list, tuple)) and any(x is node for x in a)):
-            out.append(i)
-    return out
-
-
-def _role_of(node) -> str:
-    seen, frontier, found = set(), [node], set()
-    while frontier:
-        n = frontier.pop()
-        for user in n.users:
-            if user in seen or user.op != "call_function":
-                continue
-            seen.add(user)
-            name, pos = _op(user), _positions(user, n)
-            if name in _EMBEDDING_ARGS and set(pos) & set(_EMBEDDING_ARGS[name]):
-                found.add(EMBEDDING)
-            elif name in _MATMUL_ARGS and set(pos) & set(_MATMUL_ARGS[name]):
-                found.add(MATMUL)
-            elif name in _SAME_VALUE and pos and (name == "getitem" or pos[0] == 0):
-                frontier.append(user)
-    return EMBEDDING if EMBEDDING in found else MATMUL if MATMUL in found else OTHER
-
-
-def stage_graphs(stage) -> list:
-    """The fx graphs of a compiler stage: its whole-model graph, or one per chunk."""
-    return [gm.graph for name, gm in stage.graph_modules() if name != "loss_denominator"]
-
-
-def graph_roles(stage) -> dict[str, str]:
-    """Canonical FQN -> role, for every parameter placeholder of a compiled stage (a
-    parameter in several chunk graphs, such as a tied embedding, takes the strongest role)."""
-    from threefold.compiler.program import tf
-    rank = {OTHER: 0, MATMUL: 1, EMBEDDING: 2}
-    out: dict[str, str] = {}
-    for graph in stage_graphs(stage):
-        for n in graph.nodes:
-            if n.op == "placeholder" and tf(n).get("kind") == "param":
-                role, fqn = _role_of(n), tf(n)["fqn"]
-                if rank[role] >= rank[out.get(fqn, OTHER)]:
-                    out[fqn] = role
-    return out
+from threefold.roles import EMBEDDING, MATMUL, OTHER
 
 
 def param_roles(pm) -> dict[str, str]:
-    """Roles of this rank's parameters: rank 0's graph, broadcast to every rank."""
-    import torch.distributed as dist
-    roles = graph_roles(pm.program) if getattr(pm, "program", None) is not None else None
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        box = [roles]
-        dist.broadcast_object_list(box, src=0)
-        roles = box[0]
-    if roles is None:
+    """Roles of this rank's parameters, as the compiler decided them (the manifest's)."""
+    roles = dict(pm.manifest.param_roles)
+    if not roles:
         return {fqn: MATMUL if p.dim() >= 2 else OTHER for fqn, p in pm.named_parameters()}
     return roles
 
