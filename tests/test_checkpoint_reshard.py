@@ -30,6 +30,9 @@ PAIRS = [  # (name, model, plan A, plan B)
     ("dp2-pp2v2", LLAMA, "dp=2", "pp=2,m=2,v=2,schedule=interleaved"),
     ("pp2dp2-tp2", GPT2, "pp=2,dp=2,m=2", "tp=2"),
     ("tp2sp-dp2", GPT, "tp=2,sp=true", "dp=2"),
+    # ZeRO-3 parameters and ZeRO-2/3 optimizer rows are pieces of the full tensors too
+    ("zero3dp4-tp2pp2", GPT, "dp=4,zero=3", "tp=2,pp=2,m=2"),
+    ("hsdp-zero2", LLAMA, "dp=4,zero=3,dp_shard=2", "dp=2,zero=2"),
 ]
 
 
@@ -57,7 +60,7 @@ def run_phases(phases, root):
         w = load_workload(factory, **kwargs, **({"seed": 123} if kind == "B" else {}))
         batch = load_workload(factory, **kwargs)
         pm = threefold.parallelize(w["model"], plan, batch["inputs"], batch["loss_fn"], target=batch["target"])
-        opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+        opt = pm.optimizer(torch.optim.AdamW, lr=LR)
         ckpt = os.path.join(root, name)
         if kind == "A":
             out[(kind, name)] = _train(pm, opt, batch, STEPS)

@@ -92,6 +92,10 @@ class Sharded:
                 return self.view(p)
         raise KeyError(f"no piece at offsets {list(offsets)}")
 
+    def regions(self) -> list[tuple[torch.Size, torch.Size, torch.Tensor]]:
+        """(offsets, sizes, view) of every piece of the full tensor this rank holds."""
+        return [(self._offsets(p), self._sizes(p), self.view(p)) for p in self.parts]
+
     def zero_padding(self) -> None:
         """Zero what no piece covers (padded vocabulary rows), before loading into it."""
         covered = sum(p.length for p in self.parts)

@@ -38,8 +38,7 @@ def load(pm, optimizer, directory: str) -> dict:
         raise PlanError(f"checkpoint {ckpt} is incomplete: {gap}")
 
     sd: dict = {}
-    for fqn, t in state.local_tensors(pm).items():
-        dest = state.layout_of(pm, fqn, t.detach())
+    for fqn, dest in state.model_state(pm).items():
         dest.zero_padding()
         sd[state.MODEL + fqn] = dest
     moments = _optimizer_targets(pm, optimizer, md) if optimizer is not None else {}

@@ -46,8 +46,27 @@ def layout_of(pm, fqn: str, local: torch.Tensor) -> Sharded:
 
 
 def model_state(pm) -> dict[str, Sharded]:
-    """What `pm.state_dict()` returns: this rank's shards, each with its layout."""
-    return {fqn: layout_of(pm, fqn, t.detach()) for fqn, t in local_tensors(pm).items()}
+    """What `pm.state_dict()` returns: this rank's shards, each with its layout (under
+    zero=3 a trainable parameter is this dp_shard rank's rows of it: runtime/fsdp.py)."""
+    from threefold.checkpoint.zero_state import RowsOf
+    sharded = pm.engine.sharded
+    rows = sharded.rows if sharded is not None and sharded.zero >= 3 else {}
+    out = {}
+    for fqn, t in local_tensors(pm).items():
+        layout = layout_of(pm, fqn, t.detach())
+        if fqn in rows:
+            s = rows[fqn]
+            layout = RowsOf(layout, s.start, s.count, s.shard.detach())
+            layout.row_sharded = True
+        out[fqn] = layout
+    return out
+
+
+def holds_unique(pm, layout) -> bool:
+    """Whether this rank is the one that counts `layout`'s pieces when the whole model is
+    assembled: dp rank 0 for replicated tensors, replica 0 for zero=3's row shards."""
+    coord = pm.engine.coord
+    return (coord["dp_replicate"] if getattr(layout, "row_sharded", False) else coord["dp"]) == 0
 
 
 def optimizer_params(pm, optimizer):
@@ -102,12 +121,16 @@ def load_full_state(pm, full: dict) -> None:
         raise PlanError(f"load_state_dict: no values for {', '.join(missing[:3])}"
                         f"{f' (+{len(missing) - 3} more)' if len(missing) > 3 else ''}: pass every parameter and buffer")
     shapes = full_shapes(pm.manifest)
+    layouts = model_state(pm)
     with torch.no_grad():
-        for fqn, t in local.items():
+        for fqn in local:
             src = full[fqn]
             if list(src.shape) != shapes[fqn][0]:
                 raise PlanError(f"load_state_dict: {fqn} has shape {list(src.shape)}, the model's is {shapes[fqn][0]}")
-            dest = layout_of(pm, fqn, t.detach())
+            dest = layouts[fqn]
             dest.zero_padding()
-            for p in dest.parts:
-                dest.view(p).copy_(src.narrow(dest.dim, p.start, p.length) if src.dim() else src)
+            for offs, sizes, view in dest.regions():
+                piece = src
+                for d, (o, n) in enumerate(zip(offs, sizes)):
+                    piece = piece.narrow(d, o, n)
+                view.copy_(piece.reshape(view.shape))

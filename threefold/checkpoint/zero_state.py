@@ -1,4 +1,5 @@
-"""Optimizer state under ZeRO-1 (runtime/zero.py) as pieces of the full tensor.
+"""Optimizer state under ZeRO (runtime/zero.py), and zero=3's parameters, as pieces of the
+full tensor.
 
 A ZeRO-1 rank holds optimizer state for rows [start, start + count) of its local
 parameter (its tp shard). Those rows are a rectangle of the full tensor: along dim 0 they
@@ -44,6 +45,9 @@ class RowsOf(Sharded):
                 offs[param.dim], sizes[param.dim] = p.start, p.length
                 view = local.narrow(param.dim, p.local, p.length)
             self._chunks.append((torch.Size(offs), torch.Size(sizes), view))
+
+    def regions(self) -> list[tuple[torch.Size, torch.Size, torch.Tensor]]:
+        return list(self._chunks)
 
     def piece_at(self, offsets) -> torch.Tensor:
         for offs, _, view in self._chunks:

@@ -26,8 +26,9 @@ def register(sub) -> None:
     p.add_argument("--graph", action="store_true", help="also print each chunk's graph")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--memory", action="store_true",
-                   help="also print the memory model per rank: params, grads, optimizer (AdamW; zero=1 "
-                        "shards it), activations over the schedule, recompute, buffers (planner/memory.py)")
+                   help="also print the memory model per rank: params, gathered (zero=3's working set), "
+                        "grads, optimizer (AdamW; zero>=1 shards it over dp_shard), activations over the "
+                        "schedule, recompute, buffers (planner/memory.py)")
     p.add_argument("--cluster", metavar="NAME|TOML",
                    help="with --memory: say whether every rank fits a GPU of this cluster preset or file "
                         "(exit 1 when one does not)")
@@ -175,7 +176,7 @@ def human_bytes(x: float) -> str:
     return f"{int(x)} B"
 
 
-MEMORY_COLUMNS = ("params", "grads", "optimizer", "activations", "recompute", "buffers", "total")
+MEMORY_COLUMNS = ("params", "gathered", "grads", "optimizer", "activations", "recompute", "buffers", "total")
 
 
 def print_memory(prog, memory: list[dict]) -> None:
@@ -189,7 +190,10 @@ def print_memory(prog, memory: list[dict]) -> None:
         else:
             rows.append(([r["rank"]], figures))
     title = (f"memory per rank, plan {prog.plan}: AdamW state"
-             + (" sharded over dp (zero=1)" if getattr(prog.plan, "zero", 0) else "")
+             + (f" sharded over dp_shard (zero={prog.plan.zero}"
+                + ("; gradients too" if prog.plan.zero >= 2 else "")
+                + ("; parameters too, gathered per layer" if prog.plan.zero >= 3 else "") + ")"
+                if getattr(prog.plan, "zero", 0) else "")
              + "; activations = the schedule's peak of saved-for-backward bytes")
     cells = [[_ranks(ranks), str(memory[ranks[0]]["stage"] if ranks[0] < len(memory) else "")]
              + [human_bytes(f[k]) for k in MEMORY_COLUMNS] for ranks, f in rows]

@@ -120,14 +120,14 @@ def _row(rank: int, e) -> list[str]:
     shares = "/".join(f"{100 * e.shares[k]:.0f}" for k in SHARES)
     return [str(rank), f"tp{c.tp} pp{c.pp} dp{c.dp} b{c.microbatch_size} v{c.interleave}"
             + (" rc" if c.recompute else " sel" if c.plan.recompute == "selective" else "")
-            + (" z1" if c.plan.zero else ""), f"{e.tflops_per_gpu:.1f} ({e.peak_fraction:.0%})",
+            + (f" z{c.plan.zero}" if c.plan.zero else ""), f"{e.tflops_per_gpu:.1f} ({e.peak_fraction:.0%})",
             f"{e.memory_bytes / 2**30:.1f}" + ("" if e.fits else " !"), f"{e.bubble_fraction:.1%}",
             f"{e.iteration_s:.3g}", shares]
 
 
 # Two-line headers keep the terminal table within 80 columns; plain text joins the lines.
 HEADERS = ["#", "plan", "TFLOP/s/GPU\n(% peak)", "GiB\n/GPU", "bubble", "iter\ns", "time\nshares %"]
-LEGEND = ("rc = recompute=full, sel = recompute=selective, z1 = zero=1; time shares % = " + "/".join(SHARES)
+LEGEND = ("rc = recompute=full, sel = recompute=selective, zN = zero=N (ZeRO stage); time shares % = " + "/".join(SHARES)
           + "; ranked by predicted time per iteration; TFLOP/s count executed FLOPs (Eq. 3: "
           "recompute adds a forward)")
 

@@ -31,7 +31,7 @@ class Constraints:
     microbatches: int | None = None
     interleave: int | None = None
     recompute: bool | str | None = None   # True/False = full/none, or "selective"
-    zero: int | None = None         # ZeRO stage (0, or 1: AdamW state sharded over dp)
+    zero: int | None = None         # ZeRO stage 0..3 (1: AdamW state, 2: + gradients, 3: + parameters over dp)
     schedule: str | None = None     # 1f1b (v=1) or interleaved (any v)
     microbatch_size: int | None = None
 

@@ -97,6 +97,23 @@ def _ring_allreduce_s(nbytes: float, n: int, bandwidth: float, latency: float) -
     return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
 
 
+def _dp_seconds(plan, grad_bytes: float, d: int, bw: float, lat: float, compute_per_mb: float) -> float:
+    """Data-parallel communication a step exposes. zero=0/1: one all-reduce of the gradients
+    (or its reduce-scatter + all-gather, the same volume) after the last backward. zero=2:
+    a reduce-scatter per microbatch as backward produces it (overlapped with that backward)
+    and one all-gather of the updated rows. zero=3: per microbatch two all-gathers of the
+    parameters (forward, backward) and a reduce-scatter, prefetched a layer ahead, so only
+    what exceeds the microbatch's compute (and the first layer's gather) shows."""
+    half = _ring_allreduce_s(grad_bytes, d, bw, lat) / 2   # one reduce-scatter or all-gather
+    zero, m = plan.zero, plan.microbatches
+    if zero <= 1:
+        return 2 * half
+    if zero == 2:
+        return m * max(0.0, half - compute_per_mb) + half
+    per_mb = 3 * half
+    return m * max(per_mb - compute_per_mb, per_mb / 3 / max(1, plan.microbatches))
+
+
 def _ops_s(ops, tokens, tp, cluster, dtype) -> float:
     return sum(op.seconds(tokens, tp, cluster, dtype) for op in ops)
 
@@ -184,7 +201,7 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
         in_node = dp_stride * d <= g
         bw = cluster.intra_node_bandwidth if in_node else per_node * cluster.inter_node_bandwidth
         dp_lat = cluster.intra_node_latency_s if in_node else cluster.inter_node_latency_s
-        dp_s = _ring_allreduce_s(most * GRAD_BYTES, d, bw, dp_lat)
+        dp_s = _dp_seconds(cfg.plan, most * GRAD_BYTES, d, bw, dp_lat, m * stage[slowest] / max(1, m))
     embed_s = 0.0
     if p > 1 and model.tied_embedding and post_stage != 0:   # ZB-V: both ends on stage 0
         embed_s = _ring_allreduce_s(model.pre_params / t * GRAD_BYTES, 2, link, lat)

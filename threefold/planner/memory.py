@@ -7,9 +7,14 @@ planner's per-layer `ModelCost` (`stage_memory`: a model too large to compile pe
   params      this rank's parameter shards (unique: a tied parameter two local chunks use
               is one Parameter) and module buffers, in their dtype. dtype=bf16|fp16 keeps
               parameters fp32 (runtime/mixed_precision.py: they are the master weights).
-  grads       one gradient per trainable parameter, fp32 under every dtype.
-  optimizer   AdamW's two moments (and its step counter) per trainable element; zero=1
-              keeps only this dp rank's rows (runtime/zero.py: ceil(R/d) rows of dim 0 each).
+              zero=3: only this dp_shard rank's rows of each trainable parameter.
+  gathered    zero=3: parameters whole for a while (runtime/fsdp.py): every local chunk's
+              unit 0 and, with the next one prefetched, the two largest layer units.
+  grads       one gradient per trainable parameter, fp32 under every dtype; zero>=2: this
+              dp_shard rank's rows of it (the whole gradients of one unit at a time are in
+              `buffers`).
+  optimizer   AdamW's two moments (and its step counter) per trainable element; zero>=1
+              keeps only this dp_shard rank's rows (runtime/zero.py: ceil(R/d) rows of dim 0).
   activations what autograd keeps for backward over the schedule: each (chunk, microbatch)
               between its forward and its backward holds its chunk's saved bytes; the peak
               over this stage's action list from the runtime's own schedule generator
@@ -19,7 +24,8 @@ planner's per-layer `ModelCost` (`stage_memory`: a model too large to compile pe
               largest segment's (0 without recomputation).
   buffers     communication: the received boundary tensors no op keeps (the engine holds
               them until backward) for each in-flight microbatch, one gradient message, and,
-              with dp > 1, the flat gradient buckets of the dp all-reduce / reduce-scatter.
+              with dp > 1, the flat gradient buckets of the dp all-reduce / reduce-scatter
+              (zero>=2: one unit's whole gradients and their reduce-scatter buffer).
 """
 from __future__ import annotations
 
@@ -37,7 +43,7 @@ if TYPE_CHECKING:
 ADAM_MOMENTS = 2             # AdamW: exp_avg, exp_avg_sq (fp32)
 STATE_BYTES = 4              # fp32 master parameters, gradients and moments (every dtype)
 STEP_BYTES = 4               # AdamW's per-parameter step counter (a 0-d fp32 tensor)
-COMPONENTS = ("params", "grads", "optimizer", "activations", "recompute", "buffers")
+COMPONENTS = ("params", "gathered", "grads", "optimizer", "activations", "recompute", "buffers")
 
 
 @dataclass
@@ -45,6 +51,7 @@ class RankMemory:
     rank: int
     stage: int
     params: int = 0
+    gathered: int = 0
     grads: int = 0
     optimizer: int = 0
     activations: int = 0
@@ -61,22 +68,27 @@ class RankMemory:
 
 # ---- shared rules ---------------------------------------------------------------------------
 def zero_rows(rows: int, dp: int, dp_rank: int) -> int:
-    """Rows of a dim-0 size `rows` that dp rank `dp_rank` owns under zero=1 (runtime/zero.py)."""
-    per = math.ceil(rows / dp)
-    return max(0, min(per, rows - dp_rank * per))
+    """Rows of a dim-0 size `rows` that dp_shard rank `dp_rank` owns under ZeRO (runtime/zero.py)."""
+    from threefold.runtime.zero import row_range
+    return row_range(rows, dp, dp_rank)[2]
+
+
+def owned_elements(shape: tuple[int, ...], d: int, r: int) -> int:
+    """Elements of a parameter of `shape` that dp_shard rank r owns."""
+    rows = int(shape[0]) if len(shape) else 1
+    width = math.prod(shape[1:]) if len(shape) > 1 else 1
+    return zero_rows(rows, d, r) * width
 
 
 def optimizer_bytes(shapes: list[tuple[int, ...]], plan, dp_rank: int = 0,
                     moments: int = ADAM_MOMENTS) -> int:
-    """AdamW state of these trainable parameter shapes on one dp rank."""
-    dp = plan.dp if getattr(plan, "zero", 0) else 1
-    dp_rank = dp_rank if dp > 1 else 0
+    """AdamW state of these trainable parameter shapes on one dp_shard rank."""
+    d = plan.shard_degree if getattr(plan, "zero", 0) else 1
+    dp_rank = dp_rank if d > 1 else 0
     total = 0
     for shape in shapes:
-        rows = int(shape[0]) if len(shape) else 1
-        width = math.prod(shape[1:]) if len(shape) > 1 else 1
-        owned = zero_rows(rows, dp, dp_rank) * width
-        total += moments * STATE_BYTES * owned + (STEP_BYTES if owned or dp == 1 else 0)
+        owned = owned_elements(shape, d, dp_rank)
+        total += moments * STATE_BYTES * owned + (STEP_BYTES if owned or d == 1 else 0)
     return total
 
 
@@ -159,14 +171,43 @@ def program_memory(prog) -> list[RankMemory]:
         last = prog.chunks[-1].index
         grad_msg = max((sum(b.nbytes for b in c.outputs) for c in chunks if c.index != last), default=0)
         rerun = max((saved[c.index].recompute_peak_bytes for c in chunks), default=0)
-        buffers = int(unsaved + grad_msg + (grads if plan.dp > 1 else 0))
+        units = _stage_units(chunks, local) if plan.zero >= 2 else None
+        if units is not None:   # zero>=2: one unit's gradients whole, then its send buffer
+            largest = max((n for _, layers in units for n in layers), default=0)
+            largest = max([largest] + [u0 for u0, _ in units])
+            comm_buffers = 2 * largest * STATE_BYTES
+        else:
+            comm_buffers = grads if plan.dp > 1 else 0
+        buffers = int(unsaved + grad_msg + comm_buffers)
+        d = plan.shard_degree
         for dp_rank in range(plan.dp):
-            opt = optimizer_bytes(trainable, plan, dp_rank)
+            r = dp_rank % d          # the rank's index in its shard group (HSDP: within a replica)
+            opt = optimizer_bytes(trainable, plan, r)
+            mine_params, mine_grads, gathered = params, grads, 0
+            if plan.zero >= 2:
+                owned = sum(owned_elements(sh, d, r) for sh in trainable)
+                mine_grads = owned * STATE_BYTES
+            if plan.zero >= 3:
+                whole = sum(math.prod(sh) for sh in trainable) * STATE_BYTES
+                mine_params = params - whole + owned * STATE_BYTES
+                layers = sorted((n for _, ls in units for n in ls), reverse=True)
+                gathered = (sum(u0 for u0, _ in units) + sum(layers[:2])) * STATE_BYTES
             for tp_rank in range(plan.tp):
                 out.append(RankMemory(rank=mesh.rank(tp=tp_rank, dp=dp_rank, pp=stage), stage=stage,
-                                      params=int(params), grads=int(grads), optimizer=int(opt),
-                                      activations=int(acts), recompute=int(rerun), buffers=buffers))
+                                      params=int(mine_params), gathered=int(gathered), grads=int(mine_grads),
+                                      optimizer=int(opt), activations=int(acts), recompute=int(rerun),
+                                      buffers=buffers))
     return sorted(out, key=lambda r: r.rank)
+
+
+def _stage_units(chunks, local: dict) -> list[tuple[int, list[int]]]:
+    """Per local chunk: (unit 0's elements, each layer unit's elements), from the compiled
+    units (passes/shard_units.py) at their local shapes."""
+    out = []
+    for c in chunks:
+        sizes = [sum(math.prod(local[f][0]) for f in u.params if f in local) for u in c.units]
+        out.append((sizes[0] if sizes else 0, sizes[1:]))
+    return out
 
 
 # ---- from the planner's per-layer ModelCost ----------------------------------------------------
@@ -214,10 +255,22 @@ def stage_memory(model: ModelCost, cfg: Config, stage: int, n_layers: int, param
         acts += model.post_act * tokens / (t if model.post_act_split else 1)
     # State: BYTES_PER_PARAM = 16 per parameter, which is both Megatron's 16-bit layout and
     # threefold's (fp32 parameters = master 4, fp32 gradients 4, AdamW moments 8, every dtype).
-    # Under zero=1 threefold shards only the moments (runtime/zero.py; parameters and gradient
-    # buffers stay whole), so 8 + 8/d, the same rule as optimizer_bytes above.
-    per_param = BYTES_PER_PARAM
-    if getattr(plan, "zero", 0) and plan.dp > 1:
-        sharded = ADAM_MOMENTS * STATE_BYTES
-        per_param = BYTES_PER_PARAM - sharded + sharded / plan.dp
-    return params * per_param + acts + rerun
+    # ZeRO shards over the dp_shard ranks d: zero=1 the moments (8 + 8/d), zero=2 the
+    # gradients too (4 + 12/d), zero=3 the parameters too (16/d), the rules of program_memory.
+    return params * state_bytes_per_param(plan) + gathered_bytes(model, plan, n_layers) + acts + rerun
+
+
+def state_bytes_per_param(plan) -> float:
+    """Bytes of parameter + gradient + AdamW state per parameter on one rank."""
+    d = plan.shard_degree if getattr(plan, "zero", 0) else 1
+    sharded = {0: 0, 1: ADAM_MOMENTS * STATE_BYTES, 2: (ADAM_MOMENTS + 1) * STATE_BYTES,
+               3: BYTES_PER_PARAM}[plan.zero]
+    return BYTES_PER_PARAM - sharded + sharded / d
+
+
+def gathered_bytes(model: ModelCost, plan, n_layers: int) -> float:
+    """zero=3's working set per rank: two layers whole (one computing, one prefetched), fp32."""
+    if plan.zero < 3 or not n_layers:
+        return 0.0
+    split = model.layer_params - model.layer_params_repl
+    return 2 * (split / plan.tp + model.layer_params_repl) * STATE_BYTES

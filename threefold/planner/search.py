@@ -63,8 +63,9 @@ def legal_configs(model: ModelCost, batch: int, gpus: int, cluster: Cluster,
                                     schedule=schedule)
                         if where.admits(plan, b):
                             yield Config(plan, batch)
-                        if dp > 1 and where.admits(plan.replace(zero=1), b):   # ZeRO-1: AdamW state / dp
-                            yield Config(plan.replace(zero=1), batch)
+                        for zero in ((1, 2, 3) if dp > 1 else ()):   # ZeRO: what is sharded over dp
+                            if where.admits(plan.replace(zero=zero), b):
+                                yield Config(plan.replace(zero=zero), batch)
 
 
 def _schedules(pp: int, v: int) -> tuple[str, ...]:

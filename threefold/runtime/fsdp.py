@@ -30,7 +30,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from threefold.runtime import comm
+from threefold.runtime import comm, mixed_precision
 from threefold.runtime.zero import RowShard, all_gather_flat, reduce_scatter_flat, split_rows
 
 MAX_PENDING = 2      # reduce-scatters in flight before the oldest is waited for
@@ -55,6 +55,11 @@ class ShardedParams:
     def __init__(self, engine, cplan):
         mesh, coord, groups = engine.mesh, engine.coord, engine.groups
         self.zero = cplan.zero
+        # dtype=bf16|fp16: parameters travel in 16 bits (the forward casts them so anyway) and
+        # land in the fp32 storage; gradients are reduced in fp32
+        self.wire = mixed_precision.compute_dtype(engine.manifest)
+        self.gathered_bytes = 0         # parameters whole right now (zero=3) ...
+        self.peak_gathered_bytes = 0    # ... and the most at once since the last reset
         self.d = mesh.size("dp_shard")
         self.replicas = mesh.size("dp_replicate")
         self.scale = 1.0 / mesh.size(cplan.batch_axes)
@@ -88,7 +93,7 @@ class ShardedParams:
     def _start_gather(self, u: _Unit) -> None:
         if self.zero < 3 or u.gathered or u.pending is not None or not u.shards:
             return
-        dtype = u.shards[0].param.dtype
+        dtype = self.wire or u.shards[0].param.dtype
         mine = torch.zeros(u.span, dtype=dtype, device=u.shards[0].shard.device)
         off = 0
         for s in u.shards:
@@ -110,9 +115,11 @@ class ShardedParams:
             for s in u.shards:
                 n = s.per * s.width
                 rows = every[:, off:off + n].reshape(self.d * s.per, s.width)[:s.rows]
-                _alloc(s.param)
+                if _alloc(s.param):
+                    self.gathered_bytes += s.param.numel() * s.param.element_size()
                 s.rows_of(s.param.data).copy_(rows)
                 off += n
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
         u.pending, u.gathered = None, True
 
     def _free_unit(self, u: _Unit) -> None:
@@ -120,7 +127,8 @@ class ShardedParams:
             return
         for s in u.shards:
             if not any(v.gathered and v is not u and v.uses > 0 for v in self._storage.get(_key(s.param), ())):
-                _free(s.param)
+                if _free(s.param):
+                    self.gathered_bytes -= s.param.numel() * s.param.element_size()
         u.gathered = False
 
     def hold(self, chunk: int, index: int) -> None:
@@ -284,14 +292,20 @@ def _key(p: torch.Tensor) -> int:
     return p.untyped_storage()._cdata
 
 
-def _free(p: torch.Tensor) -> None:
+def _free(p: torch.Tensor) -> bool:
+    """Drop a parameter's storage (the tensor stays); True if it held any."""
     st = p.untyped_storage()
     if st.nbytes():
         st.resize_(0)
+        return True
+    return False
 
 
-def _alloc(p: torch.Tensor) -> None:
+def _alloc(p: torch.Tensor) -> bool:
+    """Give a freed parameter its storage back; True if it had none."""
     st = p.untyped_storage()
     need = (p.storage_offset() + p.numel()) * p.element_size()
     if st.nbytes() < need:
         st.resize_(need)
+        return True
+    return False

@@ -264,8 +264,14 @@ def held_bytes(engine, optimizer) -> dict:
             return 0
         seen.add(key)
         return t.untyped_storage().nbytes()
-    out = {"params": sum(once(p) for p in params),
-           "grads": sum(once(p.grad) for p in params if p.grad is not None)}
+    sharded = getattr(engine, "sharded", None)
+    extra_params, extra_grads = [], []
+    if sharded is not None:   # zero>=2: gradient row shards; zero=3: parameter row shards
+        extra_grads = list(sharded.grads.values())
+        if sharded.zero >= 3:
+            extra_params = [s.shard for s in sharded.rows.values()]
+    out = {"params": sum(once(p) for p in list(params) + extra_params),
+           "grads": sum(once(g) for g in [p.grad for p in params if p.grad is not None] + extra_grads)}
     inner = getattr(optimizer, "inner", optimizer)
     out["optimizer"] = sum(once(v) for st in inner.state.values() for v in st.values())
     out["elements"] = sum(p.numel() for p in params)

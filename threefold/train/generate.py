@@ -17,11 +17,12 @@ from threefold.errors import PlanError
 def gather_full_state(pm) -> dict[str, torch.Tensor] | None:
     """Full tensors of every parameter and buffer by canonical FQN on rank 0 (None elsewhere)."""
     import torch.distributed as dist
-    from threefold.checkpoint.state import full_shapes, model_state
+    from threefold.checkpoint.state import full_shapes, holds_unique, model_state
     mine = []
-    if pm.engine.coord.dp == 0:
-        for fqn, s in model_state(pm).items():
-            mine.append((fqn, s.dim, [(p.start, s.view(p).detach().cpu().clone()) for p in s.parts]))
+    for fqn, s in model_state(pm).items():
+        if holds_unique(pm, s):
+            mine.append((fqn, [(list(offs), list(sizes), view.detach().cpu().clone())
+                               for offs, sizes, view in s.regions()]))
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         gathered = [mine]
     else:
@@ -32,14 +33,14 @@ def gather_full_state(pm) -> dict[str, torch.Tensor] | None:
     shapes = full_shapes(pm.manifest)
     full: dict[str, torch.Tensor] = {}
     for part in gathered:
-        for fqn, dim, pieces in part:
+        for fqn, pieces in part:
             shape, dtype = shapes[fqn]
             t = full.setdefault(fqn, torch.zeros(shape, dtype=getattr(torch, dtype)))
-            for start, value in pieces:
-                if t.dim():
-                    t.narrow(dim, start, value.shape[dim]).copy_(value)
-                else:
-                    t.copy_(value)
+            for offs, sizes, value in pieces:
+                dest = t
+                for d, (o, n) in enumerate(zip(offs, sizes)):
+                    dest = dest.narrow(d, o, n)
+                dest.copy_(value.reshape(dest.shape))
     return full
 
 
