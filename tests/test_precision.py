@@ -99,7 +99,8 @@ def test_zero1_matches_adamw_with_tp_and_pp():
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_bf16_matches_single_process_autocast_within_rounding_noise():
-    plans = ["dp=2,dtype=bf16", "tp=2,dtype=bf16", "pp=2,m=2,dtype=bf16", "dp=2,zero=1,dtype=bf16"]
+    plans = ["dp=2,dtype=bf16", "tp=2,dtype=bf16", "pp=2,m=2,dtype=bf16", "dp=2,zero=1,dtype=bf16",
+             "dp=2,zero=3,dtype=bf16"]   # zero=3: 16-bit all-gathers of the parameters
     ref = reference("gpt", GPT, STEPS, "sgd", torch.bfloat16)
     fp32 = reference("gpt", GPT, STEPS, "sgd")
     sigma = rounding_noise("gpt", GPT, STEPS, "sgd", torch.bfloat16, draws=6)
