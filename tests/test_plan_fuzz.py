@@ -1,7 +1,7 @@
 """Random plans on 4 ranks against the single-process run (correct first: any plan, any model).
 
 Each case draws plans from every feature at once (tp, pp, dp, m, every schedule, v, sp,
-recompute, zero) with a fixed seed, runs 3 SGD steps of each on 4 gloo ranks and compares
+recompute, zero 0-3, HSDP) with a fixed seed, runs 3 SGD steps of each on 4 gloo ranks and compares
 the losses with the single-process run at rtol 1e-5. The slow tier draws a few per model;
 the zoo tier draws 30 per model and seed."""
 import random
@@ -36,8 +36,10 @@ def draw_plan(rng: random.Random) -> str:
         recompute = rng.choice(["none", "none", "selective", "full"])
         if recompute != "none":
             parts.append(f"recompute={recompute}")
-        if dp > 1 and rng.random() < 0.4:
-            parts.append("zero=1")
+        if dp > 1 and rng.random() < 0.6:
+            parts.append(f"zero={rng.choice([1, 2, 3])}")
+            if dp == 4 and rng.random() < 0.5:
+                parts.append("dp_shard=2")   # HSDP: two replicas of a 2-way shard group
         return ",".join(parts)
 
 

@@ -161,6 +161,13 @@ class ShardedParams:
         elif k > 1:
             self._start_gather(units[k - 1])
 
+    def ensure_whole(self, param: torch.Tensor) -> None:
+        """Gather the unit holding `param` if it is freed (a read outside saved tensors)."""
+        for u in self._storage.get(_key(param), ()):
+            if not u.gathered:
+                self.enter(u.chunk, u.index)
+            return
+
     def end_forward(self, chunk: int) -> None:
         for u in self.units.get(chunk, ())[1:]:
             self._free_unit(u)

@@ -72,6 +72,11 @@ class ChunkModule(torch.nn.Module):
             sharded, chunk = self.shard_units
             sharded.enter(chunk, k)
 
+    def needs_whole(self, param: torch.Tensor) -> None:
+        """zero=3: a parameter held outside autograd's saved tensors is about to be read."""
+        if self.shard_units is not None:
+            self.shard_units[0].ensure_whole(param)
+
     def rng_seed(self, index: int, per_tp_rank: bool) -> int:
         """The seed of random op `index` for this step and microbatch (runtime/random_ops.py)."""
         from threefold.runtime.random_ops import mix_seed

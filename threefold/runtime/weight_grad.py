@@ -104,22 +104,23 @@ class _LinearInputGradOnly(torch.autograd.Function):
     the matmul at small sizes."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, stash):
+    def forward(ctx, x, weight, bias, stash, module):
         # the input goes through autograd's saved-tensor hooks (memory counters, sequence
         # shards); the parameters are held as they are: W accumulates into their .grad, and
         # a hook's unpacked copy would be another tensor
         ctx.save_for_backward(x)
-        ctx.weight, ctx.bias, ctx.stash = weight, bias, stash
+        ctx.weight, ctx.bias, ctx.stash, ctx.module = weight, bias, stash, module
         return torch.ops.aten.linear.default(x, weight, bias)
 
     @staticmethod
     def backward(ctx, gy):
         (x,) = ctx.saved_tensors
         weight = ctx.weight
+        ctx.module.needs_whole(weight)   # zero=3: gathered again if it was freed
         ctx.stash.append(_LinearW(x, gy, weight, ctx.bias))
-        ctx.weight = ctx.bias = ctx.stash = None
+        ctx.weight = ctx.bias = ctx.stash = ctx.module = None
         grad_x = gy.matmul(weight) if ctx.needs_input_grad[0] else None
-        return grad_x, None, None, None
+        return grad_x, None, None, None, None
 
 
 def _plain_linear(op, args, kwargs, params) -> bool:
@@ -145,7 +146,7 @@ def deferred(module, op, args: tuple, kwargs: dict | None = None, *, weights: tu
     if stash is None or not torch.is_grad_enabled() or not any(p.requires_grad for p in params):
         return op(*args, **kwargs)
     if _plain_linear(op, args, kwargs, params):
-        return _LinearInputGradOnly.apply(args[0], args[1], args[2] if len(args) > 2 else None, stash)
+        return _LinearInputGradOnly.apply(args[0], args[1], args[2] if len(args) > 2 else None, stash, module)
     act_pos = tuple(i for i, a in enumerate(args) if i not in weights and isinstance(a, torch.Tensor))
     call = _Call(op, args, kwargs, act_pos, tuple(p for p in params if p.requires_grad), stash)
     return _InputGradOnly.apply(call, *[args[i] for i in act_pos], *call.params)
