@@ -15,6 +15,7 @@ import time
 
 from threefold.checkpoint import files, state
 from threefold.checkpoint.collective import from_rank0, gather_all, quiet as _quiet, rank_world
+from threefold.checkpoint.groups import saved_groups
 from threefold.errors import PlanError
 
 
@@ -74,8 +75,9 @@ def _collect(pm, optimizer, step, extra, rank) -> dict:
     sd = {state.MODEL + k: v for k, v in state.model_state(pm).items()}
     if optimizer is not None:
         sd.update(state.optimizer_state(pm, optimizer))
+        groups = saved_groups(pm, optimizer)   # with their parameters' FQNs, from every rank
         if rank == 0:
-            sd[state.GROUPS] = state.param_groups(optimizer)
+            sd[state.GROUPS] = groups
             if hasattr(optimizer, "scaler"):   # fp16: resume at the scale training had reached
                 sd[state.SCALER] = optimizer.scaler.state_dict()
     if rank == 0:
