@@ -94,8 +94,9 @@ class ParallelModule:
 
     def state_dict(self) -> dict:
         """This rank's parameters (frozen included) and buffers by original FQN, each a
-        `checkpoint.layout.Sharded`: `.local` (the shard), `.spec` (its ShardSpec, None if
-        whole), `.parts` (where it sits in the full tensor). See threefold.save for files."""
+        `threefold.Sharded`: `.shape` the full tensor's, `.local` this rank's shard,
+        `.placement` Replicate() or Shard(dim) over the tp ranks, `.parts` where the shard
+        sits in the full tensor. See threefold.save for files."""
         from threefold.checkpoint.state import model_state
         return model_state(self)
 
