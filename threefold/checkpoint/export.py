@@ -142,6 +142,7 @@ def export(ckpt_path: str, out: str, hf_config: str | None = None, force: bool =
     recorded in the checkpoint (cli/generate_cmd.read_generate_info); with the embedded
     GPT's config in it ("gpt"), the export is a GPT-2 directory."""
     from safetensors.torch import save_file
+    from threefold.file_modes import as_if_created_plainly
     from threefold.checkpoint.weights import INDEX
     from threefold.outdir import check_out_dir, write_out_dir
     max_bytes = parse_size(max_shard_size)
@@ -163,6 +164,7 @@ def export(ckpt_path: str, out: str, hf_config: str | None = None, force: bool =
             # safetensors refuses shared storage: tied entries are written as separate copies
             save_file({k: full[k].contiguous().clone() for k in keys}, os.path.join(tmp, file),
                       metadata={"format": "pt"})
+            as_if_created_plainly(os.path.join(tmp, file))   # safetensors writes 0600: the umask's mode
         if len(groups) > 1:
             with open(os.path.join(tmp, INDEX), "w") as f:
                 json.dump({"metadata": {"total_size": total},

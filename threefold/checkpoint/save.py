@@ -17,6 +17,7 @@ from threefold.checkpoint import files, state
 from threefold.checkpoint.collective import from_rank0, gather_all, quiet as _quiet, rank_world
 from threefold.checkpoint.groups import saved_groups
 from threefold.errors import PlanError
+from threefold.file_modes import as_if_created_plainly
 
 
 def save(pm, optimizer, directory: str, step: int | None = None, extra=None, keep: int | None = 3) -> str:
@@ -33,6 +34,7 @@ def save(pm, optimizer, directory: str, step: int | None = None, extra=None, kee
         try:
             os.makedirs(directory, exist_ok=True)
             tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=directory)
+            as_if_created_plainly(tmp, directory=True)   # becomes step_<N>: the umask's mode
         except OSError as exc:
             tmp = PlanError(f"cannot write checkpoint directory {directory}: {exc.strerror or exc}")
     tmp = from_rank0(tmp)

@@ -191,6 +191,8 @@ def _live_dir(out: str) -> str | None:
     parent, base = os.path.split(full)
     os.makedirs(parent, exist_ok=True)
     live = tempfile.mkdtemp(prefix=f".{base}.live-", dir=parent)
+    from threefold.file_modes import as_if_created_plainly
+    as_if_created_plainly(live, directory=True)   # kept for the user when a run fails
     return live
 
 
