@@ -1,12 +1,15 @@
 """The main job against a plain PyTorch loop: same model, data, optimizer and schedule.
 
-    python bench/train_vs_eager.py [train flags...] [--threads N (default 1)] [--skip-threefold]
+    python bench/train_vs_eager.py [train flags...] [--threads 1,2] [--skip-threefold]
 
 Runs (1) a single-process eager loop written with nothing but torch (AdamW with decay on
 Linear matrices only, linear warmup + cosine, global-norm clipping, the same validation
-batches) over threefold.dataset's batches, then (2) `threefold train --json` with the same
-settings, and prints tokens/s of each, their ratio, and the train and validation losses at
-the start and the end. Settings are threefold's (embedded defaults < --config < flags).
+batches) over threefold.dataset's batches, once per thread count in --threads (default:
+1 thread, and torch's default, which is every core it sees: the fair peer of a job whose
+ranks use all the cores), then (2) `threefold train --json` with the same settings, and
+prints tokens/s of each, threefold's ratio to each eager run (the worst last), the train
+and validation losses at the start and the end, and the load average around each run.
+Settings are threefold's (embedded defaults < --config < flags).
 """
 from __future__ import annotations
 
@@ -91,35 +94,49 @@ def threefold_train(argv: list[str]) -> tuple[dict, float]:
     return json.loads(proc.stdout.strip().splitlines()[-1]), wall
 
 
+def _load() -> str:
+    return f"load {os.getloadavg()[0]:.1f}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(p, skip=("spec", "out", "json", "force"))
-    # 1 by default: on a shared 2-core machine two OpenMP threads ran 8x slower than one
-    p.add_argument("--threads", type=int, default=1, help="torch threads of the eager loop (default 1)")
+    default_threads = torch.get_num_threads()     # torch's default: the cores it sees
+    p.add_argument("--threads", default=f"1,{default_threads}",
+                   help=f"comma-separated torch thread counts of the eager loop (default 1,{default_threads}: "
+                   "one thread, and torch's default)")
     p.add_argument("--skip-threefold", action="store_true", help="run the eager loop only")
     args = p.parse_args()
     cfg = from_args(args)
-    torch.set_num_threads(args.threads)
+    threads = sorted({int(n) for n in str(args.threads).split(",") if n.strip()})
     print(f"settings: plan {cfg.plan}, {cfg.steps} steps, batch {cfg.batch} x seq {cfg.seq}, "
           f"GPT {cfg.n_layer}x{cfg.n_embd} ({cfg.n_head} heads), lr {cfg.lr}, data {cfg.data or 'embedded'}; "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    e = eager(cfg)
-    print(f"eager ({args.threads} threads, {e['params']:,} params): {e['tokens_per_second']:,.0f} tokens/s, "
-          f"{e['seconds']:.1f} s of steps; loss {e['first_loss']:.4f} -> {e['final_loss']:.4f}; "
-          f"val {e['val'][0][1]:.4f} -> {e['val'][-1][1]:.4f} (step {e['val'][-1][0]})")
+          f"{os.cpu_count()} cores, {_load()}")
+    eagers = {}
+    for n in threads:
+        torch.set_num_threads(n)
+        before = _load()
+        e = eagers[n] = eager(cfg)
+        print(f"eager ({n} thread{'s' if n > 1 else ''}, {e['params']:,} params): {e['tokens_per_second']:,.0f} "
+              f"tokens/s, {e['seconds']:.1f} s of steps; loss {e['first_loss']:.4f} -> {e['final_loss']:.4f}; "
+              f"val {e['val'][0][1]:.4f} -> {e['val'][-1][1]:.4f} (step {e['val'][-1][0]}); {before} -> {_load()}")
     if args.skip_threefold:
         return
     passthrough = [a for a in sys.argv[1:] if a not in ("--skip-threefold",)]
-    if "--threads" in passthrough:
-        i = passthrough.index("--threads")
-        del passthrough[i:i + 2]
+    for flag in [a for a in passthrough if a.startswith("--threads")]:
+        i = passthrough.index(flag)
+        del passthrough[i:i + (1 if "=" in flag else 2)]
+    before = _load()
     t, wall = threefold_train(passthrough)
     val_text = ""
     if t.get("first_val_loss") is not None:
         val_text = f"; val {t['first_val_loss']:.4f} -> {t['final_val_loss']:.4f}"
     print(f"threefold train ({cfg.plan}): {t['tokens_per_second']:,.0f} tokens/s, wall {wall:.1f} s "
-          f"({t['seconds']:.1f} s of steps); loss {t['first_loss']:.4f} -> {t['final_loss']:.4f}{val_text}")
-    print(f"ratio threefold/eager tokens/s: {t['tokens_per_second'] / e['tokens_per_second']:.2f}")
+          f"({t['seconds']:.1f} s of steps); loss {t['first_loss']:.4f} -> {t['final_loss']:.4f}{val_text}; "
+          f"{before} -> {_load()}")
+    ratios = {n: t["tokens_per_second"] / e["tokens_per_second"] for n, e in eagers.items()}
+    for n, r in sorted(ratios.items(), key=lambda kv: -kv[1]):     # the worst (the fair peer) last
+        print(f"ratio threefold/eager({n} thread{'s' if n > 1 else ''}) tokens/s: {r:.2f}")
 
 
 if __name__ == "__main__":

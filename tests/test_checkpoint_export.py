@@ -55,3 +55,50 @@ def test_max_shard_size_is_checked_first(tmp_path, capsys):
     assert main(["export", str(tmp_path), "--out", str(tmp_path / "o"), "--max-shard-size", "lots"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--max-shard-size 'lots' is not a size" in err and "\n" not in err
+
+
+def _embedded_gpt_checkpoint(tmp_path):
+    """A checkpoint as `threefold train` saves one for its embedded GPT (the run records the
+    GPT's config in extra["generate"]), after a step of AdamW."""
+    import dataclasses
+    from threefold.models.gpt import GPT, GPTConfig, lm_loss
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    model = GPT(cfg)
+    x = torch.randint(0, 64, (4, 8))
+    pm = threefold.parallelize(model, "tp=1", (x,), lm_loss, target=x.roll(-1, 1))
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    pm.step(x, target=x.roll(-1, 1))
+    opt.step()
+    threefold.save(pm, opt, str(tmp_path / "ckpt"), extra={"generate": {"gpt": dataclasses.asdict(cfg)}})
+    trained = GPT(cfg).eval()
+    with torch.no_grad():
+        for name, p in trained.named_parameters():
+            p.copy_(pm.engine.params[name])
+    return cfg, trained, x
+
+
+def test_the_embedded_gpt_exports_as_gpt2_with_equal_logits(tmp_path, capsys):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from threefold.models.gpt_hf import gpt2_config
+    cfg, trained, x = _embedded_gpt_checkpoint(tmp_path)
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "config.json").is_file()          # was missing: from_pretrained failed
+    with torch.no_grad():
+        expected = trained(x)
+        got = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()(x).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    # --hf-config with a GPT-2 config of the same model is accepted (was: no tensor for transformer.wte...)
+    gpt2_config(cfg).save_pretrained(tmp_path / "cfg")
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf2"),
+                 "--hf-config", str(tmp_path / "cfg")]) == 0
+    with torch.no_grad():
+        got = GPT2LMHeadModel.from_pretrained(tmp_path / "hf2").eval()(x).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    # one that would compute another function (GPT-2's default tanh GELU) is one line, exit 2
+    GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=2, n_head=2).save_pretrained(tmp_path / "tanh")
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf3"),
+                 "--hf-config", str(tmp_path / "tanh")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "activation_function='gelu_new'" in err and "\n" not in err

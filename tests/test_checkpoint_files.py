@@ -65,6 +65,10 @@ def test_state_dict_gives_local_shards_with_layout(saved):
     assert set(sd) >= set(dict(w["model"].named_parameters()))
     s = sd["h.0.attn.c_attn.weight"]
     assert s.spec is None and list(s.full_shape) == list(s.local.shape)
+    # documented tensor-like (threefold.Sharded): the full shape, the shard, its placement
+    assert isinstance(s, threefold.Sharded) and s.shape == w["model"].h[0].attn.c_attn.weight.shape
+    assert s.ndim == 2 and s.dtype == torch.float32 and str(s.placement) == "R"
+    assert "placement=R" in repr(s)
     pm.load_state_dict({k: torch.zeros_like(v.local) for k, v in sd.items()})
     assert all(float(p.detach().abs().sum()) == 0 for p in pm.engine.params.values())
 
@@ -162,3 +166,18 @@ def test_not_a_checkpoint(tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / files.INDEX).write_text(json.dumps({"format": "other"}))
     _expect_error(pm, opt, str(tmp_path / "d"), "not a threefold checkpoint index")
+
+
+def test_a_tensor_parallel_shard_says_its_full_shape_and_placement():
+    from threefold.checkpoint.layout import Sharded, local_shape, pieces
+    from threefold.runtime.shard import ShardSpec
+    spec = ShardSpec(dim=0, blocks=(8, 8, 8), padded=24, t=2)      # a fused q/k/v weight, tp=2
+    full = torch.arange(24 * 3.0).reshape(24, 3)
+    local = spec(full, 1)
+    dim, parts = pieces(spec, [24, 3], 1)
+    s = Sharded(local, dim, parts, [24, 3])
+    s.spec = spec
+    assert s.shape == (24, 3) and s.size(0) == 24 and list(s.local.shape) == local_shape(spec, [24, 3], 1) == [12, 3]
+    assert str(s.placement) == "S(0,blocks=[8, 8, 8])"
+    for p in s.parts:      # every piece is the full tensor's rows it says
+        assert torch.equal(s.view(p), full[p.start:p.start + p.length])

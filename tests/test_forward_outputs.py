@@ -61,7 +61,7 @@ def _outputs_vs_eager(plan: str) -> dict:
         comm.all_gather = real
     result = {"rank": dist.get_rank(), "step_gathers": in_step, "call_gathers": in_call}
     if out is not None:
-        (logits,) = out
+        logits = out                         # a tensor, as the eager model returns
         dp_rank = pm.engine.coord.dp
         want = eager.chunk(pm.plan.dp, dim=0)[dp_rank]
         result["shape_ok"] = tuple(logits.shape) == tuple(want.shape)

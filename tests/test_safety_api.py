@@ -36,10 +36,10 @@ def test_call_returns_outputs_with_and_without_a_loss():
     torch.manual_seed(0)
     model, x = Tiny(), torch.randn(4, 8)
     pm = threefold.parallelize(model, "", (x,))
-    (out,) = pm(x)
+    out = pm(x)                  # a tensor, as the eager model returns
     assert torch.allclose(out, model(x), atol=1e-6)
     with_loss = threefold.parallelize(model, "m=2", (x,), torch.nn.functional.mse_loss, target=torch.zeros(4, 4))
-    (out,) = with_loss(x)        # the model's outputs, as eager gives them; no target needed
+    out = with_loss(x)           # the model's outputs, as eager gives them; no target needed
     assert torch.allclose(out, model(x), rtol=1e-5, atol=1e-6)
     assert with_loss.evaluate(x, target=torch.zeros(4, 4)) == pytest.approx(float((model(x) ** 2).mean().detach()), rel=1e-5)
 

@@ -32,5 +32,7 @@ def test_the_readme_snippet_runs_as_written(tmp_path):
                          text=True, timeout=280)
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"final loss \d+\.\d+ on every rank: True", out.stdout), out.stdout
+    # pm(x) is a tensor on the last stage (ranks 2, 3 of tp=2,pp=2): `logits.shape` works
+    assert "logits per rank: [None, None, (8, 16, 64), (8, 16, 64)]" in out.stdout, out.stdout
     assert sorted(os.listdir(tmp_path)) == ["tmp", "train_tiny.py"]      # no files left behind
     assert not [n for n in os.listdir(tmp_path / "tmp") if n.startswith("threefold")]

@@ -170,5 +170,5 @@ def test_forward_concatenates_microbatch_outputs_along_their_batch_dim():
     assert pm.manifest["batch_dims"] == [1] and pm.manifest["output_batch_dims"] == [1]
     with torch.no_grad():
         eager = model(x)
-    (out,) = pm(x)
+    out = pm(x)
     assert out.shape == eager.shape and torch.allclose(out, eager, atol=1e-5)

@@ -82,6 +82,20 @@ def test_generate_from_an_embedded_run_checkpoint_matches_the_runs_sample(tmp_pa
     assert texts[0] == texts[1] and json.loads(greedy[0].stdout)["tokens"] == 8
     bad = _threefold("generate", str(tmp_path), "--prompt", "x", timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    # export: a GPT-2 directory (config.json written) that from_pretrained loads, same logits
+    from transformers import GPT2LMHeadModel
+    from threefold.checkpoint.export import consolidate
+    from threefold.cli.generate_cmd import build_model, read_generate_info
+    from threefold.cli.main import main
+    from threefold.train.generate import load_into
+    assert main(["export", str(ckpt), "--out", str(tmp_path / "hf")]) == 0
+    path, full = consolidate(str(ckpt))
+    model = build_model(read_generate_info(path), None)[0]
+    load_into(model, full)
+    x = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        got = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()(x).logits
+        torch.testing.assert_close(got, model.eval()(x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("flags,word", [(["--tokens", "-1"], "--tokens -1"), (["--temperature", "-1"], "--temperature"),

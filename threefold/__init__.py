@@ -17,6 +17,9 @@ def __getattr__(name):
     if name in ("save", "load"):
         from threefold import checkpoint
         return getattr(checkpoint, name)
+    if name == "Sharded":       # the values of pm.state_dict()
+        from threefold.checkpoint.layout import Sharded
+        return Sharded
     if name == "launch":
         from threefold.runtime.launch import launch
         return launch

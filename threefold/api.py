@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 
 import torch
 
@@ -17,6 +18,7 @@ from threefold.errors import PlanError
 from threefold.plan import Plan
 from threefold.runtime.assemble import assemble_rank, check_world, default_device
 from threefold.runtime.loader import import_source
+from threefold.runtime.output_tree import rebuild
 from threefold.runtime.shard import rank_shard
 from threefold.workload import Workload
 
@@ -45,8 +47,10 @@ class ParallelModule:
             return self.engine.step(batch, train=False, schedule=self.engine.forward_schedule())
 
     def forward(self, *inputs):
-        """Forward-only inference: the model's outputs per microbatch on the last stage
-        (concatenated along the batch; this dp rank's share of it), None on other stages.
+        """Forward-only inference: the model's outputs on the last stage, in the structure
+        the eager model returns (a tensor, a tuple, a dict, a ModelOutput ...; the
+        microbatches concatenated along the batch; this dp rank's share of it), None on
+        other stages.
         For a model compiled with a loss the last chunk's `model_outputs` method computes
         them, gathering tensor-parallel shards (vocab-parallel logits) there only."""
         with_loss = self.manifest.has_loss
@@ -59,8 +63,9 @@ class ParallelModule:
         if not outs:
             return None
         dims = self.manifest.output_batch_dims or []   # the compiler's; old artifacts: 0
-        return tuple(torch.cat(parts, dim=dims[i] if i < len(dims) else 0)
-                     for i, parts in enumerate(zip(*outs)))
+        tensors = tuple(torch.cat(parts, dim=dims[i] if i < len(dims) else 0)
+                        for i, parts in enumerate(zip(*outs)))
+        return rebuild(self.manifest.output_tree, tensors)   # as the eager model returned them
 
     __call__ = forward
 
@@ -89,8 +94,9 @@ class ParallelModule:
 
     def state_dict(self) -> dict:
         """This rank's parameters (frozen included) and buffers by original FQN, each a
-        `checkpoint.layout.Sharded`: `.local` (the shard), `.spec` (its ShardSpec, None if
-        whole), `.parts` (where it sits in the full tensor). See threefold.save for files."""
+        `threefold.Sharded`: `.shape` the full tensor's, `.local` this rank's shard,
+        `.placement` Replicate() or Shard(dim) over the tp ranks, `.parts` where the shard
+        sits in the full tensor. See threefold.save for files."""
         from threefold.checkpoint.state import model_state
         return model_state(self)
 
@@ -127,12 +133,12 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
             return build
         return decorate(factory) if callable(factory) else decorate
 
-    plan = Plan.parse(plan)
     if example_inputs is None:
         raise PlanError("parallelize needs example_inputs: a global batch of the model's inputs")
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    mesh = plan.mesh
     _join_torchrun_job()
+    plan = _resolve(plan, example_inputs, batch_dims)
+    mesh = plan.mesh
     rank = check_world(mesh, str(plan))
     if weights is None and any(p.is_meta for p in model.parameters()):
         raise PlanError(f"{type(model).__name__} is on the meta device: it can be compiled "
@@ -185,6 +191,19 @@ class _CompiledSource:
             else:
                 state[fqn] = rank_shard(t, spec, tp_rank).to(device)
         module.load_state(state)
+
+
+def _resolve(plan, example_inputs: tuple, batch_dims) -> Plan:
+    """The plan with what its text leaves out filled in (threefold/plan_defaults.py): dp from
+    the job's world size, m from the batch; a note (rank 0) when m had to be lowered."""
+    from threefold.plan_defaults import batch_rows, resolve_plan
+    from threefold.runtime.assemble import current_rank_and_world
+    rank, world = current_rank_and_world()
+    resolved = resolve_plan(plan, world=world, batch=batch_rows(example_inputs, batch_dims))
+    if rank == 0:
+        for note in resolved.notes:
+            warnings.warn(f"threefold: plan {resolved.plan}: {note}", stacklevel=3)
+    return resolved.plan
 
 
 def _join(root: str, name: str) -> str:

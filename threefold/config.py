@@ -37,7 +37,7 @@ def _f(default, section: str, help: str):
 class TrainConfig:
     # [run] what to train, where, and how to report
     spec: str | None = _f(None, "run", "workload path/to/file.py:factory (unset: the embedded GPT)")
-    plan: str = _f("pp=2,m=4", "run", "parallel plan, e.g. 'tp=2,pp=2,dp=2,m=4'")
+    plan: str = _f("pp=2,m=4", "run", "parallel plan, e.g. 'tp=2,pp=2,dp=2,m=4'; m left out: 2*pp, dp left out: torchrun's ranks / (tp*pp), else 1")
     steps: int = _f(400, "run", "optimizer steps")
     seed: int = _f(0, "run", "seed for weights and batch order")
     out: str = _f("runs/train", "run", "directory for the loss curve, logs and summary")

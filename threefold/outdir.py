@@ -17,6 +17,7 @@ import time
 from typing import Callable
 
 from threefold.errors import PlanError
+from threefold.file_modes import as_if_created_plainly
 
 MARKER = ".threefold-out.json"          # {"kind": ..., "files": [relative paths we wrote]}
 _LEGACY_RUN_FILES = {"losses.json", "loss.png"}
@@ -103,9 +104,7 @@ def write_out_dir(path: str, fill: Callable[[str], None], kind: str, force: bool
         raise PlanError(f"{flag} {path!r} cannot be created ({exc.strerror})") from None
     tmp = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)            # mkdtemp makes 0700; a plain mkdir would not
+        as_if_created_plainly(tmp, directory=True)   # mkdtemp makes 0700; a plain mkdir would not
         fill(tmp)
         with open(os.path.join(tmp, MARKER), "w") as f:
             json.dump({"kind": kind, "files": sorted(_listing(tmp) - {MARKER})}, f, indent=1)
@@ -151,6 +150,7 @@ def write_file_atomically(path: str, text: str) -> None:
     full = os.path.abspath(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(full)}.tmp-", dir=os.path.dirname(full))
     try:
+        as_if_created_plainly(fd)               # mkstemp makes 0600; open(path, "w") would not
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, full)

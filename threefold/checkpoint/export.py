@@ -14,7 +14,9 @@ state_dict is built on the meta device from the config, and each of its keys is 
 among the checkpoint's FQNs as the FQN itself or its ending (a wrapper's `model.` prefix
 dropped). A key with no match is a PlanError, unless the transformers model ties it to a
 key that has one (lm_head to the embedding). config.json is written next to the weights,
-so `from_pretrained(DIR)` loads it.
+so `from_pretrained(DIR)` loads it. A checkpoint of `threefold train`'s embedded GPT (its
+run records the GPT's config) is written as a GPT-2 (models/gpt_hf.py) with or without
+--hf-config: a GPT2Config is written for it, or the given one is checked against it.
 """
 from __future__ import annotations
 
@@ -114,16 +116,43 @@ def shard_groups(full: dict[str, torch.Tensor], max_bytes: int) -> list[list[str
     return groups
 
 
+def embedded_gpt_names(full: dict[str, torch.Tensor], gpt: dict, hf_config: str | None):
+    """(tensors under GPT-2's keys, its config) for a checkpoint of the embedded GPT whose
+    GPTConfig fields are `gpt` (models/gpt_hf.py): `hf_config` if given (checked to describe
+    the same function), else the GPT2Config written for it."""
+    from threefold.models.gpt import GPTConfig
+    from threefold.models.gpt_hf import check_gpt2_config, gpt2_config, gpt2_state
+    cfg = GPTConfig(**gpt)
+    if hf_config is None:
+        config = gpt2_config(cfg)
+    else:
+        from transformers import AutoConfig
+        try:
+            config = AutoConfig.from_pretrained(hf_config)
+        except Exception as exc:
+            raise PlanError(f"--hf-config {hf_config}: not a Hugging Face config ({type(exc).__name__}); "
+                            "pass a directory with config.json") from None
+        check_gpt2_config(config, cfg)
+    return gpt2_state(full, config), config
+
+
 def export(ckpt_path: str, out: str, hf_config: str | None = None, force: bool = False,
-           max_shard_size=DEFAULT_MAX_SHARD) -> dict:
+           max_shard_size=DEFAULT_MAX_SHARD, run_record=None) -> dict:
+    """Write the checkpoint's weights to `out`. `run_record(ckpt)`: what `threefold train`
+    recorded in the checkpoint (cli/generate_cmd.read_generate_info); with the embedded
+    GPT's config in it ("gpt"), the export is a GPT-2 directory."""
     from safetensors.torch import save_file
+    from threefold.file_modes import as_if_created_plainly
     from threefold.checkpoint.weights import INDEX
     from threefold.outdir import check_out_dir, write_out_dir
     max_bytes = parse_size(max_shard_size)
     check_out_dir(out, force)
     ckpt, full = consolidate(ckpt_path)
     config = None
-    if hf_config is not None:
+    embedded_gpt = (run_record(ckpt) if run_record is not None else {}).get("gpt")
+    if embedded_gpt is not None:
+        full, config = embedded_gpt_names(full, embedded_gpt, hf_config)
+    elif hf_config is not None:
         full, config = hf_names(full, hf_config)
     groups = shard_groups(full, max_bytes)
     names = (["model.safetensors"] if len(groups) == 1 else
@@ -135,6 +164,7 @@ def export(ckpt_path: str, out: str, hf_config: str | None = None, force: bool =
             # safetensors refuses shared storage: tied entries are written as separate copies
             save_file({k: full[k].contiguous().clone() for k in keys}, os.path.join(tmp, file),
                       metadata={"format": "pt"})
+            as_if_created_plainly(os.path.join(tmp, file))   # safetensors writes 0600: the umask's mode
         if len(groups) > 1:
             with open(os.path.join(tmp, INDEX), "w") as f:
                 json.dump({"metadata": {"total_size": total},

@@ -58,9 +58,23 @@ def local_shape(spec: ShardSpec | None, full_shape, tp_rank: int) -> list[int]:
 
 
 class Sharded:
-    """A rank's local tensor with its pieces of the full tensor (DCP's checkpointable
-    protocol: `__create_write_items__`, `__create_chunk_list__`, and `piece_at` for our
-    planners). `local` may be a parameter: loading writes through views into it."""
+    """A value of `pm.state_dict()` (threefold.Sharded): one rank's share of a full tensor.
+
+      .shape, .size(), .ndim   the FULL tensor's shape (as the single-process state_dict's)
+      .dtype, .device          the shard's
+      .local                   this rank's tensor (the parameter itself: writes go into it)
+      .placement               over the tensor-parallel ranks: Replicate() (every tp rank
+                               holds all of it) or Shard(dim, blocks) (threefold/placement.py)
+      .parts, .dim             where .local sits in the full tensor: pieces (local start,
+                               length, full start) along dim .dim (several for a fused
+                               q/k/v projection; padding rows of a padded vocabulary in none)
+      .spec                    the manifest's ShardSpec (None when whole)
+
+    Replicas of it live on every dp rank (and, for a tied parameter, on every stage that
+    uses it). It is also DCP's checkpointable protocol (`__create_write_items__`,
+    `__create_chunk_list__`, and `piece_at` for our planners)."""
+
+    spec = None     # ShardSpec, set by checkpoint/state.layout_of
 
     def __init__(self, local: torch.Tensor, dim: int, parts: list[Piece], full_shape):
         self.local = local
@@ -68,8 +82,33 @@ class Sharded:
         self.parts = parts
         self.full_shape = torch.Size(full_shape)
 
-    def size(self) -> torch.Size:   # DCP compares this with the saved size
+    def size(self, dim: int | None = None):   # DCP compares this with the saved size
+        return self.full_shape if dim is None else self.full_shape[dim]
+
+    @property
+    def shape(self) -> torch.Size:
         return self.full_shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self.full_shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    @property
+    def placement(self):
+        from threefold.placement import Replicate, Shard
+        return Shard(self.spec.dim, tuple(self.spec.blocks)) if self.spec is not None else Replicate()
+
+    def __repr__(self) -> str:
+        return (f"Sharded(shape={list(self.full_shape)}, placement={self.placement}, "
+                f"local={list(self.local.shape)}, dtype={self.dtype})")
 
     def _offsets(self, p: Piece) -> torch.Size:
         offs = [0] * len(self.full_shape)

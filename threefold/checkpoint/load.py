@@ -14,6 +14,7 @@ import torch
 
 from threefold.checkpoint import files, state
 from threefold.checkpoint.collective import gather_all, quiet as _quiet, rank_world
+from threefold.checkpoint.groups import restore_groups
 from threefold.errors import PlanError
 
 
@@ -64,7 +65,9 @@ def load(pm, optimizer, directory: str) -> dict:
         raise PlanError(f"checkpoint {ckpt}: reading it failed ({type(exc).__name__}: {first}); "
                         "the checkpoint is damaged, load an earlier one") from None
 
-    if optimizer is not None:
+    groups = "none"
+    if optimizer is not None:     # groups matched by their parameters (checkpoint/groups.py)
+        groups = restore_groups(pm, optimizer, sd.get(state.GROUPS))
         _apply_optimizer(optimizer, moments, sd)
     if scaler is not None and sd.get(state.SCALER):
         scaler.load_state_dict(sd[state.SCALER])
@@ -74,7 +77,7 @@ def load(pm, optimizer, directory: str) -> dict:
     pm.engine._rng_base = int(meta.get("rng_base", pm.engine._rng_base))
     if sd.get(rng_key):
         state.set_rng_state(sd[rng_key])
-    return {"step": meta.get("step"), "extra": meta.get("extra"), "path": ckpt}
+    return {"step": meta.get("step"), "extra": meta.get("extra"), "path": ckpt, "optimizer_groups": groups}
 
 
 def _check_same_model(ckpt: str, md, expected: dict) -> None:
@@ -137,11 +140,4 @@ def _apply_optimizer(optimizer, moments: dict, sd: dict) -> None:
         fresh.setdefault(p, {})[name] = v.local if isinstance(v, Sharded) else v
     for p, st in fresh.items():
         optimizer.state[p] = st
-    groups = sd.get(state.GROUPS)
-    if groups:
-        if len(groups) != len(optimizer.param_groups):
-            raise PlanError(f"the checkpoint's optimizer has {len(groups)} parameter groups, this one has "
-                            f"{len(optimizer.param_groups)}: build the optimizer as it was saved")
-        for g, saved in zip(optimizer.param_groups, groups):
-            g.update({k: v for k, v in saved.items() if k != "params"})
 

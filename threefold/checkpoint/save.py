@@ -15,7 +15,9 @@ import time
 
 from threefold.checkpoint import files, state
 from threefold.checkpoint.collective import from_rank0, gather_all, quiet as _quiet, rank_world
+from threefold.checkpoint.groups import saved_groups
 from threefold.errors import PlanError
+from threefold.file_modes import as_if_created_plainly
 
 
 def save(pm, optimizer, directory: str, step: int | None = None, extra=None, keep: int | None = 3) -> str:
@@ -32,6 +34,7 @@ def save(pm, optimizer, directory: str, step: int | None = None, extra=None, kee
         try:
             os.makedirs(directory, exist_ok=True)
             tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=directory)
+            as_if_created_plainly(tmp, directory=True)   # becomes step_<N>: the umask's mode
         except OSError as exc:
             tmp = PlanError(f"cannot write checkpoint directory {directory}: {exc.strerror or exc}")
     tmp = from_rank0(tmp)
@@ -74,8 +77,9 @@ def _collect(pm, optimizer, step, extra, rank) -> dict:
     sd = {state.MODEL + k: v for k, v in state.model_state(pm).items()}
     if optimizer is not None:
         sd.update(state.optimizer_state(pm, optimizer))
+        groups = saved_groups(pm, optimizer)   # with their parameters' FQNs, from every rank
         if rank == 0:
-            sd[state.GROUPS] = state.param_groups(optimizer)
+            sd[state.GROUPS] = groups
             if hasattr(optimizer, "scaler"):   # fp16: resume at the scale training had reached
                 sd[state.SCALER] = optimizer.scaler.state_dict()
     if rank == 0:

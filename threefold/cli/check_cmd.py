@@ -23,7 +23,8 @@ def register(sub) -> None:
         "Prints both loss columns and the largest relative difference. Exit 0 when all agree "
         f"within {TOLERANCE:g} (fp32), 1 when they do not, 2 for bad input.")
     p.add_argument("spec", metavar="SPEC", help="workload: path/to/file.py:factory or pkg.module:factory")
-    p.add_argument("--plan", required=True, help="e.g. 'pp=2,dp=2,m=4' (see DESIGN.md for keys)")
+    p.add_argument("--plan", required=True, help="e.g. 'pp=2,dp=2,m=4' (keys: README's 'Use it' and docs/design.md; "
+                   "m defaults to 2*pp, dp under torchrun to its ranks / (tp*pp))")
     p.add_argument("--steps", type=int, default=3, help="SGD steps (default 3)")
     p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -51,7 +52,6 @@ def _rank_losses(spec: str, plan: Plan, state_file: str, steps: int, lr: float) 
 def run(args) -> int:
     from threefold.cli.jobs import run_on_ranks
     from threefold.workload import load_spec
-    plan = Plan.parse(args.plan)
     if args.steps < 1:
         raise PlanError(f"--steps {args.steps} is invalid: use 1 or more")
     w = load_spec(args.spec)
@@ -61,13 +61,17 @@ def run(args) -> int:
         raise PlanError(f"SPEC {args.spec!r} builds its model on the meta device: check needs real weights")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise PlanError(f"--lr {args.lr} is invalid: use a positive finite learning rate")
-    from threefold.cli.jobs import check_local_capacity, under_torchrun
+    from threefold.cli.jobs import check_local_capacity, command_plan, tell, under_torchrun
+    from threefold.plan_defaults import batch_rows
+    resolved = command_plan(args.plan, batch=batch_rows(w.inputs, w.batch_dims))   # dp, m filled in
+    plan = resolved.plan
     check_local_capacity(plan.world_size)
     random_ops = False
     if not under_torchrun():
         from threefold.compiler.api import compile_workload
         prog = compile_workload(w, plan)  # a plan that cannot work for this model fails here, before any rank
         random_ops = _has_random_ops(prog)
+    tell(resolved)
     with tempfile.TemporaryDirectory(prefix="threefold-check-") as tmp:
         state_file = os.path.join(tmp, "state.pt")
         torch.save({"state": w.model.state_dict(), "inputs": tuple(w.inputs), "target": w.target}, state_file)

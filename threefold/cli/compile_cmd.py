@@ -1,8 +1,8 @@
 """`threefold compile SPEC --plan PLAN --out DIR`: compile a workload and save the artifact.
 
 The artifact directory holds manifest.json, one generated module per chunk (shared by its
-tp ranks), the weight shards per (chunk, tp rank) (none for models built on the meta device); `threefold train` and the
-runtime load it without the model's source. Progress (the stage and pass running) shows on
+tp ranks), the weight shards per (chunk, tp rank) (none for models built on the meta
+device); `threefold run` and the runtime load it without the model's source. Progress (the stage and pass running) shows on
 stderr while a terminal is attached.
 """
 from __future__ import annotations
@@ -17,13 +17,14 @@ def register(sub) -> None:
     p = sub.add_parser(
         "compile", help="compile a workload for a plan into an artifact directory",
         description="Trace the workload, run the compiler passes for PLAN, generate one Python "
-        "module per (pipeline chunk, tp rank) and write them with manifest.json and the weight "
-        "shards (safetensors, keyed by the model's parameter names) into DIR. DIR is built in a "
+        "module per pipeline chunk (shared by the chunk's tp ranks: the tp rank is a run-time value) "
+        "and write them with manifest.json and the weight shards, one file per (chunk, tp rank) "
+        "(safetensors, keyed by the model's parameter names), into DIR. DIR is built in a "
         "temporary sibling and renamed into place; an existing DIR is replaced only if threefold "
         "wrote it (a non-empty directory of other files is refused unless --force, which moves it "
         "aside; nothing is deleted).")
     p.add_argument("spec", metavar="SPEC", help="workload: path/to/file.py:factory or pkg.module:factory")
-    p.add_argument("--plan", default="", help="e.g. 'tp=2,pp=4,m=8' (default: one chunk)")
+    p.add_argument("--plan", default="", help="e.g. 'tp=2,pp=4,m=8' (default: one chunk; m left out: 2*pp)")
     p.add_argument("--out", required=True, metavar="DIR", help="artifact directory to write")
     p.add_argument("--force", action="store_true",
                    help="write even if DIR holds files threefold did not write (DIR is moved aside)")
@@ -38,7 +39,7 @@ def run(args) -> int:
     from threefold.outdir import check_out_dir
     from threefold.workload import load_spec
 
-    plan = Plan.parse(args.plan)
+    Plan.parse_fields(args.plan)               # a malformed --plan fails before any work
     check_out_dir(args.out, args.force)        # before any work: a bad --out loses nothing
     timings: dict[str, float] = {}
     with _Progress() as progress:
@@ -46,7 +47,12 @@ def run(args) -> int:
         progress("load SPEC")
         workload = load_spec(args.spec)
         timings["load"] = time.perf_counter() - start
+        from threefold.cli.jobs import command_plan, tell
+        from threefold.plan_defaults import batch_rows
+        resolved = command_plan(args.plan, batch=batch_rows(workload.inputs, workload.batch_dims))
+        plan = resolved.plan
         prog = compile_workload(workload, plan, progress=progress)
+        tell(resolved)
         progress("codegen")
         t = time.perf_counter()
         sources = build_sources(prog)

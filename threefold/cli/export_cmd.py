@@ -11,7 +11,9 @@ def register(sub) -> None:
         "write DIR/model.safetensors (past --max-shard-size: Hugging Face's sharded files with "
         "model.safetensors.index.json). With --hf-config (a Hugging Face directory with config.json) "
         "the tensors get the transformers model's names and config.json is written too, so "
-        "from_pretrained(DIR) loads it.")
+        "from_pretrained(DIR) loads it. A checkpoint of threefold train's embedded GPT is always "
+        "written as a GPT-2 (config.json included; a given --hf-config must be a GPT-2 config of "
+        "the same shape with activation_function=gelu).")
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint directory (a step_* dir, or a root: its newest)")
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--hf-config", default=None, help="Hugging Face config directory (config.json)")
@@ -25,7 +27,10 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from threefold.checkpoint.export import export
-    summary = export(args.ckpt, args.out, args.hf_config, args.force, args.max_shard_size)
+    from threefold.cli.generate_cmd import read_generate_info
+    # a checkpoint of threefold train's embedded GPT records its config: written as a GPT-2
+    summary = export(args.ckpt, args.out, args.hf_config, args.force, args.max_shard_size,
+                     run_record=read_generate_info)
     if args.json:
         print(dumps(summary))
     else:

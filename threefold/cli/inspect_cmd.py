@@ -22,7 +22,7 @@ def register(sub) -> None:
         "boundary bytes in and out (all per tp rank), then the FLOPs imbalance (max/mean). "
         "Nothing is written.")
     p.add_argument("spec", metavar="SPEC", help="workload: path/to/file.py:factory or pkg.module:factory")
-    p.add_argument("--plan", default="", help="e.g. 'pp=4' or 'pp=2,v=2,schedule=interleaved' (default: one chunk)")
+    p.add_argument("--plan", default="", help="e.g. 'pp=4' or 'pp=2,v=2,schedule=interleaved' (default: one chunk; m left out: 2*pp)")
     p.add_argument("--graph", action="store_true", help="also print each chunk's graph")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--memory", action="store_true",
@@ -37,8 +37,13 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from threefold.compiler.api import compile_workload
-    plan = Plan.parse(args.plan)
-    prog = compile_workload(args.spec, plan)
+    from threefold.cli.jobs import command_plan, tell
+    from threefold.plan_defaults import batch_rows
+    from threefold.workload import load_spec
+    workload = load_spec(args.spec)
+    resolved = command_plan(args.plan, batch=batch_rows(workload.inputs, workload.batch_dims))   # m filled in
+    prog = compile_workload(workload, resolved.plan)
+    tell(resolved)
     report = chunk_report(prog)
     memory = None
     if getattr(args, "memory", False):

@@ -10,6 +10,29 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
+def job_world() -> int | None:
+    """The number of ranks when a launcher fixed it (torchrun's WORLD_SIZE), else None (a
+    local run starts as many ranks as the plan needs)."""
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
+
+
+def command_plan(text, batch: int | None = None):
+    """A command's plan with what its text leaves out filled in (threefold/plan_defaults.py:
+    dp from the job's ranks, m from `batch` global rows): a ResolvedPlan, whose notes the
+    command shows with `tell` once the plan has compiled."""
+    from threefold.plan_defaults import resolve_plan
+    return resolve_plan(text, world=job_world(), batch=batch)
+
+
+def tell(resolved) -> None:
+    """What the plan defaults chose for the user (m lowered to divide the batch), on stderr
+    (once per job: the process that is or starts rank 0)."""
+    import sys
+    if os.environ.get("RANK", "0") == "0":
+        for note in resolved.notes:
+            print(f"threefold: plan {resolved.plan}: {note}", file=sys.stderr)
+
+
 def run_on_ranks(fn, world: int, *args, timeout: float | None = None) -> list:
     """Results of fn(*args) per rank (under torchrun: this rank's result only)."""
     if under_torchrun():

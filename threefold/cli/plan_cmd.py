@@ -120,13 +120,14 @@ def _row(rank: int, e) -> list[str]:
     shares = "/".join(f"{100 * e.shares[k]:.0f}" for k in SHARES)
     return [str(rank), f"tp{c.tp} pp{c.pp} dp{c.dp} b{c.microbatch_size} v{c.interleave}"
             + (" rc" if c.recompute else " sel" if c.plan.recompute == "selective" else "")
-            + (f" z{c.plan.zero}" if c.plan.zero else ""), f"{e.tflops_per_gpu:.1f} ({e.peak_fraction:.0%})",
+            + (f" z{c.plan.zero}" if c.plan.zero else ""), c.plan.schedule,
+            f"{e.tflops_per_gpu:.1f} ({e.peak_fraction:.0%})",
             f"{e.memory_bytes / 2**30:.1f}" + ("" if e.fits else " !"), f"{e.bubble_fraction:.1%}",
             f"{e.iteration_s:.3g}", shares]
 
 
 # Two-line headers keep the terminal table within 80 columns; plain text joins the lines.
-HEADERS = ["#", "plan", "TFLOP/s/GPU\n(% peak)", "GiB\n/GPU", "bubble", "iter\ns", "time\nshares %"]
+HEADERS = ["#", "plan", "schedule", "TFLOP/s/GPU\n(% peak)", "GiB\n/GPU", "bubble", "iter\ns", "time\nshares %"]
 LEGEND = ("rc = recompute=full, sel = recompute=selective, zN = zero=N (ZeRO stage); time shares % = " + "/".join(SHARES)
           + "; ranked by predicted time per iteration; TFLOP/s count executed FLOPs (Eq. 3: "
           "recompute adds a forward)")
@@ -172,21 +173,32 @@ def explain(plans, where: Constraints = Constraints()) -> list[str]:
     """Why the best plan: for each knob, the fastest fitting plan that sets it differently."""
     best = plans[0]
     out = []
-    for key, label in (("tp", "tp"), ("pp", "pp"), ("microbatch_size", "b"), ("interleave", "v"),
-                       ("recompute", "recompute")):
-        mine = getattr(best.config, key)
+    for key, label in _KNOBS:
+        mine = _knob(best.config, key)
         if getattr(where, key) is not None:
             out.append(f"  {label}={_fmt(mine)}: fixed by --evaluate")
             continue
-        other = next((e for e in plans if e.fits and getattr(e.config, key) != mine), None)
+        other = next((e for e in plans if e.fits and _knob(e.config, key) != mine), None)
         if other is None:
             out.append(f"  {label}={_fmt(mine)}: the only value that fits")
             continue
         slower = other.iteration_s / best.iteration_s - 1
         verdict = f"is {slower:.1%} slower" if slower >= 0.0005 else "is as fast (a tie)"
-        out.append(f"  {label}={_fmt(mine)}: the best plan with {label}={_fmt(getattr(other.config, key))} "
+        out.append(f"  {label}={_fmt(mine)}: the best plan with {label}={_fmt(_knob(other.config, key))} "
                    f"({other.config.plan}, b={other.config.microbatch_size}) {verdict}")
     return ["why:"] + out
+
+
+# (Constraints field, label): the knobs `why` explains, spelt as the best plan's text spells them
+_KNOBS = (("tp", "tp"), ("pp", "pp"), ("microbatch_size", "b"), ("interleave", "v"),
+          ("schedule", "schedule"), ("recompute", "recompute"), ("zero", "zero"))
+
+
+def _knob(config, key: str):
+    """A knob's value as the plan says it (recompute: none/selective/full, not full-or-not)."""
+    if key in ("schedule", "recompute", "zero"):
+        return getattr(config.plan, key)
+    return getattr(config, key)
 
 
 def _fmt(value) -> str:

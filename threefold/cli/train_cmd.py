@@ -83,9 +83,10 @@ def _model_building(cfg):
     return empty_weights()
 
 
-def validate_in_parent(cfg, plan: Plan) -> None:
+def validate_in_parent(cfg) -> Plan:
     """Build the workload and compile it here, once, so a plan that cannot work for this
-    model (heads vs tp, layers vs chunks, batch vs dp*m) fails before any rank starts."""
+    model (heads vs tp, layers vs chunks, batch vs dp*m) fails before any rank starts.
+    Returns the plan, with what --plan leaves out filled in for this batch."""
     from threefold.compiler.api import compile_workload
     from threefold.workload import Workload
     spec = cfg.spec
@@ -102,8 +103,13 @@ def validate_in_parent(cfg, plan: Plan) -> None:
     from threefold.checkpoint.weights import WeightSource, traceable
     if cfg.weights is not None:     # a missing or foreign file fails here, before any rank starts
         WeightSource(cfg.weights, workload.model).check_shapes()
+    from threefold.cli.jobs import command_plan, tell
+    from threefold.plan_defaults import batch_rows
+    resolved = command_plan(cfg.plan, batch=batch_rows(workload.inputs, workload.batch_dims))
     with traceable(workload.model):
-        compile_workload(workload, plan)
+        compile_workload(workload, resolved.plan)
+    tell(resolved)
+    return resolved.plan
 
 
 def run(args) -> int:
@@ -115,7 +121,8 @@ def run(args) -> int:
         print(cfg.to_toml(), end="")
         return 0
     args = cfg                # the resolved values under the flags' names
-    plan = Plan.parse(cfg.plan)
+    from threefold.cli.jobs import command_plan, tell
+    plan = command_plan(cfg.plan).plan     # its ranks; m is settled below, with the batch
     check_out_dir(cfg.out, cfg.force)     # a bad --out must fail before training, not after
     ckpt_dir = cfg.ckpt_dir or os.path.abspath(cfg.out).rstrip("/") + ".ckpt"
     resume = None if cfg.resume is None else (cfg.resume or ckpt_dir)
@@ -128,7 +135,14 @@ def run(args) -> int:
         from threefold.train.progress import compiling_status
         with compiling_status(f"compiling for plan {plan} (checking it before starting "
                               f"{plan.world_size} ranks)", enabled=not cfg.json):
-            validate_in_parent(cfg, plan)
+            plan = validate_in_parent(cfg)
+    elif cfg.spec is None:       # the embedded job's batch is --batch
+        resolved = command_plan(cfg.plan, batch=cfg.batch)
+        tell(resolved)
+        plan = resolved.plan
+    if not under_torchrun() or cfg.spec is None:    # the ranks train the plan checked here
+        import dataclasses
+        cfg = args = dataclasses.replace(cfg, plan=str(plan))
     live = _live_dir(cfg.out)
     try:
         result = run_on_ranks(_train_rank, plan.world_size, cfg, not cfg.json, ckpt_dir, resume, live)[0]
@@ -177,6 +191,8 @@ def _live_dir(out: str) -> str | None:
     parent, base = os.path.split(full)
     os.makedirs(parent, exist_ok=True)
     live = tempfile.mkdtemp(prefix=f".{base}.live-", dir=parent)
+    from threefold.file_modes import as_if_created_plainly
+    as_if_created_plainly(live, directory=True)   # kept for the user when a run fails
     return live
 
 

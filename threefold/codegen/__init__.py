@@ -1,1 +1,1 @@
-"""See DESIGN.md for this package's place in the data flow."""
+"""See docs/design.md for this package's place in the data flow."""

@@ -162,6 +162,7 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
         loss=LossForm.from_json(prog.loss_form),
         batch_dims=prog.batch_dims,
         output_batch_dims=prog.output_batch_dims,
+        output_tree=prog.output_tree,
         model_outputs_missing=missing_reason(prog),
         frozen=tuple(sorted({tf(n)["fqn"] for _, n in prog.chunk_nodes()
                              if n.op == "placeholder" and tf(n).get("frozen")})),

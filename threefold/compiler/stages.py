@@ -124,6 +124,9 @@ class Stage:
     # the last chunk's `model_outputs` method, codegen/model_outputs.py)
     model_outputs: tuple = ()
     model_output_meta: tuple = ()
+    # the structure of the model's return value, as JSON (runtime/output_tree.py): pm(x)
+    # puts the output tensors back into it (a tensor for a tensor, a dict for a dict ...)
+    output_tree: dict | None = None
 
     @property
     def is_meta(self) -> bool:

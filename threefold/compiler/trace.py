@@ -30,6 +30,7 @@ from threefold.compiler.program import TensorMeta, tf
 from threefold.compiler.stages import Traced
 from threefold.errors import PlanError
 from threefold.plan import Plan
+from threefold.runtime.output_tree import describe
 
 
 class _ModelWithLoss(torch.nn.Module):
@@ -43,12 +44,21 @@ class _ModelWithLoss(torch.nn.Module):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        # the structure of the model's return value (runtime/output_tree.py), recorded
+        # while export runs forward; through a closure, since export restores the module's
+        # attributes (a dict set here comes back as the copy it took before)
+        recorded: dict = {}
+        self.record_output = lambda out: recorded.update(output_tree=describe(out))
+        self.output_tree = lambda: recorded.get("output_tree")
 
     def forward(self, *args):
         if self.loss_fn is None:
-            return self.model(*args)
+            out = self.model(*args)
+            self.record_output(out)
+            return out
         *inputs, target = args
         out = self.model(*inputs)
+        self.record_output(out)
         # an alias of each output, taken before the loss runs: the loss may hand a tensor
         # back as itself (broadcast_tensors), which would make the trace name it after the
         # loss op; _to_program reads each alias's input and drops the aliases
@@ -74,6 +84,7 @@ def trace(model: torch.nn.Module, inputs: tuple, target=None, loss_fn: Callable 
     ep = _export(wrapper, args, type(model).__name__)
     start = time.perf_counter()
     prog = _to_program(ep, model, wrapper, len(inputs), has_loss, plan or Plan())
+    prog = prog.evolve(output_tree=wrapper.output_tree())   # pm(x) returns this structure
     # names, ties, inlining
     return prog.evolve(pass_log=prog.pass_log + (("to_program", time.perf_counter() - start),))
 

@@ -14,8 +14,8 @@ results in rank order. Faults are bounded:
   left is sent SIGTERM and, after a second, SIGKILL (which also ends stopped ranks).
 - SIGTERM to the launcher stops every rank the same way and raises `Terminated`.
 
-A `LaunchError` lists what every rank reported, the root cause (a dead or stopped rank)
-first. Under torchrun, `init_from_env()` joins the existing job.
+A `LaunchError` says which rank failed first, with its traceback, and every other rank in
+one line (runtime/failure_report.py); its `errors` keep every rank's full report. Under torchrun, `init_from_env()` joins the existing job.
 """
 from __future__ import annotations
 
@@ -28,13 +28,13 @@ import socket
 import sys
 import threading
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
 
 from threefold.errors import Terminated
 from threefold.runtime.comm import FAILURE_KEY, default_timeout, post_failure, use_failure_store
+from threefold.runtime.failure_report import failure_report, rank_traceback
 
 GRACE_S = 5.0          # after the first failure, how long the other ranks get to report
 KNOWN_CAUSE_GRACE_S = 2.0   # ... when the launcher itself saw the cause (a rank died or stopped)
@@ -99,7 +99,7 @@ def _worker(rank: int, world: int, port: int, fn, args, queue, threads: int, par
         queue.put((rank, "ok", result))
     except BaseException as exc:  # report everything, including KeyboardInterrupt
         msg = f"{type(exc).__name__}: {exc}"
-        queue.put((rank, "error", msg + "\n" + traceback.format_exc(limit=6)))
+        queue.put((rank, "error", msg + "\n" + rank_traceback(exc)))
         post_failure(f"rank {rank}: {msg.splitlines()[0][:300]}")
     finally:
         if dist.is_initialized():
@@ -211,7 +211,7 @@ def launch(fn, nprocs: int, *args, threads: int = 1, timeout: float | None = Non
             signal.signal(signal.SIGTERM, old_term)
         del store
         queue.close()
-    errors = {r: v for r, (s, v) in results.items() if s == "error"}
+    errors = {r: v for r, (s, v) in results.items() if s == "error"}   # in the order they came
     for r in range(nprocs):
         if r not in results:
             errors[r] = causes.get(r, f"rank {r} was stopped after another rank failed")
@@ -219,19 +219,12 @@ def launch(fn, nprocs: int, *args, threads: int = 1, timeout: float | None = Non
         if r in errors and cause not in str(errors[r]):
             errors[r] = f"{cause}; {errors[r]}"
     if errors:
-        order = sorted(errors, key=lambda r: (r not in causes, r))
-        lines = [f"  rank {r}: {_first_line(errors[r], r)}" for r in order]
-        err = LaunchError(f"{len(errors)} of {nprocs} ranks failed:\n" + "\n".join(lines))
+        # the first failure with its traceback, the others one line each (failure_report.py)
+        err = LaunchError(failure_report(errors, causes, nprocs))
         err.errors = errors
         err.causes = causes
         raise err from None
     return [pickle.loads(results[r][1]) for r in range(nprocs)]
-
-
-def _first_line(text, rank: int) -> str:
-    line = str(text).splitlines()[0]
-    prefix = f"rank {rank}: "
-    return line[len(prefix):] if line.startswith(prefix) else line
 
 
 def _stop_all(procs) -> None:

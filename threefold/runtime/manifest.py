@@ -161,6 +161,7 @@ class Manifest:
     loss: LossForm = field(default_factory=LossForm)
     batch_dims: list | None = None              # per user input: its batch dim (None: whole)
     output_batch_dims: list | None = None       # per model output: its batch dim
+    output_tree: dict | None = None             # the model's return structure (runtime/output_tree.py)
     frozen: tuple[str, ...] = ()
     # with a loss: why pm(x) cannot return the model's outputs ('' = it can: the last
     # chunk's `model_outputs` method computes them; codegen/model_outputs.py)
@@ -238,6 +239,7 @@ class Manifest:
             "loss": self.loss.to_json(),
             "batch_dims": self.batch_dims,
             "output_batch_dims": self.output_batch_dims,
+            "output_tree": self.output_tree,
             "frozen": list(self.frozen),
             "model_outputs_missing": self.model_outputs_missing,
         }
@@ -277,6 +279,7 @@ class Manifest:
                 loss=LossForm.from_json(m.get("loss")),
                 batch_dims=m.get("batch_dims"),
                 output_batch_dims=m.get("output_batch_dims"),
+                output_tree=m.get("output_tree"),
                 frozen=tuple(m.get("frozen", [])),
                 model_outputs_missing=m.get("model_outputs_missing", _OLD_OUTPUTS if m.get("has_loss") else ""),
                 notes=tuple(m.get("notes", [])),

@@ -14,22 +14,32 @@ from threefold.runtime.simulate import Simulation
 _FWD = ["#4c78a8", "#2f5f8f", "#1c4670", "#0e2f52"]    # forward shades by local chunk index
 _BWD = ["#59a14f", "#3f8436", "#2a6623", "#184a14"]    # backward shades
 _WGT = ["#f28e2b", "#c46f1c", "#99530f", "#6e3a05"]    # weight-gradient (W) shades
-ROW, GAP, LEFT, TOP = 28, 6, 70, 46
+ROW, GAP, LEFT, TOP, RIGHT = 28, 6, 70, 46, 20
+FONT, TITLE_FONT = 11, 13        # px, monospace
+
+
+def text_width(text: str, font_px: float = FONT) -> float:
+    """An upper bound of `text`'s width in a monospace font (advance 0.6 em in DejaVu Sans
+    Mono, Liberation Mono, Menlo, Consolas; 0.62 em here for margin)."""
+    return 0.62 * font_px * len(text)
 
 
 def render_svg(sim: Simulation, width: int = 1000, title: str | None = None) -> str:
-    """The timeline; `title` replaces the default heading (the planner names its plan there)."""
+    """The timeline; `title` replaces the default heading (the planner names its plan there).
+    The picture is `width` wide, or wider when the title or the legend needs it."""
     s = sim.schedule
     span = sim.makespan or 1
-    scale = (width - LEFT - 20) / span
-    height = TOP + s.pp * (ROW + GAP) + 40
     title = title or (f"{s.name}  pp={s.pp}  m={s.m}  v={s.v}   makespan {_num(sim.makespan)}   "
                       f"bubble {sim.bubble_fraction:.1%} of rank-time (idle/busy {sim.bubble_ratio:.3f})")
+    legend, legend_end = _legend(LEFT, 34, s.v, s.splits_backward)
+    width = math.ceil(max(width, legend_end + RIGHT, LEFT + text_width(title, TITLE_FONT) + RIGHT))
+    scale = (width - LEFT - RIGHT) / span
+    height = TOP + s.pp * (ROW + GAP) + 40
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'font-family="monospace" font-size="11">',
+           f'font-family="monospace" font-size="{FONT}">',
            '<rect width="100%" height="100%" fill="white"/>',
-           f'<text x="{LEFT}" y="18" font-size="13">{escape(title)}</text>',
-           _legend(LEFT, 34, s.v, s.splits_backward)]
+           f'<text x="{LEFT}" y="18" font-size="{TITLE_FONT}">{escape(title)}</text>',
+           legend]
     for r, acts in enumerate(s.actions):
         y = TOP + r * (ROW + GAP)
         out.append(f'<text x="{LEFT - 8}" y="{y + ROW / 2 + 4}" text-anchor="end">rank {r}</text>')
@@ -59,7 +69,8 @@ def render_svg(sim: Simulation, width: int = 1000, title: str | None = None) -> 
     return "\n".join(out) + "\n"
 
 
-def _legend(x: int, y: int, v: int, split: bool = False) -> str:
+def _legend(x: float, y: int, v: int, split: bool = False) -> tuple[str, float]:
+    """The legend's SVG, starting at x, and where it ends (the picture must reach that far)."""
     parts = []
     kinds = ((("forward", _FWD), ("B: input grads", _BWD), ("W: weight grads", _WGT)) if split
              else (("forward", _FWD), ("backward", _BWD)))
@@ -68,10 +79,11 @@ def _legend(x: int, y: int, v: int, split: bool = False) -> str:
             parts.append(f'<rect x="{x}" y="{y - 9}" width="12" height="10" fill="{shades[k]}"/>')
             x += 14
         text = label if v == 1 else f"{label} (chunk 1..{v} of the rank)"
-        parts.append(f'<text x="{x + 2}" y="{y}">{text}</text>')
-        x += 10 + 7 * len(text)
-    parts.append(f'<text x="{x}" y="{y}">label = microbatch</text>')
-    return "".join(parts)
+        parts.append(f'<text x="{x + 2:.1f}" y="{y}">{text}</text>')
+        x += 2 + text_width(text) + 12
+    last = "label = microbatch"
+    parts.append(f'<text x="{x:.1f}" y="{y}">{last}</text>')
+    return "".join(parts), x + text_width(last)
 
 
 def _tick_step(span: float) -> float:
