@@ -35,7 +35,7 @@ def rank_job(piddir: str, victim: int, signame: str, steps: int = 40):
                 f.write(repr(time.time()))
             os.kill(os.getpid(), getattr(signal, signame))
         y = tp_ops._all_reduce(x, groups.tp)
-        peer = mesh.rank(coord.tp, coord.dp, 1 - coord.pp)
+        peer = mesh.moved(mesh.rank(tp=coord.tp, dp=coord.dp, pp=coord.pp), pp=1 - coord.pp)
         if coord.pp == 0:
             comm.send([y], peer, f"activations step {step}").wait()
             (g,) = comm.recv([((4,), torch.float32)], peer, f"gradients step {step}", torch.device("cpu"))

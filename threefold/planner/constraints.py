@@ -49,13 +49,13 @@ class Constraints:
                 plan_items.append(item)
         given = Plan.parse_fields(",".join(plan_items))   # the plan grammar: PlanError on bad keys/values
         for name, value in given.items():
-            if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            if isinstance(value, int) and not isinstance(value, bool) and value < 1 and name != "zero":
                 raise PlanError(f"plan {_key(name)}={value!r} is invalid: it must be a positive integer")
             if name in ASSUMED and value == ASSUMED[name]:
                 continue
             if name not in SEARCHED:
                 raise PlanError(f"plan key {_key(name)}={value!r} cannot be evaluated by the planner: it models "
-                                "tp, pp, dp, m, b (microbatch size), v, schedule and recompute"
+                                "tp, pp, dp, m, b (microbatch size), v, schedule, recompute and zero"
                                 + (f" with {name}={str(ASSUMED[name]).lower()}" if name in ASSUMED else ""))
         schedule = given.get("schedule")
         if schedule is not None and schedule not in MODELLED_SCHEDULES:
