@@ -45,6 +45,8 @@ def run(args) -> int:
     prog = compile_workload(workload, resolved.plan)
     tell(resolved)
     report = chunk_report(prog)
+    from threefold.cli.step_report import step_report
+    report.update(step_report(prog))
     memory = None
     if getattr(args, "memory", False):
         from threefold.planner.memory import program_memory
@@ -142,6 +144,9 @@ def format_report(prog, report: dict) -> str:
             what = ", ".join(f"{s['segment']} ({s['ops']} ops)" for s in segs) or "nothing (no region frees more of the saved bytes than it costs of the FLOPs)"
             why = f"  [{segs[0]['why']}]" if segs else ""
             lines.append(f"  chunk {i}: {what}{why}")
+    if "mesh" in report:
+        from threefold.cli.step_report import format_step
+        lines += format_step(report)
     lines += [f"note: {n}" for n in prog.notes if not n.startswith("tp fallback:")]
     tp = report.get("tensor_parallel")
     if tp and tp["fallbacks"]:
