@@ -30,12 +30,26 @@ def _one_line(text: str, limit: int = 300) -> str:
     return line[:limit]
 
 
-def reference_losses(arch: str, steps: int = STEPS, lr: float = LR) -> list[float]:
-    """Single-process SGD losses of the zoo workload `arch`."""
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
+
+
+def reference_losses(arch: str, steps: int = STEPS, lr: float = LR, optimizer: str = "sgd") -> list[float]:
+    """Single-process losses of the zoo workload `arch` (SGD, or AdamW)."""
     from tests.zoo import ZOO
     torch.manual_seed(1234)     # dropout draws (the only random ops) start from a fixed seed
-    from tests.parity import sgd_losses
-    return sgd_losses(ZOO[arch](), steps, lr)
+    if optimizer == "sgd":
+        from tests.parity import sgd_losses
+        return sgd_losses(ZOO[arch](), steps, lr)
+    w = ZOO[arch]()
+    opt = OPTIMIZERS[optimizer]([p for p in w["model"].parameters() if p.requires_grad], lr=lr)
+    out = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = w["loss_fn"](w["model"](*w["inputs"]), w["target"])
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
 
 
 def sharded_share(pm, model) -> float:
@@ -51,7 +65,7 @@ def sharded_share(pm, model) -> float:
     return sum(full[n] for n in full if n in local and local[n] < full[n]) / total
 
 
-def _run_cell(arch: str, plan: str, steps: int, lr: float) -> dict:
+def _run_cell(arch: str, plan: str, steps: int, lr: float, optimizer: str = "sgd") -> dict:
     import threefold
     from threefold.plan import Plan
     from tests.zoo import ZOO
@@ -63,7 +77,7 @@ def _run_cell(arch: str, plan: str, steps: int, lr: float) -> dict:
                                        workdir=workdir)
             p = Plan.parse(plan)
             share = sharded_share(pm, w["model"]) if p.tp > 1 and p.pp == 1 else None
-            opt = torch.optim.SGD(pm.parameters(), lr=lr)
+            opt = pm.optimizer(OPTIMIZERS[optimizer], lr=lr)   # the plan's form (ZeRO: sharded)
             losses = []
             for _ in range(steps):
                 opt.zero_grad()
@@ -86,7 +100,8 @@ def _clear_posted_failure() -> None:
         pass
 
 
-def rank_main(cells: list[tuple[str, str]], progress: str, steps: int = STEPS, lr: float = LR) -> int:
+def rank_main(cells: list[tuple[str, str]], progress: str, steps: int = STEPS, lr: float = LR,
+              optimizer: str = "sgd") -> int:
     """Runs on every rank of a launched job: each cell in turn, outcomes agreed by all ranks."""
     from datetime import timedelta
     import torch.distributed as dist
@@ -97,7 +112,7 @@ def rank_main(cells: list[tuple[str, str]], progress: str, steps: int = STEPS, l
     sync = dist.new_group(backend="gloo", timeout=timedelta(seconds=4 * cell_wait + 120))
     for arch, plan in cells:
         t0 = time.monotonic()
-        result = _run_cell(arch, plan, steps, lr)
+        result = _run_cell(arch, plan, steps, lr, optimizer)
         result["seconds"] = round(time.monotonic() - t0, 1)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, result, group=sync)
@@ -140,12 +155,11 @@ def judge(arch: str, ranks: list[dict], ref: list[float] | None) -> dict:
 
 def _world(plan: str) -> int:
     from threefold.plan import Plan
-    p = Plan.parse(plan)
-    return p.tp * p.pp * p.dp
+    return Plan.parse(plan).world_size
 
 
 def run_matrix(archs: list[str], plans: list[str] = PLANS, steps: int = STEPS, lr: float = LR,
-               job_timeout: float = 5400, log=print, only=None) -> dict:
+               job_timeout: float = 5400, log=print, only=None, optimizer: str = "sgd") -> dict:
     """{(arch, plan): verdict dict} for every cell (or the cells in `only`), plus per-arch
     reference losses."""
     from threefold.runtime.launch import LaunchError, launch
@@ -154,7 +168,7 @@ def run_matrix(archs: list[str], plans: list[str] = PLANS, steps: int = STEPS, l
     table: dict[tuple[str, str], dict] = {}
     for arch in archs:
         try:
-            refs[arch] = reference_losses(arch, steps, lr)
+            refs[arch] = reference_losses(arch, steps, lr, optimizer)
         except Exception as exc:
             refs[arch] = None
             log(f"{arch}: single-process reference failed: {type(exc).__name__}: {_one_line(exc)}")
@@ -170,7 +184,7 @@ def run_matrix(archs: list[str], plans: list[str] = PLANS, steps: int = STEPS, l
             os.close(fd)
             t0 = time.monotonic()
             try:
-                launch(rank_main, world, todo, progress, steps, lr, timeout=job_timeout, grace=30)
+                launch(rank_main, world, todo, progress, steps, lr, optimizer, timeout=job_timeout, grace=30)
                 crash = None
             except LaunchError as exc:
                 crash = _one_line(str(exc).split("\n", 1)[-1].strip(), 300)
