@@ -37,7 +37,10 @@ def test_inspect_json_schema(capsys):
     code, out, _ = _run(capsys, "inspect", TINY, "--plan", "pp=2,dp=2,tp=1", "--json")
     assert code == 0
     report = json.loads(out)
-    assert set(report) == {"plan", "chunks", "imbalance"}
+    assert set(report) == {"plan", "chunks", "imbalance", "mesh", "step_collectives"}
+    assert report["mesh"] == [["pp", 2], ["dp_replicate", 1], ["dp_shard", 2], ["tp", 1]]
+    # each stage's verified step schedule holds its gradient all-reduces and their wait
+    assert all("wg" in acts and any(a.startswith("ar") for a in acts) for acts in report["step_collectives"])
     assert report["plan"] == "tp=1,pp=2,dp=2,m=1,v=1,schedule=1f1b"
     keys = {"index", "stage", "ranks", "ops", "params", "flops", "activation_bytes",
             "boundary_in_bytes", "boundary_out_bytes", "collectives"}

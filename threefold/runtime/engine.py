@@ -198,6 +198,8 @@ class PipelineEngine:
         finally:
             for c in list(st.gathered):   # a step that raised: do not keep whole parameters
                 self.sharded.release(c, 0)
+            if self.sharded is not None:
+                self.sharded.end_step()
         self.stats = StepStats(time.perf_counter() - start, st.peak, loss)
         self.last_outputs = st.outputs
         self._casts.release()

@@ -287,6 +287,18 @@ class ShardedParams:
                 comm.all_reduce(g, self.replicate_group, f"gradient shard of {s.fqn} over replicas")
             g.mul_(self.scale)
 
+    def end_step(self) -> None:
+        """After every step: a gather prefetched for a layer that was not used again (a
+        zero-bubble B that needs none of its weights) is waited for and dropped, since the
+        optimizer will change the shards it copied; layers still whole are freed."""
+        for units in self.units.values():
+            for u in units:
+                if u.pending is not None:
+                    comm.wait(u.pending[0], f"the all-gather of {u.name}'s parameters", self.group)
+                    u.pending = None
+                if u.index > 0:
+                    self._free_unit(u)
+
     def zero_grad(self) -> None:
         self.grads.clear()
 

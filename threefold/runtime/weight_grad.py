@@ -116,7 +116,9 @@ class _LinearInputGradOnly(torch.autograd.Function):
     def backward(ctx, gy):
         (x,) = ctx.saved_tensors
         weight = ctx.weight
-        ctx.module.needs_whole(weight)   # zero=3: gathered again if it was freed
+        needs_whole = getattr(ctx.module, "needs_whole", None)   # zero=3: gathered again if freed
+        if needs_whole is not None:
+            needs_whole(weight)
         ctx.stash.append(_LinearW(x, gy, weight, ctx.bias))
         ctx.weight = ctx.bias = ctx.stash = ctx.module = None
         grad_x = gy.matmul(weight) if ctx.needs_input_grad[0] else None
