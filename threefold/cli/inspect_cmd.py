@@ -106,8 +106,10 @@ def chunk_report(prog) -> dict:
         "boundary_out_bytes": c.boundary_out_bytes,
         "collectives": colls,
     } for chunk, c, colls in zip(prog.chunks, costs, collectives)]
+    from threefold.cli.inspect_params import parameter_rows
     report = {"plan": str(plan), "chunks": chunks,
-              "imbalance": round(imbalance([c.flops for c in costs]), 6)}
+              "imbalance": round(imbalance([c.flops for c in costs]), 6),
+              "parameters": parameter_rows(prog)}
     if getattr(prog, "tp_report", None) is not None:   # tp > 1: sharded share, fallbacks
         report["tensor_parallel"] = prog.tp_report
     if getattr(plan, "recompute", "none") != "none":   # passes/recompute.py: what backward reruns
