@@ -234,3 +234,47 @@ def parse_steps(text: str, flag: str = "--trace-steps") -> list[int]:
     if not steps or steps[0] < 1:
         raise PlanError(f"{flag} {text!r} is invalid: give step numbers from 1, e.g. 3 or 3,5,7")
     return steps
+
+
+class EnvTrace:
+    """THREEFOLD_TRACE=DIR for `parallelize`: the chosen `pm.step` calls (THREEFOLD_TRACE_STEPS,
+    default 3: the third call) are traced, and after the last one rank 0 writes DIR/trace.json
+    and DIR/trace.html (the user's optimizer runs outside pm.step, so it is not in them)."""
+
+    def __init__(self, engine, out: str, steps: list[int]):
+        self.out = out
+        self.tracer = StepTracer(engine, steps, {"workload": "parallelize"})
+        self.calls = 0
+
+    @classmethod
+    def from_env(cls, engine) -> "EnvTrace | None":
+        import os
+        out = os.environ.get("THREEFOLD_TRACE")
+        if not out:
+            return None
+        return cls(engine, out, parse_steps(os.environ.get("THREEFOLD_TRACE_STEPS", "3"), "THREEFOLD_TRACE_STEPS"))
+
+    def run(self, step):
+        """Run one pm.step (`step()`), traced when it is a chosen one."""
+        self.calls += 1
+        if self.tracer.done or self.calls not in self.tracer.steps:
+            return step()
+        with self.tracer.step(self.calls):
+            loss = step()
+        if self.tracer.done:
+            self._write(self.tracer.finish())
+        return loss
+
+    def _write(self, trace: dict | None) -> None:
+        if trace is None:      # not rank 0
+            return
+        import os
+        import sys
+        from threefold.cli.jsonout import dumps
+        from threefold.outdir import write_file_atomically
+        from threefold.report.trace_page import trace_html
+        os.makedirs(self.out, exist_ok=True)
+        write_file_atomically(os.path.join(self.out, "trace.json"), dumps(trace))
+        write_file_atomically(os.path.join(self.out, "trace.html"), trace_html(trace))
+        print(f"threefold: trace of step {', '.join(map(str, trace['otherData']['steps']))} written to "
+              f"{os.path.join(self.out, 'trace.json')}", file=sys.stderr)

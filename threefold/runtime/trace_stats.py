@@ -113,7 +113,8 @@ def schedule_order_problems(trace: dict) -> list[str]:
     for step in other.get("steps", []):
         for rank in ranks:
             expected = [str(a) for a in schedule.actions[rank // per_stage]]
-            events = sorted(by_key.get((rank, step), []), key=lambda e: e["ts"])
+            # equal start times (zero-length events) are ordered by their place in the list
+            events = sorted(by_key.get((rank, step), []), key=lambda e: (e["ts"], e["args"]["index"]))
             runs = [e for e in events if e["args"]["phase"] != "post"]
             posts = {e["args"]["action"]: e for e in events if e["args"]["phase"] == "post"}
             seen = [e["args"]["action"] for e in runs]
@@ -141,7 +142,7 @@ def schedule_order_problems(trace: dict) -> list[str]:
                 if use is not None and land["ts"] + land["dur"] > use["ts"] + 1e-3:
                     problems.append(f"{where}: {text} landed after {use['name']} started")
             peers: dict[int, list[str]] = defaultdict(list)
-            for e in sorted(posts.values(), key=lambda e: e["ts"]):
+            for e in sorted(posts.values(), key=lambda e: (e["ts"], e["args"]["index"])):
                 peers[parse_action(e["args"]["action"]).peer].append(e["args"]["action"])
             for peer, got in peers.items():
                 want = [t for t in expected if parse_action(t).is_recv and parse_action(t).peer == peer]

@@ -59,8 +59,10 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
         initial_val = done.get("initial_val_loss") if resume is not None else None
         if resume is None and source.val and cfg.eval_every > 0:   # where the curve starts
             initial_val = validation_loss(pm, source.val.__getitem__, len(source.val))
-        tracer = StepTracer(pm.engine, parse_steps(cfg.trace_steps), {"workload": cfg.spec or "embedded GPT"}) \
-            if getattr(cfg, "trace", False) else NoTracer()
+        tracer = NoTracer()
+        if getattr(cfg, "trace", False):   # --trace takes over from THREEFOLD_TRACE
+            tracer, pm._env_trace = StepTracer(pm.engine, parse_steps(cfg.trace_steps),
+                                               {"workload": cfg.spec or "embedded GPT"}), None
         progress.training(start)
         try:
             for step in range(start, cfg.steps):
