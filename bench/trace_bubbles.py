@@ -37,7 +37,8 @@ for p in (ROOT, HERE):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from pipeline_vs_torch import Config, build_workload, threefold_plan  # noqa: E402
+from pipeline_bubbles import threefold_plan  # noqa: E402
+from pipeline_vs_torch import Config, build_workload  # noqa: E402
 
 SCHEDULES = [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2)]
 WARMUP = 2
@@ -49,7 +50,7 @@ def _setup(kind: str, v: int, m: int, pairs: int) -> dict:
     from threefold.runtime.trace import StepTracer
     cfg = Config(microbatches=m)
     w = build_workload(cfg)
-    pm = threefold.parallelize(w["model"], threefold_plan(cfg, kind, v), w["inputs"], w["loss_fn"],
+    pm = threefold.parallelize(w["model"], threefold_plan(cfg, kind, v, m), w["inputs"], w["loss_fn"],
                                target=w["target"])
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     traced = [WARMUP + 1 + 2 * k for k in range(pairs)]
@@ -121,7 +122,7 @@ def _shots(docs: str, setup: dict, tmp: str) -> None:
     cfg = Config(microbatches=setup["m"])
     prog = compile_workload(threefold.Workload(**{k: v for k, v in build_workload(cfg).items()
                                                   if k in ("model", "inputs", "target", "loss_fn")}),
-                            threefold_plan(cfg, setup["kind"], setup["v"]))
+                            threefold_plan(cfg, setup["kind"], setup["v"], setup["m"]))
     report_path, trace_path = os.path.join(tmp, "report.html"), os.path.join(tmp, "trace.html")
     write_html(prog, chunk_report(prog), report_path, setup["trace"])
     with open(trace_path, "w", encoding="utf-8") as f:

@@ -4,7 +4,9 @@ Prints one row per pipeline chunk (its ranks, ops, parameters, forward FLOPs, ac
 bytes kept for backward, boundary bytes received and sent) and the FLOPs imbalance
 (max/mean over chunks; 1.00 is perfect). Under tp > 1: the share of parameters sharded,
 projections kept whole and why, and every sharding fallback (op, module, bytes per step). `--graph` adds each chunk's graph, `--json` prints
-one JSON object instead.
+one JSON object instead (with "parameters": every parameter's placement and local shape,
+cli/inspect_params.py). `--html FILE` writes all of it, the memory model, the schedule
+timeline and the generated code as one self-contained page (threefold/report/).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ def register(sub) -> None:
         description="Trace the workload (at microbatch size), run the compiler passes for PLAN "
         "and print a table per chunk: ranks, ops, params, forward FLOPs, activation bytes, "
         "boundary bytes in and out (all per tp rank), then the FLOPs imbalance (max/mean). "
-        "Nothing is written.")
+        "Nothing is written, except the page --html asks for.")
     p.add_argument("spec", metavar="SPEC", help="workload: path/to/file.py:factory or pkg.module:factory")
     p.add_argument("--plan", default="", help="e.g. 'pp=4' or 'pp=2,v=2,schedule=interleaved' (default: one chunk; m left out: 2*pp)")
     p.add_argument("--graph", action="store_true", help="also print each chunk's graph")
