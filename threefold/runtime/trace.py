@@ -195,7 +195,8 @@ class StepTracer:
         from threefold.runtime.trace_merge import merge
         rec = self.recorder
         own = {"rank": rec.rank, "events": rec.events, "event_ns": rec.event_ns,
-               "step_ns": self.step_ns, "coord": vars(self.engine.coord)}
+               "step_ns": self.step_ns,
+               "coord": {axis: getattr(self.engine.coord, axis) for axis in ("pp", "dp", "tp")}}
         meta = {**self.meta, "plan": str(self.engine.manifest.plan), "steps": self.traced,
                 "schedule": self.engine.schedule.to_json(),
                 "mesh": {"tp": self.engine.mesh.tp, "dp": self.engine.mesh.dp, "pp": self.engine.mesh.pp}}
