@@ -37,7 +37,7 @@ def test_inspect_json_schema(capsys):
     code, out, _ = _run(capsys, "inspect", TINY, "--plan", "pp=2,dp=2,tp=1", "--json")
     assert code == 0
     report = json.loads(out)
-    assert set(report) == {"plan", "chunks", "imbalance", "parameters"}
+    assert set(report) == {"plan", "chunks", "imbalance", "parameters", "mesh", "step_collectives"}
     assert report["plan"] == "tp=1,pp=2,dp=2,m=1,v=1,schedule=1f1b"
     params = {p["fqn"]: p for p in report["parameters"]}   # tp=1: every parameter whole
     assert params and all(p["placement"] == "R" and p["local_shape"] == p["shape"] for p in params.values())
