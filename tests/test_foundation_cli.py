@@ -37,11 +37,14 @@ def test_inspect_json_schema(capsys):
     code, out, _ = _run(capsys, "inspect", TINY, "--plan", "pp=2,dp=2,tp=1", "--json")
     assert code == 0
     report = json.loads(out)
-    assert set(report) == {"plan", "chunks", "imbalance", "mesh", "step_collectives"}
+    assert set(report) == {"plan", "chunks", "imbalance", "parameters", "mesh", "step_collectives"}
     assert report["mesh"] == [["pp", 2], ["dp_replicate", 1], ["dp_shard", 2], ["tp", 1]]
     # each stage's verified step schedule holds its gradient all-reduces and their wait
     assert all("wg" in acts and any(a.startswith("ar") for a in acts) for acts in report["step_collectives"])
     assert report["plan"] == "tp=1,pp=2,dp=2,m=1,v=1,schedule=1f1b"
+    params = {p["fqn"]: p for p in report["parameters"]}   # tp=1: every parameter whole
+    assert params and all(p["placement"] == "R" and p["local_shape"] == p["shape"] for p in params.values())
+    assert params["wte.weight"]["chunks"] == [0, 1]      # tied: held by the first and last chunk
     keys = {"index", "stage", "ranks", "ops", "params", "flops", "activation_bytes",
             "boundary_in_bytes", "boundary_out_bytes", "collectives"}
     assert [set(c) for c in report["chunks"]] == [keys, keys]

@@ -328,6 +328,17 @@ def test_router_whose_softmax_spans_experts_is_kept_whole_and_experts_are_sharde
     assert set(kept) == {"blocks.0.mlp.router.weight", "blocks.1.mlp.router.weight"}, kept
     assert "softmax" in kept["blocks.0.mlp.router.weight"]
     assert "blocks.0.mlp.experts.3.fc.weight" in prog.shard_fns
+    # inspect --json "parameters" (the HTML report's table): the pass's reason, the local shape
+    from threefold.cli.inspect_params import parameter_rows
+    rows = {r["fqn"]: r for r in parameter_rows(prog)}
+    assert set(rows) == {fqn for c in prog.chunks for fqn in c.params}
+    router = rows["blocks.0.mlp.router.weight"]
+    assert router["placement"] == "R" and router["kept_whole"] == kept["blocks.0.mlp.router.weight"]
+    assert router["local_shape"] == router["shape"]
+    expert = rows["blocks.0.mlp.experts.3.fc.weight"]
+    dim = prog.shard_fns["blocks.0.mlp.experts.3.fc.weight"].dim
+    assert expert["placement"].startswith(f"S({dim}") and "kept_whole" not in expert
+    assert expert["local_shape"][dim] * 2 == expert["shape"][dim]
 
 
 def test_multi_query_attention_keeps_its_projections_whole_and_shards_the_mlp():
@@ -356,6 +367,11 @@ def test_fallback_is_listed_with_op_module_and_bytes():
     from threefold.cli.inspect_cmd import chunk_report, format_report
     report = chunk_report(prog)
     assert report["tensor_parallel"]["fallbacks"] == fb
+    blocked = {fqn for f in fb for fqn in f["blocked"]}
+    assert blocked
+    for row in report["parameters"]:   # a weight whose shards reached a fallback names it
+        assert ("fallbacks" in row) == (row["fqn"] in blocked), row
+        assert all("softmax in blocks." in why for why in row.get("fallbacks", []))
     text = format_report(prog, report)
     assert "tensor-parallel fallbacks (2;" in text and "blocks.1.mlp" in text, text
 

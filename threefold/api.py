@@ -31,6 +31,8 @@ class ParallelModule:
         self.plan = plan
         self.manifest = manifest
         self.program = program
+        from threefold.runtime.trace import EnvTrace
+        self._env_trace = EnvTrace.from_env(engine)   # THREEFOLD_TRACE=DIR (runtime/trace.py)
 
     def step(self, *inputs, target=None) -> float:
         """One iteration over the global batch: all microbatches forward and backward,
@@ -38,6 +40,8 @@ class ParallelModule:
         batch = tuple(inputs) + ((target,) if self.manifest.has_loss else ())
         if self.manifest.has_loss and target is None:
             raise PlanError("step() needs target=...: the model was compiled with a loss_fn")
+        if self._env_trace is not None:
+            return self._env_trace.run(lambda: self.engine.step(batch, train=True))
         return self.engine.step(batch, train=True)
 
     def evaluate(self, *inputs, target=None) -> float:

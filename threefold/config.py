@@ -44,6 +44,10 @@ class TrainConfig:
     force: bool = _f(False, "run", "write --out even if it holds other files (moved aside)")
     json: bool = _f(False, "run", "print the summary as JSON")
     skip_nonfinite: bool = _f(False, "run", "skip a step with a non-finite loss or gradient")
+    trace: bool = _f(False, "run", "record what every rank ran in the --trace-steps: OUT/trace.json (Chrome "
+                     "trace-event format: Perfetto, chrome://tracing) and OUT/trace.html, with the measured "
+                     "bubble next to the simulator's")
+    trace_steps: str = _f("3", "run", "steps --trace records, 1-based, e.g. 3 or 3,5,7")
     weights: str | None = _f(None, "run", "start from a .safetensors file or Hugging Face directory: the model "
                              "is built on the meta device and each rank reads only its own slices")
     # [data] what the model reads
@@ -176,7 +180,18 @@ def _range_checks(cfg: TrainConfig) -> list[tuple[str, str]]:
     need(0 <= cfg.dropout < 1, "dropout", "use a probability in [0, 1)")
     need(cfg.tokenizer != "", "tokenizer", "use 'byte' or a tokenizer directory")
     need(bool(cfg.out.strip()), "out", "give a directory to write")
+    need(_trace_steps_ok(cfg), "trace_steps", f"use step numbers 1..steps ({cfg.steps}), e.g. 3 or 3,5,7")
     return bad
+
+
+def _trace_steps_ok(cfg: TrainConfig) -> bool:
+    """--trace-steps parses, and with --trace every chosen step is one the run reaches."""
+    from threefold.runtime.trace import parse_steps
+    try:
+        steps = parse_steps(cfg.trace_steps)
+    except PlanError:
+        return False
+    return not cfg.trace or steps[-1] <= cfg.steps
 
 
 # Fields only the embedded GPT job reads.
@@ -307,7 +322,7 @@ def to_toml(cfg: TrainConfig) -> str:
 
 # ---- command line -------------------------------------------------------------------------
 
-_METAVARS = {"data": "PATH", "weights": "PATH", "tokenizer": "byte|DIR", "out": "DIR", "ckpt_dir": "DIR", "plan": "PLAN",
+_METAVARS = {"data": "PATH", "weights": "PATH", "tokenizer": "byte|DIR", "out": "DIR", "ckpt_dir": "DIR", "plan": "PLAN", "trace_steps": "N[,N...]",
              "data_dtype": "|".join(DTYPES)}
 
 

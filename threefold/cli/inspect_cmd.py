@@ -4,7 +4,9 @@ Prints one row per pipeline chunk (its ranks, ops, parameters, forward FLOPs, ac
 bytes kept for backward, boundary bytes received and sent) and the FLOPs imbalance
 (max/mean over chunks; 1.00 is perfect). Under tp > 1: the share of parameters sharded,
 projections kept whole and why, and every sharding fallback (op, module, bytes per step). `--graph` adds each chunk's graph, `--json` prints
-one JSON object instead.
+one JSON object instead (with "parameters": every parameter's placement and local shape,
+cli/inspect_params.py). `--html FILE` writes all of it, the memory model, the schedule
+timeline and the generated code as one self-contained page (threefold/report/).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ def register(sub) -> None:
         description="Trace the workload (at microbatch size), run the compiler passes for PLAN "
         "and print a table per chunk: ranks, ops, params, forward FLOPs, activation bytes, "
         "boundary bytes in and out (all per tp rank), then the FLOPs imbalance (max/mean). "
-        "Nothing is written.")
+        "Nothing is written, except the page --html asks for.")
     p.add_argument("spec", metavar="SPEC", help="workload: path/to/file.py:factory or pkg.module:factory")
     p.add_argument("--plan", default="", help="e.g. 'pp=4' or 'pp=2,v=2,schedule=interleaved' (default: one chunk; m left out: 2*pp)")
     p.add_argument("--graph", action="store_true", help="also print each chunk's graph")
@@ -32,11 +34,21 @@ def register(sub) -> None:
     p.add_argument("--cluster", metavar="NAME|TOML",
                    help="with --memory: say whether every rank fits a GPU of this cluster preset or file "
                         "(exit 1 when one does not)")
+    p.add_argument("--html", metavar="FILE",
+                   help="write one self-contained HTML page (no network): the chunk table, every parameter's "
+                        "sharding, collectives per chunk, memory per rank, the schedule timeline, the generated "
+                        "code of each chunk, and a search box over parameters and ops")
+    p.add_argument("--trace", metavar="FILE",
+                   help="with --html: add the measured timeline of a trace.json from `threefold train --trace`")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from threefold.compiler.api import compile_workload
+    html, trace = getattr(args, "html", None), _read_trace(getattr(args, "trace", None), getattr(args, "html", None))
+    if html:
+        from threefold.outdir import check_out_file
+        check_out_file(html, "--html")    # a bad path fails before compiling
     from threefold.cli.jobs import command_plan, tell
     from threefold.plan_defaults import batch_rows
     from threefold.workload import load_spec
@@ -48,6 +60,10 @@ def run(args) -> int:
     from threefold.cli.step_report import step_report
     report.update(step_report(prog))
     memory = None
+    if html:
+        write_html(prog, report, html, trace)
+        print(f"report written to {html}")
+        return 0
     if getattr(args, "memory", False):
         from threefold.planner.memory import program_memory
         memory = [r.to_json() for r in program_memory(prog)]
@@ -82,6 +98,55 @@ def run(args) -> int:
     return 0 if report.get("fits", {}).get("fits", True) else 1
 
 
+def _read_trace(path: str | None, html: str | None) -> dict | None:
+    """--trace FILE: a trace.json of `threefold train --trace` (checked to be one)."""
+    from threefold.errors import PlanError
+    if path is None:
+        return None
+    if not html:
+        raise PlanError("--trace needs --html FILE: the measured timeline is drawn on the HTML page")
+    try:
+        with open(path) as f:
+            trace = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"--trace {path!r} cannot be read as JSON ({exc}); give the trace.json "
+                        "`threefold train --trace` wrote") from None
+    if not isinstance(trace, dict) or "traceEvents" not in trace or "schedule" not in trace.get("otherData", {}):
+        raise PlanError(f"--trace {path!r} is not a threefold trace (no traceEvents and otherData.schedule); "
+                        "give the trace.json `threefold train --trace` wrote")
+    return trace
+
+
+def write_html(prog, report: dict, path: str, trace: dict | None = None) -> None:
+    """The --html page from inspect's own data: this report, the memory model, the generated
+    sources and the schedule simulated with the chunks' FLOPs (threefold/report/)."""
+    from threefold.codegen.artifact import build_sources
+    from threefold.outdir import write_file_atomically
+    from threefold.planner.memory import program_memory
+    from threefold.report.inspect_page import inspect_html
+    memory = [r.to_json() for r in program_memory(prog)]
+    if trace is not None and trace["otherData"].get("plan") != str(prog.plan):
+        from threefold.errors import PlanError
+        raise PlanError(f"--trace was recorded under plan {trace['otherData'].get('plan')}, not {prog.plan}; "
+                        "inspect with the plan the trace ran")
+    write_file_atomically(path, inspect_html(prog.name, report, memory, build_sources(prog),
+                                             schedule_svg(prog, report), trace))
+
+
+def schedule_svg(prog, report: dict) -> str:
+    """The plan's schedule simulated with each chunk's forward FLOPs (GFLOP) as its forward
+    time and twice that as its backward (runtime/simulate.py, drawn by timeline_svg.py)."""
+    from threefold.runtime.schedule import make_schedule
+    from threefold.runtime.simulate import simulate
+    from threefold.runtime.timeline_svg import render_svg
+    plan = prog.plan
+    schedule = make_schedule(plan.schedule, plan.pp, plan.microbatches, plan.interleave)
+    times = {c["index"]: (c["flops"] / 1e9, 2 * c["flops"] / 1e9) for c in report["chunks"]}
+    sim = simulate(schedule, times)
+    return render_svg(sim, title=f"{plan.schedule} pp={plan.pp} m={plan.microbatches} v={plan.interleave}: "
+                                 f"time in GFLOP of forward, bubble {sim.bubble_fraction:.1%} of rank-time")
+
+
 def chunk_ranks(plan: Plan, index: int) -> list[int]:
     """Global ranks that run chunk `index` (Megatron layout: tp fastest, then dp, then pp)."""
     return plan.mesh.stage_ranks(stage_of(index, plan.pp, chunk_layout(plan.schedule)))
@@ -106,8 +171,10 @@ def chunk_report(prog) -> dict:
         "boundary_out_bytes": c.boundary_out_bytes,
         "collectives": colls,
     } for chunk, c, colls in zip(prog.chunks, costs, collectives)]
+    from threefold.cli.inspect_params import parameter_rows
     report = {"plan": str(plan), "chunks": chunks,
-              "imbalance": round(imbalance([c.flops for c in costs]), 6)}
+              "imbalance": round(imbalance([c.flops for c in costs]), 6),
+              "parameters": parameter_rows(prog)}
     if getattr(prog, "tp_report", None) is not None:   # tp > 1: sharded share, fallbacks
         report["tensor_parallel"] = prog.tp_report
     if getattr(plan, "recompute", "none") != "none":   # passes/recompute.py: what backward reruns

@@ -30,11 +30,18 @@ def register(sub) -> None:
     p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (default: DIR.ckpt)")
     p.add_argument("--resume", nargs="?", const="", default=None, metavar="CKPT",
                    help="continue from the newest checkpoint in CKPT (default: --ckpt-dir)")
+    p.add_argument("--trace", nargs="?", const="", default=None, metavar="OUT",
+                   help="record what every rank ran in the --trace-steps into OUT/trace.json (Chrome "
+                        "trace-event format: Perfetto, chrome://tracing) and OUT/trace.html, and print the "
+                        "measured bubble next to the simulator's (default OUT: DIR.trace)")
+    p.add_argument("--trace-steps", default="3", metavar="N[,N...]",
+                   help="steps --trace records, 1-based (default 3)")
     p.set_defaults(func=run)
 
 
 def _run_rank(root: str, steps: int, lr: float, trust: bool = False, skip_nonfinite: bool = False,
-              save_every: int = 0, ckpt_dir: str | None = None, resume: str | None = None) -> dict:
+              save_every: int = 0, ckpt_dir: str | None = None, resume: str | None = None,
+              trace_steps: list[int] | None = None) -> dict:
     from threefold.runtime.assemble import assemble_rank
     from threefold.runtime.loader import ArtifactSource, load_batch, open_artifact
     torch.set_num_threads(1)
@@ -56,21 +63,25 @@ def _run_rank(root: str, steps: int, lr: float, trust: bool = False, skip_nonfin
         from threefold.cli.jobs import is_main_rank
         if is_main_rank():
             print(f"threefold run: resumed from {info['path']} at step {start - 1}", file=sys.stderr)
+    from threefold.runtime.trace import NoTracer, StepTracer
+    tracer = StepTracer(engine, trace_steps, {"workload": root}) if trace_steps else NoTracer()
     for step in range(start, steps + 1):
-        opt.zero_grad()
-        losses.append(engine.step(batch))
-        # fp16: an overflowing (scaled) gradient is the loss scaler's to skip, not a divergence
-        bad = nonfinite(losses[-1], [] if hasattr(opt, "scaler") else engine.parameters())
-        if bad is None:
-            opt.step()
-        elif skip_nonfinite:
+        with tracer.step(step):     # --trace: this step's actions, timed (runtime/trace.py)
+            opt.zero_grad()
+            losses.append(engine.step(batch))
+            # fp16: an overflowing (scaled) gradient is the loss scaler's to skip, not a divergence
+            bad = nonfinite(losses[-1], [] if hasattr(opt, "scaler") else engine.parameters())
+            if bad is None:
+                with tracer.span("optimizer step"):
+                    opt.step()
+        if bad is not None and skip_nonfinite:
             skipped.append(step)
-        else:
-            return {"losses": losses, "skipped": skipped, "stopped": (step, bad)}
+        elif bad is not None:
+            return {"losses": losses, "skipped": skipped, "stopped": (step, bad), "trace": tracer.finish()}
         if save_every and step % save_every == 0:
             import threefold.checkpoint as ckpt
             ckpt.save(pm, opt, ckpt_dir, step=step, keep=2, extra={"losses": losses, "skipped": skipped})
-    return {"losses": losses, "skipped": skipped, "stopped": None}
+    return {"losses": losses, "skipped": skipped, "stopped": None, "trace": tracer.finish()}
 
 
 def run(args) -> int:
@@ -99,8 +110,18 @@ def run(args) -> int:
     if resume is not None:
         from threefold.checkpoint.files import resolve
         resolve(resume)   # not a checkpoint: one line here, before any rank starts
+    trace_steps, trace_out = None, None
+    if args.trace is not None:
+        from threefold.outdir import check_out_dir
+        from threefold.runtime.trace import parse_steps
+        trace_steps = parse_steps(args.trace_steps)
+        if trace_steps[-1] > args.steps:
+            raise PlanError(f"--trace-steps {args.trace_steps} goes past --steps {args.steps}: "
+                            "trace steps the run reaches")
+        trace_out = args.trace or os.path.abspath(art.root).rstrip("/") + ".trace"
+        check_out_dir(trace_out, flag="--trace")
     result = run_on_ranks(_run_rank, art.manifest.mesh.world_size, art.root, args.steps, args.lr, args.trust,
-                          args.skip_nonfinite, args.save_every, ckpt_dir, resume)[0]
+                          args.skip_nonfinite, args.save_every, ckpt_dir, resume, trace_steps)[0]
     from threefold.cli.jobs import is_main_rank
     losses, stopped = result["losses"], result["stopped"]
     if not is_main_rank():
@@ -113,8 +134,29 @@ def run(args) -> int:
     else:
         for i, loss in enumerate(losses, start=1):
             print(f"step {i}: loss {loss:.6f}" + (" (skipped: not finite)" if i in result["skipped"] else ""))
+    if result.get("trace"):
+        _write_trace(trace_out, result["trace"], args.json)
     if stopped:
         from threefold.cli.divergence import stop_message
         print(stop_message("run", *stopped), file=sys.stderr)
         return 1
     return 0
+
+
+def _write_trace(out: str, trace: dict, quiet: bool) -> None:
+    """OUT/trace.json and OUT/trace.html (built aside and renamed, as every --out), and the
+    summary's trace lines on stderr (stdout stays the losses or the JSON)."""
+    import os
+    from threefold.cli.train_cmd import trace_lines
+    from threefold.outdir import write_out_dir
+    from threefold.report.trace_page import trace_html
+    from threefold.train.report import trace_summary
+
+    def fill(tmp: str) -> None:
+        with open(os.path.join(tmp, "trace.json"), "w") as f:
+            f.write(dumps(trace))
+        with open(os.path.join(tmp, "trace.html"), "w", encoding="utf-8") as f:
+            f.write(trace_html(trace))
+    write_out_dir(out, fill, kind="trace", flag="--trace")
+    if not quiet:
+        print("\n".join(trace_lines(trace_summary(trace, os.path.abspath(out)))), file=sys.stderr)

@@ -224,4 +224,22 @@ def summary_text(summary: dict) -> str:
     if summary.get("sample") is not None:
         lines.append("sample:\n" + printable(summary["sample"]))
     lines.append(f"loss curve: {summary['plot']} (also lr.png, tokens_per_second.png, metrics.jsonl)")
+    if summary.get("trace"):
+        lines += trace_lines(summary["trace"])
     return "\n".join(lines)
+
+
+def trace_lines(t: dict) -> list[str]:
+    """The --trace part of the summary: the measured bubble next to the simulator's."""
+    steps = ", ".join(map(str, t["steps"]))
+    if "measured_bubble_fraction" not in t:
+        return [f"trace: {t['file']} (no traced step ran)"]
+    ms = lambda x: f"{x * 1e3:.1f}"   # noqa: E731
+    return [f"trace of step {steps}: {t['file']} (Perfetto, chrome://tracing; drawn in {t['html']})",
+            f"  bubble: measured {t['measured_bubble_fraction']:.1%} of rank-time, simulated "
+            f"{t['simulated_bubble_fraction']:.1%} (this schedule fed the measured action times); "
+            f"pipeline window {ms(t['window_s'])} ms, simulated {ms(t['simulated_makespan_s'])} ms",
+            f"  idle per rank (ms): {', '.join(ms(x) for x in t['idle_s_per_rank'])}; simulated per stage: "
+            f"{', '.join(ms(x) for x in t['simulated_idle_s_per_stage'])}",
+            f"  tracing cost: ~{t['tracing_ns_per_step'] / 1e6:.2f} ms per traced step "
+            f"({t['tracing_share_of_step']:.2%} of it, worst rank)"]

@@ -8,6 +8,7 @@ failing rank makes the others fail loudly and say who.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass, field
@@ -158,6 +159,21 @@ def _fail(what: str, peer, exc: Exception) -> RankFailure:
     return RankFailure(msg)
 
 
+# runtime/trace.py's Recorder while a step is traced. Empty, the functions marked
+# @_recorded are plain calls: no clock is read.
+_recorders: list = []
+
+
+def _recorded(fn):
+    """Let a traced step time this collective or wait (runtime/trace.Recorder.comm_call)."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if not _recorders:
+            return fn(*args, **kwargs)
+        return _recorders[-1].comm_call(fn, args, kwargs)
+    return call
+
+
 class PendingSend:
     """Sends posted with isend: the buffers stay alive until every transfer completes."""
 
@@ -167,6 +183,7 @@ class PendingSend:
     def done(self) -> bool:
         return all(w.is_completed() for w in self.works)
 
+    @_recorded
     def wait(self) -> None:
         try:
             for w in self.works:
@@ -226,6 +243,7 @@ def recv(specs: list[tuple[tuple[int, ...], torch.dtype]], peer: int, what: str,
     return out
 
 
+@_recorded
 def all_reduce(t: torch.Tensor, group, what: str, async_op: bool = False, op=None):
     """dist.all_reduce over `group` (None: every rank); a failure names the group and what."""
     try:
@@ -235,6 +253,7 @@ def all_reduce(t: torch.Tensor, group, what: str, async_op: bool = False, op=Non
         raise _fail(f"all-reduce of {what} with", group, exc) from None
 
 
+@_recorded
 def all_gather(parts: list[torch.Tensor], t: torch.Tensor, group, what: str) -> None:
     try:
         dist.all_gather(parts, t, group=group)
@@ -245,6 +264,7 @@ def all_gather(parts: list[torch.Tensor], t: torch.Tensor, group, what: str) -> 
 _PEERS = object()   # a wait whose group the caller did not say
 
 
+@_recorded
 def wait(work, what: str, group=_PEERS) -> None:
     try:
         work.wait()

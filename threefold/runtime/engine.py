@@ -111,6 +111,7 @@ class PipelineEngine:
         self.stats = StepStats()
         self._boundaries: dict = {}
         self._plan_cache: tuple | None = None   # (schedule, its ReceivePlan, loss position)
+        self.tracer = None      # a runtime/trace.Recorder while a step is traced (else no clock reads)
 
     # -- set-up ----------------------------------------------------------------------------
     def _share_local_ties(self) -> None:
@@ -177,21 +178,24 @@ class PipelineEngine:
                     Kind.ALL_REDUCE_GRADS: self._reduce_action, Kind.REDUCE_SCATTER_GRADS: self._reduce_action,
                     Kind.WAIT_GRADS: self._wait_grads, Kind.TIED_SUM: self._tied_sum, Kind.SP_SUM: self._sp_sum,
                     Kind.UNSHARD: self._unshard, Kind.RESHARD: self._reshard}
+        post, land = self._post_recv, self._land
+        if self.tracer is not None:   # --trace: each action timed (runtime/trace.py)
+            handlers, post, land = self.tracer.wrap(handlers, post, land)
         actions = schedule.actions[self.stage]
         rx = self._step_plan(schedule)
         try:
             for i, a in enumerate(actions):
                 # receives are posted ahead and land just before the compute that reads them
                 for j in rx.post_before.get(i, ()):
-                    st.posted[j] = self._post_recv(st, actions[j])
+                    st.posted[j] = post(st, actions[j])
                 for j in rx.land_before.get(i, ()):
-                    self._land(st, actions[j], st.posted.pop(j))
+                    land(st, actions[j], st.posted.pop(j))
                 if not a.is_recv:
                     handlers[a.kind](st, a)
                 if st.sends and a.is_compute:  # drop finished sends so their buffers can be freed
                     st.sends = [s for s in st.sends if not s.done()]
             for j in rx.land_before.get(len(actions), ()):
-                self._land(st, actions[j], st.posted.pop(j))
+                land(st, actions[j], st.posted.pop(j))
             for s in st.sends:
                 s.wait()
             loss = self._global_loss(st) if with_loss else float("nan")

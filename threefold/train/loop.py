@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from threefold.runtime.trace import NoTracer, StepTracer, parse_steps
 from threefold.train.lr_schedule import WarmupCosine, set_lr
 from threefold.train.source import Source
 
@@ -58,6 +59,10 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
         initial_val = done.get("initial_val_loss") if resume is not None else None
         if resume is None and source.val and cfg.eval_every > 0:   # where the curve starts
             initial_val = validation_loss(pm, source.val.__getitem__, len(source.val))
+        tracer = NoTracer()
+        if getattr(cfg, "trace", False):   # --trace takes over from THREEFOLD_TRACE
+            tracer, pm._env_trace = StepTracer(pm.engine, parse_steps(cfg.trace_steps),
+                                               {"workload": cfg.spec or "embedded GPT"}), None
         progress.training(start)
         try:
             for step in range(start, cfg.steps):
@@ -65,15 +70,18 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
                 set_lr(opt, lr)
                 *inputs, target = source.next()
                 t0 = time.perf_counter()
-                opt.zero_grad()
-                loss = pm.step(*inputs, target=target)
-                norm = pm.clip_grad_norm_(max_norm)   # also the finiteness check, agreed by every rank
-                # under fp16 an overflowing gradient is the loss scaler's to handle: its step
-                # skips the update and lowers the scale
-                bad = f"loss {loss}" if not math.isfinite(loss) else (
-                    "gradient norm (inf or nan)" if not math.isfinite(norm) and not scaled else None)
-                if bad is None:
-                    opt.step()
+                with tracer.step(step + 1):      # --trace: this step's actions, timed (runtime/trace.py)
+                    opt.zero_grad()
+                    loss = pm.step(*inputs, target=target)
+                    with tracer.span("clip grad norm"):   # also the finiteness check, agreed by every rank
+                        norm = pm.clip_grad_norm_(max_norm)
+                    # under fp16 an overflowing gradient is the loss scaler's to handle: its step
+                    # skips the update and lowers the scale
+                    bad = f"loss {loss}" if not math.isfinite(loss) else (
+                        "gradient norm (inf or nan)" if not math.isfinite(norm) and not scaled else None)
+                    if bad is None:
+                        with tracer.span("optimizer step"):
+                            opt.step()
                 seconds.append(time.perf_counter() - t0)
                 losses.append(loss)
                 val = validation_loss(pm, source.val.__getitem__, len(source.val)) \
@@ -101,12 +109,13 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
                                           "generate": source.generate_info})
         finally:
             log.close()
+    trace = tracer.finish()   # collective: clocks aligned, merged on rank 0
     sample = None
     if stopped is None and getattr(cfg, "sample_tokens", 0) > 0 and source.tokenizer is not None:
         sample = final_sample(pm, model, source, cfg)
     return {"losses": losses, "seconds": seconds, "tokens_per_step": tokens_per_step, "skipped": skipped,
             "stopped": stopped, "rows": rows, "flops_per_step": flops_per_step, "sample": sample,
-            "initial_val_loss": initial_val}
+            "initial_val_loss": initial_val, "trace": trace}
 
 
 def final_sample(pm, model: torch.nn.Module, source: Source, cfg) -> str | None:

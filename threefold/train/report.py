@@ -3,7 +3,9 @@
 --out holds losses.json (plan, losses, seconds, validation losses by step), metrics.jsonl
 (one row per step: loss, val_loss when measured, lr, grad_norm, tokens/s, model FLOP/s,
 memory per rank), the pictures (loss.png with validation, lr.png, tokens_per_second.png),
-sample.txt for a language model, and tensorboard/ when TensorBoard was available.
+sample.txt for a language model, and tensorboard/ when TensorBoard was available; with
+--trace, trace.json (the merged per-rank timeline, runtime/trace_merge.py) and trace.html
+(it drawn, with the measured and simulated bubble: threefold/report/).
 """
 from __future__ import annotations
 
@@ -36,7 +38,29 @@ def summarize(result: dict, plan, out: str) -> dict:
         "peak_rss_mb_per_rank": _peak_rss(rows),
         "seconds": sum(seconds), "out": out, "skipped_steps": result["skipped"],
         "sample": result.get("sample"), "plot": os.path.join(out, "loss.png"),
+        "trace": trace_summary(result.get("trace"), out),
     }
+
+
+def trace_summary(trace: dict | None, out: str) -> dict | None:
+    """The summary's view of a --trace run: where the files are, the measured bubble and idle
+    per rank next to the simulator's (runtime/trace_stats.py), and what tracing cost."""
+    if not trace:
+        return None
+    from threefold.runtime.trace_stats import summarize as trace_stats
+    stats = trace_stats(trace)
+    if stats["measured"] is None:
+        return {"file": os.path.join(out, "trace.json"), "steps": []}
+    tracer = stats["tracer"]["per_rank"]
+    return {"file": os.path.join(out, "trace.json"), "html": os.path.join(out, "trace.html"),
+            "steps": trace["otherData"]["steps"],
+            "measured_bubble_fraction": stats["measured"]["bubble_fraction"],
+            "simulated_bubble_fraction": stats["simulated"]["bubble_fraction"],
+            "window_s": stats["measured"]["window_s"], "simulated_makespan_s": stats["simulated"]["makespan_s"],
+            "idle_s_per_rank": stats["measured"]["idle_s"],
+            "simulated_idle_s_per_stage": stats["simulated"]["idle_s"],
+            "tracing_ns_per_step": max(r["estimated_ns_per_step"] for r in tracer),
+            "tracing_share_of_step": stats["tracer"]["worst_share_of_step"]}
 
 
 def _peak_rss(rows: list[dict]) -> list[float]:
@@ -64,6 +88,12 @@ def write_run(tmp: str, result: dict, plan, live: str | None) -> None:
     if result.get("sample") is not None:
         with open(os.path.join(tmp, "sample.txt"), "w", encoding="utf-8") as f:
             f.write(result["sample"])
+    if result.get("trace"):
+        from threefold.report.trace_page import trace_html
+        with open(os.path.join(tmp, "trace.json"), "w") as f:
+            f.write(dumps(result["trace"]))
+        with open(os.path.join(tmp, "trace.html"), "w", encoding="utf-8") as f:
+            f.write(trace_html(result["trace"]))
     events = os.path.join(live, "tensorboard") if live else None
     if events and os.path.isdir(events):
         shutil.copytree(events, os.path.join(tmp, "tensorboard"))

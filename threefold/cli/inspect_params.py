@@ -1,0 +1,55 @@
+"""`inspect --json`'s "parameters": how every parameter is laid out, read from the compiled
+program (the chunk graphs' placeholders, the tensor-parallel pass's shard specs and its
+report of weights kept whole and of fallbacks); nothing is decided again here.
+
+One row per parameter: FQN, the chunks holding it (several for a tied one), full and local
+(per tp rank) shape, placement (`S(d)` sharded along d, with blocks for fused projections
+and the padded size of a padded vocabulary; `R` whole on every rank), frozen, and where it
+is kept whole or blocked by a fallback, the pass's reason.
+"""
+from __future__ import annotations
+
+from threefold.compiler.program import tf
+
+
+def parameter_rows(prog) -> list[dict]:
+    tp = getattr(prog, "tp_report", None) or {}
+    kept = tp.get("replicated_weights", {})
+    blocked: dict[str, list[str]] = {}
+    for fb in tp.get("fallbacks", []):
+        for fqn in fb.get("blocked", []):
+            blocked.setdefault(fqn, []).append(f"{fb['op']} in {fb['module']}: {fb['reason']}")
+    rows: dict[str, dict] = {}
+    for chunk in prog.chunks:
+        for node in chunk.gm.graph.nodes:
+            info = tf(node)
+            if node.op != "placeholder" or info.get("kind") != "param":
+                continue
+            fqn = info["fqn"]
+            if fqn in rows:
+                rows[fqn]["chunks"].append(chunk.index)
+                continue
+            val = node.meta.get("val")
+            full = prog.state.get(fqn)
+            spec = prog.shard_fns.get(fqn)
+            row = {"fqn": fqn, "chunks": [chunk.index],
+                   "shape": list(full.shape) if full is not None else None,
+                   "local_shape": list(val.shape) if val is not None else None,
+                   "placement": _placement(spec, full), "frozen": bool(info.get("frozen", False))}
+            if fqn in kept:
+                row["kept_whole"] = kept[fqn]
+            if fqn in blocked:
+                row["fallbacks"] = blocked[fqn]
+            rows[fqn] = row
+    return list(rows.values())
+
+
+def _placement(spec, full) -> str:
+    if spec is None:
+        return "R"
+    text = f"S({spec.dim}"
+    if spec.blocks:
+        text += f",blocks={list(spec.blocks)}"
+    elif full is not None and spec.padded != full.shape[spec.dim]:
+        text += f",padded={spec.padded}"   # a vocabulary padded to a multiple of tp
+    return text + ")"
