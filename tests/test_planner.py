@@ -435,13 +435,27 @@ def test_spec_cost_reads_the_compilers_tensor_parallel_decisions():
 
 
 def test_compiler_and_runtime_import_nothing_from_the_planner():
-    """The planner reads the compiler and the runtime, never the other way."""
+    """The planner reads the compiler and the runtime, never the other way; nothing but the
+    CLI imports it (the manifest carries what training needs: roles, model FLOPs)."""
     import subprocess
     code = ("import sys, pkgutil, importlib\n"
-            "for pkg in ('compiler', 'passes', 'codegen', 'runtime'):\n"
+            "for pkg in ('compiler', 'passes', 'codegen', 'runtime', 'train', 'checkpoint', 'dataset'):\n"
             "    p = importlib.import_module('threefold.' + pkg)\n"
             "    for m in pkgutil.iter_modules(p.__path__): importlib.import_module(f'threefold.{pkg}.{m.name}')\n"
             "bad = [m for m in sys.modules if m.startswith('threefold.planner')]\n"
+            "assert not bad, bad\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_training_reads_no_compiler_ir():
+    """After compile, the training loop and checkpoints read the manifest, not the compiler."""
+    import subprocess
+    code = ("import sys, pkgutil, importlib\n"
+            "for pkg in ('train', 'checkpoint', 'runtime'):\n"
+            "    p = importlib.import_module('threefold.' + pkg)\n"
+            "    for m in pkgutil.iter_modules(p.__path__): importlib.import_module(f'threefold.{pkg}.{m.name}')\n"
+            "bad = [m for m in sys.modules if m.startswith(('threefold.compiler', 'threefold.passes'))]\n"
             "assert not bad, bad\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
