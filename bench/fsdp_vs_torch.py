@@ -124,17 +124,8 @@ def fsdp2_job(kwargs: dict, warmup: int, steps: int) -> dict:
 
 
 def reference(kwargs: dict, n: int) -> list[float]:
-    from tests.parity import load_workload
-    w = load_workload("gpt", **kwargs)
-    opt = torch.optim.AdamW(w["model"].parameters(), lr=LR)
-    out = []
-    for _ in range(n):
-        opt.zero_grad()
-        loss = w["loss_fn"](w["model"](*w["inputs"]), w["target"])
-        loss.backward()
-        opt.step()
-        out.append(loss.item())
-    return out
+    from tests.parity import adamw_losses, load_workload
+    return adamw_losses(load_workload("gpt", **kwargs), n, LR)
 
 
 def main(argv=None) -> int:

@@ -20,11 +20,11 @@ def load_workload(factory: str, **kwargs):
     return getattr(hf, factory)(**kwargs)
 
 
-def sgd_losses(w: dict, steps: int, lr: float = 0.1) -> list[float]:
-    """The single-process reference: `steps` SGD steps of workload `w` (trainable
-    parameters only), the loss before each update."""
+def sgd_losses(w: dict, steps: int, lr: float = 0.1, optimizer=torch.optim.SGD) -> list[float]:
+    """The single-process reference: `steps` steps of workload `w` with `optimizer` (SGD by
+    default; trainable parameters only), the loss before each update."""
     model = w["model"]
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    opt = optimizer([p for p in model.parameters() if p.requires_grad], lr=lr)
     out = []
     for _ in range(steps):
         opt.zero_grad()
@@ -45,6 +45,11 @@ def parallel_sgd_losses(pm, w: dict, steps: int, lr: float = 0.1) -> list[float]
         losses.append(pm.step(*w["inputs"], target=w["target"]))
         opt.step()
     return losses
+
+
+def adamw_losses(w: dict, steps: int, lr: float) -> list[float]:
+    """The single-process reference under AdamW (torch's defaults but the learning rate)."""
+    return sgd_losses(w, steps, lr, torch.optim.AdamW)
 
 
 def reference_losses(factory: str, kwargs: dict, steps: int, lr: float = 0.1) -> list[float]:

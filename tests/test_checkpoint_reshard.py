@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from threefold.runtime.launch import launch
-from tests.parity import load_workload, max_rel_diff
+from tests.parity import adamw_losses, load_workload, max_rel_diff
 
 STEPS = 3
 LR = 1e-2
@@ -74,16 +74,7 @@ def run_phases(phases, root):
 
 def reference(model):
     factory, kwargs = model
-    w = load_workload(factory, **kwargs)
-    opt = torch.optim.AdamW(w["model"].parameters(), lr=LR)
-    out = []
-    for _ in range(2 * STEPS):
-        opt.zero_grad()
-        loss = w["loss_fn"](w["model"](*w["inputs"]), w["target"])
-        loss.backward()
-        opt.step()
-        out.append(loss.item())
-    return out
+    return adamw_losses(load_workload(factory, **kwargs), 2 * STEPS, LR)
 
 
 def reshard_matrix(root) -> dict[str, float]:

@@ -12,7 +12,7 @@ import torch
 from threefold import Plan
 from threefold.runtime.launch import launch
 from threefold.runtime.schedule import Action, Kind, ScheduleError, collective, make_schedule, parse_action
-from tests.parity import load_workload, max_rel_diff
+from tests.parity import adamw_losses, load_workload, max_rel_diff
 
 GPT = ("gpt", {"n_layer": 4, "n_embd": 32, "n_head": 4, "seq": 8, "batch": 8})
 LLAMA = ("llama", {"n_layer": 4, "hidden": 32, "n_head": 4, "n_kv_head": 2, "intermediate": 64,
@@ -126,16 +126,7 @@ def test_memory_model_state_bytes_per_parameter():
 
 # -- slow tier: parity ----------------------------------------------------------------------
 def reference(model) -> list[float]:
-    w = load_workload(model[0], **model[1])
-    opt = torch.optim.AdamW(w["model"].parameters(), lr=LR)
-    out = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        loss = w["loss_fn"](w["model"](*w["inputs"]), w["target"])
-        loss.backward()
-        opt.step()
-        out.append(loss.item())
-    return out
+    return adamw_losses(load_workload(model[0], **model[1]), STEPS, LR)
 
 
 def run_plans(cases):

@@ -37,19 +37,8 @@ def reference_losses(arch: str, steps: int = STEPS, lr: float = LR, optimizer: s
     """Single-process losses of the zoo workload `arch` (SGD, or AdamW)."""
     from tests.zoo import ZOO
     torch.manual_seed(1234)     # dropout draws (the only random ops) start from a fixed seed
-    if optimizer == "sgd":
-        from tests.parity import sgd_losses
-        return sgd_losses(ZOO[arch](), steps, lr)
-    w = ZOO[arch]()
-    opt = OPTIMIZERS[optimizer]([p for p in w["model"].parameters() if p.requires_grad], lr=lr)
-    out = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = w["loss_fn"](w["model"](*w["inputs"]), w["target"])
-        loss.backward()
-        opt.step()
-        out.append(loss.item())
-    return out
+    from tests.parity import sgd_losses
+    return sgd_losses(ZOO[arch](), steps, lr, OPTIMIZERS[optimizer])
 
 
 def sharded_share(pm, model) -> float:
