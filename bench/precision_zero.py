@@ -1,6 +1,6 @@
-"""Mixed precision and ZeRO-1, measured (BENCHMARKS.md "Mixed precision and ZeRO-1").
+"""Mixed precision and ZeRO, measured (BENCHMARKS.md "Mixed precision and ZeRO-1", "ZeRO-2/3").
 
-  python bench/precision_zero.py memory    # bytes per trainable element, zero=0/1, d=2/4, fp32/bf16
+  python bench/precision_zero.py memory    # bytes per trainable element, zero=0..3, HSDP, d=2/4
   python bench/precision_zero.py bf16      # parallel bf16 vs single-process autocast, in sigmas
                                            # of the bf16 rounding noise; boundary wire fp32 vs bf16
   python bench/precision_zero.py casts     # peak saved bytes per stage, bf16 1F1B, weight copies
@@ -30,38 +30,66 @@ GPT = {"n_layer": 4, "n_embd": 64, "n_head": 4, "seq": 16, "batch": 8}
 
 
 def _memory(plans: list[str]) -> list[dict]:
+    """On each rank, per plan: bytes held per trainable element after an AdamW step, zero=3's
+    peak gathered working set, and the memory model's estimate (what `inspect --memory` prints)."""
     import threefold
+    from threefold.compiler.api import compile_workload
+    from threefold.planner.memory import program_memory
     from threefold.runtime.zero import held_bytes
+    from threefold.workload import Workload
     torch.set_num_threads(1)
+    rank = torch.distributed.get_rank()
     out = []
     for plan in plans:
         w = load_workload("gpt", **GPT)
         pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
         opt = pm.optimizer(torch.optim.AdamW, lr=1e-3)
-        opt.zero_grad()
-        pm.step(*w["inputs"], target=w["target"])
-        opt.step()
+        for _ in range(2):
+            opt.zero_grad()
+            pm.step(*w["inputs"], target=w["target"])
+            opt.step()
         b = held_bytes(pm.engine, opt)
         n = b["elements"]
+        sharded = pm.engine.sharded
+        gathered = sharded.peak_gathered_bytes if sharded is not None else 0
+        prog = compile_workload(Workload(w["model"], w["inputs"], w["target"], w["loss_fn"]), plan)
+        est = next(r for r in program_memory(prog) if r.rank == rank).to_json()
+        estimate = est["params"] + est.get("gathered", 0) + est["grads"] + est["optimizer"]
         out.append({"plan": plan, "params": b["params"] / n, "grads": b["grads"] / n,
-                    "optimizer": b["optimizer"] / n})
+                    "optimizer": b["optimizer"] / n, "gathered": gathered / n,
+                    "estimate": estimate / n})
     return out
 
 
+def _formula(plan: str, d: int) -> str:
+    zero = int(plan.split("zero=")[1].split(",")[0]) if "zero=" in plan else 0
+    text = {0: "16", 1: f"8+8/d={8 + 8 / d:.2f}", 2: f"4+12/d={4 + 12 / d:.2f}",
+            3: f"16/d+ws={16 / d:.2f}+ws"}[zero]
+    return text + (f" (Megatron 6+12/d={6 + 12 / d:.2f})" if "bf16" in plan else "")
+
+
 def memory() -> None:
+    """Bytes per trainable element on the worst rank: measured (parameters + gradients +
+    optimizer state + zero=3's gathered working set) against the formula and the estimate."""
     from threefold.runtime.launch import launch
-    print(f"{'plan':<28}{'params':>8}{'grads':>8}{'optim':>8}{'total':>8}  formula")
-    for world, plans in ((2, ["dp=2", "dp=2,zero=1", "dp=2,zero=1,dtype=bf16"]),
-                         (4, ["dp=4", "dp=4,zero=1", "dp=4,zero=1,dtype=bf16", "dp=2,tp=2,zero=1"])):
-        rows = launch(_memory, world, plans, timeout=600)[0]
-        for r in rows:
-            d = int(r["plan"].split("dp=")[1].split(",")[0])
-            total = r["params"] + r["grads"] + r["optimizer"]
-            zero = "zero=1" in r["plan"]
-            formula = (f"8+8/d={8 + 8 / d:.2f}" if zero else "16") + (
-                f" (6+12/d={6 + 12 / d:.2f})" if "bf16" in r["plan"] else "")
-            print(f"{r['plan']:<28}{r['params']:>8.2f}{r['grads']:>8.2f}{r['optimizer']:>8.2f}{total:>8.2f}  "
-                  f"{formula}")
+    print(f"{'plan':<28}{'params':>8}{'grads':>8}{'optim':>8}{'gather':>8}{'total':>8}{'estim':>8}"
+          f"{'est/meas':>9}  formula")
+    for world, plans in ((2, ["dp=2", "dp=2,zero=1", "dp=2,zero=1,dtype=bf16", "dp=2,zero=2",
+                              "dp=2,zero=3"]),
+                         (4, ["dp=4", "dp=4,zero=1", "dp=4,zero=1,dtype=bf16", "dp=2,tp=2,zero=1",
+                              "dp=4,zero=2", "dp=4,zero=3", "dp=4,zero=3,dp_shard=2",
+                              "dp=2,tp=2,zero=3"])):
+        per_rank = launch(_memory, world, plans, timeout=900)
+        for i, plan in enumerate(plans):
+            rows = [ranks[i] for ranks in per_rank]
+            total = lambda r: r["params"] + r["grads"] + r["optimizer"] + r["gathered"]  # noqa: E731
+            r = max(rows, key=total)
+            d = int(plan.split("dp=")[1].split(",")[0])
+            if "dp_shard=" in plan:
+                d = int(plan.split("dp_shard=")[1].split(",")[0])
+            print(f"{plan:<28}{r['params']:>8.2f}{r['grads']:>8.2f}{r['optimizer']:>8.2f}"
+                  f"{r['gathered']:>8.2f}{total(r):>8.2f}{r['estimate']:>8.2f}"
+                  f"{r['estimate'] / total(r):>9.3f}  {_formula(plan, d)}")
     w = weight_casts()
     print(f"bf16 weight copies autocast saves for backward, per microbatch in flight: {w:.2f} bytes/element")
 

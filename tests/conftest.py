@@ -18,3 +18,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# THREEFOLD_TEST_TIMES=FILE appends one line per test: wall seconds and CPU seconds of the
+# test process and the ranks it spawned (reaped children). CPU time hardly moves with the
+# machine's load, so it is what the tiers are sized by (README "Test tiers").
+_TIMES = os.environ.get("THREEFOLD_TEST_TIMES")
+if _TIMES:
+    import resource
+    import time
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        def cpu() -> float:
+            s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+            return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+        wall0, cpu0 = time.monotonic(), cpu()
+        yield
+        with open(_TIMES, "a") as f:
+            f.write(f"{time.monotonic() - wall0:.1f}\t{cpu() - cpu0:.1f}\t{item.nodeid}\n")
