@@ -15,7 +15,7 @@ import torch
 from threefold.checkpoint import files, state
 from threefold.checkpoint.collective import gather_all, quiet as _quiet, rank_world
 from threefold.checkpoint.groups import restore_groups
-from threefold.checkpoint.safe_read import SafeReader
+from threefold.checkpoint.safe_read import SafeReader, unwrapped
 from threefold.errors import PlanError
 
 
@@ -55,7 +55,7 @@ def load(pm, optimizer, directory: str) -> dict:
     from threefold.checkpoint.planners import LoadShards
     try:
         with torch.no_grad():
-            with _quiet(world):
+            with _quiet(world), unwrapped():
                 dcp.load(sd, storage_reader=SafeReader(ckpt), planner=LoadShards(), no_dist=world == 1)
     except PlanError:
         raise

@@ -22,6 +22,7 @@ import io
 import os
 import pickle
 import re
+from contextlib import contextmanager
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
@@ -81,6 +82,10 @@ def read_metadata_file(path: str):
 class SafeReader(FileSystemReader):
     """DCP's file reader with `.metadata` read by the restricted unpickler."""
 
+    def read_data(self, plan, planner):
+        planner.threefold_dir = os.fspath(self.path)    # so a refusal names the whole path
+        return super().read_data(plan, planner)
+
     def read_metadata(self, *args, **kwargs):
         from torch.distributed.checkpoint.metadata import StorageMeta
         path = os.fspath(self._get_metadata_path(kwargs.get("rank")))
@@ -91,7 +96,7 @@ class SafeReader(FileSystemReader):
         return md
 
 
-_GLOBAL = re.compile(r"(?:Unsupported global: GLOBAL|Unsupported class) ([\w.]+)")
+_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")       # torch's weights_only message names the global
 
 
 def safe_torch_load(data, where: str):
@@ -111,7 +116,8 @@ def safe_load_bytes(planner, read_item, value: io.BytesIO) -> None:
     storage = getattr(getattr(planner, "metadata", None), "storage_data", None) or {}
     info = storage.get(read_item.storage_index)
     if info is not None:
-        where = f"{info.relative_path} (entry {read_item.dest_index.fqn!r})"
+        path = os.path.join(getattr(planner, "threefold_dir", ""), info.relative_path)
+        where = f"{path} (entry {read_item.dest_index.fqn!r})"
     planner.state_dict[read_item.dest_index.fqn] = safe_torch_load(value, where)
 
 
@@ -124,3 +130,20 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     load_bytes = safe_load_bytes
 
 
+
+
+@contextmanager
+def unwrapped():
+    """DCP wraps what a read raises in a CheckpointException (a BaseException, with every
+    rank's traceback in its text): a refusal comes out as the PlanError it is, anything else
+    as a RuntimeError with the first rank's one-line cause."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        yield
+    except CheckpointException as exc:
+        causes = [pair[0] if isinstance(pair, tuple) else pair for pair in exc.failures.values()]
+        for cause in causes:
+            if isinstance(cause, PlanError):
+                raise cause from None
+        first = causes[0] if causes else exc
+        raise RuntimeError(f"{type(first).__name__}: {str(first).strip().splitlines()[0][:300] if str(first).strip() else ''}") from None
