@@ -237,9 +237,14 @@ def test_run_lists_its_imports_and_runs_a_verified_artifact(signed):
         digest = json.load(f)["files"]["chunk00.py"]
     assert f"chunk00.py  sha256 {digest}" in out.stderr and "signature under" in out.stderr
     assert len(json.loads(out.stdout)["losses"]) == 1
+    out = subprocess.run([sys.executable, "-m", "threefold", "run", str(d / "art"), "--steps", "1"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()    # text mode: the list on stdout, before the losses
+    assert "unsigned" in lines[0] and lines[1] == f"  chunk00.py  sha256 {digest}" and lines[2].startswith("step 1:")
     out = subprocess.run([sys.executable, "-m", "threefold", "run", str(d / "art"), "--trust", "--steps", "1"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0 and "sha256" not in out.stderr, out.stderr[-2000:]
+    assert out.returncode == 0 and "sha256" not in out.stdout + out.stderr, out.stderr[-2000:]
 
 
 # -- the job's own store --------------------------------------------------------------------
@@ -299,3 +304,28 @@ def test_a_foreign_process_writing_the_store_at_start_up_is_ignored(monkeypatch)
         for w in writers:
             w.kill()
             w.wait()
+
+
+_TORCHRUN_JOB = """
+import torch, torch.distributed as dist
+from threefold.runtime import comm
+from threefold.runtime.launch import init_from_env
+init_from_env("gloo")
+t = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(t, group=dist.new_group([0, 1]))
+print(dist.get_rank(), t.item(), type(comm._store()).__name__, flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_under_torchrun_threefold_job_secret_puts_the_job_behind_its_own_store(tmp_path):
+    from threefold.runtime.launch import free_port
+    (tmp_path / "job.py").write_text(_TORCHRUN_JOB)
+    env = {**os.environ, "PYTHONPATH": ROOT, "THREEFOLD_JOB_SECRET": os.urandom(16).hex(), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(free_port()), str(tmp_path / "job.py")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert sorted(out.stdout.split("\n")[:2]) == ["0 3.0 JobStore", "1 3.0 JobStore"], out.stdout

@@ -105,7 +105,7 @@ def run(args) -> int:
     art = open_artifact(args.dir, trust=args.trust, verify_key=verify_key)
     art.verify()        # every file against its sha256, before any rank imports or reads one
     if not args.trust:
-        _tell_imports(art, args.verify)
+        _tell_imports(art, args.verify, sys.stderr if args.json else sys.stdout)
     if not art.manifest.has_weights:
         raise PlanError(f"artifact {args.dir!r} has no weights (compiled on the meta device?); "
                         "compile a model with real weights to run it")
@@ -156,9 +156,10 @@ def run(args) -> int:
     return 0
 
 
-def _tell_imports(art, key_file: str | None) -> None:
-    """An artifact is code: say on stderr which of its modules this run imports, with the
-    sha256 each was checked against (once per job; --trust leaves it out)."""
+def _tell_imports(art, key_file: str | None, stream) -> None:
+    """An artifact is code: say which of its modules this run imports, with the sha256 each
+    was checked against (once per job, before any rank starts; --trust leaves it out). On
+    stdout before the losses, or on stderr under --json (stdout is then the JSON alone)."""
     import os
     if os.environ.get("RANK", "0") != "0":
         return
@@ -167,7 +168,7 @@ def _tell_imports(art, key_file: str | None) -> None:
            "unsigned: run only artifacts from a source you trust (compile --sign / run --verify KEYFILE)")
     lines = [f"threefold run: {art.root} is code; importing {len(modules)} modules ({who}):"]
     lines += [f"  {m}  sha256 {art.manifest.files[m]}" for m in modules]
-    print("\n".join(lines), file=sys.stderr)
+    print("\n".join(lines), file=stream, flush=True)
 
 
 def _write_trace(out: str, trace: dict, quiet: bool) -> None:
