@@ -42,7 +42,7 @@ _DCP_METADATA_CLASSES = {
 
 def _refused(what: str, path: str) -> PlanError:
     return PlanError(f"checkpoint file {path} names {what}, which a threefold checkpoint never holds: "
-                     "refused unread (loading it would run code the file chose); load only checkpoints "
+                     "refused unread (unpickling it could run code the file chose); load only checkpoints "
                      "from a source you trust, or re-save this one where it was made")
 
 
