@@ -37,6 +37,7 @@ _DCP_METADATA_CLASSES = {
     "torch": {"Size"},                          # chunk offsets and sizes
     "torch.serialization": {"_get_layout"},     # TensorProperties.layout, by name
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},  # checkpoint_id
+    "pathlib._local": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},  # Python 3.13+
 }
 
 
