@@ -297,9 +297,8 @@ def test_a_foreign_process_writing_the_store_at_start_up_is_ignored(monkeypatch)
 
     monkeypatch.setattr(launch_mod, "_store_server", with_foreign_writer)
     try:
-        for _ in range(2):
-            assert launch_mod.launch(_ranks_meet, 2, timeout=120) == [[3.0, 3.0], [3.0, 3.0]]
-        assert len(writers) == 2 and all(w.poll() is None for w in writers)   # attacking throughout
+        assert launch_mod.launch(_ranks_meet, 2, timeout=120) == [[3.0, 3.0], [3.0, 3.0]]
+        assert len(writers) == 1 and writers[0].poll() is None     # it attacked throughout
     finally:
         for w in writers:
             w.kill()
