@@ -34,19 +34,20 @@ def consolidate(ckpt_path: str) -> tuple[str, dict[str, torch.Tensor]]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from threefold.checkpoint.collective import quiet
+    from threefold.checkpoint.safe_read import SafeLoadPlanner, SafeReader, unwrapped
     ckpt = files.resolve(ckpt_path)
     index = files.read_index(ckpt)
     problem = files.check_files(ckpt, index, 0, 1)
     if problem:
         raise PlanError(f"checkpoint {ckpt}: {problem}; export an earlier checkpoint")
-    md = dcp.FileSystemReader(ckpt).read_metadata()
+    md = SafeReader(ckpt).read_metadata()
     gap = files.coverage_problem(md)
     if gap:
         raise PlanError(f"checkpoint {ckpt} is incomplete: {gap}")
     sd = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
           if k.startswith(state.MODEL) and isinstance(m, TensorStorageMetadata)}
-    with quiet(1):
-        dcp.load(sd, storage_reader=dcp.FileSystemReader(ckpt), no_dist=True)
+    with quiet(1), unwrapped():
+        dcp.load(sd, storage_reader=SafeReader(ckpt), planner=SafeLoadPlanner(), no_dist=True)
     return ckpt, {k[len(state.MODEL):]: v for k, v in sd.items()}
 
 

@@ -15,6 +15,7 @@ import torch
 from threefold.checkpoint import files, state
 from threefold.checkpoint.collective import gather_all, quiet as _quiet, rank_world
 from threefold.checkpoint.groups import restore_groups
+from threefold.checkpoint.safe_read import SafeReader, unwrapped
 from threefold.errors import PlanError
 
 
@@ -28,11 +29,7 @@ def load(pm, optimizer, directory: str) -> dict:
     problems = [p for p in gather_all(files.check_files(ckpt, index, rank, world)) if p]
     if problems:
         raise PlanError(f"checkpoint {ckpt}: {problems[0]}; load an earlier checkpoint")
-    try:
-        md = dcp.FileSystemReader(ckpt).read_metadata()
-    except Exception as exc:
-        raise PlanError(f"checkpoint {ckpt}: its DCP metadata is unreadable ({type(exc).__name__}); "
-                        "the checkpoint is corrupted") from None
+    md = SafeReader(ckpt).read_metadata()      # never plain pickle: checkpoint/safe_read.py
     _check_same_model(ckpt, md, state.full_shapes(pm.manifest))
     gap = files.coverage_problem(md)
     if gap:
@@ -58,8 +55,10 @@ def load(pm, optimizer, directory: str) -> dict:
     from threefold.checkpoint.planners import LoadShards
     try:
         with torch.no_grad():
-            with _quiet(world):
-                dcp.load(sd, storage_reader=dcp.FileSystemReader(ckpt), planner=LoadShards(), no_dist=world == 1)
+            with _quiet(world), unwrapped():
+                dcp.load(sd, storage_reader=SafeReader(ckpt), planner=LoadShards(), no_dist=world == 1)
+    except PlanError:
+        raise
     except Exception as exc:
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
         raise PlanError(f"checkpoint {ckpt}: reading it failed ({type(exc).__name__}: {first}); "

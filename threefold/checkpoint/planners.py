@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 
 from threefold.checkpoint.layout import Sharded
+from threefold.checkpoint.safe_read import safe_load_bytes
 
 
 class SaveShards(DefaultSavePlanner):
@@ -43,3 +44,5 @@ class LoadShards(DefaultLoadPlanner):
         if isinstance(obj, Sharded):
             return obj.piece_at(index.offset)
         return super().lookup_tensor(index)
+
+    load_bytes = safe_load_bytes     # non-tensor values: weights_only (checkpoint/safe_read.py)

@@ -35,7 +35,7 @@ def _rank_losses(spec: str, plan: Plan, state_file: str, steps: int, lr: float) 
     import threefold
     from threefold.workload import load_spec
     torch.set_num_threads(1)
-    saved = torch.load(state_file, weights_only=False)
+    saved = torch.load(state_file, weights_only=True)
     w = load_spec(spec)
     w.model.load_state_dict(saved["state"])
     pm = threefold.parallelize(w.model, plan, saved["inputs"], w.loss_fn, target=saved["target"],

@@ -23,7 +23,7 @@ DRAWS = 6
 
 def _fresh(spec: str, state_file: str):
     from threefold.workload import load_spec
-    saved = torch.load(state_file, weights_only=False)
+    saved = torch.load(state_file, weights_only=True)
     w = load_spec(spec)
     w.model.load_state_dict(saved["state"])
     return w, saved

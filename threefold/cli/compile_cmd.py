@@ -29,6 +29,9 @@ def register(sub) -> None:
     p.add_argument("--force", action="store_true",
                    help="write even if DIR holds files threefold did not write (DIR is moved aside)")
     p.add_argument("--no-weights", action="store_true", help="write code and manifest only")
+    p.add_argument("--sign", metavar="KEYFILE", default=None,
+                   help="sign the artifact: HMAC-SHA256 of its manifest (which hashes every file) under "
+                        "the key in KEYFILE, written as manifest.json.hmac; `run --verify KEYFILE` checks it")
     p.add_argument("--json", action="store_true", help="print one JSON summary object")
     p.set_defaults(func=run)
 
@@ -41,6 +44,10 @@ def run(args) -> int:
 
     Plan.parse_fields(args.plan)               # a malformed --plan fails before any work
     check_out_dir(args.out, args.force)        # before any work: a bad --out loses nothing
+    sign_key = None
+    if args.sign is not None:                  # a bad key file fails before any work, too
+        from threefold.runtime.signing import read_key
+        sign_key = read_key(args.sign, "--sign")
     timings: dict[str, float] = {}
     with _Progress() as progress:
         start = time.perf_counter()
@@ -61,7 +68,7 @@ def run(args) -> int:
         t = time.perf_counter()
         batch = tuple(workload.inputs) + ((workload.target,) if workload.loss_fn is not None else ())
         art = save_artifact(prog, args.out, sources, weights=not args.no_weights, batch=batch,
-                            force=args.force)
+                            force=args.force, sign_key=sign_key)
         timings["write"] = time.perf_counter() - t
         timings["total"] = time.perf_counter() - start
     for name, seconds in prog.pass_log:
@@ -70,6 +77,7 @@ def run(args) -> int:
     summary = {
         "out": art.root, "model": prog.name, "plan": str(plan), "chunks": len(prog.chunks),
         "files": sorted(f for f in art.manifest.files if f.endswith(".py")), "weights": with_weights,
+        "signed": sign_key is not None,
         "seconds": {k: round(v, 3) for k, v in timings.items()},
     }
     if args.json:
@@ -77,7 +85,8 @@ def run(args) -> int:
         return 0
     why = "" if with_weights else (" (meta model: no weights)" if prog.is_meta else " (--no-weights)")
     print(f"compiled {prog.name} for plan {plan} into {art.root}: {len(prog.chunks)} chunks, "
-          f"{len(summary['files'])} modules, weights {'saved' if with_weights else 'not saved'}{why}")
+          f"{len(summary['files'])} modules, weights {'saved' if with_weights else 'not saved'}{why}"
+          + (f", signed with {args.sign}" if sign_key is not None else ""))
     passes = "  ".join(f"{name} {seconds:.2f}s" for name, seconds in prog.pass_log)
     print(f"time: total {timings['total']:.2f}s = load {timings['load']:.2f}s  {passes}  "
           f"codegen {timings['codegen']:.2f}s  write {timings['write']:.2f}s")

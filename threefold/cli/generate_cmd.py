@@ -34,11 +34,14 @@ def read_generate_info(ckpt: str) -> dict:
     """The run's `extra["generate"]` record from the checkpoint's metadata ({} if none)."""
     import torch.distributed.checkpoint as dcp
     from threefold.checkpoint.collective import quiet
+    from threefold.checkpoint.safe_read import SafeLoadPlanner, SafeReader, unwrapped
     from threefold.checkpoint.state import META
     sd = {META: None}
     try:
-        with quiet(1):
-            dcp.load(sd, storage_reader=dcp.FileSystemReader(ckpt), no_dist=True)
+        with quiet(1), unwrapped():
+            dcp.load(sd, storage_reader=SafeReader(ckpt), planner=SafeLoadPlanner(), no_dist=True)
+    except PlanError:      # a refused class (checkpoint/safe_read.py): never read past
+        raise
     except Exception:
         return {}
     meta = sd.get(META) or {}

@@ -23,8 +23,11 @@ def register(sub) -> None:
     p.add_argument("--skip-nonfinite", action="store_true",
                    help="skip a step whose loss or gradients are not finite (default: stop, exit 1)")
     p.add_argument("--trust", action="store_true",
-                   help="skip the sha256 check of the artifact's files (paths are still checked); "
-                        "only for artifacts you made yourself")
+                   help="skip the sha256 check of the artifact's files (paths are still checked) and the "
+                        "list of modules it imports; only for artifacts you made yourself")
+    p.add_argument("--verify", metavar="KEYFILE", default=None,
+                   help="refuse the artifact unless its manifest carries a signature under the key in "
+                        "KEYFILE (compile --sign KEYFILE): a tampered and re-hashed artifact is refused")
     p.add_argument("--save-every", type=int, default=0, metavar="N",
                    help="write a sharded checkpoint every N steps to --ckpt-dir (keeps the last 2)")
     p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (default: DIR.ckpt)")
@@ -41,11 +44,11 @@ def register(sub) -> None:
 
 def _run_rank(root: str, steps: int, lr: float, trust: bool = False, skip_nonfinite: bool = False,
               save_every: int = 0, ckpt_dir: str | None = None, resume: str | None = None,
-              trace_steps: list[int] | None = None) -> dict:
+              trace_steps: list[int] | None = None, verify_key: bytes | None = None) -> dict:
     from threefold.runtime.assemble import assemble_rank
     from threefold.runtime.loader import ArtifactSource, load_batch, open_artifact
     torch.set_num_threads(1)
-    art = open_artifact(root, trust=trust)
+    art = open_artifact(root, trust=trust, verify_key=verify_key)   # each rank re-reads: re-checked
     engine = assemble_rank(art.manifest, ArtifactSource(art))
     batch = load_batch(art)
     from threefold.runtime.optimizers import make_optimizer   # plain SGD, or its zero=1 / fp16 form
@@ -92,8 +95,17 @@ def run(args) -> int:
         raise PlanError(f"--steps {args.steps} is invalid: use 1 or more")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise PlanError(f"--lr {args.lr} is invalid: use a positive finite learning rate")
-    art = open_artifact(args.dir, trust=args.trust)
+    verify_key = None
+    if args.verify is not None:
+        if args.trust:
+            raise PlanError("--verify and --trust contradict each other: --verify checks the signature and "
+                            "every file's sha256, --trust skips the sha256 checks; pass one")
+        from threefold.runtime.signing import read_key
+        verify_key = read_key(args.verify, "--verify")
+    art = open_artifact(args.dir, trust=args.trust, verify_key=verify_key)
     art.verify()        # every file against its sha256, before any rank imports or reads one
+    if not args.trust:
+        _tell_imports(art, args.verify, sys.stderr if args.json else sys.stdout)
     if not art.manifest.has_weights:
         raise PlanError(f"artifact {args.dir!r} has no weights (compiled on the meta device?); "
                         "compile a model with real weights to run it")
@@ -121,7 +133,8 @@ def run(args) -> int:
         trace_out = args.trace or os.path.abspath(art.root).rstrip("/") + ".trace"
         check_out_dir(trace_out, flag="--trace")
     result = run_on_ranks(_run_rank, art.manifest.mesh.world_size, art.root, args.steps, args.lr, args.trust,
-                          args.skip_nonfinite, args.save_every, ckpt_dir, resume, trace_steps)[0]
+                          args.skip_nonfinite, args.save_every, ckpt_dir, resume, trace_steps,
+                          verify_key)[0]
     from threefold.cli.jobs import is_main_rank
     losses, stopped = result["losses"], result["stopped"]
     if not is_main_rank():
@@ -141,6 +154,21 @@ def run(args) -> int:
         print(stop_message("run", *stopped), file=sys.stderr)
         return 1
     return 0
+
+
+def _tell_imports(art, key_file: str | None, stream) -> None:
+    """An artifact is code: say which of its modules this run imports, with the sha256 each
+    was checked against (once per job, before any rank starts; --trust leaves it out). On
+    stdout before the losses, or on stderr under --json (stdout is then the JSON alone)."""
+    import os
+    if os.environ.get("RANK", "0") != "0":
+        return
+    modules = sorted(f for f in art.manifest.files if f.endswith(".py"))
+    who = (f"its signature under {key_file} verified" if key_file else
+           "unsigned: run only artifacts from a source you trust (compile --sign / run --verify KEYFILE)")
+    lines = [f"threefold run: {art.root} is code; importing {len(modules)} modules ({who}):"]
+    lines += [f"  {m}  sha256 {art.manifest.files[m]}" for m in modules]
+    print("\n".join(lines), file=stream, flush=True)
 
 
 def _write_trace(out: str, trace: dict, quiet: bool) -> None:

@@ -48,7 +48,7 @@ def module_file(chunk: int) -> str:
 
 def save_artifact(prog: Program, out_dir: str, sources: dict[str, str] | None = None,
                   weights: bool = True, extra: dict | None = None,
-                  batch: tuple | None = None, force: bool = False) -> Artifact:
+                  batch: tuple | None = None, force: bool = False, sign_key: bytes | None = None) -> Artifact:
     """Write manifest, sources and weight shards into out_dir (see threefold/outdir.py:
     built in a temporary sibling and renamed into place; a non-empty directory that is not
     one of ours is refused unless `force`, which moves it aside rather than deleting it).
@@ -56,7 +56,8 @@ def save_artifact(prog: Program, out_dir: str, sources: dict[str, str] | None = 
     `batch` (the workload's global batch: model inputs, then target) is saved as
     batch.safetensors so `threefold run DIR` can train without the model's source. The
     manifest's "files" holds the sha256 of every file written (sources, weights, batch);
-    the loader checks them before it imports or reads anything.
+    the loader checks them before it imports or reads anything. With `sign_key`, an
+    HMAC-SHA256 of the manifest is written beside it (runtime/signing.py).
     """
     from threefold.outdir import write_out_dir
     sources = sources or build_sources(prog)
@@ -86,6 +87,9 @@ def save_artifact(prog: Program, out_dir: str, sources: dict[str, str] | None = 
             manifest = manifest.replace(extra={**manifest.extra, **extra})
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             f.write(manifest.dumps())
+        if sign_key is not None:
+            from threefold.runtime.signing import sign
+            sign(tmp, sign_key, MANIFEST)
 
     write_out_dir(out_dir, fill, kind="artifact", force=force)
     return open_artifact(out_dir)

@@ -143,7 +143,8 @@ def save_stage(stage, directory: str, weights: bool = True) -> str:
 
 
 def load_stage(directory: str):
-    """The stage `save_stage` wrote into `directory` (a stage type from compiler/stages.py)."""
+    """The stage `save_stage` wrote into `directory` (a stage type from compiler/stages.py).
+    A saved stage is code, like an artifact (a pickle of fx graphs): load only your own."""
     from threefold.compiler.stages import Stage
     from threefold.errors import PlanError
     path = os.path.join(directory, STAGE_FILE)

@@ -7,6 +7,9 @@ results in rank order. Faults are bounded:
 - The rendezvous store lives in this (parent) process, bound to 127.0.0.1, so a rank that
   dies or hangs (rank 0 included) never takes the store with it: the others can still
   read who failed, and the parent posts what it sees (a rank that died or is stopped).
+- The store is the job's own: a per-job secret, handed to the ranks with their arguments,
+  namespaces its keys and authenticates its values (runtime/job_store.py), so another
+  local process that writes rendezvous keys is ignored (or named), not obeyed.
 - Every rank asks the kernel to kill it when the parent dies (PR_SET_PDEATHSIG) and also
   polls its parent, so a killed launcher leaves no orphans.
 - When a rank fails or dies, the others get a short grace to fail on their own (they name
@@ -35,6 +38,7 @@ import torch.distributed as dist
 from threefold.errors import Terminated
 from threefold.runtime.comm import FAILURE_KEY, default_timeout, post_failure, use_failure_store
 from threefold.runtime.failure_report import failure_report, rank_traceback
+from threefold.runtime.job_store import SECRET_ENV, JobStore, new_secret
 
 GRACE_S = 5.0          # after the first failure, how long the other ranks get to report
 KNOWN_CAUSE_GRACE_S = 2.0   # ... when the launcher itself saw the cause (a rank died or stopped)
@@ -52,14 +56,23 @@ def free_port() -> int:
 
 
 def init_from_env(backend: str | None = None) -> None:
-    """Join the job described by RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun's env)."""
+    """Join the job described by RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun's env).
+    With THREEFOLD_JOB_SECRET set (the same value on every node), the job's keys in
+    torchrun's store are namespaced and authenticated by it (runtime/job_store.py)."""
     if dist.is_initialized():
         return
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and os.environ.get("THREEFOLD_BACKEND") != "gloo" else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=default_timeout())
+    secret = os.environ.get(SECRET_ENV)
+    if not secret:
+        dist.init_process_group(backend, timeout=default_timeout())
+        return
+    store, rank, world = next(dist.rendezvous("env://", timeout=default_timeout()))
+    store = JobStore(store, secret)
+    use_failure_store(store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=default_timeout())
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -81,7 +94,8 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="threefold-parent-watch", daemon=True).start()
 
 
-def _worker(rank: int, world: int, port: int, fn, args, queue, threads: int, parent_pid: int) -> None:
+def _worker(rank: int, world: int, port: int, secret: str, fn, args, queue, threads: int,
+            parent_pid: int) -> None:
     _die_with_parent(parent_pid)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -90,7 +104,7 @@ def _worker(rank: int, world: int, port: int, fn, args, queue, threads: int, par
     torch.set_num_threads(threads)
     try:
         timeout = default_timeout()
-        store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout)
+        store = JobStore(dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout), secret)
         use_failure_store(store)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         # Plain pickle copies tensors into the bytes; the queue's own pickler would share
@@ -145,8 +159,10 @@ def launch(fn, nprocs: int, *args, threads: int = 1, timeout: float | None = Non
         return [fn(*args)]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    store, port = _store_server(nprocs)
-    procs = [ctx.Process(target=_worker, args=(r, nprocs, port, fn, args, queue, threads, os.getpid()),
+    secret = new_secret()                   # the job's own store (runtime/job_store.py)
+    server, port = _store_server(nprocs)
+    store = JobStore(server, secret)
+    procs = [ctx.Process(target=_worker, args=(r, nprocs, port, secret, fn, args, queue, threads, os.getpid()),
                          daemon=True) for r in range(nprocs)]
     results: dict[int, tuple[str, object]] = {}
     causes: dict[int, str] = {}             # what the parent saw: a rank died or stopped
@@ -209,7 +225,7 @@ def launch(fn, nprocs: int, *args, threads: int = 1, timeout: float | None = Non
         _stop_all(procs)
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
-        del store
+        del store, server
         queue.close()
     errors = {r: v for r, (s, v) in results.items() if s == "error"}   # in the order they came
     for r in range(nprocs):

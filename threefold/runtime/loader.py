@@ -13,6 +13,8 @@ manifest is checked for consistency (mesh against chunks, weights against the mo
 parameter shapes). The hashes prove the files are the ones the manifest names, not who
 wrote the manifest: run only artifacts you made or received over a channel you trust.
 `trust=True` (`threefold run --trust`) skips the hash comparison, never the path checks.
+Who wrote the manifest is checked only with a signature: `compile --sign KEY` and
+`run --verify KEY` (runtime/signing.py).
 """
 from __future__ import annotations
 
@@ -76,9 +78,10 @@ class Artifact:
             self.read(rel)
 
 
-def open_artifact(root: str, trust: bool = False) -> Artifact:
+def open_artifact(root: str, trust: bool = False, verify_key: bytes | None = None) -> Artifact:
     """The artifact at `root`: its manifest read and checked (runtime/manifest.py), no other
-    file touched yet."""
+    file touched yet. With `verify_key`, the manifest's bytes must carry its signature under
+    that key (runtime/signing.py), and the bytes checked are the bytes parsed."""
     path = os.path.join(root, MANIFEST)
     if not os.path.isfile(path):
         raise PlanError(f"{root!r} is not a threefold artifact (no {MANIFEST}); "
@@ -86,10 +89,14 @@ def open_artifact(root: str, trust: bool = False) -> Artifact:
     if os.path.islink(path):
         raise PlanError(f"artifact {root!r}: {MANIFEST} is a symbolic link; refusing it")
     try:
-        with open(path) as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            data = f.read()
+        text = data.decode()
     except (OSError, ValueError) as exc:
         raise PlanError(f"artifact {root!r}: {MANIFEST} cannot be read ({exc}); recompile the artifact") from None
+    if verify_key is not None:      # the bytes checked are the bytes parsed
+        from threefold.runtime.signing import verify
+        verify(os.path.abspath(root), data, verify_key)
     return Artifact(os.path.abspath(root), Manifest.loads(text, root), trust)
 
 
