@@ -11,7 +11,16 @@ if ROOT not in sys.path:
 torch.set_num_threads(1)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    from tests.tiers import in_default_sample, unmatched
+    # Multi-rank tests outside the default run's sample are `extended` (tests/tiers.py).
+    for item in items:
+        if "slow" in item.keywords and "zoo" not in item.keywords and not in_default_sample(item.nodeid):
+            item.add_marker(pytest.mark.extended)
+    missing = unmatched([item.nodeid for item in items])
+    if missing and not config.option.deselect:
+        raise pytest.UsageError(f"tests/tiers.py names tests that do not exist: {missing}; fix the sample")
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -1,0 +1,87 @@
+"""The multi-rank tests the default run (`pytest -q`) keeps: one or two per feature family.
+
+Every test marked `slow` (it spawns ranks or runs a whole job) that is not named here gets
+the `extended` marker and leaves the default run; `pytest -m extended` runs them, and
+`pytest -m "slow or zoo"` with `-p no:cacheprovider` everything multi-rank. The default run
+must stay under 20 minutes on a quiet 2-core machine (README, "Test tiers"): add a test
+here only in place of another of its family, and measure (THREEFOLD_TEST_TIMES=FILE
+records each test's wall and CPU seconds).
+
+An entry is a test id as pytest prints it, with or without its [parameters] (without: every
+case of it).
+"""
+
+DEFAULT_SAMPLE = [
+    # runtime: pipeline and data parallelism, schedules, the API
+    "tests/test_runtime_parity.py::test_pipeline_and_data_parallel_match_single_process[2-plans0]",
+    "tests/test_runtime_parity.py::test_pipeline_and_data_parallel_match_single_process[4-plans1]",
+    "tests/test_runtime_parity.py::test_inflight_activations_respect_1f1b_bound",
+    "tests/test_runtime_parity.py::test_hf_models_pipeline_parity[llama-kwargs1]",
+    "tests/test_runtime_api.py::test_decorator_builds_a_parallel_module_and_evaluate_is_forward_only",
+    "tests/test_runtime_api.py::test_train_main_job_runs_and_writes_its_loss_curve",
+    "tests/test_plan_defaults.py::test_parallelize_on_4_ranks_infers_dp_and_m",
+    "tests/test_forward_outputs.py::test_call_on_a_loss_compiled_model_equals_eager[tp=2,pp=2,m=2-4]",
+    "tests/test_zero_bubble_parity.py::test_zero_bubble_pp2_matches_single_process",
+    "tests/test_plan_fuzz.py::test_random_plans_match_single_process[gpt]",
+    # tensor parallelism and sequence parallelism
+    "tests/test_tensor_parallel.py::test_tensor_parallel_matches_single_process[gpt-2]",
+    "tests/test_tensor_parallel.py::test_tensor_parallel_matches_single_process[llama-4]",
+    "tests/test_tensor_parallel.py::test_vocabulary_that_tp_does_not_divide_is_padded_without_changing_the_loss",
+    "tests/test_tensor_parallel.py::test_other_decoder_architectures_match_single_process[gpt_neox]",
+    "tests/test_tp_constructs.py::test_every_construct_matches_single_process_under_tp2",
+    "tests/test_saved_shards.py::test_sequence_parallel_saves_shards_and_gathers_again_in_backward[gpt]",
+    # semantics: losses, randomness, gradient norms
+    "tests/test_semantics_parity.py::test_semantics_parity_two_ranks",
+    "tests/test_semantics_rng.py::test_masks_independent_across_stages_microbatches_and_dp_agree_across_tp",
+    "tests/test_grad_norm.py::test_grad_norm_parity_two_ranks",
+    # memory: recompute, precision, ZeRO 1-3, HSDP, the memory model
+    "tests/test_recompute_parity.py::test_recompute_matches_none_and_single_process[gpt-kwargs0]",
+    "tests/test_precision.py::test_zero1_matches_single_process_optimizer_dp2[adamw]",
+    "tests/test_precision.py::test_bf16_matches_single_process_autocast_within_rounding_noise",
+    "tests/test_precision.py::test_fp16_skips_overflowing_steps_on_every_rank_and_backs_off",
+    "tests/test_fsdp.py::test_zero2_zero3_hsdp_match_one_process",
+    "tests/test_fsdp.py::test_sharded_bytes_per_parameter_match_the_formulas_and_the_estimate[2]",
+    "tests/test_memory_model.py::test_saved_bytes_match_autograd_every_mode",
+    # weights and checkpoints
+    "tests/test_checkpoint_reshard.py::test_checkpoint_reshards_across_plans",
+    "tests/test_checkpoint_agree.py::test_unseeded_ranks_train_rank0_weights_under_dp_and_tp",
+    "tests/test_checkpoint_weights.py::test_tp2_from_a_sharded_hf_directory_matches_single_process",
+    "tests/test_train_weights.py::test_spec_trains_from_the_weights_file_under_tp2",
+    # artifacts, the main job, traces and the report
+    "tests/test_artifact_run.py::test_threefold_run_trains_a_saved_artifact_like_the_original",
+    "tests/test_train_cli.py::test_spec_batches_train_under_dp_with_metrics_sample_and_generate",
+    "tests/test_trace_runs.py::test_traced_steps_follow_the_schedule[pp=2,m=4,schedule=zbv]",
+    "tests/test_trace_runs.py::test_train_trace_writes_trace_and_summary",
+    "tests/test_report_browser.py::test_inspect_report_opens_without_errors_and_searches",
+    # faults and safety
+    "tests/test_failure_report.py::test_the_launcher_reports_the_failing_ranks_traceback_once",
+    "tests/test_rank_failure.py::test_dead_rank_makes_the_others_fail_naming_it",
+    "tests/test_safety_api.py::test_parallelize_joins_a_torchrun_job_by_itself",
+    "tests/test_safety_bad_input.py::test_bad_weights_found_on_the_ranks_are_still_one_line_and_quick",
+    "tests/test_safety_faults.py::test_a_dead_or_stopped_rank_ends_the_job_in_bounded_time[SIGKILL-0]",
+    "tests/test_safety_faults.py::test_a_killed_launcher_takes_its_ranks_with_it[SIGKILL]",
+    "tests/test_safety_readme.py::test_the_readme_snippet_runs_as_written",
+    "tests/test_safety_files.py::test_train_resume_refuses_a_checkpoint_that_would_run_code",
+    "tests/test_safety_files.py::test_a_foreign_process_writing_the_store_at_start_up_is_ignored",
+    # the zoo's representative sample (the full matrices are `-m zoo`)
+    "tests/test_zoo.py::test_zoo_sample_matches_single_process[llama-tp=2]",
+    "tests/test_zoo.py::test_zoo_sample_matches_single_process[hw_nanogpt-pp=2,m=2]",
+    "tests/test_zoo.py::test_zoo_sample_matches_single_process[nn_encoder_seq_first-tp=2]",
+    "tests/test_zoo.py::test_zoo_sample_matches_single_process[hw_batchnorm-pp=2,m=2]",
+]
+
+
+def in_default_sample(nodeid: str) -> bool:
+    return nodeid in _SAMPLE or nodeid.split("[", 1)[0] in _SAMPLE
+
+
+def unmatched(collected_ids: list[str]) -> list[str]:
+    """Sample entries of a collected file that name no collected test (a renamed test would
+    otherwise leave the default run silently)."""
+    files = {i.split("::", 1)[0] for i in collected_ids}
+    bare = {i.split("[", 1)[0] for i in collected_ids}
+    return [e for e in DEFAULT_SAMPLE
+            if e.split("::", 1)[0] in files and e not in collected_ids and e not in bare]
+
+
+_SAMPLE = frozenset(DEFAULT_SAMPLE)
