@@ -8,9 +8,11 @@ from the model's own weights, and wraps them in a `ParallelModule`.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 import warnings
+from datetime import timedelta
 
 import torch
 
@@ -260,16 +262,60 @@ def _compile_once(rank: int, workload: Workload, plan: Plan, isolate: bool = Fal
         except Exception as exc:
             payload = {"error": f"compiling on rank 0 failed: {type(exc).__name__}: {exc}", "plan_error": False}
             if world > 1:
+                _wait_for_rank0_compile(rank)
                 dist.broadcast_object_list([payload], src=0)
             raise
         _return_freed_memory()
     if world > 1:
+        _wait_for_rank0_compile(rank)
         box = [payload]
         dist.broadcast_object_list(box, src=0)
         payload = box[0]
     if "error" in payload:
         raise (PlanError if payload["plan_error"] else RuntimeError)(payload["error"])
     return prog, payload
+
+
+def compile_timeout() -> timedelta:
+    """How long the other ranks wait for rank 0's compile: THREEFOLD_COMPILE_TIMEOUT seconds,
+    default ten times the collective timeout (at least 600 s). Compiling is minutes of work
+    that grows with the model and the machine's load, not a collective that should finish in
+    THREEFOLD_TIMEOUT; under a loaded 2-core host a 4-layer LLaMA's compile took over 60 s."""
+    from threefold.runtime.comm import default_timeout
+    base = default_timeout()
+    text = os.environ.get("THREEFOLD_COMPILE_TIMEOUT")
+    if text is None:
+        return max(10 * base, timedelta(seconds=600))
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds <= 1e6:
+        raise PlanError(f"THREEFOLD_COMPILE_TIMEOUT={text!r} is invalid: give seconds above 0 and "
+                        "at most 1000000, e.g. 600")
+    return timedelta(seconds=seconds)
+
+
+_compiles_started = itertools.count()   # per process; every rank calls parallelize alike
+
+
+def _wait_for_rank0_compile(rank: int) -> None:
+    """Every rank meets here once rank 0 has compiled (or failed to), waiting on a store key
+    bounded by compile_timeout(), so the broadcast that follows never waits on the compile
+    under the collective timeout. (A gloo barrier would: its sends are bounded by it.)"""
+    import torch.distributed as dist
+    key = f"threefold/compiled/{next(_compiles_started)}"
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        store.set(key, "1")
+    else:
+        try:
+            store.wait([key], compile_timeout())
+        except RuntimeError as exc:
+            if "timeout" not in str(exc).lower():
+                raise
+            raise RuntimeError(f"rank 0 did not finish compiling within {compile_timeout().total_seconds():.0f} s "
+                               "(THREEFOLD_COMPILE_TIMEOUT)") from None
 
 
 def _compile_payload(workload: Workload, plan: Plan, as_bytes: bool = False):
