@@ -85,11 +85,11 @@ class Top2MoE(nn.Module):
 
 
 class MoELM(nn.Module):
-    def __init__(self, layers: int = 2):
+    def __init__(self, layers: int = 2, experts: int = 4):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HIDDEN)
         self.norms = nn.ModuleList(nn.LayerNorm(HIDDEN) for _ in range(layers))
-        self.moes = nn.ModuleList(Top2MoE() for _ in range(layers))
+        self.moes = nn.ModuleList(Top2MoE(experts) for _ in range(layers))
         self.head = nn.Linear(HIDDEN, VOCAB)
 
     def forward(self, idx):
@@ -99,7 +99,7 @@ class MoELM(nn.Module):
         return self.head(x)
 
 
-def top2_moe(seed: int = 0):
+def top2_moe(seed: int = 0, experts: int = 4):
     torch.manual_seed(seed)
     inputs, target = token_batch(seed=seed)
-    return workload(MoELM().train(), (inputs,), target)
+    return workload(MoELM(experts=experts).train(), (inputs,), target)
