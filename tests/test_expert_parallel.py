@@ -129,3 +129,19 @@ def test_ep2_trains_like_one_process_with_half_the_experts_per_rank():
         assert a["sent"]["expert tokens"] == b["sent"]["expert tokens"] == dispatch, (arch, a["sent"])
         for what in ("expert outputs", "expert outputs gradients", "expert tokens gradients"):
             assert a["sent"][what] + b["sent"][what] == 2 * dispatch, (arch, what)
+
+
+def test_inspect_reports_experts_per_rank_tokens_per_expert_and_all_to_all_bytes():
+    from tests.zoo import ZOO
+    from threefold.cli.inspect_experts import expert_report
+    from threefold.compiler.api import compile_workload
+    w = ZOO["hw_moe_top2"]()
+    report = expert_report(compile_workload(w, "dp=2,ep=2"), tuple(w["inputs"]) + (w["target"],))
+    assert report["ep"] == 2 and len(report["layers"]) == 2
+    layer = report["layers"][0]
+    assert layer["held_by_ep_rank"] == [[0, 1], [2, 3]]
+    tokens, top_k, hidden = 4 * 8, 2, 32
+    assert sum(layer["tokens_per_expert"]) == tokens * top_k       # the whole example batch
+    rows = tokens // 2 * top_k                                       # one rank's microbatch (m=1)
+    assert layer["rows_per_microbatch"] == rows
+    assert layer["all_to_all_bytes"]["forward"] == 2 * rows * hidden * 4   # there and back, fp32
