@@ -145,3 +145,21 @@ def test_inspect_reports_experts_per_rank_tokens_per_expert_and_all_to_all_bytes
     rows = tokens // 2 * top_k                                       # one rank's microbatch (m=1)
     assert layer["rows_per_microbatch"] == rows
     assert layer["all_to_all_bytes"]["forward"] == 2 * rows * hidden * 4   # there and back, fp32
+
+
+# -- zoo tier: every MoE config under every ep plan family --------------------------------
+ZOO_ARCHS = ["mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "hw_moe_top2"]
+ZOO_PLANS = ["dp=2,ep=2", "dp=4,ep=4", "dp=4,ep=2", "tp=2,dp=2,ep=2", "pp=2,dp=2,ep=2,m=2"]
+_cells: dict = {}
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("plan", ZOO_PLANS)
+@pytest.mark.parametrize("arch", ZOO_ARCHS)
+def test_moe_zoo_under_ep_matches_single_process(arch, plan):
+    from tests.zoo.matrix import run_matrix
+    if not _cells:
+        _cells.update(run_matrix(ZOO_ARCHS, ZOO_PLANS, log=lambda s: None)["cells"])
+    assert _cells[(arch, plan)]["verdict"] == "pass", _cells[(arch, plan)]
