@@ -201,3 +201,14 @@ def test_ep_checkpoint_holds_experts_as_rows_of_the_full_tensors_and_loads_under
     ranks = threefold.launch(_checkpoint_rank, 2, str(tmp_path), timeout=360)
     for losses in ranks:
         assert max_rel_diff(losses, ref[2:] * 2) < 1e-5, (losses, ref)
+
+
+def test_performance_model_ep_moves_k_over_n_of_tp_bytes_and_has_a_crossover_in_experts():
+    from threefold.planner.cluster import load_cluster
+    from threefold.planner.moe import MoeShape, crossover_experts
+    cluster = load_cluster("h100-80gb")
+    shape = MoeShape(tokens=4096, hidden=4096, ffn=1408, experts=64, top_k=2)
+    assert crossover_experts(shape, 4, cluster) == 4          # k < n: fewer bytes, fewer kernels
+    wide = MoeShape(tokens=4096, hidden=4096, ffn=1408, experts=64, top_k=8)
+    e = crossover_experts(wide, 4, cluster)                    # k > n: ep pays in bytes ...
+    assert e is not None and e > 4                             # ... until tp's thin experts cost more
