@@ -92,6 +92,7 @@ def _rank(archs: list[str]) -> list[dict]:
             pm = threefold.parallelize(w["model"], "dp=2,ep=2", w["inputs"], w["loss_fn"], target=w["target"])
             experts = pm.manifest["experts"]
             held = {f: p.shape[0] for f, p in pm.named_parameters() if f in experts}
+            logits = pm(*w["inputs"])           # forward only: the model's outputs, this rank's rows
             opt = pm.optimizer(torch.optim.SGD, lr=0.1)
             sent.clear()
             losses = []
@@ -99,7 +100,8 @@ def _rank(archs: list[str]) -> list[dict]:
                 opt.zero_grad()
                 losses.append(pm.step(*w["inputs"], target=w["target"]))
                 opt.step()
-            out.append({"losses": losses, "held": held, "full": {f: full[f] for f in held},
+            out.append({"losses": losses, "held": held, "full": {f: full[f] for f in held}, "logits": logits,
+                        "logits_dim": pm.manifest["output_batch_dims"][0],
                         "sent": dict(sent)})
         return out
     finally:
@@ -111,15 +113,20 @@ def _rank(archs: list[str]) -> list[dict]:
 def test_ep2_trains_like_one_process_with_half_the_experts_per_rank():
     from tests.zoo import ZOO
     archs = ["mixtral", "hw_moe_top2"]
-    refs = []
+    refs, eager = [], []
     for arch in archs:
         torch.manual_seed(1234)
-        refs.append(sgd_losses(ZOO[arch](), STEPS))
+        w = ZOO[arch]()
+        with torch.no_grad():
+            eager.append(w["model"](*w["inputs"]))
+        refs.append(sgd_losses(w, STEPS))
     ranks = threefold.launch(_rank, 2, archs, timeout=360)
     for k, arch in enumerate(archs):
         a, b = ranks[0][k], ranks[1][k]
         assert a["losses"] == b["losses"], arch
         assert max_rel_diff(a["losses"], refs[k]) < 1e-5, (arch, a["losses"], refs[k])
+        whole = torch.cat([a["logits"], b["logits"]], dim=a["logits_dim"])   # pm(x) under ep
+        torch.testing.assert_close(whole, eager[k], rtol=1e-5, atol=1e-5)
         assert a["held"] and all(a["held"][f] * 2 == a["full"][f] for f in a["held"]), arch
         # a rank's dispatch sends its routed rows (its tokens x top-2 x hidden, fp32; the
         # all_to_all_single input includes the rows for its own experts), every layer and

@@ -99,7 +99,10 @@ class _ClassWriter:
             g = model_outputs_graph(self.gm, self.prog.model_outputs, self.prog.model_output_meta,
                                     self.prog.plan.tp)
             if not isinstance(g, str):
+                before = len(self.segment_methods)
                 lines += [""] + self._method("model_outputs", g)
+                for method in self.segment_methods[before:]:   # its expert regions' methods
+                    lines += [""] + method
                 outputs_attr = "    MODEL_OUTPUT_INPUTS = " + repr(
                     [tf(n)["input_index"] for n in g.nodes if n.op == "placeholder" and tf(n)["kind"] == "input"])
 
@@ -163,8 +166,12 @@ class _ClassWriter:
         deferred = (deferred_ops(graph, in_segment) if name == "forward" and splits_backward(self.prog.plan)
                     else {})
         self.unit_starts = self._unit_starts() if name != "loss_denominator" else {}
-        regions = list(self.chunk.experts) if name == "forward" else []
-        region_last = {r["nodes"][-1]: r for r in regions}
+        # expert regions (passes/experts.py): in forward, and in model_outputs (pm(x)), whose
+        # graph copies forward's ops by name (an assert no output needs may be left out)
+        present = {n.name for n in graph.nodes}
+        regions = [r for r in self.chunk.experts if r["nodes"][-1] in present or
+                   any(o in present for o in r["outputs"])] if name in ("forward", "model_outputs") else []
+        region_last = {[x for x in r["nodes"] if x in present][-1]: r for r in regions}
         in_region = {x for r in regions for x in r["nodes"]}
         for node in graph.nodes:
             if node.name in region_last:
@@ -227,10 +234,10 @@ class _ClassWriter:
         through ChunkModule.experts, which under ep=N runs it on the ranks holding the rows'
         experts (all-to-all there and back, runtime/experts.py) and with ep=1 directly."""
         by_name = {n.name: n for n in graph.nodes}
-        nodes = [by_name[x] for x in region["nodes"]]
+        nodes = [by_name[x] for x in region["nodes"] if x in by_name]
         offs = by_name[region["offs"]]
         groups = [[by_name[x] for x in region[k]] for k in ("rows", "weights", "others")]
-        outputs = [by_name[x] for x in region["outputs"]]
+        outputs = [by_name[x] for x in region["outputs"] if x in by_name]
         method = f"_experts_{len(self.segment_methods)}"
         outer_device = self.uses_device
         self.uses_device = False

@@ -172,6 +172,10 @@ def _region(graph, order, offs, mms, parts) -> dict:
     last = order[ordered[-1]]
     outputs = [n for n in ordered if any(u not in nodes for u in n.users)]
     for n in outputs:
+        if not isinstance(_val(n), torch.Tensor):
+            raise PlanError(f"expert region {name}: {n.name} ({op_name(n)}) leaves the region as a tuple; "
+                            "drop ep for this model")
+    for n in outputs:
         for u in n.users:
             if u not in nodes and order[u] < last:
                 raise PlanError(f"expert region {name}: {u.name} reads {n.name} before the region ends; drop ep")
