@@ -97,12 +97,13 @@ def _rank(archs: list[str]) -> list[dict]:
             logits = pm(*w["inputs"])           # forward only: the model's outputs, this rank's rows
             opt = pm.optimizer(torch.optim.SGD, lr=0.1)
             sent.clear()
-            losses = []
+            losses, norms = [], []
             for _ in range(STEPS):
                 opt.zero_grad()
                 losses.append(pm.step(*w["inputs"], target=w["target"]))
+                norms.append(pm.clip_grad_norm_(1e9))   # counts each expert once
                 opt.step()
-            out.append({"losses": losses, "held": held, "full": {f: full[f] for f in held}, "logits": logits,
+            out.append({"losses": losses, "norm": norms[0], "held": held, "full": {f: full[f] for f in held}, "logits": logits,
                         "logits_dim": pm.manifest["output_batch_dims"][0],
                         "sent": dict(sent)})
         return out
@@ -115,12 +116,15 @@ def _rank(archs: list[str]) -> list[dict]:
 def test_ep2_trains_like_one_process_with_half_the_experts_per_rank():
     from tests.zoo import ZOO
     archs = ["mixtral", "hw_moe_top2"]
-    refs, eager = [], []
+    refs, eager, norms = [], [], []
     for arch in archs:
         torch.manual_seed(1234)
         w = ZOO[arch]()
         with torch.no_grad():
             eager.append(w["model"](*w["inputs"]))
+        w["loss_fn"](w["model"](*w["inputs"]), w["target"]).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(w["model"].parameters(), 1e9)))
+        w["model"].zero_grad()
         refs.append(sgd_losses(w, STEPS))
     ranks = threefold.launch(_rank, 2, archs, timeout=360)
     for k, arch in enumerate(archs):
@@ -129,6 +133,7 @@ def test_ep2_trains_like_one_process_with_half_the_experts_per_rank():
         assert max_rel_diff(a["losses"], refs[k]) < 1e-5, (arch, a["losses"], refs[k])
         whole = torch.cat([a["logits"], b["logits"]], dim=a["logits_dim"])   # pm(x) under ep
         torch.testing.assert_close(whole, eager[k], rtol=1e-5, atol=1e-5)
+        assert abs(a["norm"] - norms[k]) / norms[k] < 1e-5, (arch, a["norm"], norms[k])
         assert a["held"] and all(a["held"][f] * 2 == a["full"][f] for f in a["held"]), arch
         # a rank's dispatch sends its routed rows (its tokens x top-2 x hidden, fp32; the
         # all_to_all_single input includes the rows for its own experts), every layer and
