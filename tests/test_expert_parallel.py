@@ -226,3 +226,10 @@ def test_performance_model_ep_moves_k_over_n_of_tp_bytes_and_has_a_crossover_in_
     wide = MoeShape(tokens=4096, hidden=4096, ffn=1408, experts=64, top_k=8)
     e = crossover_experts(wide, 4, cluster)                    # k > n: ep pays in bytes ...
     assert e is not None and e > 4                             # ... until tp's thin experts cost more
+
+
+def test_data_dependent_expert_loop_is_one_line_plan_error():
+    from tests.zoo.handwritten_moe import loop_moe
+    from threefold.compiler.api import compile_workload
+    with pytest.raises(threefold.PlanError, match=r"where in 1 makes a tensor whose size depends on the data"):
+        compile_workload(loop_moe(), "dp=2,ep=2")

@@ -103,3 +103,30 @@ def top2_moe(seed: int = 0, experts: int = 4):
     torch.manual_seed(seed)
     inputs, target = token_batch(seed=seed)
     return workload(MoELM(experts=experts).train(), (inputs,), target)
+
+
+class LoopMoE(nn.Module):
+    """The older Hugging Face form: a ModuleList of experts, each picking its tokens with
+    torch.where (a data-dependent size): refused with one line (passes/static_shapes.py)."""
+
+    def __init__(self, experts: int = 4):
+        super().__init__()
+        self.router = nn.Linear(HIDDEN, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(experts))
+
+    def forward(self, x):
+        b, t, c = x.shape
+        x = x.reshape(-1, c)
+        gate, expert = self.router(x).softmax(-1).topk(2, dim=-1)
+        out = torch.zeros_like(x)
+        for e, layer in enumerate(self.experts):
+            tok, slot = torch.where(expert == e)
+            out = out.index_add(0, tok, layer(x[tok]) * gate[tok, slot, None])
+        return out.reshape(b, t, c)
+
+
+def loop_moe(seed: int = 0):
+    torch.manual_seed(seed)
+    inputs, target = token_batch(seed=seed)
+    model = nn.Sequential(nn.Embedding(VOCAB, HIDDEN), LoopMoE(), nn.Linear(HIDDEN, VOCAB))
+    return workload(model, (inputs,), target)

@@ -27,6 +27,7 @@ from threefold.passes.loss_form import loss_form
 from threefold.passes.pipeline_split import split_pipeline
 from threefold.passes.random_ops import seed_random_ops
 from threefold.passes.recompute import plan_recompute
+from threefold.passes.static_shapes import check_static_shapes
 from threefold.passes.shard_units import plan_shard_units
 from threefold.passes.tensor_parallel import tensor_parallel
 
@@ -41,7 +42,7 @@ def default_passes() -> list[Pass]:
     ops already seeded, so a recomputed dropout calls the same seeded op). ZeRO-2/3 units
     group the final chunk graphs' parameters by layer. Expert regions are found in the final
     chunk graphs (a pipeline cut between two expert matmuls leaves a region on each side)."""
-    return [check_batch_statistics, loss_form, tensor_parallel, annotate_costs, split_pipeline, fuse,
+    return [check_static_shapes, check_batch_statistics, loss_form, tensor_parallel, annotate_costs, split_pipeline, fuse,
             seed_random_ops, find_experts, plan_recompute, plan_shard_units]
 
 
