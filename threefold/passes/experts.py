@@ -50,7 +50,7 @@ def find_experts(prog: Partitioned) -> Partitioned:
     chunks = []
     found = 0
     for chunk in prog.chunks:
-        regions = _regions(chunk.gm.graph)
+        regions = _regions(chunk.gm.graph, strict=ep > 1)
         found += len(regions)
         for r in regions:
             if ep > 1 and r["experts"] % ep:
@@ -61,11 +61,9 @@ def find_experts(prog: Partitioned) -> Partitioned:
         raise PlanError(f"plan ep={ep}: no expert computation found in {prog.name} (grouped matmuls over "
                         "[experts, in, out] parameter weights with per-expert row offsets); drop ep, or "
                         "write the experts as one stacked weight applied with a grouped matmul")
-    if ep > 1:
-        for chunk in chunks:
-            if chunk.experts and getattr(prog.plan, "recompute", "none") != "none":
-                raise PlanError(f"plan ep={ep} with recompute={prog.plan.recompute} is not supported yet "
-                                "(an expert region inside a recomputed segment); use recompute=none with ep")
+    if ep > 1 and getattr(prog.plan, "recompute", "none") != "none":
+        raise PlanError(f"plan ep={ep} with recompute={prog.plan.recompute} is not supported yet "
+                        "(an expert region inside a recomputed segment); use recompute=none with ep")
     return prog.evolve(chunks=tuple(chunks))
 
 
@@ -107,7 +105,9 @@ def _val(n):
     return n.meta.get("val") if isinstance(n, fx.Node) else None
 
 
-def _regions(graph: fx.Graph) -> list[dict]:
+def _regions(graph: fx.Graph, strict: bool) -> list[dict]:
+    """The graph's expert regions. Without ep (strict=False) a region that ep could not run
+    is simply not one: the ops stay inline, as traced."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     by_offs: dict[fx.Node, list[fx.Node]] = {}
     parts: dict[fx.Node, tuple] = {}
@@ -118,7 +118,11 @@ def _regions(graph: fx.Graph) -> list[dict]:
             by_offs.setdefault(m[3], []).append(n)
     out = []
     for offs, mms in by_offs.items():
-        out.append(_region(graph, order, offs, mms, parts))
+        try:
+            out.append(_region(graph, order, offs, mms, parts))
+        except PlanError:
+            if strict:
+                raise
     return out
 
 
