@@ -1,7 +1,7 @@
 """Zoo tier: parity of architectures nobody wrote the passes against, under every plan family.
 
 The full matrix (tests/zoo, every arch x every plan) is marked `zoo` and is not in the default
-run (pyproject's addopts deselect it): `python -m pytest -m zoo tests/test_zoo.py` (57 archs x
+run (pyproject's addopts deselect it): `python -m pytest -m zoo tests/test_zoo.py` (59 archs x
 5 plans, about 7-8 min on 2 shared cores). A small
 sample of cells that pass today (one HF decoder, one torch.nn model, two hand-written ones)
 runs in the default suite, marked slow. Each matrix runs once per module (one launched job

@@ -60,9 +60,14 @@ class Plan:
     zero: int = 0               # 0..3: what is sharded over the dp_shard ranks (see ZERO_STAGES)
     # HSDP: ranks per shard group (dp_replicate = dp / dp_shard replicas of it); None = all of dp
     dp_shard: int | None = None
+    # Expert parallelism (passes/experts.py, runtime/experts.py): each group of ep consecutive
+    # dp ranks holds E/ep whole experts of every MoE layer and moves tokens to them with
+    # all-to-all. ep ranks are dp ranks (Megatron's expert-data-parallel layout): ep divides dp,
+    # and an expert's gradient is reduced over the dp/ep ranks that hold it.
+    ep: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp", "microbatches", "interleave"):
+        for name in ("tp", "pp", "dp", "microbatches", "interleave", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanError(f"plan {name}={value!r} is invalid: it must be a positive integer")
@@ -106,6 +111,13 @@ class Plan:
                                 "shards; add zero=3 (HSDP) or drop dp_shard")
             if d == self.dp:   # the default spelled out: one form, so str() round-trips
                 object.__setattr__(self, "dp_shard", None)
+        if self.ep > 1:
+            if self.dp % self.ep:
+                raise PlanError(f"plan ep={self.ep} is invalid with dp={self.dp}: expert-parallel ranks are "
+                                f"data-parallel ranks, so ep must divide dp; set dp to a multiple of {self.ep}")
+            if self.zero or self.dp_shard is not None:
+                raise PlanError(f"plan ep={self.ep} with zero={self.zero} is not supported yet: ZeRO would shard "
+                                "expert and dense parameters over different groups; use zero=0 with ep")
         if isinstance(self.split_points, (list, str)):
             pts = (self.split_points,) if isinstance(self.split_points, str) else tuple(self.split_points)
             object.__setattr__(self, "split_points", pts)
@@ -181,7 +193,7 @@ class Plan:
             value = getattr(self, f.name)
             if value == getattr(default, f.name) and f.name in ("split_points", "fuse", "recompute",
                                                                  "scatter_gather", "sp", "loss", "batchnorm",
-                                                                 "strict", "dtype", "zero", "dp_shard"):
+                                                                 "strict", "dtype", "zero", "dp_shard", "ep"):
                 continue
             key = _SHORT.get(f.name, f.name)
             if f.name == "split_points":

@@ -47,7 +47,7 @@ def resolve_plan(plan, world: int | None = None, batch: int | None = None) -> Re
     notes: list[str] = []
     if "dp" not in given and world is not None:
         # tp*pp (and any other non-data axis): the ranks of one data-parallel replica
-        per_replica = Plan(**{k: v for k, v in given.items() if k not in ("dp", "dp_shard")}).world_size
+        per_replica = Plan(**{k: v for k, v in given.items() if k not in ("dp", "dp_shard", "ep")}).world_size
         if world % per_replica == 0:
             given["dp"] = world // per_replica
     base = Plan(**given)

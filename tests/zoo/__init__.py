@@ -10,6 +10,7 @@ from __future__ import annotations
 from tests.zoo import handwritten_attention as _hwa
 from tests.zoo import handwritten_losses as _hwl
 from tests.zoo import handwritten_more as _hwm
+from tests.zoo import handwritten_moe as _hwmoe
 from tests.zoo import handwritten_semantics as _hws
 from tests.zoo import hf_decoders as _hf
 from tests.zoo import hf_other as _hfo
@@ -40,6 +41,7 @@ ZOO = {
     "gptj": _D["gptj"],                  # interleaved rotary built with stack/flatten, parallel block
     "codegen": _D["codegen"],            # fused qkv reshaped into mp_num=4 groups, interleaved rotary
     "mixtral": _D["mixtral"],            # MoE: router softmax, top-k, per-expert index/gather/scatter
+    "olmoe": _D["olmoe"],                # MoE without top-k renormalisation, q/k norms
     "qwen2_moe": _D["qwen2_moe"],        # MoE with shared expert and sigmoid shared gate
     "cohere": _D["cohere"],              # parallel attn + MLP, LayerNorm without bias, per-head qk norm, logit scale
     "starcoder2": _D["starcoder2"],      # GQA with biases, LayerNorm, plain GELU MLP (c_fc / c_proj)
@@ -63,6 +65,7 @@ ZOO = {
     "hw_gqa_repeat_interleave": _hwa.FACTORIES["hw_gqa_repeat_interleave"],  # GQA by repeat_interleave, SDPA
     "hw_param_matmul": _hwa.FACTORIES["hw_param_matmul"],       # x @ W.T with W an nn.Parameter (no Linear)
     "hw_moe_softmax": _hwa.FACTORIES["hw_moe_softmax"],         # softmax router, topk, scatter, dense experts
+    "hw_moe_top2": _hwmoe.top2_moe,                             # top-2 router, rows sorted by expert, grouped matmul
     "hw_flat_mlp": _hwa.FACTORIES["hw_flat_mlp"],               # MLP on [B*T, C] tokens (OPT, GPT-2 Conv1D)
     "hw_qk_norm_full_width": _hwa.FACTORIES["hw_qk_norm_full_width"],  # RMSNorm over the sharded q/k width (OLMo2)
     "hw_einsum": _hwm.FACTORIES["hw_einsum"],                   # einsum projections against [h, d, C] params

@@ -53,6 +53,8 @@ DECODERS = {
                 num_experts_per_tok=2)),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(_STD, num_key_value_heads=2, num_experts=4,
                   num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(_STD, num_key_value_heads=2, num_experts=4,
+              num_experts_per_tok=2)),
     "cohere": ("CohereConfig", "CohereForCausalLM", dict(_STD, num_key_value_heads=2, use_qk_norm=True)),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(_STD, num_key_value_heads=2,
                    residual_dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0)),

@@ -42,6 +42,16 @@ def layout_of(pm, fqn: str, local: torch.Tensor) -> Sharded:
     dim, parts = pieces(spec, shape, pm.engine.coord.tp)
     s = Sharded(local, dim, parts, shape)
     s.spec = spec
+    experts = pm.manifest.get("experts") or {}
+    mesh = pm.engine.mesh
+    if fqn in experts and mesh.ep > 1:
+        # ep: this rank's E/ep experts are rows of the full tensor (runtime/experts.py), so
+        # they are saved as those rows, under the same key and full shape as any other plan
+        from threefold.checkpoint.zero_state import RowsOf
+        count = experts[fqn] // mesh.ep
+        rows = RowsOf(s, pm.engine.coord.ep * count, count, local)
+        rows.expert_rows = True
+        return rows
     return s
 
 
@@ -66,6 +76,8 @@ def holds_unique(pm, layout) -> bool:
     """Whether this rank is the one that counts `layout`'s pieces when the whole model is
     assembled: dp rank 0 for replicated tensors, replica 0 for zero=3's row shards."""
     coord = pm.engine.coord
+    if getattr(layout, "expert_rows", False):   # ep: the edp ranks hold equal copies of these experts
+        return coord["edp"] == 0
     return (coord["dp_replicate"] if getattr(layout, "row_sharded", False) else coord["dp"]) == 0
 
 

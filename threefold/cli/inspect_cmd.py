@@ -57,6 +57,10 @@ def run(args) -> int:
     prog = compile_workload(workload, resolved.plan)
     tell(resolved)
     report = chunk_report(prog)
+    from threefold.cli.inspect_experts import expert_report, format_experts
+    experts = expert_report(prog, tuple(workload.inputs) + ((workload.target,) if workload.loss_fn else ()))
+    if experts is not None:   # MoE layers: experts per ep rank, tokens per expert, all-to-all bytes
+        report["experts"] = experts
     from threefold.cli.step_report import step_report
     report.update(step_report(prog))
     memory = None
@@ -83,6 +87,9 @@ def run(args) -> int:
         print(json.dumps(report, indent=2))
         return 0 if report.get("fits", {}).get("fits", True) else 1
     print(format_report(prog, {k: v for k, v in report.items() if k != "memory"}))
+    if experts is not None:
+        print()
+        print(format_experts(experts))
     if getattr(args, "memory", False):
         print()
         print_memory(prog, memory)

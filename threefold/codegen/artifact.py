@@ -168,6 +168,7 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
         output_batch_dims=prog.output_batch_dims,
         output_tree=prog.output_tree,
         model_outputs_missing=missing_reason(prog),
+        experts={f: e for c in prog.chunks for r in c.experts for f, e in r["params"].items()},
         frozen=tuple(sorted({tf(n)["fqn"] for _, n in prog.chunk_nodes()
                              if n.op == "placeholder" and tf(n).get("frozen")})),
         notes=tuple(prog.notes),
@@ -191,6 +192,11 @@ def _local_shapes(prog: Program) -> dict[str, list[int]]:
     for _, n in prog.chunk_nodes():
         if n.op == "placeholder" and tf(n).get("kind") == "param":
             out.setdefault(tf(n)["fqn"], [int(x) for x in n.meta["val"].shape])
+    ep = getattr(prog.plan, "ep", 1)
+    for c in prog.chunks:   # under ep=N a rank holds E/N of each expert weight's rows
+        for r in c.experts:
+            for fqn, experts in r["params"].items():
+                out[fqn] = [experts // ep] + out[fqn][1:]
     return out
 
 

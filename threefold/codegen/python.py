@@ -99,7 +99,10 @@ class _ClassWriter:
             g = model_outputs_graph(self.gm, self.prog.model_outputs, self.prog.model_output_meta,
                                     self.prog.plan.tp)
             if not isinstance(g, str):
+                before = len(self.segment_methods)
                 lines += [""] + self._method("model_outputs", g)
+                for method in self.segment_methods[before:]:   # its expert regions' methods
+                    lines += [""] + method
                 outputs_attr = "    MODEL_OUTPUT_INPUTS = " + repr(
                     [tf(n)["input_index"] for n in g.nodes if n.op == "placeholder" and tf(n)["kind"] == "input"])
 
@@ -113,6 +116,9 @@ class _ClassWriter:
         cls.append("    PARAMS = {" + "".join(f"\n        {tf(n)['fqn']!r}: {spec(n)}," for n in params)
                    + ("\n    }" if params else "}"))
         frozen = [tf(n)["fqn"] for n in params if tf(n).get("frozen")]
+        experts = {f: e for r in self.chunk.experts for f, e in r["params"].items()}
+        if experts:  # expert weights: under ep=N each rank keeps E/N of them (runtime/experts.py)
+            cls.append(f"    EXPERTS = {experts!r}")
         if frozen:  # requires_grad=False in the model: no gradient, no optimizer state
             cls.append(f"    FROZEN = {frozen!r}")
         cls.append("    BUFFERS = {" + "".join(f"\n        {tf(n)['fqn']!r}: {spec(n)}," for n in buffers)
@@ -160,8 +166,19 @@ class _ClassWriter:
         deferred = (deferred_ops(graph, in_segment) if name == "forward" and splits_backward(self.prog.plan)
                     else {})
         self.unit_starts = self._unit_starts() if name != "loss_denominator" else {}
+        # expert regions (passes/experts.py): in forward, and in model_outputs (pm(x)), whose
+        # graph copies forward's ops by name (an assert no output needs may be left out)
+        present = {n.name for n in graph.nodes}
+        regions = [r for r in self.chunk.experts if r["nodes"][-1] in present or
+                   any(o in present for o in r["outputs"])] if name in ("forward", "model_outputs") else []
+        region_last = {[x for x in r["nodes"] if x in present][-1]: r for r in regions}
+        in_region = {x for r in regions for x in r["nodes"]}
         for node in graph.nodes:
-            if node.name in first:
+            if node.name in region_last:
+                lines += self._experts_call(graph, region_last[node.name])
+            elif node.name in in_region:
+                continue
+            elif node.name in first:
                 for n in first[node.name]["nodes"]:
                     lines += self._unit_line(n)
                 lines += self._segment_call(graph, first[node.name])
@@ -210,6 +227,40 @@ class _ClassWriter:
                 + wrap_call(f"        {''.join(self.names[o] + ', ' for o in outputs)}= self.recompute("
                             f"self.{method}" + (", " if inputs else ""), [self.names[a] for a in inputs],
                             "", "        "))
+
+    def _experts_call(self, graph: fx.Graph, region: dict) -> list[str]:
+        """An expert region (passes/experts.py): its row-wise ops become a method
+        `_experts_<k>(offs, rows..., expert weights..., others...)`, and forward calls it
+        through ChunkModule.experts, which under ep=N runs it on the ranks holding the rows'
+        experts (all-to-all there and back, runtime/experts.py) and with ep=1 directly."""
+        by_name = {n.name: n for n in graph.nodes}
+        nodes = [by_name[x] for x in region["nodes"] if x in by_name]
+        offs = by_name[region["offs"]]
+        groups = [[by_name[x] for x in region[k]] for k in ("rows", "weights", "others")]
+        outputs = [by_name[x] for x in region["outputs"] if x in by_name]
+        method = f"_experts_{len(self.segment_methods)}"
+        outer_device = self.uses_device
+        self.uses_device = False
+        params = [self.names[offs]] + [self.names[a] for g in groups for a in g]
+        body = wrap_call(f"    def {method}(", ["self"] + params, "", "        ", "):")
+        body.append(f"        # {region['name']}: {region['experts']} experts (this rank's under ep), "
+                    "rows sorted by expert, offsets local")
+        dev_line = len(body)
+        for n in nodes:
+            body += self._line(n)
+        body.append("        return (" + "".join(self.names[o] + ", " for o in outputs) + ")")
+        if self.uses_device:
+            body.insert(dev_line, "        dev = self.device")
+        self.uses_device = outer_device
+        self.segment_methods.append(body)
+
+        def tup(g):
+            return "(" + "".join(self.names[a] + ", " for a in g) + ")"
+        return ([f"        # experts {region['name']}: {len(nodes)} ops on the rows' experts' ranks "
+                 "(under ep: all-to-all there and back)"]
+                + wrap_call(f"        {''.join(self.names[o] + ', ' for o in outputs)}= self.experts(",
+                            [f"self.{method}", str(region["experts"]), self.names[offs]]
+                            + [tup(g) for g in groups], "", "        "))
 
     def _unit_starts(self) -> dict[str, tuple[int, str]]:
         """zero=3: first node of each layer unit -> (unit index, layer) (passes/shard_units.py)."""

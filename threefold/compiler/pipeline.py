@@ -21,11 +21,13 @@ from threefold.compiler.cost import annotate_costs
 from threefold.compiler.stages import Stage
 from threefold.errors import PlanError
 from threefold.passes.batch_stats import check_batch_statistics
+from threefold.passes.experts import find_experts
 from threefold.passes.fusion import fuse
 from threefold.passes.loss_form import loss_form
 from threefold.passes.pipeline_split import split_pipeline
 from threefold.passes.random_ops import seed_random_ops
 from threefold.passes.recompute import plan_recompute
+from threefold.passes.static_shapes import check_static_shapes
 from threefold.passes.shard_units import plan_shard_units
 from threefold.passes.tensor_parallel import tensor_parallel
 
@@ -38,9 +40,10 @@ def default_passes() -> list[Pass]:
     works on those. The loss's combination over microbatches and the batch-statistics check
     read the traced graph. Recomputation marks segments of the final chunk graphs (random
     ops already seeded, so a recomputed dropout calls the same seeded op). ZeRO-2/3 units
-    group the final chunk graphs' parameters by layer."""
-    return [check_batch_statistics, loss_form, tensor_parallel, annotate_costs, split_pipeline, fuse,
-            seed_random_ops, plan_recompute, plan_shard_units]
+    group the final chunk graphs' parameters by layer. Expert regions are found in the final
+    chunk graphs (a pipeline cut between two expert matmuls leaves a region on each side)."""
+    return [check_static_shapes, check_batch_statistics, loss_form, tensor_parallel, annotate_costs, split_pipeline, fuse,
+            seed_random_ops, find_experts, plan_recompute, plan_shard_units]
 
 
 class PassFailed(RuntimeError):

@@ -79,6 +79,7 @@ class Chunk:
     cost: Any = None                        # compiler.cost.ChunkCost, per tp rank, at partition time
     recompute: tuple = ()                   # segments rerun in backward (passes/recompute.py)
     units: tuple = ()                       # zero>=2: parameter units (passes/shard_units.py)
+    experts: tuple = ()                     # expert regions (passes/experts.py)
 
     @property
     def input_names(self) -> list[str]:

@@ -5,7 +5,7 @@ saved activations derived from the chunk graphs by planner/saved_bytes.py) or by
 planner's per-layer `ModelCost` (`stage_memory`: a model too large to compile per candidate).
 
   params      this rank's parameter shards (unique: a tied parameter two local chunks use
-              is one Parameter) and module buffers, in their dtype. dtype=bf16|fp16 keeps
+              is one Parameter; ep: E/ep of each expert weight) and module buffers, in their dtype. dtype=bf16|fp16 keeps
               parameters fp32 (runtime/mixed_precision.py: they are the master weights).
               zero=3: only this dp_shard rank's rows of each trainable parameter.
   gathered    zero=3: parameters whole for a while (runtime/fsdp.py): every local chunk's
@@ -157,6 +157,13 @@ def program_memory(prog) -> list[RankMemory]:
                 local[key] = (tuple(val.shape), val.numel() * val.element_size(),
                               tf(n).get("kind") == "param" and not tf(n).get("frozen"))
         saved[chunk.index] = chunk_saved(chunk.gm, autocast, chunk.recompute)
+    ep = getattr(plan, "ep", 1)
+    for chunk in prog.chunks:   # ep: a rank holds E/ep of each expert weight (passes/experts.py)
+        for region in getattr(chunk, "experts", ()):
+            for fqn, experts in region["params"].items():
+                shape, nbytes, trainable = local[fqn]
+                if shape[0] == experts:
+                    local[fqn] = ((experts // ep,) + shape[1:], nbytes // ep, trainable)
     mesh = plan.mesh
     out = []
     for stage in range(plan.pp):

@@ -49,6 +49,7 @@ class Bucket:
     index: int
     fqns: tuple[str, ...]
     numel: int                # local elements reduced
+    axes: str = BATCH_AXES    # summed over these ranks: the batch axes; an expert's, the ranks holding it (edp)
 
 
 @dataclass(frozen=True)
@@ -146,20 +147,25 @@ def _stage_buckets(manifest, schedule: Schedule, stage: int, frozen: set, numel:
             if fqn not in frozen:
                 owner[fqn] = c.index
     out: list[Bucket] = []
+    # under ep an expert's gradient sums over the ranks holding the same experts (edp), a
+    # dense one over every batch rank: separate buckets, expert ones after the chunk's dense
+    experts = set(manifest.experts) if manifest.mesh.ep > 1 else set()
     for c in sorted(local, key=lambda c: last.get(c.index, -1)):
-        fqns = [f for f, o in owner.items() if o == c.index]
-        current: list[str] = []
-        size = 0
         k = 0
-        for f in fqns:
-            n = numel.get(f, 0)
-            if current and (size + n) * GRAD_BYTES > BUCKET_BYTES:
-                out.append(Bucket(c.index, k, tuple(current), size))
-                k, current, size = k + 1, [], 0
-            current.append(f)
-            size += n
-        if current:
-            out.append(Bucket(c.index, k, tuple(current), size))
+        for axes, expert in ((BATCH_AXES, False), ("edp", True)):
+            fqns = [f for f, o in owner.items() if o == c.index and (f in experts) == expert]
+            current: list[str] = []
+            size = 0
+            for f in fqns:
+                n = numel.get(f, 0)
+                if current and (size + n) * GRAD_BYTES > BUCKET_BYTES:
+                    out.append(Bucket(c.index, k, tuple(current), size, axes))
+                    k, current, size = k + 1, [], 0
+                current.append(f)
+                size += n
+            if current:
+                out.append(Bucket(c.index, k, tuple(current), size, axes))
+                k += 1
     return tuple(out)
 
 

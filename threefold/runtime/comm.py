@@ -33,7 +33,7 @@ class RankFailure(RuntimeError):
 # The groups every rank builds: one per mesh axis or alias that collectives run over.
 # (A name "axis#tag" asks for a second group over the same ranks, so that two streams of
 # collectives, ZeRO-3's all-gathers and its reduce-scatters, are ordered independently.)
-GROUP_AXES = ("tp", "dp", "pp", "dp_shard", "dp_replicate")
+GROUP_AXES = ("tp", "dp", "pp", "dp_shard", "dp_replicate", "ep", "edp")
 
 
 @dataclass
@@ -259,6 +259,16 @@ def all_gather(parts: list[torch.Tensor], t: torch.Tensor, group, what: str) -> 
         dist.all_gather(parts, t, group=group)
     except Exception as exc:
         raise _fail(f"all-gather of {what} with", group, exc) from None
+
+
+@_recorded
+def all_to_all(out: torch.Tensor, t: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
+               what: str) -> None:
+    """dist.all_to_all_single with uneven splits (rows of dim 0) over `group`."""
+    try:
+        dist.all_to_all_single(out, t, out_splits, in_splits, group=group)
+    except Exception as exc:
+        raise _fail(f"all-to-all of {what} with", group, exc) from None
 
 
 _PEERS = object()   # a wait whose group the caller did not say

@@ -89,6 +89,7 @@ class PipelineEngine:
         self._rng_base = _shared_seed()
         for mod in modules.values():
             mod.tp_group = groups.tp
+            mod.ep_group = groups.of("ep")
         # plan dtype / zero (runtime/mixed_precision.py, runtime/zero.py, runtime/optimizers.py)
         mixed_precision.install_autocast(modules, mixed_precision.compute_dtype(manifest), device)
         self.wire_dtype = mixed_precision.wire_dtype(manifest)   # boundary tensors on the wire
@@ -399,7 +400,12 @@ class PipelineEngine:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
         flat = torch.cat([g.reshape(-1) for g in grads])
-        st.reductions.append((comm.all_reduce(flat, self.batch_group, "gradients", async_op=True), flat, grads))
+        axes = self.collectives.bucket(self.stage, a).axes
+        group = self.batch_group if axes == BATCH_AXES else self.groups.of(axes)
+        if group is None:   # experts under ep = dp: no other rank holds them; average only
+            st.reductions.append((None, flat, grads))
+            return
+        st.reductions.append((comm.all_reduce(flat, group, "gradients", async_op=True), flat, grads))
 
     def _wait_grads(self, st: "_StepState", a) -> None:
         if self.sharded is not None:
@@ -408,7 +414,8 @@ class PipelineEngine:
             self.dp_grad_hook.finish(st.reductions)
         else:
             for work, flat, grads in st.reductions:
-                comm.wait(work, "data-parallel gradient all-reduce", self.batch_group)
+                if work is not None:
+                    comm.wait(work, "data-parallel gradient all-reduce", self.batch_group)
                 _unflatten_into(flat, grads, scale=1.0 / self.batch_ranks)
         st.reductions = []
 

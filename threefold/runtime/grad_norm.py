@@ -15,6 +15,8 @@ sums them:
     padding rows of a vocabulary tp does not divide); a replicated one (layer norms,
     biases after a row-parallel matmul, sequence-parallel norms whose partial gradients
     the engine summed over tp) only tp rank 0's copy;
+  * expert parallel (ep): each ep rank holds different experts, equal over the edp ranks,
+    so edp rank 0 of each ep rank counts its experts (dense parameters as above);
   * pipeline parallel: each stage holds different parameters, except tied ones (an input
     embedding reused as the LM head): after the engine summed them, every holder stage has
     the same gradient, and only the stage of its first holder chunk contributes.
@@ -42,7 +44,11 @@ def owned_grad_pieces(engine) -> list[torch.Tensor]:
     zero = _plan(engine).zero
     # zero=0: dp replicas hold equal gradients (dp rank 0 counts them); zero>=1: each
     # dp_shard rank owns its rows, and the replicas of a shard group (HSDP) are equal
-    if (coord["dp"] if zero == 0 else coord["dp_replicate"]) != 0:
+    # ep: an expert's gradient is equal over the ranks holding it (edp) and each ep rank holds
+    # different experts, so edp rank 0 of every ep rank counts its experts
+    experts = set(manifest.get("experts") or {}) if engine.mesh.ep > 1 else set()
+    counts_dense = (coord["dp"] if zero == 0 else coord["dp_replicate"]) == 0
+    if not counts_dense and not (experts and coord["edp"] == 0):
         return []
     d, r = engine.mesh.size("dp_shard"), coord["dp_shard"]
     first_holder = _first_holder_stage(manifest["chunks"])
@@ -51,6 +57,8 @@ def owned_grad_pieces(engine) -> list[torch.Tensor]:
     out = []
     for fqn, p in engine.params.items():
         if not p.requires_grad or (fqn in first_holder and engine.stage != first_holder[fqn]):
+            continue
+        if (fqn in experts and coord["edp"] != 0) or (fqn not in experts and not counts_dense):
             continue
         g, start, count = _rows(engine, fqn, p, zero, d, r, row_range)
         if g is None:

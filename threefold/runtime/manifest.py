@@ -163,6 +163,9 @@ class Manifest:
     output_batch_dims: list | None = None       # per model output: its batch dim
     output_tree: dict | None = None             # the model's return structure (runtime/output_tree.py)
     frozen: tuple[str, ...] = ()
+    # expert parameters (passes/experts.py): FQN -> number of experts along dim 0; under ep=N
+    # each rank keeps E/N of them and their gradients are reduced over the edp ranks
+    experts: dict[str, int] = field(default_factory=dict)
     # with a loss: why pm(x) cannot return the model's outputs ('' = it can: the last
     # chunk's `model_outputs` method computes them; codegen/model_outputs.py)
     model_outputs_missing: str = ""
@@ -241,6 +244,7 @@ class Manifest:
             "output_batch_dims": self.output_batch_dims,
             "output_tree": self.output_tree,
             "frozen": list(self.frozen),
+            "experts": dict(self.experts),
             "model_outputs_missing": self.model_outputs_missing,
         }
         out.update({k: v for k, v in self.extra.items() if k not in out})
@@ -281,6 +285,7 @@ class Manifest:
                 output_batch_dims=m.get("output_batch_dims"),
                 output_tree=m.get("output_tree"),
                 frozen=tuple(m.get("frozen", [])),
+                experts={str(k): int(v) for k, v in (m.get("experts") or {}).items()},
                 model_outputs_missing=m.get("model_outputs_missing", _OLD_OUTPUTS if m.get("has_loss") else ""),
                 notes=tuple(m.get("notes", [])),
                 files=dict(m["files"]),

@@ -12,10 +12,14 @@ rules where it is used):
                   (HSDP: replicate across nodes, shard within); 1 unless `dp_shard` < dp
     dp_shard      data-parallel ranks over which ZeRO shards optimizer state (zero=1),
                   gradients (zero=2) and parameters (zero=3); all of dp by default
+    ep            expert-parallel ranks: consecutive data-parallel ranks that share their
+                  tokens with all-to-all, each holding E/ep whole experts (Megatron's
+                  expert-data-parallel layout: ep is the inner part of dp); 1 unless `ep`
     tp            tensor-parallel ranks
 
-An *alias* names a product of consecutive axes: `dp` is (dp_replicate, dp_shard), the
-data-parallel group that splits the batch. Sizes, coordinates and groups accept axes and
+An *alias* names a product of consecutive axes: `dp` is (dp_replicate, dp_shard, ep), the
+data-parallel group that splits the batch; `edp` is (dp_replicate, dp_shard), the ranks
+that hold the same experts (an expert's gradient is reduced over them, a dense one over dp). Sizes, coordinates and groups accept axes and
 aliases alike; an axis a mesh does not have has size 1 (so code written for `cp` runs on
 a mesh without it). A `Mesh` is a plain value; process groups built from it are passed
 explicitly (runtime/comm.py), never kept globally.
@@ -53,6 +57,7 @@ class Axis:
     name: str
     size_of: Callable    # plan -> size
     doc: str
+    optional: bool = False   # left out of a plan's mesh at size 1 (meshes of older plans stay as they were)
 
 
 # Outermost first. The rank formula is the mixed radix over this order.
@@ -60,13 +65,17 @@ AXES: tuple[Axis, ...] = (
     Axis("pp", lambda plan: plan.pp, "pipeline stages"),
     Axis("dp_replicate", lambda plan: plan.dp // plan.shard_degree,
          "data-parallel replicas of the sharded state (HSDP: across nodes)"),
-    Axis("dp_shard", lambda plan: plan.shard_degree,
+    Axis("dp_shard", lambda plan: plan.shard_degree // getattr(plan, "ep", 1),
          "data-parallel ranks that shard optimizer state, gradients, parameters (zero>=1)"),
+    Axis("ep", lambda plan: getattr(plan, "ep", 1),
+         "expert-parallel ranks (inside dp): each holds E/ep whole experts, tokens move by all-to-all",
+         optional=True),
     Axis("tp", lambda plan: plan.tp, "tensor-parallel ranks"),
 )
 AXIS_NAMES = tuple(a.name for a in AXES)
 # Products of consecutive axes, by name.
-ALIASES: dict[str, tuple[str, ...]] = {"dp": ("dp_replicate", "dp_shard")}
+ALIASES: dict[str, tuple[str, ...]] = {"dp": ("dp_replicate", "dp_shard", "ep"),
+                                       "edp": ("dp_replicate", "dp_shard")}
 # The axes that split the global batch: each of their ranks trains on its share of the rows
 # (or tokens), so a replicated parameter's gradient is summed over all of them and the loss's
 # global denominator counts all of them. One place: the engine's gradient reduction, the
@@ -109,6 +118,11 @@ class Mesh:
 
     def __init__(self, **sizes: int):
         dp = sizes.pop("dp", None)
+        ep = sizes.get("ep", 1)
+        if dp is not None:
+            if dp % ep:
+                raise ValueError(f"mesh ep={ep} does not divide dp={dp}")
+            dp //= ep          # ep is the inner part of dp
         shard = sizes.pop("dp_shard", None)
         replicate = sizes.pop("dp_replicate", None)
         if dp is not None:
@@ -122,7 +136,9 @@ class Mesh:
         unknown = set(sizes) - set(AXIS_NAMES)
         if unknown:
             raise ValueError(f"mesh axes {sorted(unknown)} are unknown: the axes are {', '.join(AXIS_NAMES)}")
-        self._set([(name, int(sizes.get(name, 1))) for name in AXIS_NAMES])
+        optional = {a.name for a in AXES if a.optional}
+        self._set([(name, int(sizes.get(name, 1))) for name in AXIS_NAMES
+                   if not (name in optional and int(sizes.get(name, 1)) == 1)])
 
     @classmethod
     def from_axes(cls, axes: Iterable[tuple[str, int]]) -> "Mesh":
@@ -133,7 +149,8 @@ class Mesh:
     @classmethod
     def of_plan(cls, plan) -> "Mesh":
         """The mesh a plan runs on: every axis of AXES, sized by its rule."""
-        return cls.from_axes((a.name, a.size_of(plan)) for a in AXES)
+        return cls.from_axes((a.name, a.size_of(plan)) for a in AXES
+                             if not (a.optional and a.size_of(plan) == 1))
 
     def _set(self, axes: list[tuple[str, int]]) -> None:
         names = [n for n, _ in axes]
@@ -266,7 +283,7 @@ class Mesh:
 
 
 # Axes that other meshes may have (added by plans with more parallelism): absent, size 1.
-_KNOWN_ELSEWHERE = ("cp", "ep")
+_KNOWN_ELSEWHERE = ("cp", "ep", "edp")
 
 
 def _digits(k: int, sizes: list[int]) -> list[int]:

@@ -23,7 +23,11 @@ class ChunkModule(torch.nn.Module):
     # forward all-gathers sequence shards: run it so that autograd keeps the shards
     # (runtime/saved_shards.py)
     SAVES_SHARDS: bool = False
+    # expert parameters (passes/experts.py): FQN -> number of experts along dim 0; under
+    # ep=N the runtime keeps this rank's E/N of them (runtime/experts.keep_local_experts)
+    EXPERTS: dict[str, int] = {}
     tp_group = None              # tensor-parallel process group, set by the runtime
+    ep_group = None              # expert-parallel process group (None: ep=1), set by the runtime
     # (base seed, step, global microbatch): set by the engine before each forward
     rng_key: tuple[int, int, int] = (0, 0, 0)
     # zero=3: (the engine's runtime/fsdp.ShardedParams, this chunk's index), set by the engine
@@ -106,6 +110,12 @@ class ChunkModule(torch.nn.Module):
             finally:
                 self.rng_key = current
         return checkpoint(replay, *args, use_reentrant=False)
+
+    def experts(self, fn, num_experts: int, offs, rows, weights, others):
+        """An expert region (generated method `fn`): its rows computed by the ranks that hold
+        their experts, moved there and back with all-to-all (runtime/experts.py)."""
+        from threefold.runtime.experts import run_experts
+        return run_experts(fn, num_experts, offs, rows, weights, others, self.ep_group)
 
     @property
     def device(self) -> torch.device:

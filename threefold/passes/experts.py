@@ -1,0 +1,210 @@
+"""Find mixture-of-experts computation in the chunk graphs, from structure alone.
+
+An *expert matmul* is an op with three tensor operands: rows `x` [S, in], a weight
+[E, in, out] that is a parameter (or a transpose of one's last two dims: [E, out, in]) and
+offsets [E] of an integer dtype, giving [S, out]: the rows are sorted by expert and
+offs[e] is where expert e's rows end (a grouped matmul; Hugging Face's MoE blocks trace to
+one under transformers 5.x, torch._grouped_mm is another). The router upstream (scores,
+softmax/sigmoid, top-k, the sort by expert) and the weighted combine downstream stay where
+they are: they are per-token work on the rank that owns the token.
+
+An *expert region* is the expert matmuls sharing one offsets value plus the ops on the
+paths between them (the activation, the gate product, casts). Every op of a region must be
+row-wise, so that a row's result depends only on that row and its expert's weights: then
+the region can run on any rank that holds the expert, on any set of rows, and give the
+rows the single process gives them. Anything else is a PlanError naming the op.
+
+Guarantees: `chunk.experts` is a tuple of regions {"name" (module path), "nodes" (compute
+nodes in graph order), "offs", "rows", "weights", "others", "outputs" (node names),
+"experts" (E), "params" (FQN -> E)}. Under ep=N a model with no region, or an E that N
+does not divide, is a PlanError. Codegen writes each region as a method that
+ChunkModule.experts runs on the ranks holding its experts (runtime/experts.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from threefold.compiler.contracts import stage_pass
+from threefold.compiler.cost import op_name
+from threefold.compiler.program import tf
+from threefold.compiler.stages import Partitioned
+from threefold.errors import PlanError
+
+# Ops whose every output row depends only on the same input rows (pointwise, casts, splits
+# along the last dim, and the asserts export leaves on them).
+_ROW_WISE = {
+    "silu", "gelu", "relu", "sigmoid", "tanh", "exp", "neg", "mul", "add", "sub", "div", "pow",
+    "to", "_to_copy", "type_as", "clone", "contiguous", "alias", "chunk", "split", "split_with_sizes",
+    "unbind", "view", "reshape", "_unsafe_view", "_assert_tensor_metadata", "square", "rsqrt",
+    "sqrt", "abs", "clamp", "minimum", "maximum", "where", "leaky_relu", "hardtanh", "softplus",
+    "mish", "elu", "gelu_tanh", "erf", "relu_", "silu_", "mul_", "add_", "getitem",
+}
+_TRANSPOSES = {"transpose", "permute", "t"}
+
+
+@stage_pass(needs=Partitioned)
+def find_experts(prog: Partitioned) -> Partitioned:
+    """Needs: chunk graphs. Guarantees: chunk.experts (expert regions) per chunk."""
+    ep = getattr(prog.plan, "ep", 1)
+    chunks = []
+    found = 0
+    for chunk in prog.chunks:
+        regions = _regions(chunk.gm.graph, strict=ep > 1)
+        found += len(regions)
+        for r in regions:
+            if ep > 1 and r["experts"] % ep:
+                raise PlanError(f"plan ep={ep}: {r['name']} has {r['experts']} experts, which ep does not "
+                                f"divide; choose an ep that divides {r['experts']}")
+        chunks.append(chunk.evolve(experts=tuple(regions)))
+    if ep > 1 and not found:
+        raise PlanError(f"plan ep={ep}: no expert computation found in {prog.name} (grouped matmuls over "
+                        "[experts, in, out] parameter weights with per-expert row offsets); drop ep, or "
+                        "write the experts as one stacked weight applied with a grouped matmul")
+    if ep > 1 and getattr(prog.plan, "recompute", "none") != "none":
+        raise PlanError(f"plan ep={ep} with recompute={prog.plan.recompute} is not supported yet "
+                        "(an expert region inside a recomputed segment); use recompute=none with ep")
+    return prog.evolve(chunks=tuple(chunks))
+
+
+def expert_matmul(node: fx.Node):
+    """(rows, weight operand, parameter placeholder, offsets) of an expert matmul, else None."""
+    if node.op != "call_function":
+        return None
+    tensors = [a for a in list(node.args) + list(node.kwargs.values()) if isinstance(a, fx.Node)]
+    if len(tensors) != 3:
+        return None
+    x, w, offs = tensors
+    vx, vw, vo, out = (_val(n) for n in (x, w, offs, node))
+    if not all(isinstance(v, torch.Tensor) for v in (vx, vw, vo, out)):
+        return None
+    if vx.dim() != 2 or vw.dim() != 3 or vo.dim() != 1 or out.dim() != 2:
+        return None
+    if vo.dtype.is_floating_point or vo.shape[0] != vw.shape[0] or out.shape[0] != vx.shape[0]:
+        return None
+    if vx.shape[1] != vw.shape[1] or out.shape[1] != vw.shape[2]:
+        return None
+    param = _param_root(w)
+    if param is None:
+        return None
+    return x, w, param, offs
+
+
+def _param_root(w: fx.Node):
+    """The parameter placeholder a weight operand is (directly or a transpose of its last two dims)."""
+    if w.op == "placeholder" and tf(w).get("kind") == "param":
+        return w
+    if w.op == "call_function" and op_name(w) in _TRANSPOSES and isinstance(w.args[0], fx.Node):
+        p = w.args[0]
+        if p.op == "placeholder" and tf(p).get("kind") == "param" and _val(p).dim() == 3:
+            return p
+    return None
+
+
+def _val(n):
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def _regions(graph: fx.Graph, strict: bool) -> list[dict]:
+    """The graph's expert regions. Without ep (strict=False) a region that ep could not run
+    is simply not one: the ops stay inline, as traced."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    by_offs: dict[fx.Node, list[fx.Node]] = {}
+    parts: dict[fx.Node, tuple] = {}
+    for n in graph.nodes:
+        m = expert_matmul(n)
+        if m is not None:
+            parts[n] = m
+            by_offs.setdefault(m[3], []).append(n)
+    out = []
+    for offs, mms in by_offs.items():
+        try:
+            out.append(_region(graph, order, offs, mms, parts))
+        except PlanError:
+            if strict:
+                raise
+    return out
+
+
+def _region(graph, order, offs, mms, parts) -> dict:
+    rows = _val(parts[mms[0]][0]).shape[0]
+    experts = _val(offs).shape[0]
+    mm_set = set(mms)
+    down = _reach(mms, lambda n: n.users)
+    up = _reach(mms, lambda n: n.all_input_nodes)
+    weights_of = {parts[m][1] for m in mms}
+    nodes = {n for n in down & up if n.op == "call_function"} | mm_set
+    nodes -= weights_of
+    # asserts export leaves on a region value stay with it
+    for n in list(nodes):
+        for u in n.users:
+            if not u.users and u.op == "call_function" and all(a in nodes for a in u.all_input_nodes):
+                nodes.add(u)
+    name = tf(mms[0]).get("module", "") or mms[0].name
+    for n in nodes:
+        if n in mm_set:
+            continue
+        if op_name(n) not in _ROW_WISE or not _rows_kept(n, rows):
+            raise PlanError(f"expert region {name}: {op_name(n)} ({tf(n).get('module', '') or n.name}) between "
+                            "the expert matmuls is not row-wise, so its rows cannot be computed on the experts' "
+                            "ranks; drop ep for this model")
+    params = {}
+    inputs: list[fx.Node] = []
+    for n in sorted(nodes, key=order.get):
+        for a in n.all_input_nodes:
+            if a not in nodes and a not in inputs and a is not offs:
+                inputs.append(a)
+    row_inputs, weights, others = [], [], []
+    for a in inputs:
+        if a in weights_of:
+            weights.append(a)
+            p = _param_root(a)
+            params[tf(p)["fqn"]] = experts
+        elif isinstance(_val(a), torch.Tensor) and _val(a).dim() >= 1 and _val(a).shape[0] == rows:
+            row_inputs.append(a)
+        elif a.op == "placeholder" and tf(a).get("kind") in ("param", "buffer"):
+            others.append(a)
+        else:
+            raise PlanError(f"expert region {name}: it reads {a.name}, which is neither its rows, an expert "
+                            "weight nor a parameter; drop ep for this model")
+    for fqn_node in {_param_root(w) for w in weights}:
+        for u in fqn_node.users:
+            if u not in weights_of and u not in nodes:
+                raise PlanError(f"expert weight {tf(fqn_node)['fqn']} is also read by {op_name(u)} "
+                                f"({tf(u).get('module', '') or u.name}) outside its expert matmuls; drop ep")
+    ordered = sorted(nodes, key=order.get)
+    last = order[ordered[-1]]
+    outputs = [n for n in ordered if any(u not in nodes for u in n.users)]
+    for n in outputs:
+        if not isinstance(_val(n), torch.Tensor):
+            raise PlanError(f"expert region {name}: {n.name} ({op_name(n)}) leaves the region as a tuple; "
+                            "drop ep for this model")
+    for n in outputs:
+        for u in n.users:
+            if u not in nodes and order[u] < last:
+                raise PlanError(f"expert region {name}: {u.name} reads {n.name} before the region ends; drop ep")
+    return {"name": name, "nodes": [n.name for n in ordered], "offs": offs.name,
+            "rows": [a.name for a in row_inputs], "weights": [a.name for a in weights],
+            "others": [a.name for a in others], "outputs": [n.name for n in outputs],
+            "experts": int(experts), "params": params}
+
+
+def _reach(start, step) -> set:
+    seen, todo = set(), list(start)
+    while todo:
+        n = todo.pop()
+        for m in step(n):
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return seen
+
+
+def _rows_kept(n: fx.Node, rows: int) -> bool:
+    """Every tensor this op makes keeps the region's rows on dim 0 (asserts make none)."""
+    v = _val(n)
+    vals = v if isinstance(v, (tuple, list)) else [v]
+    tensors = [t for t in vals if isinstance(t, torch.Tensor)]
+    if op_name(n) == "_assert_tensor_metadata":
+        return True
+    return bool(tensors) and all(t.dim() >= 1 and t.shape[0] == rows for t in tensors)

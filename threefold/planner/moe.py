@@ -1,0 +1,65 @@
+"""The performance model of one MoE layer under tp=n against ep=n (the same n ranks, the same
+G tokens of the global microbatch), forward and backward.
+
+Both give each rank 1/n of the experts' FLOPs, 18 G k h f / n for SwiGLU experts
+(gate+up [h, 2f] and down [f, h]: 6 G k h f forward, twice that backward). They differ in
+  * kernels: tp runs all E experts at 1/n width on every rank (2 GEMMs forward, 4 backward
+    per expert), ep runs E/n experts at full width on the rows routed to them; each GEMM is
+    max(FLOPs / (peak x matmul_fraction), one kernel launch): many thin experts are
+    launch-bound;
+  * communication: tp all-reduces the G tokens' hidden states once forward and once
+    backward (ring: 2(n-1)/n G h b bytes each); ep moves each rank's G/n x k rows there and
+    back, forward and backward: four all-to-alls of (n-1)/n x G k h b / n bytes per rank.
+    So ep moves k/n of tp's bytes: less whenever top-k < n.
+With k > n, ep's extra bytes are paid back by tp's extra launches once there are enough
+experts: `crossover_experts` finds that E. Expert load is taken as balanced (each expert
+gets G k / E rows); an imbalanced router slows ep's busiest rank, which this leaves out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    tokens: int          # G: tokens of the global microbatch (over the n ranks)
+    hidden: int          # h
+    ffn: int             # f: one expert's intermediate size
+    experts: int         # E
+    top_k: int           # k
+    dtype_bytes: int = 2
+
+
+def _gemms_s(count: int, flops_each: float, peak: float, launch: float) -> float:
+    return count * max(flops_each / peak, launch)
+
+
+def layer_seconds(shape: MoeShape, n: int, mode: str, cluster, dtype: str = "bf16") -> float:
+    """Forward + backward seconds of one MoE layer on one of n ranks (intra-node)."""
+    g, h, f, e, k, b = shape.tokens, shape.hidden, shape.ffn, shape.experts, shape.top_k, shape.dtype_bytes
+    peak = cluster.peak(dtype) * cluster.matmul_fraction
+    launch, bw, lat = cluster.kernel_launch_s, cluster.intra_node_bandwidth, cluster.intra_node_latency_s
+    rows = g * k / e                                   # rows per expert (balanced)
+    if mode == "tp":
+        per_expert = 6 * rows * h * f / n              # forward FLOPs of one expert's 1/n slice
+        compute = _gemms_s(e * 6, per_expert / 2, peak, launch)   # 2 fwd + 4 bwd GEMMs per expert
+        comm = 2 * (2 * (n - 1) / n * g * h * b / bw + 2 * (n - 1) * lat)
+    elif mode == "ep":
+        per_expert = 6 * rows * h * f
+        compute = _gemms_s(e // n * 6, per_expert / 2, peak, launch)
+        comm = 4 * ((n - 1) / n * g * k * h * b / n / bw + (n - 1) * lat)
+    else:
+        raise ValueError(f"mode {mode!r}: use 'tp' or 'ep'")
+    return compute + comm
+
+
+def crossover_experts(shape: MoeShape, n: int, cluster, dtype: str = "bf16", limit: int = 4096) -> int | None:
+    """The smallest E (a multiple of n) from which ep=n is faster than tp=n for this layer,
+    or None when it never is up to `limit` experts."""
+    e = n
+    while e <= limit:
+        s = MoeShape(shape.tokens, shape.hidden, shape.ffn, e, shape.top_k, shape.dtype_bytes)
+        if layer_seconds(s, n, "ep", cluster, dtype) < layer_seconds(s, n, "tp", cluster, dtype):
+            return e
+        e += n
+    return None
