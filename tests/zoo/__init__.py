@@ -11,6 +11,7 @@ from tests.zoo import handwritten_attention as _hwa
 from tests.zoo import handwritten_losses as _hwl
 from tests.zoo import handwritten_more as _hwm
 from tests.zoo import handwritten_semantics as _hws
+from tests.zoo import hf_cached as _hfc
 from tests.zoo import hf_decoders as _hf
 from tests.zoo import hf_other as _hfo
 from tests.zoo import torch_nn as _nn
@@ -79,6 +80,9 @@ ZOO = {
     "hw_weighted_tokens": _hwl.FACTORIES["hw_weighted_tokens"],       # (ce * w).sum() / w.sum(), uneven weights
     "hw_nonseparable_loss": _hwl.FACTORIES["hw_nonseparable_loss"],   # mean(ce)**2: PlanError expected when m>1 or dp>1
     "hw_batchnorm": _hws.batchnorm,           # BatchNorm1d train mode: PlanError expected when m>1 or dp>1
+    # the last mile (issue 21): what a new user's model brings along
+    "llama_cache": _hfc.FACTORIES["llama_cache"],   # use_cache=True, whole ModelOutput returned (cache cat of [])
+    "qwen2_cache": _hfc.FACTORIES["qwen2_cache"],   # same, with q/k/v biases
 }
 
 # Cases judged by distribution instead of exact parity (random masks differ from one process):

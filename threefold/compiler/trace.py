@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch.export.graph_signature import InputKind
 
+from threefold.compiler.graph_cleanup import drop_empty_cat_inputs
 from threefold.compiler.program import TensorMeta, tf
 from threefold.compiler.stages import Traced
 from threefold.errors import PlanError
@@ -217,6 +218,7 @@ def _to_program(ep, model, wrapper, num_model_inputs: int, has_loss: bool, plan:
     _rename_placeholders(graph, _input_names(model, num_model_inputs, has_loss))
     input_names = [n.name for n in graph.nodes if n.op == "placeholder" and tf(n)["kind"] == "input"]
     _inline_higher_order_ops(gm)
+    drop_empty_cat_inputs(graph)   # HF caches' torch.tensor([]) starts (graph_cleanup.py)
     _record_module_paths(graph)
     out_node = next(n for n in graph.nodes if n.op == "output")
     model_outputs, model_output_meta = [], []
