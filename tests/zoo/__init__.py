@@ -11,6 +11,7 @@ from tests.zoo import handwritten_attention as _hwa
 from tests.zoo import handwritten_losses as _hwl
 from tests.zoo import handwritten_more as _hwm
 from tests.zoo import handwritten_semantics as _hws
+from tests.zoo import ctc as _ctc
 from tests.zoo import hf_cached as _hfc
 from tests.zoo import hf_decoders as _hf
 from tests.zoo import hf_other as _hfo
@@ -83,6 +84,8 @@ ZOO = {
     # the last mile (issue 21): what a new user's model brings along
     "llama_cache": _hfc.FACTORIES["llama_cache"],   # use_cache=True, whole ModelOutput returned (cache cat of [])
     "qwen2_cache": _hfc.FACTORIES["qwen2_cache"],   # same, with q/k/v biases
+    "conv_ctc": _ctc.FACTORIES["conv_ctc"],         # CTC loss (untraceable): computed eagerly, per-row mean
+    "wav2vec2_ctc": _ctc.FACTORIES["wav2vec2_ctc"], # HF Wav2Vec2ForCTC: conv encoder, weight-norm pos conv, CTC
 }
 
 # Cases judged by distribution instead of exact parity (random masks differ from one process):

@@ -82,9 +82,22 @@ def trace(model: torch.nn.Module, inputs: tuple, target=None, loss_fn: Callable 
         raise PlanError(f"{type(model).__name__}: loss_fn was given but no target: pass the example target too")
     args = inputs + ((target,) if has_loss else ())
     wrapper = _ModelWithLoss(model, loss_fn)
-    ep = _export(wrapper, args, type(model).__name__)
+    plan = plan or Plan()
+    if has_loss and plan.loss == "eager":
+        from threefold.compiler.eager_loss import trace_eager_loss
+        return trace_eager_loss(model, inputs, target, loss_fn, plan, "loss=eager")
+    try:
+        ep = _export(wrapper, args, type(model).__name__)
+    except PlanError as exc:
+        if not has_loss:
+            raise
+        # the loss may be what export cannot trace (CTC): trace the model alone and run the
+        # loss eagerly on the last stage; if the model alone fails too, that error is raised
+        from threefold.compiler.eager_loss import trace_eager_loss
+        first = str(exc).split("; try:")[0]
+        return trace_eager_loss(model, inputs, target, loss_fn, plan, f"torch.export: {first}")
     start = time.perf_counter()
-    prog = _to_program(ep, model, wrapper, len(inputs), has_loss, plan or Plan())
+    prog = _to_program(ep, model, wrapper, len(inputs), has_loss, plan)
     prog = prog.evolve(output_tree=wrapper.output_tree())   # pm(x) returns this structure
     # names, ties, inlining
     return prog.evolve(pass_log=prog.pass_log + (("to_program", time.perf_counter() - start),))

@@ -15,7 +15,7 @@ from threefold.compiler.cost import op_name
 from threefold.errors import PlanError
 from threefold.passes.tp_dims import reshape_placement
 from threefold.passes.tp_placement import Partial, Replicate, Shard
-from threefold.passes.tp_redistribute import NoRule
+from threefold.passes.tp_redistribute import NoRule, replicated
 from threefold.runtime import tp_ops
 from threefold.runtime.tp_ops import TP
 
@@ -492,6 +492,15 @@ _ELEMENTWISE = [
     "ones_like", "full_like", "softplus", "leaky_relu", "hardtanh", "log1p", "expm1",
 ]
 
+def eager_loss(rw, old: fx.Node) -> fx.Node:
+    """The user's loss run as Python (compiler/eager_loss.py) sees whole values: its inputs
+    are gathered (vocab padding cut off), its scalar is the same on every tp rank."""
+    args = fx.node.map_arg(old.args, lambda a: replicated(rw, rw.env[a], a.meta.get("val"))[0])
+    rw._note_param_uses(old, sharded=False)
+    v = old.meta["val"]
+    return rw.copy_node(old, args=args, val=torch.empty(tuple(v.shape), dtype=v.dtype, device="meta"))
+
+
 # in-place variants (clamp_, add_, mul_ ...) follow the same rule on their local shard
 _IN_PLACE_OK = set(_ELEMENTWISE)
 
@@ -511,4 +520,5 @@ RULES.update({
     "matmul": activation_matmul, "bmm": activation_matmul, "baddbmm": activation_matmul,
     "scaled_dot_product_attention": sdpa,
     "cross_entropy_loss": cross_entropy,
+    "call_loss": eager_loss,
 })
