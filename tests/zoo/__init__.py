@@ -16,6 +16,7 @@ from tests.zoo import hf_cached as _hfc
 from tests.zoo import hf_decoders as _hf
 from tests.zoo import hf_other as _hfo
 from tests.zoo import torch_nn as _nn
+from tests.zoo import vit as _vit
 
 _D = _hf.FACTORIES
 
@@ -86,6 +87,8 @@ ZOO = {
     "qwen2_cache": _hfc.FACTORIES["qwen2_cache"],   # same, with q/k/v biases
     "conv_ctc": _ctc.FACTORIES["conv_ctc"],         # CTC loss (untraceable): computed eagerly, per-row mean
     "wav2vec2_ctc": _ctc.FACTORIES["wav2vec2_ctc"], # HF Wav2Vec2ForCTC: conv encoder, weight-norm pos conv, CTC
+    "vit17": _vit.FACTORIES["vit17"],               # CLS + 16 patches = 17 tokens: sp pads the sequence shards
+    "hf_vit17": _vit.FACTORIES["hf_vit17"],         # HF ViTForImageClassification, 17 tokens
 }
 
 # Cases judged by distribution instead of exact parity (random masks differ from one process):

@@ -501,6 +501,28 @@ def eager_loss(rw, old: fx.Node) -> fx.Node:
     return rw.copy_node(old, args=args, val=torch.empty(tuple(v.shape), dtype=v.dtype, device="meta"))
 
 
+# What may run on a sequence shard whose last rank holds padding rows (a length tp does not
+# divide): ops that treat each row alone. Anything that mixes rows along the padded dim runs
+# on the gathered, cut value instead (the fallback).
+_ROW_WISE = {"layer_norm", "native_layer_norm", "rms_norm", "dropout", "native_dropout", "clone",
+             "_to_copy", "alias", "detach", "getitem", "call_loss", "contiguous"}
+
+
+def padding_safe(name: str, old: fx.Node, dims: set) -> bool:
+    base = name[:-1] if name.endswith("_") and name[:-1] in _IN_PLACE_OK else name
+    x = old.args[0] if old.args else None
+    ndim = x.meta["val"].dim() if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor) else 0
+    if base in ("layer_norm", "native_layer_norm", "rms_norm"):
+        k = len(old.args[1]) if len(old.args) > 1 else 1
+        return not dims & set(range(ndim - k, ndim))
+    if base in _ROW_WISE or base in _ELEMENTWISE:
+        return True
+    if base in ("sum", "mean", "amax", "amin") and len(old.args) > 1 and old.args[1] is not None:
+        reduced = old.args[1] if isinstance(old.args[1], (list, tuple)) else [old.args[1]]
+        return not dims & {d % max(ndim, 1) for d in reduced}
+    return False
+
+
 # in-place variants (clamp_, add_, mul_ ...) follow the same rule on their local shard
 _IN_PLACE_OK = set(_ELEMENTWISE)
 
