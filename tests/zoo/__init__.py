@@ -14,6 +14,8 @@ from tests.zoo import handwritten_semantics as _hws
 from tests.zoo import ctc as _ctc
 from tests.zoo import hf_cached as _hfc
 from tests.zoo import hf_decoders as _hf
+from tests.zoo import hf_share as _hfs
+from tests.zoo import meta_llama as _meta
 from tests.zoo import hf_other as _hfo
 from tests.zoo import torch_nn as _nn
 from tests.zoo import vit as _vit
@@ -89,6 +91,10 @@ ZOO = {
     "wav2vec2_ctc": _ctc.FACTORIES["wav2vec2_ctc"], # HF Wav2Vec2ForCTC: conv encoder, weight-norm pos conv, CTC
     "vit17": _vit.FACTORIES["vit17"],               # CLS + 16 patches = 17 tokens: sp pads the sequence shards
     "hf_vit17": _vit.FACTORIES["hf_vit17"],         # HF ViTForImageClassification, 17 tokens
+    "meta_llama": _meta.FACTORIES["meta_llama"],    # Meta's reference LLaMA: view_as_complex rotary, expand GQA
+    "deberta_v2": _hfs.FACTORIES["deberta_v2"],     # disentangled attention: repeat of relative-position q/k
+    "rwkv": _hfs.FACTORIES["rwkv"],                 # time-mix token shift, per-channel decay, WKV recurrence
+    "falcon": _hfs.FACTORIES["falcon"],             # FalconConfig defaults: multi-query fused query_key_value
 }
 
 # Cases judged by distribution instead of exact parity (random masks differ from one process):

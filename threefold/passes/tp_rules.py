@@ -544,3 +544,7 @@ RULES.update({
     "cross_entropy_loss": cross_entropy,
     "call_loss": eager_loss,
 })
+
+from threefold.passes.tp_rules_share import SHARE_RULES  # noqa: E402  (they use the helpers above)
+
+RULES.update(SHARE_RULES)
