@@ -91,6 +91,7 @@ ZOO = {
     "wav2vec2_ctc": _ctc.FACTORIES["wav2vec2_ctc"], # HF Wav2Vec2ForCTC: conv encoder, weight-norm pos conv, CTC
     "vit17": _vit.FACTORIES["vit17"],               # CLS + 16 patches = 17 tokens: sp pads the sequence shards
     "hf_vit17": _vit.FACTORIES["hf_vit17"],         # HF ViTForImageClassification, 17 tokens
+    "gpt_seq7": _vit.FACTORIES["gpt_seq7"],         # 7 tokens: sp pads the vocab-parallel embedding's shards
     "meta_llama": _meta.FACTORIES["meta_llama"],    # Meta's reference LLaMA: view_as_complex rotary, expand GQA
     "deberta_v2": _hfs.FACTORIES["deberta_v2"],     # disentangled attention: repeat of relative-position q/k
     "rwkv": _hfs.FACTORIES["rwkv"],                 # time-mix token shift, per-channel decay, WKV recurrence

@@ -75,3 +75,13 @@ def hf_vit17(seed: int = 0):
 
 
 FACTORIES = {"vit17": vit17, "hf_vit17": hf_vit17}
+
+
+def gpt_seq7(seed: int = 0):
+    """examples/gpt.py on 7 tokens: under sp the vocab-parallel embedding reduce-scatters a
+    sequence tp=2 does not divide (the padded path of the embedding, not of a projection)."""
+    from tests.parity import load_workload
+    return load_workload("gpt", n_layer=2, n_embd=HIDDEN, n_head=4, seq=7, batch=4, seed=seed)
+
+
+FACTORIES["gpt_seq7"] = gpt_seq7
