@@ -104,6 +104,19 @@ ZOO = {
 DROPOUT_CASES = {"hw_two_dropouts": 0.5, "hw_tp_dropout": 1.0}
 
 
+# Cells that fail for a cause outside the case the arch was added for, with that cause. The
+# matrix skips them: a rank that fails mid-step leaves its peer waiting, and every later
+# cell of the job then fails with it.
+KNOWN_BROKEN = {
+    ("rwkv", "pp=2,m=2"): "a leaf Variable that requires grad is being used in an in-place operation "
+                          "(the cut falls inside block 1; on main too)",
+    ("rwkv", "pp=2,m=2,v=2,schedule=interleaved"): "same cause as pp=2,m=2",
+    ("rwkv", "tp=2,pp=2,dp=2,m=2"): "same cause as pp=2,m=2",
+    ("rwkv", "tp=2,sp=true"): "PlanError: time_mix_key is applied both to sharded and to replicated "
+                              "activations (on main too)",
+}
+
+
 def expected_planerror(arch: str, plan) -> bool:
     """Cells where exact equality is impossible and the compiler must refuse (issue 10 item 1)."""
     splits_batch = plan.microbatches > 1 or plan.dp > 1
