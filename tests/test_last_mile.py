@@ -48,7 +48,7 @@ PARITY = [("llama_cache", "tp=2"), ("llama_cache", "pp=2,m=2"),
           ("conv_ctc", "tp=2"), ("conv_ctc", "pp=2,m=2"), ("wav2vec2_ctc", "tp=2"),
           ("llama", "pp=2,m=2,loss=eager"),
           ("vit17", "tp=2,sp=true"), ("gpt_seq7", "tp=2,sp=true"),
-          ("meta_llama", "tp=2"), ("deberta_v2", "tp=2"), ("rwkv", "tp=2")]
+          ("meta_llama", "tp=2"), ("deberta_v2", "tp=2"), ("rwkv", "tp=2"), ("rwkv", "pp=2,m=2")]
 # per-rank parameters at tp=2 over tp=1 (1 - share/2) must be at most this (issue: 0.55;
 # RWKV's feed-forward receptance stays whole, listed by inspect: its product with the
 # row-parallel value output reaches the next LayerNorm)
@@ -74,3 +74,29 @@ def test_last_mile_cells_match_single_process(arch, plan):
     assert verdict["verdict"] == "pass", (arch, plan, verdict)
     if arch in MAX_PER_RANK and plan == "tp=2":
         assert 1 - verdict["share"] / 2 <= MAX_PER_RANK[arch], (arch, verdict["share"])
+
+
+class _RescaledInForward(torch.nn.Module):
+    """Writes its own weight in place under no_grad in forward, by a factor that is 1 in
+    training (as HF RWKV's layer rescaling does), then uses it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.lin.weight.mul_(1)
+        return self.lin(x)
+
+
+def test_weight_written_in_place_under_no_grad_keeps_its_gradient():
+    # eager: the parameter stays the same tensor, gradients included; the trace used to read
+    # a detached alias of it afterwards (no gradient), and under pp an in-place op on a leaf
+    from threefold.compiler.trace import trace
+    x = torch.randn(4, 8)
+    prog = trace(_RescaledInForward(), (x,), torch.randn(4, 8), torch.nn.functional.mse_loss)
+    ops = [n.target for n in prog.gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.mul_.Tensor not in ops and torch.ops.aten.detach.default not in ops, ops
+    linear = next(n for n in prog.gm.graph.nodes if n.target is torch.ops.aten.linear.default)
+    assert linear.args[1].op == "placeholder", linear.format_node()

@@ -1,4 +1,5 @@
-"""Rewrites of the traced graph that remove what a model computes only for inference.
+"""Rewrites of the traced graph that remove what a model computes only for inference, or
+that does nothing at all.
 
 Hugging Face key/value caches (use_cache=True, the default of most configs) start each
 layer's cache as `torch.tensor([])` and append with `torch.cat([cache, new], dim=-2)`.
@@ -32,4 +33,30 @@ def drop_empty_cat_inputs(graph: fx.Graph) -> int:
             continue   # nothing to drop, or every input empty: the cat is empty and stays
         node.args = (kept, *node.args[1:])
         dropped += len(tensors) - len(kept)
+    return dropped
+
+
+_ONE = {torch.ops.aten.mul_.Tensor, torch.ops.aten.mul_.Scalar, torch.ops.aten.div_.Tensor,
+        torch.ops.aten.div_.Scalar}
+_ZERO = {torch.ops.aten.add_.Tensor, torch.ops.aten.add_.Scalar, torch.ops.aten.sub_.Tensor,
+         torch.ops.aten.sub_.Scalar}
+
+
+def drop_identity_inplace(graph: fx.Graph) -> int:
+    """Remove in-place ops that leave their input as it is: `x.mul_(1)`, `x.div_(1)`,
+    `x.add_(0)`, `x.sub_(0)` with a Python number. Hugging Face RWKV rescales its output
+    weights in forward under no_grad by 2 ** (block // rescale_every), which is 1 for the
+    first blocks; traced, that is an in-place op on a parameter, which autograd refuses on a
+    leaf (a pipeline chunk's parameters are leaves). How many were removed."""
+    dropped = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or len(node.args) < 2:
+            continue
+        other = node.args[1]
+        if isinstance(other, bool) or not isinstance(other, (int, float)):
+            continue
+        if (node.target in _ONE and other == 1) or (node.target in _ZERO and other == 0):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            dropped += 1
     return dropped

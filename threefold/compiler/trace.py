@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 from torch.export.graph_signature import InputKind
 
-from threefold.compiler.graph_cleanup import drop_empty_cat_inputs
+from threefold.compiler.graph_cleanup import drop_empty_cat_inputs, drop_identity_inplace
 from threefold.compiler.program import TensorMeta, tf
 from threefold.compiler.stages import Traced
 from threefold.errors import PlanError
@@ -232,6 +232,7 @@ def _to_program(ep, model, wrapper, num_model_inputs: int, has_loss: bool, plan:
     input_names = [n.name for n in graph.nodes if n.op == "placeholder" and tf(n)["kind"] == "input"]
     _inline_higher_order_ops(gm)
     drop_empty_cat_inputs(graph)   # HF caches' torch.tensor([]) starts (graph_cleanup.py)
+    drop_identity_inplace(graph)   # x.mul_(1) on a parameter (HF RWKV's rescale in training)
     _record_module_paths(graph)
     out_node = next(n for n in graph.nodes if n.op == "output")
     model_outputs, model_output_meta = [], []
@@ -325,9 +326,12 @@ def _inline_higher_order_ops(gm: fx.GraphModule) -> None:
             sub: fx.GraphModule = getattr(gm, sub_node.target)
             outputs = _inline(graph, node, sub, operands)
             if not grad_enabled:
+                # an operand written in place under no_grad (`w.mul_(s)`) is still the tensor
+                # it was, gradients included: its later uses read it, not a detached alias
                 with graph.inserting_before(node):
                     outputs = [graph.call_function(torch.ops.aten.detach.default, (o,))
-                               if isinstance(o, fx.Node) else o for o in outputs]
+                               if isinstance(o, fx.Node) and _inplace_root(o) not in operands else o
+                               for o in outputs]
                     for o in outputs:
                         if isinstance(o, fx.Node):
                             src = o.args[0]
@@ -344,6 +348,15 @@ def _inline_higher_order_ops(gm: fx.GraphModule) -> None:
     for name, child in list(gm.named_children()):
         if not any(n.op == "get_attr" and n.target == name for n in graph.nodes):
             delattr(gm, name)
+
+
+def _inplace_root(node: fx.Node) -> fx.Node:
+    """The value a chain of in-place ops (`x.mul_(a).add_(b)`) writes into."""
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+            and node.target._schema.name.endswith("_") and node.args \
+            and isinstance(node.args[0], fx.Node) and node.target._schema.arguments[0].is_write:
+        node = node.args[0]
+    return node
 
 
 def _inline(graph: fx.Graph, at: fx.Node, sub: fx.GraphModule, operands: list) -> list:
