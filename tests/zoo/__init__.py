@@ -108,10 +108,6 @@ DROPOUT_CASES = {"hw_two_dropouts": 0.5, "hw_tp_dropout": 1.0}
 # matrix skips them: a rank that fails mid-step leaves its peer waiting, and every later
 # cell of the job then fails with it.
 KNOWN_BROKEN = {
-    ("rwkv", "pp=2,m=2"): "a leaf Variable that requires grad is being used in an in-place operation "
-                          "(the cut falls inside block 1; on main too)",
-    ("rwkv", "pp=2,m=2,v=2,schedule=interleaved"): "same cause as pp=2,m=2",
-    ("rwkv", "tp=2,pp=2,dp=2,m=2"): "same cause as pp=2,m=2",
     ("rwkv", "tp=2,sp=true"): "PlanError: time_mix_key is applied both to sharded and to replicated "
                               "activations (on main too)",
 }
