@@ -12,7 +12,7 @@ import re
 import pytest
 
 from threefold.plan import Plan
-from tests.zoo import ZOO, expected_planerror
+from tests.zoo import KNOWN_BROKEN, ZOO, expected_planerror
 from tests.zoo.matrix import PLANS, run_matrix
 
 # One HF decoder, one torch.nn model (batch on dim 1), two hand-written ones (nanoGPT's
@@ -60,7 +60,10 @@ def test_zoo_matrix(arch, plan, request):
     expr = request.config.option.markexpr or ""
     if "zoo" not in expr or "not zoo" in expr:
         pytest.skip("the full zoo matrix runs only when selected with -m zoo")
-    _assert_cell(arch, plan, _matrix(list(ZOO), PLANS)[(arch, plan)])
+    if (arch, plan) in KNOWN_BROKEN:
+        pytest.xfail(KNOWN_BROKEN[(arch, plan)])
+    cells = {(a, p) for a in ZOO for p in PLANS} - set(KNOWN_BROKEN)
+    _assert_cell(arch, plan, _matrix(list(ZOO), PLANS, only=cells)[(arch, plan)])
 
 
 def test_zoo_factories_are_deterministic_and_tiny():

@@ -173,6 +173,9 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
     source = WeightSource(weights, model, manifest.ties) if weights is not None else None
     full.update(same_as_rank0({k: v for k, v in full.items() if not k.startswith("_const.") and not v.is_meta
                                and not (source and source.key_of(k))}, dev)[0])
+    if loss_fn is not None:   # a loss the last chunk runs eagerly calls it by name
+        from threefold.runtime.eager_loss import register
+        register(loss_fn)
     engine = assemble_rank(manifest, _CompiledSource(sources, root, full, source, manifest.shards), rank, dev)
     return ParallelModule(engine, plan, manifest, prog)
 

@@ -15,7 +15,7 @@ from threefold.errors import PlanError
 # each backward is split into B (input gradients) and W (weight gradients). zbv runs two
 # chunks per stage in a V, so it implies v=2.
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
-LOSS_MODES = ("exact", "microbatch_mean")
+LOSS_MODES = ("exact", "microbatch_mean", "eager")
 BATCHNORM_MODES = ("exact", "local")
 # Activation recomputation (passes/recompute.py): "full" keeps each transformer layer's input
 # and recomputes the layer in backward; "selective" recomputes only the regions that hold many
@@ -50,7 +50,9 @@ class Plan:
     split_points: tuple[str, ...] = field(default_factory=tuple)  # FQNs to start new chunks at
     # How microbatch/dp losses combine: "exact" (numerator and denominator derived from the
     # loss graph; a PlanError where the loss is not separable) or "microbatch_mean" (opt-in:
-    # the mean of per-microbatch losses, Megatron's behaviour).
+    # the mean of per-microbatch losses, Megatron's behaviour) or "eager" (loss_fn runs as
+    # Python on the last stage, combined exactly where it is a mean or sum over rows; also
+    # chosen by itself when torch.export cannot trace the loss: compiler/eager_loss.py).
     loss: str = "exact"
     # Training-mode BatchNorm with m*dp > 1: "exact" (a PlanError: statistics would be per
     # microbatch) or "local" (opt-in: statistics per microbatch and dp rank).

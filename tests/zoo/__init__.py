@@ -12,9 +12,14 @@ from tests.zoo import handwritten_losses as _hwl
 from tests.zoo import handwritten_more as _hwm
 from tests.zoo import handwritten_moe as _hwmoe
 from tests.zoo import handwritten_semantics as _hws
+from tests.zoo import ctc as _ctc
+from tests.zoo import hf_cached as _hfc
 from tests.zoo import hf_decoders as _hf
+from tests.zoo import hf_share as _hfs
+from tests.zoo import meta_llama as _meta
 from tests.zoo import hf_other as _hfo
 from tests.zoo import torch_nn as _nn
+from tests.zoo import vit as _vit
 
 _D = _hf.FACTORIES
 
@@ -82,12 +87,33 @@ ZOO = {
     "hw_weighted_tokens": _hwl.FACTORIES["hw_weighted_tokens"],       # (ce * w).sum() / w.sum(), uneven weights
     "hw_nonseparable_loss": _hwl.FACTORIES["hw_nonseparable_loss"],   # mean(ce)**2: PlanError expected when m>1 or dp>1
     "hw_batchnorm": _hws.batchnorm,           # BatchNorm1d train mode: PlanError expected when m>1 or dp>1
+    # the last mile (issue 21): what a new user's model brings along
+    "llama_cache": _hfc.FACTORIES["llama_cache"],   # use_cache=True, whole ModelOutput returned (cache cat of [])
+    "qwen2_cache": _hfc.FACTORIES["qwen2_cache"],   # same, with q/k/v biases
+    "conv_ctc": _ctc.FACTORIES["conv_ctc"],         # CTC loss (untraceable): computed eagerly, per-row mean
+    "wav2vec2_ctc": _ctc.FACTORIES["wav2vec2_ctc"], # HF Wav2Vec2ForCTC: conv encoder, weight-norm pos conv, CTC
+    "vit17": _vit.FACTORIES["vit17"],               # CLS + 16 patches = 17 tokens: sp pads the sequence shards
+    "hf_vit17": _vit.FACTORIES["hf_vit17"],         # HF ViTForImageClassification, 17 tokens
+    "gpt_seq7": _vit.FACTORIES["gpt_seq7"],         # 7 tokens: sp pads the vocab-parallel embedding's shards
+    "meta_llama": _meta.FACTORIES["meta_llama"],    # Meta's reference LLaMA: view_as_complex rotary, expand GQA
+    "deberta_v2": _hfs.FACTORIES["deberta_v2"],     # disentangled attention: repeat of relative-position q/k
+    "rwkv": _hfs.FACTORIES["rwkv"],                 # time-mix token shift, per-channel decay, WKV recurrence
+    "falcon": _hfs.FACTORIES["falcon"],             # FalconConfig defaults: multi-query fused query_key_value
 }
 
 # Cases judged by distribution instead of exact parity (random masks differ from one process):
 # name -> relative tolerance on the losses, set between the sampling noise and the change a
 # repeated mask would cause (see each factory's docstring).
 DROPOUT_CASES = {"hw_two_dropouts": 0.5, "hw_tp_dropout": 1.0}
+
+
+# Cells that fail for a cause outside the case the arch was added for, with that cause. The
+# matrix skips them: a rank that fails mid-step leaves its peer waiting, and every later
+# cell of the job then fails with it.
+KNOWN_BROKEN = {
+    ("rwkv", "tp=2,sp=true"): "PlanError: time_mix_key is applied both to sharded and to replicated "
+                              "activations (on main too)",
+}
 
 
 def expected_planerror(arch: str, plan) -> bool:

@@ -261,7 +261,11 @@ def main(argv=None) -> int:
         ap.error(f"unknown arch {unknown}: choose from {', '.join(ZOO)}")
     plans = [p for p in args.plans.split(";") if p]
     t0 = time.monotonic()
-    result = run_matrix(archs, plans, log=lambda s: print(s, flush=True))
+    from tests.zoo import KNOWN_BROKEN   # skipped: a mid-step failure would take the job's later cells along
+    only = {(a, p) for a in archs for p in plans} - set(KNOWN_BROKEN)
+    result = run_matrix(archs, plans, log=lambda s: print(s, flush=True), only=only)
+    for cell in set(KNOWN_BROKEN) & {(a, p) for a in archs for p in plans}:
+        result["cells"][cell] = {"verdict": "fail", "msg": f"known, not run: {KNOWN_BROKEN[cell]}"}
     seconds = time.monotonic() - t0
     text = to_markdown(result, archs, plans, seconds)
     if args.out:

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from typing import Callable
 
+from threefold.compiler.eager_loss import eager_node, loss_reduction
 from threefold.compiler.pipeline import run_passes
+from threefold.compiler.program import tf
 from threefold.compiler.stages import Fused, Traced
 from threefold.compiler.trace import trace
 from threefold.errors import PlanError
@@ -58,6 +60,9 @@ def compile_workload(workload: Workload | str, plan: Plan | str | None = None,
     traced = traced.evolve(batch_dims=list(dims), micro_rows=rows[0] if rows else None,
                            notes=traced.notes + tuple(notes))
     traced = traced.evolve(output_batch_dims=_output_batch_dims(traced, dims, batch, parts))
+    eager = eager_node(traced)
+    if eager is not None and parts > 1:   # how the eager loss combines rows, measured once
+        tf(eager)["eager_reduction"] = loss_reduction(workload.model, batch, dims, workload.loss_fn)
     return run_passes(traced, progress=progress)
 
 

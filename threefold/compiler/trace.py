@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch.export.graph_signature import InputKind
 
+from threefold.compiler.graph_cleanup import drop_empty_cat_inputs, drop_identity_inplace
 from threefold.compiler.program import TensorMeta, tf
 from threefold.compiler.stages import Traced
 from threefold.errors import PlanError
@@ -81,9 +82,22 @@ def trace(model: torch.nn.Module, inputs: tuple, target=None, loss_fn: Callable 
         raise PlanError(f"{type(model).__name__}: loss_fn was given but no target: pass the example target too")
     args = inputs + ((target,) if has_loss else ())
     wrapper = _ModelWithLoss(model, loss_fn)
-    ep = _export(wrapper, args, type(model).__name__)
+    plan = plan or Plan()
+    if has_loss and plan.loss == "eager":
+        from threefold.compiler.eager_loss import trace_eager_loss
+        return trace_eager_loss(model, inputs, target, loss_fn, plan, "loss=eager")
+    try:
+        ep = _export(wrapper, args, type(model).__name__)
+    except PlanError as exc:
+        if not has_loss:
+            raise
+        # the loss may be what export cannot trace (CTC): trace the model alone and run the
+        # loss eagerly on the last stage; if the model alone fails too, that error is raised
+        from threefold.compiler.eager_loss import trace_eager_loss
+        first = str(exc).split("; try:")[0]
+        return trace_eager_loss(model, inputs, target, loss_fn, plan, f"torch.export: {first}")
     start = time.perf_counter()
-    prog = _to_program(ep, model, wrapper, len(inputs), has_loss, plan or Plan())
+    prog = _to_program(ep, model, wrapper, len(inputs), has_loss, plan)
     prog = prog.evolve(output_tree=wrapper.output_tree())   # pm(x) returns this structure
     # names, ties, inlining
     return prog.evolve(pass_log=prog.pass_log + (("to_program", time.perf_counter() - start),))
@@ -217,6 +231,8 @@ def _to_program(ep, model, wrapper, num_model_inputs: int, has_loss: bool, plan:
     _rename_placeholders(graph, _input_names(model, num_model_inputs, has_loss))
     input_names = [n.name for n in graph.nodes if n.op == "placeholder" and tf(n)["kind"] == "input"]
     _inline_higher_order_ops(gm)
+    drop_empty_cat_inputs(graph)   # HF caches' torch.tensor([]) starts (graph_cleanup.py)
+    drop_identity_inplace(graph)   # x.mul_(1) on a parameter (HF RWKV's rescale in training)
     _record_module_paths(graph)
     out_node = next(n for n in graph.nodes if n.op == "output")
     model_outputs, model_output_meta = [], []
@@ -310,9 +326,12 @@ def _inline_higher_order_ops(gm: fx.GraphModule) -> None:
             sub: fx.GraphModule = getattr(gm, sub_node.target)
             outputs = _inline(graph, node, sub, operands)
             if not grad_enabled:
+                # an operand written in place under no_grad (`w.mul_(s)`) is still the tensor
+                # it was, gradients included: its later uses read it, not a detached alias
                 with graph.inserting_before(node):
                     outputs = [graph.call_function(torch.ops.aten.detach.default, (o,))
-                               if isinstance(o, fx.Node) else o for o in outputs]
+                               if isinstance(o, fx.Node) and _inplace_root(o) not in operands else o
+                               for o in outputs]
                     for o in outputs:
                         if isinstance(o, fx.Node):
                             src = o.args[0]
@@ -329,6 +348,15 @@ def _inline_higher_order_ops(gm: fx.GraphModule) -> None:
     for name, child in list(gm.named_children()):
         if not any(n.op == "get_attr" and n.target == name for n in graph.nodes):
             delattr(gm, name)
+
+
+def _inplace_root(node: fx.Node) -> fx.Node:
+    """The value a chain of in-place ops (`x.mul_(a).add_(b)`) writes into."""
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+            and node.target._schema.name.endswith("_") and node.args \
+            and isinstance(node.args[0], fx.Node) and node.target._schema.arguments[0].is_write:
+        node = node.args[0]
+    return node
 
 
 def _inline(graph: fx.Graph, at: fx.Node, sub: fx.GraphModule, operands: list) -> list:

@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from threefold.compiler.contracts import stage_pass
+from threefold.compiler.eager_loss import is_eager_loss
 from threefold.compiler.program import tf
 from threefold.compiler.stages import Draft, Traced
 from threefold.errors import PlanError
@@ -90,6 +91,8 @@ class _NotSeparable(Exception):
 
 
 def _rewrite(prog: Draft, node: fx.Node, divisor: float) -> dict:
+    if is_eager_loss(node):
+        return _eager_form(prog, node)
     name = _name(node)
     op = f"aten.{name}"
     if name in _TARGET_COUNTED or name in _ELEMENT_MEAN:
@@ -121,6 +124,19 @@ def _rewrite(prog: Draft, node: fx.Node, divisor: float) -> dict:
         return _ratio_form(prog, node)
     raise _NotSeparable(f"its last op before the scalar is {op} in module "
                         f"{tf(node).get('module', '') or '<top>'!r}")
+
+
+def _eager_form(prog: Draft, node: fx.Node) -> dict:
+    """A loss run eagerly (compiler/eager_loss.py), whose combination of rows was measured
+    on the example batch: a mean becomes loss * rows over a denominator of rows."""
+    key, reduction = tf(node)["eager_loss"], tf(node).get("eager_reduction")
+    if reduction == "sum":
+        return {"reduction": "sum", "op": key, "denominator": {"kind": "one"}}
+    if reduction == "mean" and prog.micro_rows:
+        node.args = (node.args[0], node.args[1], float(prog.micro_rows), *node.args[3:])
+        return {"reduction": "mean", "op": key, "denominator": {"kind": "const", "value": prog.micro_rows}}
+    raise _NotSeparable(f"the eager loss {key} is neither the mean nor the sum of its rows' losses "
+                        f"on the example batch")
 
 
 def _sum_form(prog: Draft, op: str, divisor: float) -> dict:

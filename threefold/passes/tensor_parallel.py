@@ -102,6 +102,7 @@ class _Rewriter:
         self.gathered_from: dict[fx.Node, fx.Node] = {}  # all_gather_seq(x) -> x
         self.notes: list[str] = []
         self.replicated_weights: dict[str, str] = {}   # fqn -> why it is kept whole
+        self.padded_len: dict[fx.Node, int] = {}       # padded sequence shards emitted here -> true length
         self.maybe_dead: list[fx.Node] = []
         self.old_of: dict[fx.Node, fx.Node] = {}        # new node -> the source node it stands for
         self._grad_memo: dict[fx.Node, bool] = {}
@@ -248,18 +249,47 @@ class _Rewriter:
     def reduce_scatter(self, x: fx.Node, dim: int) -> fx.Node:
         v = self.val[x]
         shape = list(v.shape)
-        shape[dim] = local_size(shape[dim], self.t, f"sequence parallelism at {self._where()}")
+        shape[dim], extra = self.seq_shard(shape[dim])
         out = torch.empty(shape, dtype=v.dtype, device="meta")
-        return self.emit(tp_ops.reduce_scatter, (x, dim, TP), place=Shard(dim, seq=True), val=out,
+        node = self.emit(tp_ops.reduce_scatter, (x, dim, TP, *extra), place=Shard(dim, seq=True), val=out,
                          collective=_coll("reduce_scatter", "forward", v, back="all_gather"))
+        if extra:
+            self.padded_len[node] = extra[0]
+        return node
+
+    def seq_shard(self, size: int) -> tuple[int, tuple]:
+        """A sequence shard's local length, and the extra `size` argument of the collective
+        when tp does not divide the length: then every rank holds ceil(size/t) rows, the
+        last rank's tail padding (runtime/tp_ops._pad), and gathers cut it off."""
+        if size % self.t == 0:
+            return size // self.t, ()
+        note = f"sequence length {size} padded to {padded(size, self.t)} for tp={self.t} (sp)"
+        if note not in self.notes:
+            self.notes.append(note)
+        return padded(size, self.t) // self.t, (size,)
+
+    def seq_len(self, x: fx.Node, dim: int) -> int | None:
+        """The true length of sequence shard `x` along `dim` when its shards are padded."""
+        p = self.place.get(x)
+        if not (isinstance(p, Shard) and p.seq and p.dim == dim):
+            return None
+        old = self.old_of.get(x)
+        v = old.meta.get("val") if old is not None else None
+        if x in self.padded_len:
+            return self.padded_len[x]
+        if isinstance(v, torch.Tensor) and dim < v.dim() and v.shape[dim] % self.t:
+            return int(v.shape[dim])
+        return None
 
     def gather_seq(self, x: fx.Node, dim: int) -> fx.Node:
         def make():
             v = self.val[x]
             shape = list(v.shape)
-            shape[dim] *= self.t
+            size = self.seq_len(x, dim)
+            shape[dim] = size or shape[dim] * self.t
             out = torch.empty(shape, dtype=v.dtype, device="meta")
-            node = self.emit(tp_ops.all_gather_seq, (x, dim, TP), place=Replicate(gathered=True), val=out,
+            extra = (size,) if size else ()
+            node = self.emit(tp_ops.all_gather_seq, (x, dim, TP, *extra), place=Replicate(gathered=True), val=out,
                              collective=_coll("all_gather", "forward", out, back="reduce_scatter",
                                               regathers=True))
             self.gathered_from[node] = x
@@ -270,10 +300,17 @@ class _Rewriter:
         def make():
             v = self.val[x]
             shape = list(v.shape)
-            shape[dim] = local_size(shape[dim], self.t, f"{self._where()} (dim {dim} of {list(v.shape)})")
+            extra = ()
+            if seq:
+                shape[dim], extra = self.seq_shard(shape[dim])
+            else:
+                shape[dim] = local_size(shape[dim], self.t, f"{self._where()} (dim {dim} of {list(v.shape)})")
             out = torch.empty(shape, dtype=v.dtype, device="meta")
-            return self.emit(tp_ops.scatter, (x, dim, TP), place=Shard(dim, seq=seq), val=out,
+            node = self.emit(tp_ops.scatter, (x, dim, TP, *extra), place=Shard(dim, seq=seq), val=out,
                              collective=_coll("all_gather", "backward", v) if _needs_grad(v) else None)
+            if extra:
+                self.padded_len[node] = extra[0]
+            return node
         return self._cached(("scatter", x, dim), make)
 
     def gather(self, x: fx.Node, dim: int, blocks: tuple[int, ...] = ()) -> fx.Node:
@@ -389,6 +426,9 @@ class _Rewriter:
                and not self.place[i].partial_grad for i in inputs):
             self._note_param_uses(old, sharded=False)
             return self.copy_node(old, val=_to_meta(old.meta.get("val")))
+        padded_dims = {self.place[i].dim for i in inputs if self.seq_len(i, getattr(self.place[i], "dim", -1))}
+        if padded_dims and not padding_safe(name, old, padded_dims):
+            return fallback(self, old, f"{name} reads a sequence shard padded for tp={self.t} across its rows")
         rule = RULES.get(name) or (RULES.get(name[:-1]) if name.endswith("_") and name[:-1] in _IN_PLACE_OK else None)
         if rule is None:
             return fallback(self, old, "no sharded rule for " + name + " on inputs placed "
@@ -573,11 +613,14 @@ class _Rewriter:
         full = _to_meta(old.meta["val"])
         if self.sp and full.dim() == 3:
             shape = list(full.shape)
-            shape[1] = local_size(shape[1], self.t, f"sequence parallelism at {self._where()} (sequence length)")
+            shape[1], extra = self.seq_shard(shape[1])
             val = torch.empty(shape, dtype=full.dtype, device="meta")
-            return self.emit(tp_ops.vocab_parallel_embedding, (w, self.to_replicated(ids), TP, 1, padding_idx),
+            node = self.emit(tp_ops.vocab_parallel_embedding, (w, self.to_replicated(ids), TP, 1, padding_idx, *extra),
                              place=Shard(1, seq=True), val=val,
                              collective=_coll("reduce_scatter", "forward", full, back="all_gather"))
+            if extra:
+                self.padded_len[node] = extra[0]
+            return node
         args = (w, self.to_replicated(ids), TP) + ((None, padding_idx) if padding_idx >= 0 else ())
         return self.emit(tp_ops.vocab_parallel_embedding, args, place=R, val=full,
                          collective=_coll("all_reduce", "forward", full))
@@ -599,5 +642,5 @@ class _Rewriter:
         self.new.output(tuple(outs))
 
 
-from threefold.passes.tp_rules import _IN_PLACE_OK, RULES  # noqa: E402  (rules use the helpers above)
+from threefold.passes.tp_rules import _IN_PLACE_OK, RULES, padding_safe  # noqa: E402  (rules use the helpers above)
 from threefold.passes.tp_report import report_notes, tp_report  # noqa: E402

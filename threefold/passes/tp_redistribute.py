@@ -39,10 +39,10 @@ def replicated(rw, x: fx.Node, global_val=None) -> tuple[fx.Node, int]:
         return rw.g(x), 2 * _nbytes(rw.val[x]) * (rw.t - 1) // rw.t
     if isinstance(p, list) or not isinstance(p, Shard):
         raise NoRule(f"tp={rw.t}: {rw._where()} reads a value placed {p}")
+    size = global_val.shape[p.dim] if isinstance(global_val, torch.Tensor) else rw.seq_len(x, p.dim)
     whole = rw.gather(x, p.dim, p.blocks)
     moved = _nbytes(rw.val[whole]) * (rw.t - 1) // rw.t
-    size = global_val.shape[p.dim] if isinstance(global_val, torch.Tensor) else None
-    if size is not None and rw.val[whole].shape[p.dim] != size:   # vocabulary padding
+    if size is not None and rw.val[whole].shape[p.dim] != size:   # vocabulary or sequence padding
         whole = rw.emit(torch.ops.aten.slice.Tensor, (whole, p.dim, 0, size), place=Replicate())
     return whole, moved
 

@@ -15,7 +15,7 @@ from threefold.compiler.cost import op_name
 from threefold.errors import PlanError
 from threefold.passes.tp_dims import reshape_placement
 from threefold.passes.tp_placement import Partial, Replicate, Shard
-from threefold.passes.tp_redistribute import NoRule
+from threefold.passes.tp_redistribute import NoRule, replicated
 from threefold.runtime import tp_ops
 from threefold.runtime.tp_ops import TP
 
@@ -492,6 +492,37 @@ _ELEMENTWISE = [
     "ones_like", "full_like", "softplus", "leaky_relu", "hardtanh", "log1p", "expm1",
 ]
 
+def eager_loss(rw, old: fx.Node) -> fx.Node:
+    """The user's loss run as Python (compiler/eager_loss.py) sees whole values: its inputs
+    are gathered (vocab padding cut off), its scalar is the same on every tp rank."""
+    args = fx.node.map_arg(old.args, lambda a: replicated(rw, rw.env[a], a.meta.get("val"))[0])
+    rw._note_param_uses(old, sharded=False)
+    v = old.meta["val"]
+    return rw.copy_node(old, args=args, val=torch.empty(tuple(v.shape), dtype=v.dtype, device="meta"))
+
+
+# What may run on a sequence shard whose last rank holds padding rows (a length tp does not
+# divide): ops that treat each row alone. Anything that mixes rows along the padded dim runs
+# on the gathered, cut value instead (the fallback).
+_ROW_WISE = {"layer_norm", "native_layer_norm", "rms_norm", "dropout", "native_dropout", "clone",
+             "_to_copy", "alias", "detach", "getitem", "call_loss", "contiguous"}
+
+
+def padding_safe(name: str, old: fx.Node, dims: set) -> bool:
+    base = name[:-1] if name.endswith("_") and name[:-1] in _IN_PLACE_OK else name
+    x = old.args[0] if old.args else None
+    ndim = x.meta["val"].dim() if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor) else 0
+    if base in ("layer_norm", "native_layer_norm", "rms_norm"):
+        k = len(old.args[1]) if len(old.args) > 1 else 1
+        return not dims & set(range(ndim - k, ndim))
+    if base in _ROW_WISE or base in _ELEMENTWISE:
+        return True
+    if base in ("sum", "mean", "amax", "amin") and len(old.args) > 1 and old.args[1] is not None:
+        reduced = old.args[1] if isinstance(old.args[1], (list, tuple)) else [old.args[1]]
+        return not dims & {d % max(ndim, 1) for d in reduced}
+    return False
+
+
 # in-place variants (clamp_, add_, mul_ ...) follow the same rule on their local shard
 _IN_PLACE_OK = set(_ELEMENTWISE)
 
@@ -511,4 +542,9 @@ RULES.update({
     "matmul": activation_matmul, "bmm": activation_matmul, "baddbmm": activation_matmul,
     "scaled_dot_product_attention": sdpa,
     "cross_entropy_loss": cross_entropy,
+    "call_loss": eager_loss,
 })
+
+from threefold.passes.tp_rules_share import SHARE_RULES  # noqa: E402  (they use the helpers above)
+
+RULES.update(SHARE_RULES)

@@ -94,15 +94,38 @@ class _G(torch.autograd.Function):
         return grad, None
 
 
+def _pad(x: torch.Tensor, dim: int, size, group, zeros: bool = False) -> torch.Tensor:
+    """A sequence of `size` rows padded to a multiple of the group's size (uneven sequence
+    shards: every rank holds ceil(size/t) rows, the last rank's tail is padding). Values are
+    padded with copies of the last row, so whatever runs on the shard (a norm, a division)
+    stays finite there; gradients with zeros: padding never reaches the loss."""
+    if size is None:
+        return x
+    extra = -size % _size(group)
+    if not extra:
+        return x
+    if zeros:
+        shape = list(x.shape)
+        shape[dim] = extra
+        tail = x.new_zeros(shape)
+    else:
+        tail = x.narrow(dim, size - 1, 1).expand(*[extra if d == dim else -1 for d in range(x.dim())])
+    return torch.cat([x, tail], dim=dim)
+
+
+def _unpad(x: torch.Tensor, dim: int, size) -> torch.Tensor:
+    return x if size is None or x.shape[dim] == size else x.narrow(dim, 0, size).contiguous()
+
+
 class _Scatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _slice(x, dim, group)
+    def forward(ctx, x, dim, group, size=None):
+        ctx.dim, ctx.group, ctx.size = dim, group, size
+        return _slice(_pad(x, dim, size, group), dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
+        return _unpad(_all_gather(grad, ctx.dim, ctx.group), ctx.dim, ctx.size), None, None, None
 
 
 class _Gather(torch.autograd.Function):
@@ -118,24 +141,24 @@ class _Gather(torch.autograd.Function):
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
+    def forward(ctx, x, dim, group, size=None):
+        ctx.dim, ctx.group, ctx.size = dim, group, size
+        return _reduce_scatter(_pad(x, dim, size, group), dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
+        return _unpad(_all_gather(grad, ctx.dim, ctx.group), ctx.dim, ctx.size), None, None, None
 
 
 class _AllGatherSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
+    def forward(ctx, x, dim, group, size=None):
+        ctx.dim, ctx.group, ctx.size = dim, group, size
+        return _unpad(_all_gather(x, dim, group), dim, size)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+        return _reduce_scatter(_pad(grad, ctx.dim, ctx.size, ctx.group, zeros=True), ctx.dim, ctx.group), None, None, None
 
 
 def f(x, group):
@@ -146,29 +169,33 @@ def g(x, group):
     return _G.apply(x, group) if group is not None else x
 
 
-def scatter(x, dim, group):
-    return _Scatter.apply(x, dim, group) if group is not None else x
+# `size` (sequence parallelism over a length tp does not divide): the true length; shards
+# are padded to ceil(size/t) rows and gathers cut the padding off again.
+def scatter(x, dim, group, size=None):
+    return _Scatter.apply(x, dim, group, size) if group is not None else x
 
 
 def gather(x, dim, group):
     return _Gather.apply(x, dim, group) if group is not None else x
 
 
-def reduce_scatter(x, dim, group):
-    return _ReduceScatter.apply(x, dim, group) if group is not None else x
+def reduce_scatter(x, dim, group, size=None):
+    return _ReduceScatter.apply(x, dim, group, size) if group is not None else x
 
 
-def all_gather_seq(x, dim, group):
+def all_gather_seq(x, dim, group, size=None):
     """The all-gather of sequence shards; what autograd saves of it is the shard
-    (runtime/saved_shards.py: backward gathers again, as Megatron does)."""
+    (runtime/saved_shards.py: backward gathers again, as Megatron does). A padded gather
+    (size given) is saved whole: it is a cut copy, not the gather's own tensor."""
     if group is None:
         return x
-    full = _AllGatherSeq.apply(x, dim, group)
-    saved_shards.register(full, x, dim, group)
+    full = _AllGatherSeq.apply(x, dim, group, size)
+    if size is None or x.shape[dim] * _size(group) == size:
+        saved_shards.register(full, x, dim, group)
     return full
 
 
-def vocab_parallel_embedding(weight, ids, group, seq_dim=None, padding_idx=-1):
+def vocab_parallel_embedding(weight, ids, group, seq_dim=None, padding_idx=-1, size=None):
     """Embedding with the vocabulary split across ranks: each rank looks up the ids that
     fall in its row range (others masked to zero), then the partial results are summed
     (all-reduce; or reduce-scatter along seq_dim under sequence parallelism).
@@ -181,7 +208,7 @@ def vocab_parallel_embedding(weight, ids, group, seq_dim=None, padding_idx=-1):
     out = torch.ops.aten.embedding.default(weight, local.masked_fill(outside, 0), local_pad)
     out = out.masked_fill(outside.unsqueeze(-1), 0.0)
     if seq_dim is not None:
-        return reduce_scatter(out, seq_dim, group)
+        return reduce_scatter(out, seq_dim, group, size)
     return g(out, group)
 
 
