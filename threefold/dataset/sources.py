@@ -19,6 +19,7 @@ import os
 
 import numpy as np
 
+from threefold.dataset import token_cache
 from threefold.errors import PlanError
 
 TOKEN_SUFFIXES = {".bin": "uint16", ".u16": "uint16", ".u32": "uint32"}
@@ -40,11 +41,44 @@ def read_tokens(path: str, tokenizer, dtype: str = "auto") -> np.ndarray:
         if not files:
             raise PlanError(f"--data {path!r} is a directory without .txt or .jsonl files: "
                             "give a directory that holds some, or a file")
-        docs = [doc for f in files for doc in _documents(f)]
-        return _encode(docs, tokenizer, path)
-    if is_token_file(path):
+    else:
+        files = [path]
+    for f in files:
+        require_regular_file(f, "--data")
+    if is_token_file(path) and not os.path.isdir(path):
         return _memmap(path, dtype)
-    return _encode(list(_documents(path)), tokenizer, path)
+    if sum(os.path.getsize(f) for f in files) > token_cache.STREAM_BYTES:   # never whole in memory
+        return _cached(files, tokenizer, path)
+    return _encode([doc for f in files for doc in _documents(f)], tokenizer, path)
+
+
+def require_regular_file(path: str, flag: str) -> None:
+    """A FIFO would block the read forever and a device never ends: refuse them by what they
+    are, before opening (opening a FIFO blocks too)."""
+    import stat
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise PlanError(f"{flag} {path!r} cannot be read: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        what = ("a named pipe (FIFO)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
+                else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "a directory" if stat.S_ISDIR(mode) else "not a regular file")
+        raise PlanError(f"{flag} {path!r} is {what}: give a regular file")
+
+
+def _cached(files: list[str], tokenizer, path: str) -> np.ndarray:
+    def pieces():
+        for f in files:
+            try:
+                if f.lower().endswith(".jsonl"):
+                    yield from ((True, doc) for doc in _documents(f))
+                else:
+                    yield from token_cache.text_pieces(f)
+            except UnicodeDecodeError:
+                raise PlanError(f"--data {f!r} is not UTF-8 text: give UTF-8 text, or token ids as a .bin "
+                                "file") from None
+    return token_cache.cached_tokens(files, tokenizer, pieces, path)
 
 
 def _text_files(root: str):
