@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
@@ -242,6 +243,9 @@ def _read_toml(data: bytes, source: str) -> dict:
         raise PlanError(f"{source} is not UTF-8 text: give a TOML file") from None
     except _toml.TOMLDecodeError as exc:
         raise PlanError(f"{source} is not valid TOML ({exc}): fix the file") from None
+    except RecursionError:
+        raise PlanError(f"{source} nests arrays or tables too deeply to read: a config is flat key = value "
+                        "lines in [sections]") from None
 
 
 def default_toml() -> bytes:
@@ -254,6 +258,9 @@ def load_config(path: str | None = None, overrides: dict | None = None) -> Train
     `overrides` ({field: value}, e.g. from the command line; None values are ignored)."""
     layers = [_flatten(_read_toml(default_toml(), "embedded default.toml"), "embedded default.toml")]
     if path is not None:
+        if os.path.exists(path) and not os.path.isdir(path):
+            from threefold.regular_file import require_regular_file
+            require_regular_file(path, f"--config {path!r}")    # a FIFO would block the read forever
         try:
             with open(path, "rb") as f:
                 data = f.read()

@@ -21,6 +21,7 @@ run records the GPT's config) is written as a GPT-2 (models/gpt_hf.py) with or w
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
@@ -97,6 +98,8 @@ def parse_size(text) -> int:
         n = float(digits) * _UNITS[t[len(digits):]]
     except (ValueError, KeyError):
         raise PlanError(f"--max-shard-size {text!r} is not a size: write e.g. 5GB, 500MB or 2GiB") from None
+    if not math.isfinite(n):     # nan and inf parse as floats
+        raise PlanError(f"--max-shard-size {text!r} is not a finite size: write e.g. 5GB, 500MB or 2GiB")
     if n < 1:
         raise PlanError(f"--max-shard-size {text!r} must be positive")
     return int(n)

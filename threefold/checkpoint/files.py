@@ -135,7 +135,7 @@ def read_index(ckpt: str) -> dict:
     try:
         with open(os.path.join(ckpt, INDEX)) as f:
             index = json.load(f)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise PlanError(f"checkpoint {ckpt}: {INDEX} is unreadable ({type(exc).__name__}: {exc}); "
                         "the checkpoint is corrupted, load an earlier one") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT or not isinstance(index.get("files"), dict):

@@ -21,6 +21,7 @@ import numpy as np
 
 from threefold.dataset import token_cache
 from threefold.errors import PlanError
+from threefold.regular_file import require_regular_file
 
 TOKEN_SUFFIXES = {".bin": "uint16", ".u16": "uint16", ".u32": "uint32"}
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -44,27 +45,12 @@ def read_tokens(path: str, tokenizer, dtype: str = "auto") -> np.ndarray:
     else:
         files = [path]
     for f in files:
-        require_regular_file(f, "--data")
+        require_regular_file(f, f"--data {f!r}")
     if is_token_file(path) and not os.path.isdir(path):
         return _memmap(path, dtype)
     if sum(os.path.getsize(f) for f in files) > token_cache.STREAM_BYTES:   # never whole in memory
         return _cached(files, tokenizer, path)
     return _encode([doc for f in files for doc in _documents(f)], tokenizer, path)
-
-
-def require_regular_file(path: str, flag: str) -> None:
-    """A FIFO would block the read forever and a device never ends: refuse them by what they
-    are, before opening (opening a FIFO blocks too)."""
-    import stat
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as exc:
-        raise PlanError(f"{flag} {path!r} cannot be read: {exc.strerror or exc}") from None
-    if not stat.S_ISREG(mode):
-        what = ("a named pipe (FIFO)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
-                else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
-                else "a directory" if stat.S_ISDIR(mode) else "not a regular file")
-        raise PlanError(f"{flag} {path!r} is {what}: give a regular file")
 
 
 def _cached(files: list[str], tokenizer, path: str) -> np.ndarray:
@@ -99,6 +85,8 @@ def _documents(path: str):
                     continue
                 try:
                     row = json.loads(line)
+                except RecursionError:
+                    raise PlanError(f"--data {path!r} line {n} nests too deeply: give one flat JSON object per line") from None
                 except json.JSONDecodeError as exc:
                     raise PlanError(f"--data {path!r} line {n} is not JSON ({exc.msg}): "
                                     "give one JSON object per line") from None
@@ -136,7 +124,7 @@ def token_dtype(path: str, dtype: str = "auto") -> str:
         try:
             with open(sidecar, encoding="utf-8") as f:
                 meta = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise PlanError(f"{sidecar!r} is not a JSON file ({exc}): write {{\"dtype\": \"uint16\"}}") from None
         found = meta.get("dtype") if isinstance(meta, dict) else None
         if found not in ("uint16", "uint32"):
