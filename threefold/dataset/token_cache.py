@@ -22,7 +22,7 @@ import numpy as np
 
 from threefold.errors import PlanError
 
-STREAM_BYTES = 64 << 20     # text above this many bytes is streamed through the cache
+STREAM_BYTES = 16 << 20     # text above this many bytes is streamed through the cache (in memory it costs ~3x)
 STREAM_CHUNK = 4 << 20      # characters encoded at once
 SCAN_CHUNK = 8 << 20        # bytes read at once when scanning a token file
 FORMAT = 1                  # bump when the cache's contents would change
