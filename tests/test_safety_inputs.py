@@ -36,6 +36,16 @@ def _fifo(p):
     os.mkfifo(p)
 
 
+def _silent_spec(p):
+    """A SPEC whose tokenizer turns any prompt into no ids."""
+    with open(p, "w") as f:
+        f.write(f"import sys\nsys.path.insert(0, {os.path.join(ROOT, 'tests')!r})\n"
+                "from train_specs import stepped\n\n"
+                "class Silent:\n    def encode(self, text):\n        return []\n\n"
+                "    def decode(self, ids):\n        return ''\n\n"
+                "def silent():\n    w = stepped()\n    w['tokenizer'] = Silent()\n    return w\n")
+
+
 def _set_manifest(d, edit):
     path = os.path.join(d, "manifest.json")
     with open(path) as f:
@@ -87,6 +97,8 @@ CASES = [
      {}, {}),
     ("train into a user's run-like dir", ["train", "--steps", "1", "--out", "{user}"], {}, {}),
     ("train --sample-prompt ''", ["train", "--steps", "1", "--sample-prompt", "", "--out", "{new}"], {}, {}),
+    ("train SPEC tokenizer: prompt gives no ids", ["train", "{silent.py}:silent", "--steps", "1", "--out", "{new}"],
+     {}, {"silent.py": _silent_spec}),
     ("train --ckpt-dir = --out", ["train", "--steps", "2", "--save-every", "1", "--out", "{new}",
                                   "--ckpt-dir", "{new}"], {}, {}),
     ("train --ckpt-dir inside --out", ["train", "--steps", "2", "--save-every", "1", "--out", "{new}",

@@ -107,13 +107,11 @@ def validate_in_parent(cfg) -> Plan:
         model, loss_fn, data = _embedded(cfg)
         *inputs, target = data.sampler(cfg).peek()
         data.val_batches(cfg)
-        if cfg.sample_tokens > 0 and not data.tokenizer.encode(cfg.sample_prompt):
-            raise PlanError(f"--sample-prompt {cfg.sample_prompt!r} is no tokens for tokenizer "
-                            f"{data.tokenizer.name!r} (read at the end of training): give other text, or "
-                            "--sample-tokens 0")
+        _check_prompt(cfg, data.tokenizer, f"tokenizer {data.tokenizer.name!r}")
         workload = Workload(model, tuple(inputs), target, loss_fn)
     else:
         workload = _training_spec(cfg)
+        _check_prompt(cfg, workload.tokenizer, f"SPEC {spec!r}'s tokenizer")
         if cfg.weights is None and any(p.is_meta for p in workload.model.parameters()):
             raise PlanError(f"SPEC {spec!r} builds its model on the meta device: training needs real weights "
                             "(pass --weights PATH, a safetensors file or Hugging Face directory)")
@@ -127,6 +125,20 @@ def validate_in_parent(cfg) -> Plan:
         compile_workload(workload, resolved.plan)
     tell(resolved)
     return resolved.plan
+
+
+def _check_prompt(cfg, tokenizer, which: str) -> None:
+    """The end-of-run sample's prompt must give at least one id (checked now, not after training)."""
+    if tokenizer is None or cfg.sample_tokens <= 0:
+        return
+    try:
+        ids = tokenizer.encode(cfg.sample_prompt)
+    except Exception as exc:   # a SPEC's own tokenizer may raise anything
+        raise PlanError(f"--sample-prompt {cfg.sample_prompt!r} cannot be encoded by {which} "
+                        f"({type(exc).__name__}: {exc}): give other text, or --sample-tokens 0") from None
+    if len(ids) == 0:
+        raise PlanError(f"--sample-prompt {cfg.sample_prompt!r} is no tokens for {which} (read at the end of "
+                        "training): give other text, or --sample-tokens 0")
 
 
 def run(args) -> int:
