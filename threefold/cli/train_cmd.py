@@ -185,9 +185,13 @@ def _held(cfg, ckpt_dir: str, resume: str | None):
     stack = contextlib.ExitStack()
     if os.environ.get("RANK", "0") != "0":
         return stack
-    stack.enter_context(dir_lock(cfg.out, "--out"))
-    if cfg.save_every or resume is not None:
-        stack.enter_context(dir_lock(ckpt_dir, "--ckpt-dir"))
+    try:
+        stack.enter_context(dir_lock(cfg.out, "--out"))
+        if cfg.save_every or resume is not None:
+            stack.enter_context(dir_lock(ckpt_dir, "--ckpt-dir"))
+    except BaseException:
+        stack.close()      # the --out lock taken before a refused checkpoint lock
+        raise
     return stack
 
 
