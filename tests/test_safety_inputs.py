@@ -276,6 +276,21 @@ def test_a_directory_held_by_another_process_is_refused_naming_its_pid(tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["out"]     # the lock file went with the lock
 
 
+def test_train_on_a_checkpoint_directory_held_by_another_run_is_refused(tmp_path, capsys, monkeypatch):
+    ck = str(tmp_path / "ck")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD.format(root=ROOT, path=ck)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        code, err = run_cli(["train", "--steps", "2", "--save-every", "1", "--ckpt-dir", ck, "--out", "out"],
+                            monkeypatch, capsys, tmp_path)
+        assert code == 2 and f"--ckpt-dir {ck!r} is in use by another threefold run (pid {holder.pid})" in err, err
+        assert not (tmp_path / ".out.lock").exists()     # the --out lock it took first was given back
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_the_lock_is_reentrant_in_one_process_and_removed_after(tmp_path):
     from threefold.dir_lock import dir_lock, lock_path
     from threefold.outdir import write_out_dir
