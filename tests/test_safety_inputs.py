@@ -464,7 +464,8 @@ def test_skipped_updates_are_in_the_summary_and_losses_json(tmp_path):
     saved = json.loads((tmp_path / "losses.json").read_text())
     assert [s["step"] for s in saved["skipped_steps"]] == [2, 3]
     old = dict(result, skipped=[4])                   # a checkpoint written before reasons existed
-    assert summarize(old, plan, str(tmp_path))["skipped_steps"] == [{"step": 4, "reason": "non-finite (--skip-nonfinite)"}]
+    assert summarize(old, plan, str(tmp_path))["skipped_steps"] == [
+        {"step": 4, "reason": "non-finite (--skip-nonfinite)"}]
 
 
 if __name__ == "__main__":

@@ -86,7 +86,8 @@ def _documents(path: str):
                 try:
                     row = json.loads(line)
                 except RecursionError:
-                    raise PlanError(f"--data {path!r} line {n} nests too deeply: give one flat JSON object per line") from None
+                    raise PlanError(f"--data {path!r} line {n} nests too deeply: give one flat JSON object "
+                                    "per line") from None
                 except json.JSONDecodeError as exc:
                     raise PlanError(f"--data {path!r} line {n} is not JSON ({exc.msg}): "
                                     "give one JSON object per line") from None

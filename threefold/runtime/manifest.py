@@ -414,7 +414,8 @@ def _check_boundaries(root: str, chunks: list) -> None:
     side would otherwise meet its peer's buffer inside gloo, which aborts the process."""
     prev = None
     for i, c in enumerate(chunks):
-        ins, outs = _boundary(root, i, "inputs", c.get("inputs", [])), _boundary(root, i, "outputs", c.get("outputs", []))
+        ins = _boundary(root, i, "inputs", c.get("inputs", []))
+        outs = _boundary(root, i, "outputs", c.get("outputs", []))
         if prev is not None and ins != prev:
             _bad(root, f"chunk {i} receives {[x[:2] for x in ins]} but chunk {i - 1} sends {[x[:2] for x in prev]}")
         prev = outs
