@@ -144,12 +144,19 @@ def export(ckpt_path: str, out: str, hf_config: str | None = None, force: bool =
     """Write the checkpoint's weights to `out`. `run_record(ckpt)`: what `threefold train`
     recorded in the checkpoint (cli/generate_cmd.read_generate_info); with the embedded
     GPT's config in it ("gpt"), the export is a GPT-2 directory."""
+    from threefold.outdir import check_out_dir
+    max_bytes = parse_size(max_shard_size)
+    check_out_dir(out, force)
+    from threefold.dir_lock import dir_lock
+    with dir_lock(out):     # one export (or run) per --out from here to the written directory
+        return _export(ckpt_path, out, hf_config, force, max_bytes, run_record)
+
+
+def _export(ckpt_path, out, hf_config, force, max_bytes, run_record) -> dict:
     from safetensors.torch import save_file
     from threefold.file_modes import as_if_created_plainly
     from threefold.checkpoint.weights import INDEX
-    from threefold.outdir import check_out_dir, write_out_dir
-    max_bytes = parse_size(max_shard_size)
-    check_out_dir(out, force)
+    from threefold.outdir import write_out_dir
     ckpt, full = consolidate(ckpt_path)
     config = None
     embedded_gpt = (run_record(ckpt) if run_record is not None else {}).get("gpt")

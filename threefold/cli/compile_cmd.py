@@ -34,13 +34,19 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from threefold.codegen.artifact import build_sources, save_artifact
-    from threefold.compiler.api import compile_workload
     from threefold.outdir import check_out_dir
-    from threefold.workload import load_spec
 
     Plan.parse_fields(args.plan)               # a malformed --plan fails before any work
     check_out_dir(args.out, args.force)        # before any work: a bad --out loses nothing
+    from threefold.dir_lock import dir_lock
+    with dir_lock(args.out):                   # one compile (or run) per --out at a time
+        return _compile(args)
+
+
+def _compile(args) -> int:
+    from threefold.codegen.artifact import build_sources, save_artifact
+    from threefold.compiler.api import compile_workload
+    from threefold.workload import load_spec
     timings: dict[str, float] = {}
     with _Progress() as progress:
         start = time.perf_counter()
