@@ -415,6 +415,29 @@ def test_streamed_directories_and_jsonl_match_the_in_memory_reader(small_stream,
     assert np.array_equal(np.asarray(streamed), whole)
 
 
+@pytest.mark.parametrize("count", [1, 2, 3, 7, 1000, 4099])
+def test_the_tableless_shuffle_is_a_permutation(count):
+    from threefold.dataset.sampler import Shuffle
+    order = [Shuffle(count, [5, 6, 7, 8])[i] for i in range(count)]
+    assert sorted(order) == list(range(count))
+    assert count < 7 or order != list(range(count))
+
+
+def test_a_large_epoch_is_ordered_without_a_table_and_still_resumes(monkeypatch):
+    """Above TABLE_MAX windows the order is a keyed bijection (memory independent of the data):
+    every window once per epoch, the same batches from a saved position."""
+    import threefold.dataset.sampler as sampler
+    monkeypatch.setattr(sampler, "TABLE_MAX", 16)
+    tokens = np.arange(8 * 100 + 1) % 256
+    s = sampler.Sampler(tokens, batch=4, seq=8, seed=3)
+    assert isinstance(s._order(0)[2], sampler.Shuffle)
+    starts = s.starts(0, s.count)
+    assert sorted(starts) == sorted(set(starts)) and len(starts) == s.count
+    first = [s.next()[0] for _ in range(5)]
+    again = sampler.Sampler(tokens, batch=4, seq=8, seed=3, position=8)
+    assert all(np.array_equal(a, b) for a, b in zip(first[2:], [again.next()[0] for _ in range(3)]))
+
+
 def test_the_id_scan_of_a_memory_map_reads_the_file(tmp_path):
     from threefold.dataset.token_cache import scan_ids
     path = tmp_path / "t.bin"
