@@ -98,6 +98,8 @@ class _Reports:
     def get(self, timeout: float):
         """(rank, status, value) of one report, or None when none came within timeout."""
         from multiprocessing.connection import wait
+        if not self.open:
+            return None         # every rank's pipe is at its end: nothing can come
         ready = wait([self.readers[r] for r in self.open], timeout)
         for conn in ready:
             r = self.readers.index(conn)
