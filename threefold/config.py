@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
@@ -166,17 +167,20 @@ def _range_checks(cfg: TrainConfig) -> list[tuple[str, str]]:
     need(math.isfinite(cfg.grad_clip) and cfg.grad_clip >= 0, "grad_clip", "use 0 (off) or a positive norm")
     need(0 <= cfg.val_fraction < 1, "val_fraction", "use 0 (no validation) up to below 1, e.g. 0.1")
     need(cfg.eval_every >= 0, "eval_every", "use 0 (never) or a positive step count")
-    need(cfg.eval_batches >= 1, "eval_batches", "use 1 or more")
+    need(1 <= cfg.eval_batches <= MAX_EVAL_BATCHES, "eval_batches", f"use 1..{MAX_EVAL_BATCHES}")
+    need(0 <= cfg.seed < 2**32, "seed", "use 0..2**32-1 (4294967295)")
     need(cfg.save_every >= 0, "save_every", "use 0 (never) or a positive step count")
     need(cfg.sample_tokens >= 0, "sample_tokens", "use 0 (no sample) or more")
+    need(cfg.sample_tokens == 0 or cfg.sample_prompt != "", "sample_prompt",
+         "give at least one character to start the sample from, or --sample-tokens 0")
     need(cfg.data_dtype in DTYPES, "data_dtype", f"use one of {', '.join(DTYPES)}")
     need(1 <= cfg.batch <= EMBEDDED_MAX_BATCH, "batch", f"use 1..{EMBEDDED_MAX_BATCH} sequences")
     need(1 <= cfg.seq <= EMBEDDED_MAX_SEQ, "seq", f"use 1..{EMBEDDED_MAX_SEQ} tokens "
          "(the embedded GPT's position table)")
-    need(cfg.n_layer >= 1, "n_layer", "use 1 or more blocks")
-    need(cfg.n_head >= 1, "n_head", "use 1 or more heads")
-    need(cfg.n_embd >= 1 and cfg.n_embd % max(cfg.n_head, 1) == 0, "n_embd",
-         f"use a positive multiple of n_head ({cfg.n_head})")
+    need(1 <= cfg.n_layer <= MAX_LAYERS, "n_layer", f"use 1..{MAX_LAYERS} blocks")
+    need(1 <= cfg.n_head <= MAX_EMBD, "n_head", f"use 1..{MAX_EMBD} heads")
+    need(1 <= cfg.n_embd <= MAX_EMBD and cfg.n_embd % max(cfg.n_head, 1) == 0, "n_embd",
+         f"use a positive multiple of n_head ({cfg.n_head}), at most {MAX_EMBD}")
     need(0 <= cfg.dropout < 1, "dropout", "use a probability in [0, 1)")
     need(cfg.tokenizer != "", "tokenizer", "use 'byte' or a tokenizer directory")
     need(bool(cfg.out.strip()), "out", "give a directory to write")
@@ -198,6 +202,9 @@ def _trace_steps_ok(cfg: TrainConfig) -> bool:
 EMBEDDED_ONLY = ("data", "tokenizer", "data_dtype", "val_fraction", "n_layer", "n_head", "n_embd", "dropout")
 EMBEDDED_MAX_SEQ = 1024     # the embedded GPT's position table limit (GPT-2's n_positions)
 EMBEDDED_MAX_BATCH = 4096
+MAX_EVAL_BATCHES = 10_000   # validation batches are built up front: bounded memory
+MAX_LAYERS = 1024           # the embedded GPT's shape; its memory is checked against the machine too
+MAX_EMBD = 65536
 
 
 # ---- layers: defaults < file < command line ------------------------------------------------
@@ -236,6 +243,9 @@ def _read_toml(data: bytes, source: str) -> dict:
         raise PlanError(f"{source} is not UTF-8 text: give a TOML file") from None
     except _toml.TOMLDecodeError as exc:
         raise PlanError(f"{source} is not valid TOML ({exc}): fix the file") from None
+    except RecursionError:
+        raise PlanError(f"{source} nests arrays or tables too deeply to read: a config is flat key = value "
+                        "lines in [sections]") from None
 
 
 def default_toml() -> bytes:
@@ -248,6 +258,9 @@ def load_config(path: str | None = None, overrides: dict | None = None) -> Train
     `overrides` ({field: value}, e.g. from the command line; None values are ignored)."""
     layers = [_flatten(_read_toml(default_toml(), "embedded default.toml"), "embedded default.toml")]
     if path is not None:
+        if os.path.exists(path) and not os.path.isdir(path):
+            from threefold.regular_file import require_regular_file
+            require_regular_file(path, f"--config {path!r}")    # a FIFO would block the read forever
         try:
             with open(path, "rb") as f:
                 data = f.read()

@@ -2,10 +2,13 @@
 
 Every directory threefold writes (`compile --out`, `train --out`) is built in a fresh
 temporary sibling and renamed into place, with a marker file listing what we wrote. An
-existing directory is replaced only when it is empty or one of ours (the marker lists every
-file in it, or an older threefold artifact/run whose files we can recognise); anything else
-is refused with a PlanError unless `force`, and even then it is moved aside, never deleted.
+existing directory is replaced only when it is empty or one of ours: the marker is there and
+lists every file in it. Nothing else counts as ours (files that merely look like a run or an
+artifact may be the user's); anything else is refused with a PlanError unless `force`, and
+even then it is moved aside, never deleted.
 `check_out_dir` runs the same checks up front, so a bad path fails before any work starts.
+One run at a time owns a directory: `dir_lock` (threefold/dir_lock.py) is held while a run
+writes it, and a second run on the same directory is refused, naming the holder's pid.
 """
 from __future__ import annotations
 
@@ -20,7 +23,6 @@ from threefold.errors import PlanError
 from threefold.file_modes import as_if_created_plainly
 
 MARKER = ".threefold-out.json"          # {"kind": ..., "files": [relative paths we wrote]}
-_LEGACY_RUN_FILES = {"losses.json", "loss.png"}
 
 
 def _listing(path: str) -> set[str]:
@@ -34,30 +36,19 @@ def _listing(path: str) -> set[str]:
 
 
 def _ours(path: str) -> bool:
-    """True when every file in the directory is one threefold wrote there."""
+    """True when the directory holds our marker and every file in it is one the marker lists.
+    Without the marker nothing is ours, however much it looks like a run (the issue-26 rule:
+    a user's losses.json and loss.png are the user's)."""
     files = _listing(path)
     marker = os.path.join(path, MARKER)
-    if os.path.isfile(marker) and not os.path.islink(marker):
-        try:
-            with open(marker) as f:
-                listed = {os.path.normpath(p) for p in json.load(f)["files"]}
-        except (OSError, ValueError, KeyError, TypeError):
-            return False
-        return files <= listed | {MARKER}
-    if files and files <= _LEGACY_RUN_FILES:
-        return True
-    manifest = os.path.join(path, "manifest.json")   # artifacts written before the marker
-    if os.path.isfile(manifest) and not os.path.islink(manifest):
-        try:
-            with open(manifest) as f:
-                m = json.load(f)
-            listed = set(m["files"]) | {"manifest.json", "batch.safetensors"}
-            for c in m.get("chunks", []):
-                listed |= set(c.get("weights", {}).values())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return False
-        return "threefold_version" in m and files <= {os.path.normpath(p) for p in listed}
-    return False
+    if not os.path.isfile(marker) or os.path.islink(marker) or os.path.getsize(marker) > 16 << 20:
+        return False
+    try:
+        with open(marker) as f:
+            listed = {os.path.normpath(p) for p in json.load(f)["files"]}
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return False
+    return files <= listed | {MARKER}
 
 
 def check_out_dir(path: str, force: bool = False, flag: str = "--out") -> None:
@@ -94,7 +85,37 @@ def write_out_dir(path: str, fill: Callable[[str], None], kind: str, force: bool
                   flag: str = "--out") -> str | None:
     """Build the directory with fill(tmp) in a temporary sibling, then rename it to `path`.
 
-    Returns where a directory that was not ours went (with `force`), else None."""
+    Returns where a directory that was not ours went (with `force`), else None. Holds the
+    directory's lock (threefold/dir_lock.py) while it checks and swaps; a full disk is a
+    one-line PlanError, the old directory left as it was."""
+    from threefold.dir_lock import dir_lock
+    with dir_lock(path, flag):
+        try:
+            return _write_out_dir(path, fill, kind, force, flag)
+        except OSError as exc:
+            if is_disk_full(exc):
+                raise PlanError(f"{flag} {path!r} could not be written: {disk_full(exc)}") from None
+            raise
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """An OSError (or one wrapped by torch's checkpoint writer) for a full disk or quota."""
+    import errno
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+def disk_full(exc: BaseException | None = None) -> str:
+    return "the disk is full (no space left on device); free some space or write to another disk"
+
+
+def _write_out_dir(path: str, fill: Callable[[str], None], kind: str, force: bool, flag: str) -> str | None:
     check_out_dir(path, force, flag)
     full = os.path.abspath(path)
     parent, base = os.path.split(full)

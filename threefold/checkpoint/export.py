@@ -21,6 +21,7 @@ run records the GPT's config) is written as a GPT-2 (models/gpt_hf.py) with or w
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
@@ -98,6 +99,8 @@ def parse_size(text) -> int:
         n = float(digits) * _UNITS[t[len(digits):]]
     except (ValueError, KeyError):
         raise PlanError(f"--max-shard-size {text!r} is not a size: write e.g. 5GB, 500MB or 2GiB") from None
+    if not math.isfinite(n):     # nan and inf parse as floats
+        raise PlanError(f"--max-shard-size {text!r} is not a finite size: write e.g. 5GB, 500MB or 2GiB")
     if n < 1:
         raise PlanError(f"--max-shard-size {text!r} must be positive")
     return int(n)
@@ -142,12 +145,19 @@ def export(ckpt_path: str, out: str, hf_config: str | None = None, force: bool =
     """Write the checkpoint's weights to `out`. `run_record(ckpt)`: what `threefold train`
     recorded in the checkpoint (cli/generate_cmd.read_generate_info); with the embedded
     GPT's config in it ("gpt"), the export is a GPT-2 directory."""
+    from threefold.outdir import check_out_dir
+    max_bytes = parse_size(max_shard_size)
+    check_out_dir(out, force)
+    from threefold.dir_lock import dir_lock
+    with dir_lock(out):     # one export (or run) per --out from here to the written directory
+        return _export(ckpt_path, out, hf_config, force, max_bytes, run_record)
+
+
+def _export(ckpt_path, out, hf_config, force, max_bytes, run_record) -> dict:
     from safetensors.torch import save_file
     from threefold.file_modes import as_if_created_plainly
     from threefold.checkpoint.weights import INDEX
-    from threefold.outdir import check_out_dir, write_out_dir
-    max_bytes = parse_size(max_shard_size)
-    check_out_dir(out, force)
+    from threefold.outdir import write_out_dir
     ckpt, full = consolidate(ckpt_path)
     config = None
     embedded_gpt = (run_record(ckpt) if run_record is not None else {}).get("gpt")

@@ -81,6 +81,26 @@ def publish(root: str, tmp: str, name: str, keep: int | None) -> str:
     return final
 
 
+PARTIAL = re.compile(r"\.tmp-step_\d+-.+")    # save's temporary directory (save.py), mkdtemp's suffix
+
+
+def drop_partial(root: str) -> list[str]:
+    """Remove what interrupted saves left under root (their temporary directories, never a
+    published step_<N>); the names removed. Only call it where no save is running: the
+    next save by the same job, or a resume (the CLI holds the directory's lock)."""
+    gone = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return gone
+    for name in names:
+        path = os.path.join(root, name)
+        if PARTIAL.fullmatch(name) and os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+            gone.append(name)
+    return gone
+
+
 def list_steps(root: str) -> list[str]:
     """Complete checkpoints under root (those with an index), oldest first."""
     if not os.path.isdir(root):
@@ -115,7 +135,7 @@ def read_index(ckpt: str) -> dict:
     try:
         with open(os.path.join(ckpt, INDEX)) as f:
             index = json.load(f)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise PlanError(f"checkpoint {ckpt}: {INDEX} is unreadable ({type(exc).__name__}: {exc}); "
                         "the checkpoint is corrupted, load an earlier one") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT or not isinstance(index.get("files"), dict):

@@ -33,6 +33,7 @@ def save(pm, optimizer, directory: str, step: int | None = None, extra=None, kee
     if rank == 0:
         try:
             os.makedirs(directory, exist_ok=True)
+            files.drop_partial(directory)     # what an interrupted save left (rank 0 alone saves here now)
             tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=directory)
             as_if_created_plainly(tmp, directory=True)   # becomes step_<N>: the umask's mode
         except OSError as exc:
@@ -61,11 +62,23 @@ def save(pm, optimizer, directory: str, step: int | None = None, extra=None, kee
                 "has_optimizer": optimizer is not None, "seconds": time.perf_counter() - started})
             outcome = files.publish(directory, tmp, name, keep)
         outcome = from_rank0(outcome)
-    except BaseException:
+    except BaseException as exc:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        from threefold.outdir import disk_full, is_disk_full
+        if is_disk_full(exc) or _any_disk_full(exc):    # DCP wraps each rank's OSError: name the cause
+            raise PlanError(f"checkpoint {directory} at step {step} could not be written: {disk_full()}") from None
         raise
     return outcome
+
+
+def _any_disk_full(exc: BaseException) -> bool:
+    """torch's CheckpointException keeps each rank's exception in `failures`: {rank: (exc, trace)}."""
+    from threefold.outdir import is_disk_full
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return False
+    return any(is_disk_full(v[0] if isinstance(v, tuple) else v) for v in failures.values())
 
 
 def _planner():

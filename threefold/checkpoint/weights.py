@@ -199,7 +199,7 @@ def _tensor_files(path: str) -> dict[str, str]:
             try:
                 with open(index) as f:
                     weight_map = json.load(f)["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as exc:
+            except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
                 raise PlanError(f"weights {index} is not a safetensors index ({type(exc).__name__}): "
                                 "it needs a 'weight_map'") from None
             files = {k: os.path.join(path, v) for k, v in weight_map.items()}

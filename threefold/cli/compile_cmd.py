@@ -37,10 +37,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from threefold.codegen.artifact import build_sources, save_artifact
-    from threefold.compiler.api import compile_workload
     from threefold.outdir import check_out_dir
-    from threefold.workload import load_spec
 
     Plan.parse_fields(args.plan)               # a malformed --plan fails before any work
     check_out_dir(args.out, args.force)        # before any work: a bad --out loses nothing
@@ -48,6 +45,15 @@ def run(args) -> int:
     if args.sign is not None:                  # a bad key file fails before any work, too
         from threefold.runtime.signing import read_key
         sign_key = read_key(args.sign, "--sign")
+    from threefold.dir_lock import dir_lock
+    with dir_lock(args.out):                   # one compile (or run) per --out at a time
+        return _compile(args, sign_key)
+
+
+def _compile(args, sign_key) -> int:
+    from threefold.codegen.artifact import build_sources, save_artifact
+    from threefold.compiler.api import compile_workload
+    from threefold.workload import load_spec
     timings: dict[str, float] = {}
     with _Progress() as progress:
         start = time.perf_counter()

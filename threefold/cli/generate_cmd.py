@@ -71,11 +71,21 @@ def build_model(info: dict, spec: str | None):
     return w.model, w.tokenizer, int(context)
 
 
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 1e4
+MAX_TOKENS = 1_000_000
+
+
 def run(args) -> int:
     if args.tokens < 0:
         raise PlanError(f"--tokens {args.tokens} is invalid: use 0 or more")
-    if not math.isfinite(args.temperature) or args.temperature < 0:
-        raise PlanError(f"--temperature {args.temperature} is invalid: use 0 (greedy) or a positive number")
+    if not math.isfinite(args.temperature) or not (args.temperature == 0 or
+                                                   MIN_TEMPERATURE <= args.temperature <= MAX_TEMPERATURE):
+        raise PlanError(f"--temperature {args.temperature} is invalid: use 0 (greedy) or {MIN_TEMPERATURE:g} to "
+                        f"{MAX_TEMPERATURE:g} (logits divided by less overflow)")
+    if not 0 <= args.seed < 2**63:
+        raise PlanError(f"--seed {args.seed} is invalid: use 0..2**63-1")
+    if args.tokens > MAX_TOKENS:
+        raise PlanError(f"--tokens {args.tokens} is invalid: use at most {MAX_TOKENS}")
     if args.top_k is not None and args.top_k < 1:
         raise PlanError(f"--top-k {args.top_k} is invalid: use 1 or more")
     from threefold.checkpoint.export import consolidate

@@ -115,7 +115,7 @@ def _read_trace(path: str | None, html: str | None) -> dict | None:
     try:
         with open(path) as f:
             trace = json.load(f)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise PlanError(f"--trace {path!r} cannot be read as JSON ({exc}); give the trace.json "
                         "`threefold train --trace` wrote") from None
     if not isinstance(trace, dict) or "traceEvents" not in trace or "schedule" not in trace.get("otherData", {}):

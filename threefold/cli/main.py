@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from threefold.errors import PlanError, Terminated
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if "THREEFOLD_TIMEOUT" in os.environ:    # a bad value fails here, not in the launcher after work
+            from threefold.runtime.comm import default_timeout
+            default_timeout()
         return int(args.func(args) or 0)
     except PlanError as exc:
         text = " ".join(str(exc).split())   # always one line, whatever the message held
@@ -59,7 +63,6 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `threefold ... | head`: the reader left; not an error of ours
-        import os
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
 

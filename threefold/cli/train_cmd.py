@@ -38,11 +38,24 @@ def _embedded(cfg):
     from threefold.dataset import load_data
     from threefold.models.gpt import GPT, GPTConfig, lm_loss
     data = load_data(cfg)
+    _check_model_fits(cfg, data.vocab_size)
     torch.manual_seed(cfg.seed)
     with _model_building(cfg):
         model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=cfg.seq, n_layer=cfg.n_layer,
                               n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout))
     return model, lm_loss, data
+
+
+def _check_model_fits(cfg, vocab: int) -> None:
+    """The embedded GPT of this shape must fit this machine's memory (the parent builds the
+    whole model once to compile it): a clear error, not the OOM killer."""
+    from threefold.cli.jobs import _available_memory
+    params = cfg.n_layer * 12 * cfg.n_embd ** 2 + (vocab + cfg.seq) * cfg.n_embd
+    available = _available_memory()
+    if available is not None and cfg.weights is None and params * 4 > available:
+        raise PlanError(f"the embedded GPT with n_layer={cfg.n_layer}, n_embd={cfg.n_embd} has {params:.3g} "
+                        f"parameters ({params * 4 / 2**30:.1f} GiB in fp32), more than the {available / 2**30:.1f} "
+                        "GiB of memory available: lower --n-embd or --n-layer")
 
 
 def _train_rank(cfg, show, ckpt_dir=None, resume=None, live_dir=None):
@@ -94,9 +107,11 @@ def validate_in_parent(cfg) -> Plan:
         model, loss_fn, data = _embedded(cfg)
         *inputs, target = data.sampler(cfg).peek()
         data.val_batches(cfg)
+        _check_prompt(cfg, data.tokenizer, f"tokenizer {data.tokenizer.name!r}")
         workload = Workload(model, tuple(inputs), target, loss_fn)
     else:
         workload = _training_spec(cfg)
+        _check_prompt(cfg, workload.tokenizer, f"SPEC {spec!r}'s tokenizer")
         if cfg.weights is None and any(p.is_meta for p in workload.model.parameters()):
             raise PlanError(f"SPEC {spec!r} builds its model on the meta device: training needs real weights "
                             "(pass --weights PATH, a safetensors file or Hugging Face directory)")
@@ -112,25 +127,76 @@ def validate_in_parent(cfg) -> Plan:
     return resolved.plan
 
 
+def _check_prompt(cfg, tokenizer, which: str) -> None:
+    """The end-of-run sample's prompt must give at least one id (checked now, not after training)."""
+    if tokenizer is None or cfg.sample_tokens <= 0:
+        return
+    try:
+        ids = tokenizer.encode(cfg.sample_prompt)
+    except Exception as exc:   # a SPEC's own tokenizer may raise anything
+        raise PlanError(f"--sample-prompt {cfg.sample_prompt!r} cannot be encoded by {which} "
+                        f"({type(exc).__name__}: {exc}): give other text, or --sample-tokens 0") from None
+    if len(ids) == 0:
+        raise PlanError(f"--sample-prompt {cfg.sample_prompt!r} is no tokens for {which} (read at the end of "
+                        "training): give other text, or --sample-tokens 0")
+
+
 def run(args) -> int:
-    from threefold.cli.jobs import run_on_ranks
     from threefold.outdir import check_out_dir
     from threefold.config import from_args
     cfg = from_args(args)     # embedded defaults < --config FILE < flags; ranges checked
     if args.print_config:
         print(cfg.to_toml(), end="")
         return 0
-    args = cfg                # the resolved values under the flags' names
-    from threefold.cli.jobs import command_plan, tell
+    from threefold.cli.jobs import command_plan
     plan = command_plan(cfg.plan).plan     # its ranks; m is settled below, with the batch
     check_out_dir(cfg.out, cfg.force)     # a bad --out must fail before training, not after
     ckpt_dir = cfg.ckpt_dir or os.path.abspath(cfg.out).rstrip("/") + ".ckpt"
+    check_ckpt_dir(cfg, ckpt_dir)
     resume = None if cfg.resume is None else (cfg.resume or ckpt_dir)
     if resume is not None:
         from threefold.checkpoint.files import resolve
         resolve(resume)   # not a checkpoint: one line here, before any rank starts
-    from threefold.cli.jobs import check_local_capacity, under_torchrun
+    from threefold.cli.jobs import check_local_capacity
     check_local_capacity(plan.world_size)
+    with _held(cfg, ckpt_dir, resume):     # one run at a time per --out and checkpoint directory
+        return _train(cfg, plan, ckpt_dir, resume)
+
+
+def check_ckpt_dir(cfg, ckpt_dir: str) -> None:
+    """The checkpoint directory cannot be --out (swapped whole at the end of the run) or
+    inside it, nor hold it; and it must be a directory if it exists."""
+    if not cfg.save_every and cfg.resume is None:
+        return
+    out, ck = (os.path.realpath(os.path.abspath(p)) for p in (cfg.out, ckpt_dir))
+    inside = lambda a, b: a == b or a.startswith(b.rstrip(os.sep) + os.sep)   # noqa: E731
+    if inside(ck, out) or inside(out, ck):
+        raise PlanError(f"--ckpt-dir {ckpt_dir!r} is --out {cfg.out!r} or inside it (or holds it): --out is "
+                        "replaced at the end of the run; give a separate directory (default: OUT.ckpt)")
+    if cfg.save_every and os.path.exists(ckpt_dir) and not os.path.isdir(ckpt_dir):
+        raise PlanError(f"--ckpt-dir {ckpt_dir!r} is a file, not a directory: give a directory for checkpoints")
+
+
+def _held(cfg, ckpt_dir: str, resume: str | None):
+    """Locks on --out and the checkpoint directory (written or resumed from), taken by the
+    process that is or starts rank 0 (under torchrun the other processes write neither)."""
+    import contextlib
+    from threefold.dir_lock import dir_lock
+    stack = contextlib.ExitStack()
+    if os.environ.get("RANK", "0") != "0":
+        return stack
+    try:
+        stack.enter_context(dir_lock(cfg.out, "--out"))
+        if cfg.save_every or resume is not None:
+            stack.enter_context(dir_lock(ckpt_dir, "--ckpt-dir"))
+    except BaseException:
+        stack.close()      # the --out lock taken before a refused checkpoint lock
+        raise
+    return stack
+
+
+def _train(cfg, plan, ckpt_dir: str, resume: str | None) -> int:
+    from threefold.cli.jobs import command_plan, run_on_ranks, tell, under_torchrun
     if not under_torchrun():     # under torchrun every process is a rank: no parent to check in
         from threefold.train.progress import compiling_status
         with compiling_status(f"compiling for plan {plan} (checking it before starting "
@@ -142,12 +208,12 @@ def run(args) -> int:
         plan = resolved.plan
     if not under_torchrun() or cfg.spec is None:    # the ranks train the plan checked here
         import dataclasses
-        cfg = args = dataclasses.replace(cfg, plan=str(plan))
+        cfg = dataclasses.replace(cfg, plan=str(plan))
     live = _live_dir(cfg.out)
     try:
         result = run_on_ranks(_train_rank, plan.world_size, cfg, not cfg.json, ckpt_dir, resume, live)[0]
     except BaseException:
-        _keep_or_drop(live)
+        _keep_or_drop(live, ckpt_dir)
         raise
     from threefold.cli.jobs import is_main_rank
     if not is_main_rank():
@@ -156,28 +222,49 @@ def run(args) -> int:
     if result["stopped"]:
         from threefold.cli.divergence import stop_message
         step, what = result["stopped"]
-        if args.json:
+        if cfg.json:
             print(dumps({"plan": str(plan), "steps": len(losses), "losses": losses, "stopped_at_step": step,
                          "reason": f"non-finite {what}", "ok": False}))
         print(stop_message("train", step, what), file=sys.stderr)
         if live:
             print(f"threefold train: the metrics of the steps run are in {live}", file=sys.stderr)
         return 1
-    from threefold.train.report import summarize, write_run
-    summary = summarize(result, plan, os.path.abspath(args.out))
+    from threefold.train.report import summarize, write_losses, write_run
+    summary = summarize(result, plan, os.path.abspath(cfg.out))
+    if live:
+        try:   # the record survives even if --out cannot be written below
+            write_losses(live, result, plan)
+        except OSError:
+            pass
     from threefold.outdir import write_out_dir
-    moved = write_out_dir(args.out, lambda tmp: write_run(tmp, result, plan, live), kind="train",
-                          force=args.force)
+    try:
+        moved = write_out_dir(cfg.out, lambda tmp: write_run(tmp, result, plan, live), kind="train",
+                              force=cfg.force)
+    except (PlanError, OSError) as exc:
+        raise PlanError(f"{exc if isinstance(exc, PlanError) else _os_error(cfg.out, exc)}; the run finished: "
+                        f"{_kept(live, ckpt_dir, cfg)}") from None
     if moved:
-        print(f"threefold train: moved the previous {args.out} aside to {moved}", file=sys.stderr)
+        print(f"threefold train: moved the previous {cfg.out} aside to {moved}", file=sys.stderr)
     if live:
         import shutil
         shutil.rmtree(live, ignore_errors=True)   # our own staging directory, now copied into --out
-    if args.json:
+    if cfg.json:
         print(dumps(summary))
     else:
         print(summary_text(summary))
     return 0
+
+
+def _os_error(out: str, exc: OSError) -> str:
+    return f"--out {out!r} could not be written ({exc.strerror or exc})"
+
+
+def _kept(live: str | None, ckpt_dir: str, cfg) -> str:
+    """Where a run whose --out could not be written left its record."""
+    parts = [f"its losses and metrics are in {live}"] if live else []
+    if cfg.save_every and os.path.isdir(ckpt_dir):
+        parts.append(f"its checkpoints in {ckpt_dir}")
+    return " and ".join(parts) or "nothing else was kept"
 
 
 def _live_dir(out: str) -> str | None:
@@ -196,13 +283,16 @@ def _live_dir(out: str) -> str | None:
     return live
 
 
-def _keep_or_drop(live: str | None) -> None:
-    """A failed run: keep the staging directory if it holds steps (and say where), else drop it."""
+def _keep_or_drop(live: str | None, ckpt_dir: str | None = None) -> None:
+    """A failed run: keep the staging directory if it holds steps (and say where, with the
+    checkpoints if any were written), else drop it."""
     if not live:
         return
     log = os.path.join(live, "metrics.jsonl")
     if os.path.isfile(log) and os.path.getsize(log) > 0:
-        print(f"threefold train: the metrics of the steps run are in {live}", file=sys.stderr)
+        from threefold.checkpoint.files import list_steps
+        saved = f"; checkpoints in {ckpt_dir}" if ckpt_dir and list_steps(ckpt_dir) else ""
+        print(f"threefold train: the metrics of the steps run are in {live}{saved}", file=sys.stderr)
     else:
         import shutil
         shutil.rmtree(live, ignore_errors=True)   # ours, and empty of results
@@ -221,6 +311,12 @@ def summary_text(summary: dict) -> str:
     lines = [f"trained {summary['steps']} steps with plan {summary['plan']}: loss {summary['first_loss']:.4f} -> "
              f"{summary['final_loss']:.4f}{val}, {summary['tokens_per_second']:,.0f} tokens/s, "
              f"{summary['model_flops_per_second'] / 1e9:.2f} model GFLOP/s, {summary['seconds']:.1f} s"]
+    skipped = summary.get("skipped_steps") or []
+    if skipped:
+        shown = ", ".join(f"{s['step']} ({s['reason']})" for s in skipped[:5])
+        more = f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""
+        lines.append(f"skipped {len(skipped)} update(s), weights unchanged at step {shown}{more} "
+                     "(also in losses.json)")
     if summary.get("sample") is not None:
         lines.append("sample:\n" + printable(summary["sample"]))
     lines.append(f"loss curve: {summary['plot']} (also lr.png, tokens_per_second.png, metrics.jsonl)")

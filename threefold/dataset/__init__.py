@@ -17,6 +17,7 @@ import numpy as np
 
 from threefold.dataset.sampler import Sampler, fixed_batches, windows
 from threefold.dataset.sources import is_token_file, read_tokens
+from threefold.dataset.token_cache import scan_ids
 from threefold.dataset.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, tokenizer_from_dict
 from threefold.errors import PlanError
 
@@ -57,9 +58,8 @@ def load_data(cfg) -> Data:
     tokens = read_tokens(source, tokenizer, cfg.data_dtype)
     if len(tokens) == 0:
         raise PlanError(f"--data {source!r} holds no tokens: give a non-empty source")
-    top = int(tokens.max())
+    top, where = scan_ids(tokens, tokenizer.vocab_size)    # a memory map is read, not mapped in
     if top >= tokenizer.vocab_size:
-        where = int(np.argmax(np.asarray(tokens) >= tokenizer.vocab_size))
         raise PlanError(f"--data {source!r} has token id {top} (first out-of-range id at position {where}), "
                         f"outside the tokenizer's {tokenizer.vocab_size} ids ({tokenizer.name}): give the "
                         "--tokenizer the ids came from, or --data-dtype if the file is misread")

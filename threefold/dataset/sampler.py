@@ -23,6 +23,37 @@ def windows(tokens, starts, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     return rows[:, :-1], rows[:, 1:]
 
 
+TABLE_MAX = 1 << 22     # windows per epoch up to which the order is a randperm table (32 MB)
+
+
+class Shuffle:
+    """A seeded permutation of range(count) computed per index, in constant memory: a 4-round
+    Feistel network over the smallest even number of bits that holds count, cycle-walked
+    back into range (each step is a bijection of the larger domain, so the walk is one of
+    range(count); the domain is under 4*count, so a walk takes a few steps on average)."""
+
+    def __init__(self, count: int, keys: list[int]):
+        bits = max(2, (count - 1).bit_length())
+        self.half = (bits + 1) // 2
+        self.mask = (1 << self.half) - 1
+        self.count, self.keys = count, keys
+
+    def _round(self, r: int, key: int) -> int:
+        x = (r * 0x9E3779B97F4A7C15 + key) & 0xFFFFFFFFFFFFFFFF
+        x = ((x ^ (x >> 31)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        return (x ^ (x >> 29)) & self.mask
+
+    def __getitem__(self, i: int) -> int:
+        x = int(i)
+        while True:
+            left, right = x >> self.half, x & self.mask
+            for key in self.keys:
+                left, right = right, left ^ self._round(right, key)
+            x = (left << self.half) | right
+            if x < self.count:
+                return x
+
+
 class Sampler:
     def __init__(self, tokens, batch: int, seq: int, seed: int = 0, position: int = 0):
         if len(tokens) < seq + 1:
@@ -38,7 +69,10 @@ class Sampler:
         if self._epoch is None or self._epoch[0] != epoch:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             offset = int(torch.randint(0, self.slack + 1, (1,), generator=g))
-            perm = torch.randperm(self.count, generator=g).numpy()
+            if self.count <= TABLE_MAX:
+                perm = torch.randperm(self.count, generator=g).numpy()
+            else:     # a table would grow with the data (8 bytes a window): a keyed bijection instead
+                perm = Shuffle(self.count, [int(k) for k in torch.randint(0, 2**62, (4,), generator=g)])
             self._epoch = (epoch, offset, perm)
         return self._epoch
 

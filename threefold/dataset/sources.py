@@ -19,7 +19,9 @@ import os
 
 import numpy as np
 
+from threefold.dataset import token_cache
 from threefold.errors import PlanError
+from threefold.regular_file import require_regular_file
 
 TOKEN_SUFFIXES = {".bin": "uint16", ".u16": "uint16", ".u32": "uint32"}
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -40,11 +42,29 @@ def read_tokens(path: str, tokenizer, dtype: str = "auto") -> np.ndarray:
         if not files:
             raise PlanError(f"--data {path!r} is a directory without .txt or .jsonl files: "
                             "give a directory that holds some, or a file")
-        docs = [doc for f in files for doc in _documents(f)]
-        return _encode(docs, tokenizer, path)
-    if is_token_file(path):
+    else:
+        files = [path]
+    for f in files:
+        require_regular_file(f, f"--data {f!r}")
+    if is_token_file(path) and not os.path.isdir(path):
         return _memmap(path, dtype)
-    return _encode(list(_documents(path)), tokenizer, path)
+    if sum(os.path.getsize(f) for f in files) > token_cache.STREAM_BYTES:   # never whole in memory
+        return _cached(files, tokenizer, path)
+    return _encode([doc for f in files for doc in _documents(f)], tokenizer, path)
+
+
+def _cached(files: list[str], tokenizer, path: str) -> np.ndarray:
+    def pieces():
+        for f in files:
+            try:
+                if f.lower().endswith(".jsonl"):
+                    yield from ((True, doc) for doc in _documents(f))
+                else:
+                    yield from token_cache.text_pieces(f)
+            except UnicodeDecodeError:
+                raise PlanError(f"--data {f!r} is not UTF-8 text: give UTF-8 text, or token ids as a .bin "
+                                "file") from None
+    return token_cache.cached_tokens(files, tokenizer, pieces, path)
 
 
 def _text_files(root: str):
@@ -65,6 +85,9 @@ def _documents(path: str):
                     continue
                 try:
                     row = json.loads(line)
+                except RecursionError:
+                    raise PlanError(f"--data {path!r} line {n} nests too deeply: give one flat JSON object "
+                                    "per line") from None
                 except json.JSONDecodeError as exc:
                     raise PlanError(f"--data {path!r} line {n} is not JSON ({exc.msg}): "
                                     "give one JSON object per line") from None
@@ -102,7 +125,7 @@ def token_dtype(path: str, dtype: str = "auto") -> str:
         try:
             with open(sidecar, encoding="utf-8") as f:
                 meta = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise PlanError(f"{sidecar!r} is not a JSON file ({exc}): write {{\"dtype\": \"uint16\"}}") from None
         found = meta.get("dtype") if isinstance(meta, dict) else None
         if found not in ("uint16", "uint32"):

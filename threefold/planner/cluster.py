@@ -100,6 +100,8 @@ def cluster_from_toml(data: bytes | str, source: str = "cluster TOML") -> Cluste
         raw = _toml.loads(data)
     except _toml.TOMLDecodeError as exc:
         raise PlanError(f"{source} is not valid TOML ({exc}): fix the syntax") from None
+    except RecursionError:
+        raise PlanError(f"{source} nests too deeply to be a cluster description: use flat key = value lines") from None
     missing = [k for k in REQUIRED if k not in raw]
     if missing:
         raise PlanError(f"{source} is missing {', '.join(missing)}: add "

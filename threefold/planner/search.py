@@ -78,10 +78,16 @@ def _schedules(pp: int, v: int) -> tuple[str, ...]:
     return ("interleaved", "zbv") if v == 2 else ("interleaved",)
 
 
+MAX_SEARCH = 1 << 24     # gpus and batch: 16.7 million, beyond any cluster built
+
+
 def _check_inputs(batch: int, gpus: int, cluster: Cluster, where: Constraints) -> None:
     for name, value in (("batch", batch), ("gpus", gpus)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise PlanError(f"{name}={value!r} is invalid: it must be a positive integer")
+        if value > MAX_SEARCH:    # the search walks the divisors: bounded, it ends in seconds
+            raise PlanError(f"{name}={value} is more than the {MAX_SEARCH} this search considers: use at most "
+                            f"{MAX_SEARCH}")
     g = cluster.gpus_per_node
     if gpus > g and gpus % g:
         raise PlanError(f"gpus={gpus} is not a whole number of {g}-GPU nodes ({cluster.name}): "

@@ -9,6 +9,7 @@ failing rank makes the others fail loudly and say who.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -22,8 +23,21 @@ from threefold.runtime.mesh import Mesh
 FAILURE_KEY = "threefold/failure"
 
 
+MAX_TIMEOUT_S = 1e6      # ~11.6 days: beyond it timedelta and gloo's milliseconds overflow
+
+
 def default_timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get("THREEFOLD_TIMEOUT", "60")))
+    """THREEFOLD_TIMEOUT seconds (default 60): how long a collective or the rendezvous waits."""
+    text = os.environ.get("THREEFOLD_TIMEOUT", "60")
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (0 < seconds <= MAX_TIMEOUT_S):     # also nan
+        from threefold.errors import PlanError
+        raise PlanError(f"THREEFOLD_TIMEOUT={text!r} is invalid: give seconds above 0 and at most "
+                        f"{MAX_TIMEOUT_S:.0f}, e.g. 60")
+    return timedelta(seconds=seconds)
 
 
 class RankFailure(RuntimeError):

@@ -94,6 +94,47 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="threefold-parent-watch", daemon=True).start()
 
 
+class _Reports:
+    """What the ranks report to the launcher: one pipe per rank, no semaphores.
+
+    A multiprocessing.Queue makes three named POSIX semaphores (/dev/shm/sem.mp-*) that only
+    the resource tracker removes; a process group killed with SIGKILL takes the tracker with
+    it and leaves them behind. A pipe is two file descriptors the kernel closes whatever
+    happens."""
+
+    def __init__(self, ctx, n: int):
+        pairs = [ctx.Pipe(duplex=False) for _ in range(n)]
+        self.readers = [r for r, _ in pairs]
+        self.writers = [w for _, w in pairs]
+        self.open = set(range(n))
+
+    def get(self, timeout: float):
+        """(rank, status, value) of one report, or None when none came within timeout."""
+        from multiprocessing.connection import wait
+        if not self.open:
+            return None         # every rank's pipe is at its end: nothing can come
+        ready = wait([self.readers[r] for r in self.open], timeout)
+        for conn in ready:
+            r = self.readers.index(conn)
+            try:
+                return pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                self.open.discard(r)    # the rank exited without (more to) report
+                conn.close()
+        return None
+
+    def close(self) -> None:
+        for c in self.readers + self.writers:
+            try:
+                c.close()
+            except OSError:
+                pass
+
+
+def _report(conn, item) -> None:
+    conn.send_bytes(pickle.dumps(item))
+
+
 def _worker(rank: int, world: int, port: int, secret: str, fn, args, queue, threads: int,
             parent_pid: int) -> None:
     _die_with_parent(parent_pid)
@@ -110,10 +151,13 @@ def _worker(rank: int, world: int, port: int, secret: str, fn, args, queue, thre
         # Plain pickle copies tensors into the bytes; the queue's own pickler would share
         # their storage, which vanishes when this process exits.
         result = pickle.dumps(fn(*args))
-        queue.put((rank, "ok", result))
+        _report(queue, (rank, "ok", result))
     except BaseException as exc:  # report everything, including KeyboardInterrupt
         msg = f"{type(exc).__name__}: {exc}"
-        queue.put((rank, "error", msg + "\n" + rank_traceback(exc)))
+        try:
+            _report(queue, (rank, "error", msg + "\n" + rank_traceback(exc)))
+        except Exception:
+            pass
         post_failure(f"rank {rank}: {msg.splitlines()[0][:300]}")
     finally:
         if dist.is_initialized():
@@ -158,11 +202,12 @@ def launch(fn, nprocs: int, *args, threads: int = 1, timeout: float | None = Non
     if nprocs == 1 and dist.is_initialized():
         return [fn(*args)]
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    queue = _Reports(ctx, nprocs)
     secret = new_secret()                   # the job's own store (runtime/job_store.py)
     server, port = _store_server(nprocs)
     store = JobStore(server, secret)
-    procs = [ctx.Process(target=_worker, args=(r, nprocs, port, secret, fn, args, queue, threads, os.getpid()),
+    procs = [ctx.Process(target=_worker, args=(r, nprocs, port, secret, fn, args, queue.writers[r], threads,
+                                               os.getpid()),
                          daemon=True) for r in range(nprocs)]
     results: dict[int, tuple[str, object]] = {}
     causes: dict[int, str] = {}             # what the parent saw: a rank died or stopped
@@ -182,8 +227,9 @@ def launch(fn, nprocs: int, *args, threads: int = 1, timeout: float | None = Non
     in_main = threading.current_thread() is threading.main_thread()
     old_term = signal.signal(signal.SIGTERM, on_term) if in_main else None
     try:
-        for p in procs:
+        for p, w in zip(procs, queue.writers):
             p.start()
+            w.close()          # the rank holds its end now: EOF on ours means it is gone
         last_scan = 0.0
         while len(results) < nprocs:
             _drain(queue, results)
@@ -266,12 +312,12 @@ def _stop_all(procs) -> None:
 
 def _drain(queue, results, wait: float = 0.0) -> None:
     """Collect what the ranks reported. A rank that has exited may still have its result
-    in flight through the queue's pipe (large results), so callers can wait a little."""
+    in its pipe (large results), so callers can wait a little."""
     while True:
-        try:
-            rank, status, value = queue.get(timeout=wait) if wait else queue.get_nowait()
-        except Exception:
+        item = queue.get(timeout=wait)
+        if item is None:
             return
+        rank, status, value = item
         if results.get(rank, ("",))[0] != "error" or status == "error":
             results[rank] = (status, value)
         wait = 0.0

@@ -62,6 +62,8 @@ class Artifact:
         if expected is None:
             raise PlanError(f"artifact {self.root!r}: {rel} has no sha256 in {MANIFEST}; "
                             "refusing to read an unlisted file (recompile the artifact)")
+        from threefold.regular_file import require_regular_file
+        require_regular_file(path, f"artifact {self.root!r}: {rel}")   # a FIFO or device never ends
         try:
             with open(path, "rb") as f:
                 data = f.read()

@@ -30,6 +30,7 @@ from threefold.runtime.shard import ShardSpec
 MANIFEST = "manifest.json"
 FORMAT = 4                         # 4: the mesh as named axes; 3: one module per chunk, shared by its tp ranks
 MAX_RANKS = 1 << 16                # a mesh beyond this is a corrupt manifest, not a job
+MAX_SCHEDULE_ACTIONS = 300_000     # pp*v*m*3: ~60 us each to build and verify, so a few seconds at most
 
 
 @dataclass(frozen=True)
@@ -301,6 +302,9 @@ class Manifest:
     def loads(cls, text: str, root: str = "<manifest>") -> "Manifest":
         try:
             data = json.loads(text)
+        except RecursionError:
+            raise PlanError(f"artifact {root!r}: {MANIFEST} nests too deeply to be a manifest; recompile the "
+                            "artifact") from None
         except ValueError as exc:
             raise PlanError(f"artifact {root!r}: {MANIFEST} is not valid JSON ({exc}); recompile the artifact") from None
         return cls.from_json(data, root)
@@ -359,6 +363,10 @@ def check_manifest(root: str, m) -> None:
     if (not isinstance(sched, dict) or not _is_count(sched.get("microbatches"), 1, 1 << 20)
             or not _is_count(sched.get("interleave"), 1, 1024) or not isinstance(sched.get("kind"), str)):
         _bad(root, f"schedule {sched!r} needs kind, microbatches and interleave")
+    actions = mesh["pp"] * sched["interleave"] * sched["microbatches"] * 3    # F, B, W at most
+    if actions > MAX_SCHEDULE_ACTIONS:
+        _bad(root, f"schedule with pp={mesh['pp']}, v={sched['interleave']}, m={sched['microbatches']} has "
+             f"about {actions} actions, more than the {MAX_SCHEDULE_ACTIONS} a run builds in seconds")
     if not isinstance(chunks, list) or len(chunks) != mesh["pp"] * sched["interleave"] or m.get("num_chunks") != len(chunks):
         _bad(root, f"{len(chunks) if isinstance(chunks, list) else chunks!r} chunks for pp={mesh['pp']} "
              f"v={sched['interleave']} (num_chunks {m.get('num_chunks')!r})")
@@ -383,6 +391,39 @@ def check_manifest(root: str, m) -> None:
         if with_weights is not None and has != with_weights:
             _bad(root, "some chunks have weights and others do not")
         with_weights = has
+    _check_boundaries(root, chunks)
+
+
+BOUNDARY_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "bool")  # runtime/boundary.py
+MAX_DIM = 1 << 40
+
+
+def _boundary(root: str, i: int, side: str, specs) -> list[tuple]:
+    """(shape, dtype, placement) of each tensor on one side of chunk i, each checked."""
+    if not isinstance(specs, list):
+        _bad(root, f"chunk {i} {side} must be a list of tensors")
+    out = []
+    for j, d in enumerate(specs):
+        shape = d.get("shape") if isinstance(d, dict) else None
+        if (not isinstance(shape, list) or len(shape) > 16
+                or not all(_is_count(n, 0, MAX_DIM) for n in shape) or math.prod(shape) > MAX_DIM):
+            _bad(root, f"chunk {i} {side}[{j}] shape {shape!r} is not a list of sizes")
+        if d.get("dtype") not in BOUNDARY_DTYPES:
+            _bad(root, f"chunk {i} {side}[{j}] dtype {d.get('dtype')!r} is not one of {', '.join(BOUNDARY_DTYPES)}")
+        out.append((tuple(shape), d["dtype"], d.get("placement"), json.dumps(d.get("axes"), sort_keys=True)))
+    return out
+
+
+def _check_boundaries(root: str, chunks: list) -> None:
+    """What chunk i sends is what chunk i+1 receives (shapes, dtypes, placements): a tampered
+    side would otherwise meet its peer's buffer inside gloo, which aborts the process."""
+    prev = None
+    for i, c in enumerate(chunks):
+        ins = _boundary(root, i, "inputs", c.get("inputs", []))
+        outs = _boundary(root, i, "outputs", c.get("outputs", []))
+        if prev is not None and ins != prev:
+            _bad(root, f"chunk {i} receives {[x[:2] for x in ins]} but chunk {i - 1} sends {[x[:2] for x in prev]}")
+        prev = outs
 
 
 def _check_against_plan(root: str, m: dict, plan: Plan) -> None:

@@ -53,6 +53,8 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
             skipped, rows = list(done.get("skipped", [])), list(done.get("rows", []))
             source.load_state_dict(done.get("data"), start)
             if main:
+                from threefold.checkpoint.files import drop_partial
+                drop_partial(os.path.dirname(os.path.abspath(info["path"])))   # an interrupted save's leftovers
                 print(f"threefold train: resumed from {info['path']} at step {start}", file=sys.stderr)
         log = MetricsLog(os.path.join(live_dir, "metrics.jsonl") if live_dir and main else None,
                          os.path.join(live_dir, "tensorboard") if live_dir and main else None)
@@ -93,14 +95,18 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
                        "memory": memory_per_rank(pm.engine.device)}
                 if scaled:
                     row["loss_scale"] = float(opt.scaler.scale)
+                    if bad is None and opt.scaler.last_skipped:   # the scaler skipped this update
+                        row["skipped"] = "fp16 overflow (loss scale lowered)"
+                        skipped.append({"step": step + 1, "reason": row["skipped"]})
+                if bad is not None and cfg.skip_nonfinite:
+                    row["skipped"] = f"non-finite {bad} (--skip-nonfinite)"
+                    skipped.append({"step": step + 1, "reason": row["skipped"]})
                 rows.append(row)
                 log.write(row)
                 progress.update(loss, tps, val)
-                if bad is not None:
-                    if not cfg.skip_nonfinite:
-                        stopped = (step + 1, bad)
-                        break
-                    skipped.append(step + 1)
+                if bad is not None and not cfg.skip_nonfinite:
+                    stopped = (step + 1, bad)
+                    break
                 if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
                     threefold.save(pm, opt, ckpt_dir, step=step + 1, keep=2,
                                    extra={"losses": losses, "seconds": seconds, "skipped": skipped,

@@ -36,7 +36,7 @@ def summarize(result: dict, plan, out: str) -> dict:
         "model_flops_per_second": result["flops_per_step"] * len(steady) / sum(steady) if sum(steady) else 0.0,
         "final_grad_norm": rows[-1]["grad_norm"] if rows else None,
         "peak_rss_mb_per_rank": _peak_rss(rows),
-        "seconds": sum(seconds), "out": out, "skipped_steps": result["skipped"],
+        "seconds": sum(seconds), "out": out, "skipped_steps": skipped_steps(result),
         "sample": result.get("sample"), "plot": os.path.join(out, "loss.png"),
         "trace": trace_summary(result.get("trace"), out),
     }
@@ -73,13 +73,27 @@ def _peak_rss(rows: list[dict]) -> list[float]:
     return peaks
 
 
+def write_losses(tmp: str, result: dict, plan) -> None:
+    """losses.json: the plan, the loss and time of every step, validation losses by step, and
+    the steps whose update was skipped (--skip-nonfinite, fp16 overflow) with the reason."""
+    with open(os.path.join(tmp, "losses.json"), "w") as f:
+        f.write(dumps({"plan": str(plan), "losses": result["losses"], "seconds": result["seconds"],
+                       "val_losses": val_points(result), "skipped_steps": skipped_steps(result)}))
+
+
+def skipped_steps(result: dict) -> list[dict]:
+    """[{"step": n, "reason": ...}] for every step that ran without updating the weights."""
+    out = []
+    for s in result.get("skipped", []):
+        out.append(s if isinstance(s, dict) else {"step": int(s), "reason": "non-finite (--skip-nonfinite)"})
+    return out
+
+
 def write_run(tmp: str, result: dict, plan, live: str | None) -> None:
     """Fill the --out directory being built at `tmp`."""
     from threefold.train.plots import plot_run
     rows = result["rows"]
-    with open(os.path.join(tmp, "losses.json"), "w") as f:
-        f.write(dumps({"plan": str(plan), "losses": result["losses"], "seconds": result["seconds"],
-                       "val_losses": val_points(result)}))
+    write_losses(tmp, result, plan)
     with open(os.path.join(tmp, "metrics.jsonl"), "w") as f:
         for r in rows:
             f.write(dumps(r) + "\n")   # valid JSON: a non-finite value is null
