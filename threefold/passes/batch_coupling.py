@@ -76,6 +76,7 @@ def check_batch_coupling(prog: Traced) -> Traced:
     for node, reason in mixing:
         if reason == "batch statistics":
             notes += _batch_statistics(prog, node, parts)
+    once = _buffer_writes(prog, states, parts, stat_modules)   # its error names the buffer
     exempt = exact_reductions(prog.graph) if prog.has_loss else set()
     live = _reaches_output(prog.graph)
     for node, reason in mixing:
@@ -89,7 +90,6 @@ def check_batch_coupling(prog: Traced) -> Traced:
         raise PlanError(f"{prog.name}: {op} in module {where!r} mixes the rows of the batch ({reason})"
                         f"{_before_loss(prog)}, so the m*dp={parts} microbatch/dp parts cannot equal the "
                         f"whole batch; {_FIX}")
-    once = _buffer_writes(prog, states, parts, stat_modules)
     notes = [n for i, n in enumerate(notes) if n not in notes[:i] and n not in prog.notes]
     if not once:
         return prog.noted(*notes)

@@ -241,6 +241,9 @@ def _broadcast(node: fx.Node, states: dict):
         if not isinstance(s, Rows) or sh is None or shape_o is None:
             return LOST, None
         d = s.dim + len(shape_o) - len(sh)
+        if (d < 0 or d >= len(shape_o) or shape_o[d] != sh[s.dim]) and len(shape_o) > len(sh) \
+                and shape_o[:s.dim + 1] == sh[:s.dim + 1]:
+            d = s.dim   # an op that appends dims (one_hot): the leading dims stay
         if d < 0 or d >= len(shape_o) or shape_o[d] != sh[s.dim]:
             return LOST, None
         found.add(Rows(d, s.stride))
@@ -267,7 +270,7 @@ def _loss(node: fx.Node, states: dict):
 def _reduce(node: fx.Node, name: str, sx: Rows, shape_x: tuple):
     if name in ("max", "min", "median", "nanmedian") and len(node.args) < 2 and "dim" not in node.kwargs:
         return LOST, "a reduction over the batch dim"
-    if name in ("norm",):
+    if name in ("norm", "linalg_vector_norm"):
         dim = _arg(node, 2, "dim", None)
         keep = _arg(node, 3, "keepdim", False)
     elif name == "count_nonzero":
