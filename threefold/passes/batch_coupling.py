@@ -50,7 +50,7 @@ def row_states(graph: fx.Graph, batch_dims: list, rows: int) -> tuple[dict, list
             ann = tf(node)
             d = batch_dims[ann["input_index"]] if ann.get("kind") == "input" and \
                 ann["input_index"] < len(batch_dims) else None
-            states[node] = Rows(d) if d is not None else None
+            states[node] = Rows(d, 1) if d is not None else None
         elif node.op == "call_function":
             try:
                 state, reason = propagate(node, states, rows)

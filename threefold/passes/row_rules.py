@@ -29,7 +29,7 @@ import torch.fx as fx
 @dataclass(frozen=True)
 class Rows:
     dim: int
-    stride: int = 1
+    stride: int = 0   # 0: not known yet; propagate() makes it the dim's outer factor
 
 
 LOST = "lost"
@@ -100,11 +100,11 @@ def propagate(node: fx.Node, states: dict, rows: int):
     """(row state of node's output, reason it mixes rows or None)."""
     state, reason = _propagate(node, states, rows)
     shape = _shape(node)
-    if isinstance(state, Rows) and state.stride == 1 and shape and state.dim < len(shape) \
-            and shape[state.dim] != rows and shape[state.dim] % max(rows, 1) == 0:
+    if isinstance(state, Rows) and state.stride == 0:
         # rows found without a stride (a rule that saw a whole dim): the batch factor is
         # the dim's outer factor ([B*T] after an index by positions)
-        state = Rows(state.dim, shape[state.dim] // rows)
+        ok = shape and state.dim < len(shape) and rows and shape[state.dim] % rows == 0
+        state = Rows(state.dim, shape[state.dim] // rows if ok else 1)
     return state, reason
 
 
@@ -442,7 +442,7 @@ def _reshape(sx: Rows, shape_x: tuple, out: tuple, rows: int):
     after = 1
     for s in shape_x[sx.dim + 1:]:
         after *= s
-    step = sx.stride * after              # element stride of one row
+    step = max(sx.stride, 1) * after              # element stride of one row
     n = rows if shape_x[sx.dim] % (rows * sx.stride) == 0 else shape_x[sx.dim] // sx.stride
     if out[:sx.dim + 1] == shape_x[:sx.dim + 1]:   # the dims up to the rows' are unchanged
         return sx, None
