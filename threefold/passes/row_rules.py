@@ -99,6 +99,10 @@ def _rows_of(states: dict, a):
 def propagate(node: fx.Node, states: dict, rows: int):
     """(row state of node's output, reason it mixes rows or None)."""
     state, reason = _propagate(node, states, rows)
+    if rows == 1 and reason and "every other row" in reason:
+        # one row per microbatch: the batch dim has length 1 like any other size-1 dim,
+        # so a pairing found by shape alone is not evidence; stop tracking instead
+        return LOST, None
     shape = _shape(node)
     if isinstance(state, Rows) and state.stride == 0:
         # rows found without a stride (a rule that saw a whole dim): the batch factor is
