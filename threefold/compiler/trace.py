@@ -192,9 +192,11 @@ def _backward_matches(cls: type, spec: list) -> bool:
             return out
         xs = make()
         floats = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
+        ctx = _Ctx()
+        ctx.needs_input_grad = tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
         with torch.enable_grad():
             mine = cls.apply(*xs)
-            ys = cls.forward(*xs) if _has_setup_context(cls) else cls.forward(_Ctx(), *xs)
+            ys = cls.forward(*xs) if _has_setup_context(cls) else cls.forward(ctx, *xs)
         mine = [t for t in (mine if isinstance(mine, (tuple, list)) else [mine]) if isinstance(t, torch.Tensor)]
         ys = [t for t in (ys if isinstance(ys, (tuple, list)) else [ys]) if isinstance(t, torch.Tensor)]
         pairs = [(m, y) for m, y in zip(mine, ys) if m.requires_grad and m.is_floating_point()]
