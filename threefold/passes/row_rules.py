@@ -99,10 +99,6 @@ def _rows_of(states: dict, a):
 def propagate(node: fx.Node, states: dict, rows: int):
     """(row state of node's output, reason it mixes rows or None)."""
     state, reason = _propagate(node, states, rows)
-    if rows == 1 and reason and "every other row" in reason:
-        # one row per microbatch: the batch dim has length 1 like any other size-1 dim,
-        # so a pairing found by shape alone is not evidence; stop tracking instead
-        return LOST, None
     shape = _shape(node)
     if isinstance(state, Rows) and state.stride == 0:
         # rows found without a stride (a rule that saw a whole dim): the batch factor is
@@ -450,13 +446,23 @@ def _reshape(sx: Rows, shape_x: tuple, out: tuple, rows: int):
     n = rows if shape_x[sx.dim] % (rows * sx.stride) == 0 else shape_x[sx.dim] // sx.stride
     if out[:sx.dim + 1] == shape_x[:sx.dim + 1]:   # the dims up to the rows' are unchanged
         return sx, None
-    for k in range(len(out)):   # outermost first: a factor of length 1 fits anywhere
+    fits = []
+    for k in range(len(out)):
         stride_k = 1
         for s in out[k + 1:]:
             stride_k *= s
         span = stride_k * out[k]
         if step % stride_k == 0 and step * n <= span and span % (step * n) == 0:
-            return Rows(k, step // stride_k), None
+            fits.append((k, stride_k, span))
+    # with more than one row the factor fits exactly one dim; a factor of length 1 (one row
+    # per microbatch) also sits at a dim boundary, as the inner part of one dim or the outer
+    # part of the next ([T, 1, C] -> [T, C]): then only an unambiguous place is taken
+    places = {k for k, st, span in fits if (st == step and out[k] == n) or span == step * n
+              or st <= step < span}
+    if len(places) == 1:
+        k = places.pop()
+        stride_k = next(st for kk, st, _ in fits if kk == k)
+        return Rows(k, step // stride_k), None
     return LOST, None
 
 
