@@ -12,7 +12,9 @@ from tests.zoo.handwritten_coupling import FACTORIES
 @pytest.mark.parametrize("plan", ["m=2", "dp=2"])
 def test_moe_capacity_cumsum_over_tokens_is_named(plan):
     # the queue position of a token in its expert is a cumsum over every token of the
-    # batch: a microbatch's tokens would queue only behind its own
+    # batch: a microbatch's tokens would queue only behind its own. No candidate batch dim
+    # gives slices of the full output here, so this also checks that the error names the
+    # op instead of asking for batch_dims
     with pytest.raises(threefold.PlanError, match=r"aten\.cumsum in module .*mixes the rows.*m=1 and dp=1"):
         compile_workload(FACTORIES["hw_moe_capacity"](), plan)
     compile_workload(FACTORIES["hw_moe_capacity"](), "m=1")
@@ -28,12 +30,15 @@ def test_contrastive_loss_over_in_batch_pairs_is_named():
 def test_buffer_written_from_the_batch_is_a_plan_error_a_counter_is_once_per_step():
     with pytest.raises(threefold.PlanError, match=r"buffer 'running' is written in forward from the batch"):
         compile_workload(FACTORIES["hw_running_buffer"](), "m=2")
+    prog = compile_workload(FACTORIES["hw_running_buffer"](), "m=2,loss=microbatch_mean")
+    assert any("buffer 'running' is updated from each microbatch" in n for n in prog.notes)
     prog = compile_workload(FACTORIES["hw_step_counter"](), "pp=2,m=2")
     assert any("once per step: step" in n for n in prog.notes)
-    source = "\n".join(prog.sources.values()) if hasattr(prog, "sources") else ""
     marked = [n for c in prog.chunks for n in c.gm.graph.nodes
               if n.op == "placeholder" and n.meta.get("tf", {}).get("once_per_step")]
-    assert marked, source
+    assert marked
+    from threefold.codegen.python import generate_module
+    assert "self.step_start('step', p_step)" in generate_module(prog, prog.chunks[0])
 
 
 def test_mixing_after_the_loss_reduction_and_per_row_ops_are_not_refused():

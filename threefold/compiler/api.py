@@ -51,8 +51,11 @@ def compile_workload(workload: Workload | str, plan: Plan | str | None = None,
     try:
         dims = find_batch_dims(workload.model, batch, len(workload.inputs), parts, declared, name, notes)
     except AmbiguousBatch as exc:
-        _name_coupling(workload, batch, parts, plan, exc)
-        raise
+        dims = _name_coupling(workload, batch, parts, plan, exc)
+        if dims is None:
+            raise
+        notes.append(f"batch dims {dims}: rows coupled by ops the plan accepts per microbatch, "
+                     "so no split could be checked numerically; the usual dim 0 is taken")
     sliced = microbatch(batch, parts, name, dims)
     inputs, target = (sliced[:-1], sliced[-1]) if has_target else (sliced, None)
     if progress is not None:
@@ -65,14 +68,16 @@ def compile_workload(workload: Workload | str, plan: Plan | str | None = None,
     return run_passes(traced, progress=progress)
 
 
-def _name_coupling(workload: Workload, batch: tuple, parts: int, plan: Plan, exc) -> None:
+def _name_coupling(workload: Workload, batch: tuple, parts: int, plan: Plan, exc) -> list | None:
     """No split of the inputs gave slices of the full output: when that is because an op
     couples the rows along the usual candidate (dim 0), raise the batch-coupling error
-    naming that op instead of the guess about dimensions."""
+    naming that op instead of the guess about dimensions. Where the plan opted in to
+    per-microbatch results for those ops (loss=microbatch_mean, batchnorm=local), that
+    candidate is the answer; else None (the caller re-raises)."""
     from threefold.passes.batch_coupling import check_batch_coupling
     zeros = [c for c in exc.candidates if all(d in (None, 0) for d in c)]
     if not zeros:
-        return
+        return None
     dims = max(zeros, key=lambda c: sum(d == 0 for d in c))
     has_target = workload.loss_fn is not None
     sliced = microbatch(batch, parts, type(workload.model).__name__, dims)
@@ -80,9 +85,11 @@ def _name_coupling(workload: Workload, batch: tuple, parts: int, plan: Plan, exc
     try:
         traced = trace(workload.model, inputs, target, workload.loss_fn, plan)
     except PlanError:
-        return
+        return None
     rows = [sliced[i].shape[d] for i, d in enumerate(dims) if d is not None]
-    check_batch_coupling(traced.evolve(batch_dims=list(dims), micro_rows=rows[0] if rows else None))
+    checked = check_batch_coupling(traced.evolve(batch_dims=list(dims), micro_rows=rows[0] if rows else None))
+    opted = any(n.startswith(("loss=microbatch_mean:", "batchnorm=local:")) for n in checked.notes)
+    return list(dims) if opted else None
 
 
 def _output_batch_dims(prog: Traced, dims: list, batch: tuple, parts: int) -> list:

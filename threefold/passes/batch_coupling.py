@@ -76,7 +76,7 @@ def check_batch_coupling(prog: Traced) -> Traced:
     for node, reason in mixing:
         if reason == "batch statistics":
             notes += _batch_statistics(prog, node, parts)
-    once = _buffer_writes(prog, states, parts, stat_modules)   # its error names the buffer
+    once = _buffer_writes(prog, states, parts, stat_modules, notes)   # its error names the buffer
     exempt = exact_reductions(prog.graph) if prog.has_loss else set()
     live = _reaches_output(prog.graph)
     for node, reason in mixing:
@@ -124,7 +124,8 @@ def _before_loss(prog: Traced) -> str:
     return f" and the loss ends with aten.{op_name(last)}, not a sum or mean over rows"
 
 
-def _buffer_writes(prog: Traced, states: dict, parts: int, stat_modules: set) -> set[str]:
+def _buffer_writes(prog: Traced, states: dict, parts: int, stat_modules: set,
+                   notes: list) -> set[str]:
     """Buffers written in place in forward: the FQNs to update once per step (their new
     value reads no batch data); a PlanError for one written from the batch."""
     root: dict[fx.Node, fx.Node] = {}
@@ -155,6 +156,7 @@ def _buffer_writes(prog: Traced, states: dict, parts: int, stat_modules: set) ->
         fqn = tf(written[0])["fqn"]
         if any(states.get(a) is not None for a in reads):
             if prog.plan.loss == "microbatch_mean":
+                notes.append(f"loss=microbatch_mean: buffer {fqn!r} is updated from each microbatch's rows")
                 continue
             raise PlanError(f"{prog.name}: buffer {fqn!r} is written in forward from the batch "
                             f"(aten.{name} in module {_where(node)!r}), so with m*dp={parts} it would be "
