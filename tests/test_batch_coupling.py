@@ -89,3 +89,33 @@ def test_step_counter_is_exact_under_pp_and_dp():
     cells = _counter_run(["pp=2,m=2", "dp=2,m=2"])
     for plan in ("pp=2,m=2", "dp=2,m=2"):
         assert cells[("hw_step_counter", plan)]["verdict"] == "pass", cells[("hw_step_counter", plan)]
+
+
+class _Rowwise(torch.nn.Module):
+    """fc(f(x)) for a row pattern f given as a function."""
+
+    def __init__(self, f):
+        super().__init__()
+        self.fc, self.f = torch.nn.Linear(8, 5), f
+
+    def forward(self, x):
+        return self.fc(self.f(x))
+
+
+@pytest.mark.parametrize("f,mixes", [
+    (lambda x: x - x.mean(0), "aten.mean"),                                    # batch centering
+    (lambda x: x[x.sum(-1) > 0].mean(0, keepdim=True).expand(x.shape[0], -1), "aten.mean"),
+    (lambda x: x * x[0], "aten.select"),                                       # row 0 of each part
+    (lambda x: torch.cumsum(x, 0), "aten.cumsum"),
+    (lambda x: x.softmax(-1) * x.norm(dim=-1, keepdim=True), None),            # per row
+    (lambda x: x[torch.arange(x.shape[0]), :] + x.flip(-1), None),             # each row's own
+])
+def test_row_patterns(f, mixes):
+    import torch.nn.functional as F
+    w = {"model": _Rowwise(f), "inputs": (torch.randn(4, 8),), "target": torch.randint(0, 5, (4,)),
+         "loss_fn": F.cross_entropy, "batch_dims": 0}
+    if mixes is None:
+        compile_workload(w, "m=2")
+    else:
+        with pytest.raises(threefold.PlanError, match=rf"{mixes}\b.*mixes the rows"):
+            compile_workload(w, "m=2")

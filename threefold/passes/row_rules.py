@@ -148,8 +148,9 @@ def _propagate(node: fx.Node, states: dict, rows: int):
         return (POS, None) if name in _VIEWLIKE else (LOST, None)
     if name in _LOSSES:
         return _loss(node, states)
-    if name in _REDUCTIONS and isinstance(sx, Rows) and shape_x is not None:
-        return _reduce(node, name, sx, shape_x)
+    if name in _REDUCTIONS and isinstance(sx, Rows) and isinstance(x, fx.Node) \
+            and isinstance(x.meta.get("val"), torch.Tensor):
+        return _reduce(node, name, sx, tuple(x.meta["val"].shape))   # only its rank is read
     if name in ("sort", "argsort") and isinstance(sx, Rows) and shape_x:
         dim = _arg(node, 1, "dim", -1)
         if isinstance(dim, int) and dim % len(shape_x) == sx.dim:
@@ -507,9 +508,8 @@ def _index(node: fx.Node, states: dict, rows: int):
     replaces the indexed dims (at the first one when they are adjacent, else in front)."""
     x, indices = node.args[0], list(node.args[1])
     sx, sh = _rows_of(states, x), _shape(x)
-    out = _shape(node)
-    if sh is None or out is None:
-        return LOST, None
+    if sh is None or not isinstance(node.meta.get("val"), torch.Tensor):   # the output may be
+        return LOST, None                                                  # data-dependent (x[mask])
     pos = [i for i, t in enumerate(indices) if t is not None]
     block = [_shape(indices[i]) or () for i in pos]
     bools = [i for i in pos if getattr(indices[i].meta.get("val"), "dtype", None) == torch.bool]
@@ -558,11 +558,22 @@ def _index(node: fx.Node, states: dict, rows: int):
 
 
 def _mask_index(node, states, sx, sh, pos, indices):
+    """x[mask]: the elements where the mask holds, in order, replace the masked dims."""
+    if len(pos) != 1:
+        return LOST, None
     mask = indices[pos[0]]
-    sm = _rows_of(states, mask)
-    if len(pos) != 1 or not isinstance(sx, Rows) or not isinstance(sm, Rows) or sm.dim != sx.dim - pos[0]:
-        return (LOST, "a boolean index that picks rows by a mask of other rows") if sx is not None else (LOST, None)
-    return Rows(pos[0]), None
+    sm, nd = _rows_of(states, mask), len(_shape(mask) or ())
+    if sx is None:
+        return (Rows(pos[0]) if isinstance(sm, Rows) else None if sm is None else LOST), None
+    if not isinstance(sx, Rows):
+        return LOST, None
+    if pos[0] <= sx.dim < pos[0] + nd:
+        if isinstance(sm, Rows) and sm.dim == sx.dim - pos[0]:
+            return Rows(pos[0]), None   # a per-row mask: each row's picks, rows in order
+        return LOST, "a boolean index that picks rows of the batch by position or by other rows"
+    if sm is not None:
+        return LOST, None
+    return Rows(sx.dim if sx.dim < pos[0] else sx.dim - nd + 1, sx.stride), None
 
 
 def _index_select(node: fx.Node, states: dict, rows: int):
