@@ -33,7 +33,8 @@ from threefold.compiler.program import tf
 from threefold.compiler.stages import Traced
 from threefold.errors import PlanError
 from threefold.passes.loss_form import exact_reductions, final_op
-from threefold.passes.row_rules import BATCH_STAT_OPS, LOST, Rows, op_name, propagate
+from threefold.passes.row_rules import BATCH_STAT_OPS, propagate
+from threefold.passes.row_state import LOST, Rows, op_name
 
 _FIX = "set loss=microbatch_mean in the plan to accept per-microbatch results, or use m=1 and dp=1"
 _VIEWS = {"view", "_unsafe_view", "reshape", "slice", "select", "transpose", "t", "permute",
