@@ -8,6 +8,7 @@ entry says what awkward part it exercises. `tests/zoo/matrix.py` runs them under
 from __future__ import annotations
 
 from tests.zoo import handwritten_attention as _hwa
+from tests.zoo import handwritten_coupling as _hwc
 from tests.zoo import handwritten_losses as _hwl
 from tests.zoo import handwritten_more as _hwm
 from tests.zoo import handwritten_moe as _hwmoe
@@ -99,6 +100,12 @@ ZOO = {
     "deberta_v2": _hfs.FACTORIES["deberta_v2"],     # disentangled attention: repeat of relative-position q/k
     "rwkv": _hfs.FACTORIES["rwkv"],                 # time-mix token shift, per-channel decay, WKV recurrence
     "falcon": _hfs.FACTORIES["falcon"],             # FalconConfig defaults: multi-query fused query_key_value
+    # rows of the batch coupled, buffers written in forward, custom autograd (issue 21)
+    "hw_moe_capacity": _hwc.moe_capacity,     # top-2 MoE, capacity by a cumsum over all tokens: PlanError when m>1 or dp>1
+    "hw_infonce": _hwc.infonce,               # in-batch B x B contrastive loss: PlanError when m>1 or dp>1
+    "hw_step_counter": _hwc.step_counter,     # step-counter buffer read after its update: exact, once per step
+    "hw_running_buffer": _hwc.running_buffer, # running mean of activations in a buffer: PlanError when m>1 or dp>1
+    "hw_ste": _hwc.ste,                       # custom autograd.Function (straight-through round): PlanError always
 }
 
 # Cases judged by distribution instead of exact parity (random masks differ from one process):
@@ -119,4 +126,7 @@ KNOWN_BROKEN = {
 def expected_planerror(arch: str, plan) -> bool:
     """Cells where exact equality is impossible and the compiler must refuse (issue 10 item 1)."""
     splits_batch = plan.microbatches > 1 or plan.dp > 1
-    return arch in ("hw_batchnorm", "hw_nonseparable_loss") and splits_batch
+    if arch == "hw_ste":
+        return True
+    return arch in ("hw_batchnorm", "hw_nonseparable_loss", "hw_moe_capacity", "hw_infonce",
+                    "hw_running_buffer") and splits_batch

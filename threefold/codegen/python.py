@@ -157,6 +157,9 @@ class _ClassWriter:
         dev_line = len(lines)
         for n in state:
             lines.append(f"        {self.names[n]} = self.p({tf(n)['fqn']!r})")
+            if name == "forward" and tf(n).get("once_per_step"):
+                lines.append(f"        {self.names[n]} = self.step_start({tf(n)['fqn']!r}, {self.names[n]})"
+                             "  # written below from no batch data: once per step")
         lines += self._prologue(graph, args)
         out_line = None
         segments = list(self.chunk.recompute) if name == "forward" else []

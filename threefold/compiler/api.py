@@ -9,7 +9,7 @@ from threefold.compiler.program import tf
 from threefold.compiler.stages import Fused, Traced
 from threefold.compiler.trace import trace
 from threefold.errors import PlanError
-from threefold.passes.batch_dims import find_batch_dims
+from threefold.passes.batch_dims import AmbiguousBatch, find_batch_dims
 from threefold.plan import Plan
 from threefold.workload import Workload, load_spec
 
@@ -50,7 +50,14 @@ def compile_workload(workload: Workload | str, plan: Plan | str | None = None,
     if declared is not None and not isinstance(declared, int) and not has_target \
             and len(declared) == len(batch) + 1:
         declared = tuple(declared)[:-1]  # a target's entry given for a forward-only workload
-    dims = find_batch_dims(workload.model, batch, len(workload.inputs), parts, declared, name, notes)
+    try:
+        dims = find_batch_dims(workload.model, batch, len(workload.inputs), parts, declared, name, notes)
+    except AmbiguousBatch as exc:
+        dims = _name_coupling(workload, batch, parts, plan, exc)
+        if dims is None:
+            raise
+        notes.append(f"batch dims {dims}: rows coupled by ops the plan accepts per microbatch, "
+                     "so no split could be checked numerically; the usual dim 0 is taken")
     sliced = microbatch(batch, parts, name, dims)
     inputs, target = (sliced[:-1], sliced[-1]) if has_target else (sliced, None)
     if progress is not None:
@@ -64,6 +71,30 @@ def compile_workload(workload: Workload | str, plan: Plan | str | None = None,
     if eager is not None and parts > 1:   # how the eager loss combines rows, measured once
         tf(eager)["eager_reduction"] = loss_reduction(workload.model, batch, dims, workload.loss_fn)
     return run_passes(traced, progress=progress)
+
+
+def _name_coupling(workload: Workload, batch: tuple, parts: int, plan: Plan, exc) -> list | None:
+    """No split of the inputs gave slices of the full output: when that is because an op
+    couples the rows along the usual candidate (dim 0), raise the batch-coupling error
+    naming that op instead of the guess about dimensions. Where the plan opted in to
+    per-microbatch results for those ops (loss=microbatch_mean, batchnorm=local), that
+    candidate is the answer; else None (the caller re-raises)."""
+    from threefold.passes.batch_coupling import check_batch_coupling
+    zeros = [c for c in exc.candidates if all(d in (None, 0) for d in c)]
+    if not zeros:
+        return None
+    dims = max(zeros, key=lambda c: sum(d == 0 for d in c))
+    has_target = workload.loss_fn is not None
+    sliced = microbatch(batch, parts, type(workload.model).__name__, dims)
+    inputs, target = (sliced[:-1], sliced[-1]) if has_target else (sliced, None)
+    try:
+        traced = trace(workload.model, inputs, target, workload.loss_fn, plan)
+    except PlanError:
+        return None
+    rows = [sliced[i].shape[d] for i, d in enumerate(dims) if d is not None]
+    checked = check_batch_coupling(traced.evolve(batch_dims=list(dims), micro_rows=rows[0] if rows else None))
+    opted = any(n.startswith(("loss=microbatch_mean:", "batchnorm=local:")) for n in checked.notes)
+    return list(dims) if opted else None
 
 
 def _output_batch_dims(prog: Traced, dims: list, batch: tuple, parts: int) -> list:

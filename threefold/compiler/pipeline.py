@@ -20,7 +20,7 @@ from threefold.compiler.contracts import CHECKS, ContractError, fingerprint, spe
 from threefold.compiler.cost import annotate_costs
 from threefold.compiler.stages import Stage
 from threefold.errors import PlanError
-from threefold.passes.batch_stats import check_batch_statistics
+from threefold.passes.batch_coupling import check_batch_coupling
 from threefold.passes.experts import find_experts
 from threefold.passes.fusion import fuse
 from threefold.passes.loss_form import loss_form
@@ -37,13 +37,13 @@ Pass = Callable[[Stage], Stage]
 def default_passes() -> list[Pass]:
     """The standard lowering, in order. Costs are of local (per-tp-rank) shapes, so they
     come after tensor parallelism; split_pipeline gives each chunk its own graph and fusion
-    works on those. The loss's combination over microbatches and the batch-statistics check
-    read the traced graph. Recomputation marks segments of the final chunk graphs (random
+    works on those. The batch-coupling check (ops that mix batch rows) and the loss's
+    combination over microbatches read the traced graph. Recomputation marks segments of the final chunk graphs (random
     ops already seeded, so a recomputed dropout calls the same seeded op). ZeRO-2/3 units
     group the final chunk graphs' parameters by layer. Expert regions are found in the final
     chunk graphs (a pipeline cut between two expert matmuls leaves a region on each side)."""
-    return [check_static_shapes, check_batch_statistics, loss_form, tensor_parallel, annotate_costs, split_pipeline, fuse,
-            seed_random_ops, find_experts, plan_recompute, plan_shard_units]
+    return [check_static_shapes, check_batch_coupling, loss_form, tensor_parallel, annotate_costs,
+            split_pipeline, fuse, seed_random_ops, find_experts, plan_recompute, plan_shard_units]
 
 
 class PassFailed(RuntimeError):

@@ -1,7 +1,7 @@
 """The compiler's stages: immutable values, each pass maps one to the next.
 
     Traced       one fx graph of the model + loss (compiler/trace.py), shapes on every node
-      |  check_batch_statistics, loss_form                       Traced -> Traced
+      |  check_batch_coupling, loss_form                         Traced -> Traced
     Sharded      the same graph in local (per tp rank) shapes, placements, collectives,
       |          shard specs for the sharded weights              (tensor_parallel)
       |  annotate_costs                                           Sharded -> Sharded

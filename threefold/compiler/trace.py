@@ -111,8 +111,9 @@ def _export(wrapper: torch.nn.Module, args: tuple, name: str):
     level = torch_log.level
     torch_log.setLevel(logging.CRITICAL)
     held = io.StringIO()
+    custom: list[tuple[type, str]] = []
     try:
-        with contextlib.redirect_stderr(held):
+        with contextlib.redirect_stderr(held), _recording_custom_functions(wrapper, custom):
             ep = torch.export.export(wrapper, args, strict=False)
     except PlanError:
         raise
@@ -120,10 +121,117 @@ def _export(wrapper: torch.nn.Module, args: tuple, name: str):
         raise PlanError(export_error_message(name, exc)) from None
     finally:
         torch_log.setLevel(level)
+    checked: dict = {}
+    custom = [(cls, where) for cls, where, spec in custom
+              if not checked.setdefault((cls, repr(spec)), _backward_matches(cls, spec))]
+    if custom:
+        cls, where = custom[0]
+        raise PlanError(f"{name}: custom autograd.Function {cls.__qualname__} (called in module {where!r}) "
+                        "has its own backward, which torch.export does not keep: the compiled model would "
+                        "differentiate its forward instead (a straight-through round would get zero "
+                        "gradients); write it with differentiable torch ops, e.g. x + (torch.round(x) - x)"
+                        ".detach() for a straight-through estimator")
     if held.getvalue():
         sys.stderr.write(held.getvalue())
     ep._threefold_export_seconds = time.perf_counter() - start
     return ep
+
+
+@contextlib.contextmanager
+def _recording_custom_functions(wrapper: torch.nn.Module, found: list):
+    """While export runs forward, record every autograd.Function outside torch that the
+    model applies, with the module that called it: export inlines a Function's forward and
+    drops its backward, so the gradient would silently differ from the user's."""
+    modules = {id(m): "" if n == "model" else _strip(n) for n, m in wrapper.named_modules()}
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        if not (cls.__module__ or "").startswith("torch"):
+            frame, where = sys._getframe(1), "<top>"
+            while frame is not None:
+                owner = frame.f_locals.get("self")
+                if id(owner) in modules:
+                    where = modules[id(owner)] or "<top>"
+                    break
+                frame = frame.f_back
+            spec = [(tuple(int(d) for d in a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
+                    for a in args]
+            found.append((cls, where, spec))
+        return original.__func__(cls, *args, **kwargs)
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original
+
+
+class _Ctx:
+    """Stands in for autograd's ctx when a Function's forward runs as plain ops."""
+    saved_tensors: tuple = ()
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+    def mark_dirty(self, *a):
+        pass
+
+    def mark_non_differentiable(self, *a):
+        pass
+
+    def set_materialize_grads(self, value):
+        pass
+
+
+def _backward_matches(cls: type, spec: list) -> bool:
+    """Does the Function's own backward equal autograd's derivative of its forward (what
+    the traced graph computes) on random inputs of the traced shapes? A Function written
+    only for speed or memory (a hand-derived GELU backward) passes; a straight-through or
+    gradient-scaling one does not."""
+    try:
+        gen = torch.Generator().manual_seed(0)
+
+        def make():
+            out = []
+            for a in spec:
+                if isinstance(a, tuple) and len(a) == 2 and isinstance(a[1], torch.dtype):
+                    shape, dtype = a
+                    if dtype.is_floating_point:
+                        out.append((torch.randn(shape, generator=gen, dtype=torch.float64) * 2).requires_grad_())
+                    elif dtype == torch.bool:
+                        out.append(torch.rand(shape, generator=gen) > 0.5)
+                    else:
+                        out.append(torch.zeros(shape, dtype=dtype))
+                else:
+                    out.append(a)
+            return out
+        xs = make()
+        floats = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
+        ctx = _Ctx()
+        ctx.needs_input_grad = tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
+        with torch.enable_grad():
+            mine = cls.apply(*xs)
+            ys = cls.forward(*xs) if _has_setup_context(cls) else cls.forward(ctx, *xs)
+        mine = [t for t in (mine if isinstance(mine, (tuple, list)) else [mine]) if isinstance(t, torch.Tensor)]
+        ys = [t for t in (ys if isinstance(ys, (tuple, list)) else [ys]) if isinstance(t, torch.Tensor)]
+        pairs = [(m, y) for m, y in zip(mine, ys) if m.requires_grad and m.is_floating_point()]
+        cots = [torch.randn(m.shape, generator=gen, dtype=m.dtype) for m, _ in pairs]
+        g1 = torch.autograd.grad([m for m, _ in pairs], floats, cots, allow_unused=True)
+        g2 = torch.autograd.grad([y for _, y in pairs], floats, cots, allow_unused=True) \
+            if all(y.requires_grad for _, y in pairs) else [None] * len(floats)
+        for a, b in zip(g1, g2):
+            a = torch.zeros(()) if a is None else a
+            b = torch.zeros(()) if b is None else b
+            if not torch.allclose(a.double(), b.double(), rtol=1e-4, atol=1e-6):
+                return False
+        return bool(pairs)
+    except Exception:   # cannot check it: refuse it
+        return False
+
+
+def _has_setup_context(cls: type) -> bool:
+    from torch.autograd.function import _SingleLevelFunction
+    return getattr(cls, "setup_context", None) is not _SingleLevelFunction.setup_context and \
+        cls.setup_context is not _SingleLevelFunction.setup_context
 
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))

@@ -63,9 +63,18 @@ def find_batch_dims(model: torch.nn.Module, batch: tuple, num_model_inputs: int,
             notes.append("batch dim ambiguous on the meta device; assumed dim 0 (declare batch_dims to override)")
         return zero
     shown = "; ".join(str(c) for c in cands[:4])
-    raise PlanError(f"{name}: cannot tell the batch dimension of the inputs (candidates per input: {shown}); "
+    raise AmbiguousBatch(cands, f"{name}: cannot tell the batch dimension of the inputs (candidates per input: {shown}); "
                     "declare batch_dims in the workload (e.g. batch_dims=(1, 0) for a [seq, batch] input "
                     "and a [batch] target)")
+
+
+class AmbiguousBatch(PlanError):
+    """No candidate split gave slices of the full output; `candidates` lists them (the
+    compiler then looks for the op that couples the rows, to name it instead)."""
+
+    def __init__(self, candidates: list, message: str):
+        super().__init__(message)
+        self.candidates = candidates
 
 
 def _declared(batch, declared, parts, name) -> list:
@@ -113,13 +122,23 @@ def _slice_matches(model, inputs, dims, parts) -> bool:
     """Does the last slice along `dims` give the matching slice of the full batch's output?"""
     was_training = model.training
     model.eval()
+    # forward may write buffers (a step counter): both runs start from the model's values,
+    # which are put back afterwards (this check must not change the user's model)
+    buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
+
+    def restore():
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                b.copy_(buffers[k])
     try:
         with torch.no_grad():
             full = _flat(model(*inputs))
+            restore()
             part = _flat(model(*(split(t, d, parts, parts - 1) for t, d in zip(inputs, dims))))
     except Exception:
         return False
     finally:
+        restore()
         model.train(was_training)
     if len(full) != len(part) or not full:
         return False

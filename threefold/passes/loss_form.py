@@ -59,21 +59,7 @@ def loss_form(stage: Traced) -> Traced:
     if parts == 1:  # one microbatch on one replica: nothing to combine, keep the loss as traced
         return stage.evolve(loss_form={"mode": "whole", "denominator": {"kind": "const", "value": 1}})
     prog = stage.draft()   # the rewrite below works on a copy of the graph
-    out = next(n for n in prog.graph.nodes if n.op == "output")
-    node, divisor = out.args[0][0], 1.0
-    chain = []
-    while True:
-        name = _name(node)
-        if name in _PASS_THROUGH and _val(node).numel() == 1:
-            node = node.args[0]
-        elif name in ("mul", "div") and _is_number(node.args[1]) and isinstance(node.args[0], fx.Node):
-            divisor *= node.args[1] if name == "div" else 1.0
-            node = node.args[0]
-        elif name == "neg":
-            node = node.args[0]
-        else:
-            break
-        chain.append(name)
+    node, divisor = final_op(prog.graph)
     try:
         form = _rewrite(prog, node, divisor)
     except _NotSeparable as exc:
@@ -88,6 +74,45 @@ def loss_form(stage: Traced) -> Traced:
 
 class _NotSeparable(Exception):
     pass
+
+
+def final_op(graph: fx.Graph) -> tuple[fx.Node, float]:
+    """The loss's last op under its chain of scale ops (mul/div by a number, neg, casts and
+    views of the scalar), and the product of the divisors on the way."""
+    out = next(n for n in graph.nodes if n.op == "output")
+    node, divisor = out.args[0][0], 1.0
+    while True:
+        name = _name(node)
+        if name in _PASS_THROUGH and _val(node).numel() == 1:
+            node = node.args[0]
+        elif name in ("mul", "div") and _is_number(node.args[1]) and isinstance(node.args[0], fx.Node):
+            divisor *= node.args[1] if name == "div" else 1.0
+            node = node.args[0]
+        elif name == "neg":
+            node = node.args[0]
+        else:
+            return node, divisor
+
+
+def exact_reductions(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes that reduce batch rows which `loss_form` turns into an exact combination:
+    the final reduction (a loss op with reduction mean/sum, a full mean or sum) and, for
+    `num / den`, the numerator's reduction and everything the denominator computes
+    (loss_form itself checks that the denominator reads user inputs only)."""
+    node, _ = final_op(graph)
+    return _exact_at(node)
+
+
+def _exact_at(node: fx.Node) -> set[fx.Node]:
+    name = _name(node)
+    if name in _TARGET_COUNTED or name in _ELEMENT_MEAN:
+        return {node}
+    if name in ("mean", "sum") and _val(node).numel() == 1:
+        return {node}
+    if name == "div" and isinstance(node.args[1], fx.Node) and isinstance(node.args[0], fx.Node) \
+            and _val(node.args[1]).numel() == 1:
+        return _exact_at(node.args[0]) | _ancestors([node.args[1]]) | {node}
+    return set()
 
 
 def _rewrite(prog: Draft, node: fx.Node, divisor: float) -> dict:

@@ -248,6 +248,7 @@ class PipelineEngine:
         user = [st.micro[a.mb][j] for j in reads]
         # random ops seed from (step, global microbatch): independent across dp ranks too
         mod.rng_key = (self._rng_base, self._step_count, self.coord.dp * st.m + a.mb)
+        mod.microbatch = a.mb   # buffers updated once per step restart from the step's value
         # zero bubble: the module's deferred ops keep what W needs here (runtime/weight_grad.py)
         mod.weight_stash = st.deferred.setdefault(key, []) if st.split else None
         with torch.set_grad_enabled(st.train), self._saving(a.chunk):

@@ -30,6 +30,8 @@ class ChunkModule(torch.nn.Module):
     ep_group = None              # expert-parallel process group (None: ep=1), set by the runtime
     # (base seed, step, global microbatch): set by the engine before each forward
     rng_key: tuple[int, int, int] = (0, 0, 0)
+    # this dp rank's microbatch index in the step, set by the engine before each forward
+    microbatch: int = 0
     # zero=3: (the engine's runtime/fsdp.ShardedParams, this chunk's index), set by the engine
     shard_units = None
 
@@ -44,6 +46,7 @@ class ChunkModule(torch.nn.Module):
             t = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
             self._owner(fqn).register_buffer(fqn.rsplit(".", 1)[-1], t)
         self._state_cache: dict[str, torch.Tensor] | None = None
+        self._step_values: dict[str, torch.Tensor] = {}
 
     def __call__(self, *args, **kwargs):
         if self.SAVES_SHARDS and torch.is_grad_enabled() and self.tp_group is not None:
@@ -68,6 +71,18 @@ class ChunkModule(torch.nn.Module):
             cache.update(self.named_buffers(remove_duplicate=False))
             self._state_cache = cache
         return cache[fqn]
+
+    def step_start(self, fqn: str, buf: torch.Tensor) -> torch.Tensor:
+        """A buffer forward writes from no batch data (a step counter): the step's first
+        microbatch keeps its value and every later one starts from that value again, so
+        all compute the same update and it lands once per step, as in one process
+        (passes/batch_coupling.py)."""
+        if self.microbatch == 0:
+            self._step_values[fqn] = buf.detach().clone()
+        else:
+            with torch.no_grad():
+                buf.copy_(self._step_values[fqn])
+        return buf
 
     def unit(self, k: int) -> None:
         """zero=3: layer unit k's parameters are needed now (generated code calls this before
