@@ -63,6 +63,8 @@ DEFAULT_SAMPLE = [
     "tests/test_safety_readme.py::test_the_readme_snippet_runs_as_written",
     "tests/test_safety_files.py::test_train_resume_refuses_a_checkpoint_that_would_run_code",
     "tests/test_safety_files.py::test_a_foreign_process_writing_the_store_at_start_up_is_ignored",
+    # rows of the batch: once-per-step buffers
+    "tests/test_batch_coupling.py::test_step_counter_is_exact_under_pp_and_dp",
     # the last mile: HF caches, eager losses (CTC), uneven sp shards, complex/repeat/copy_ rules
     "tests/test_last_mile.py::test_last_mile_cells_match_single_process",
     # expert parallelism
