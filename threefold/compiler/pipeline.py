@@ -21,6 +21,7 @@ from threefold.compiler.cost import annotate_costs
 from threefold.compiler.stages import Stage
 from threefold.errors import PlanError
 from threefold.passes.batch_stats import check_batch_statistics
+from threefold.passes.context_parallel import context_parallel
 from threefold.passes.fusion import fuse
 from threefold.passes.loss_form import loss_form
 from threefold.passes.pipeline_split import split_pipeline
@@ -38,8 +39,9 @@ def default_passes() -> list[Pass]:
     works on those. The loss's combination over microbatches and the batch-statistics check
     read the traced graph. Recomputation marks segments of the final chunk graphs (random
     ops already seeded, so a recomputed dropout calls the same seeded op). ZeRO-2/3 units
-    group the final chunk graphs' parameters by layer."""
-    return [check_batch_statistics, loss_form, tensor_parallel, annotate_costs, split_pipeline, fuse,
+    group the final chunk graphs' parameters by layer. Context parallelism rewrites attention
+    on the sharded graph (the tp rules saw the plain ops; the ring runs per head shard)."""
+    return [check_batch_statistics, loss_form, tensor_parallel, context_parallel, annotate_costs, split_pipeline, fuse,
             seed_random_ops, plan_recompute, plan_shard_units]
 
 

@@ -160,6 +160,7 @@ class Manifest:
     model_flops: int = 0                        # forward + backward of one step (compiler/model_flops.py)
     loss: LossForm = field(default_factory=LossForm)
     batch_dims: list | None = None              # per user input: its batch dim (None: whole)
+    seq_dims: list | None = None                # cp > 1: per user input its sequence dim (None: whole)
     output_batch_dims: list | None = None       # per model output: its batch dim
     output_tree: dict | None = None             # the model's return structure (runtime/output_tree.py)
     frozen: tuple[str, ...] = ()
@@ -238,6 +239,7 @@ class Manifest:
             "notes": list(self.notes),
             "loss": self.loss.to_json(),
             "batch_dims": self.batch_dims,
+            "seq_dims": self.seq_dims,
             "output_batch_dims": self.output_batch_dims,
             "output_tree": self.output_tree,
             "frozen": list(self.frozen),
@@ -278,6 +280,7 @@ class Manifest:
                 model_flops=int(m.get("model_flops") or 0),
                 loss=LossForm.from_json(m.get("loss")),
                 batch_dims=m.get("batch_dims"),
+                seq_dims=m.get("seq_dims"),
                 output_batch_dims=m.get("output_batch_dims"),
                 output_tree=m.get("output_tree"),
                 frozen=tuple(m.get("frozen", [])),
@@ -383,7 +386,8 @@ def check_manifest(root: str, m) -> None:
 def _check_against_plan(root: str, m: dict, plan: Plan) -> None:
     """The JSON's mesh and schedule are the plan's (one fact: the plan)."""
     mesh = plan.mesh.to_json()
-    if m["mesh"] != mesh:
+    # a format-4 manifest written before the cp axis existed lists no cp: size 1
+    if [a for a in m["mesh"] if a != ["cp", 1]] != [a for a in mesh if a != ["cp", 1]]:
         _bad(root, f"mesh {m['mesh']} is not plan {plan}'s {mesh}")
     sched = {"kind": plan.schedule, "microbatches": plan.microbatches, "interleave": plan.interleave}
     if {k: m["schedule"].get(k) for k in sched} != sched:

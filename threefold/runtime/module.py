@@ -24,6 +24,7 @@ class ChunkModule(torch.nn.Module):
     # (runtime/saved_shards.py)
     SAVES_SHARDS: bool = False
     tp_group = None              # tensor-parallel process group, set by the runtime
+    cp_group = None              # context-parallel process group (ring attention), set by the runtime
     # (base seed, step, global microbatch): set by the engine before each forward
     rng_key: tuple[int, int, int] = (0, 0, 0)
     # zero=3: (the engine's runtime/fsdp.ShardedParams, this chunk's index), set by the engine

@@ -1,0 +1,30 @@
+"""Jobs the context-parallel tests launch on every rank (importable by spawned ranks)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def ring_vs_full(cp: int, causal: bool, seed: int = 0) -> dict:
+    """Ring attention on this rank's blocks vs full attention on the whole sequence:
+    the max abs difference of the output and of dq, dk, dv on this rank's rows."""
+    from threefold.runtime.cp_ops import local_blocks, ring_attention
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 3, 8 * cp, 5, generator=g, dtype=torch.float64) for _ in range(3))
+    dout = torch.randn(2, 3, 8 * cp, 5, generator=g, dtype=torch.float64)
+    r = dist.get_rank()
+    group = dist.new_group(list(range(cp)))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    s = full[0] @ full[1].transpose(-2, -1) * 0.3
+    if causal:
+        s = s.masked_fill(~torch.tril(torch.ones(8 * cp, 8 * cp, dtype=torch.bool)), float("-inf"))
+    ref = torch.softmax(s, -1) @ full[2]
+    ref.backward(dout)
+    local = [local_blocks(t, 2, cp, r).clone().requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*local, 0.3, causal, group, ranks=cp)
+    out.backward(local_blocks(dout, 2, cp, r))
+    diffs = {"out": (out - local_blocks(ref, 2, cp, r)).abs().max().item()}
+    for name, a, b in zip("qkv", local, full):
+        diffs["d" + name] = (a.grad - local_blocks(b.grad, 2, cp, r)).abs().max().item()
+    return diffs
