@@ -144,6 +144,8 @@ class _RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autocast("cpu", enabled=False)
+    @torch.autocast("cuda", enabled=False)
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         scale, causal = ctx.scale, ctx.causal
@@ -196,8 +198,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     for (the cost model reads it)."""
     if _size(group) != ranks:
         raise RuntimeError(f"ring attention was compiled for cp={ranks} but runs on a group of {_size(group)}")
-    if group is None:
-        allowed = _diag_mask(q.shape[-2], 1, 0, q.device) if causal else None
-        o, _ = _block(q, k, v, scale, allowed)
-        return o
-    return _RingAttention.apply(q, k, v, scale, causal, group)
+    dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    # bf16/fp16 (autocast): scores, softmax and the log-sum-exp in fp32, as eager softmax under
+    # autocast; the result in the compute dtype
+    work = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    q, k, v = q.to(work), k.to(work), v.to(work)
+    with torch.autocast(q.device.type, enabled=False):
+        if group is None:
+            allowed = _diag_mask(q.shape[-2], 1, 0, q.device) if causal else None
+            o, _ = _block(q, k, v, scale, allowed)
+        else:
+            o = _RingAttention.apply(q, k, v, scale, causal, group)
+    return o.to(dtype)
