@@ -28,3 +28,21 @@ def ring_vs_full(cp: int, causal: bool, seed: int = 0) -> dict:
     for name, a, b in zip("qkv", local, full):
         diffs["d" + name] = (a.grad - local_blocks(b.grad, 2, cp, r)).abs().max().item()
     return diffs
+
+
+def ring_checks(cp: int) -> list[dict]:
+    """ring_vs_full, causal and not."""
+    return [ring_vs_full(cp, True), ring_vs_full(cp, False, seed=1)]
+
+
+def parity_cases(cases: list, steps: int) -> list[list[float]]:
+    """Each (factory, kwargs, plan): the losses of `steps` SGD steps of the parallel run."""
+    import threefold
+    from tests.parity import load_workload, parallel_sgd_losses
+    torch.set_num_threads(1)
+    out = []
+    for factory, kwargs, plan in cases:
+        w = load_workload(factory, **kwargs)
+        pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
+        out.append(parallel_sgd_losses(pm, w, steps))
+    return out
