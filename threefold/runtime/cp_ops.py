@@ -100,8 +100,9 @@ class _Ring:
 
     def __init__(self, group):
         self.group, self.cp, self.r = group, _size(group), _rank(group)
-        self.next = dist.get_global_rank(group, (self.r + 1) % self.cp)
-        self.prev = dist.get_global_rank(group, (self.r - 1) % self.cp)
+        if group is not None:   # None: a ring of one (the memory model's fake run)
+            self.next = dist.get_global_rank(group, (self.r + 1) % self.cp)
+            self.prev = dist.get_global_rank(group, (self.r - 1) % self.cp)
 
     def shift(self, tensors: list[torch.Tensor], what: str):
         """Post sends of `tensors` and receives of same-shaped ones; wait() gives those."""
@@ -173,7 +174,8 @@ class _RingAttention(torch.autograd.Function):
             acc[1][..., ks, :] += _reduce_to(dv, acc[1][..., ks, :].shape)
             # the accumulators travel with their block: one more hop after the last step
             # brings each rank its own dK, dV
-            acc = ring.shift(acc, "key and value gradients")()
+            if cp > 1:
+                acc = ring.shift(acc, "key and value gradients")()
             if wait_kv is not None:
                 kv = wait_kv()
         return dq, _reduce_to(acc[0], k.shape), _reduce_to(acc[1], v.shape), None, None, None
@@ -195,8 +197,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
                    group, ranks: int = 1) -> torch.Tensor:
     """softmax(q k^T * scale [causal over global positions]) v over the whole sequence, with
     q, k, v [..., n_local, d] this rank's blocks. `ranks` is the cp size the code was compiled
-    for (the cost model reads it)."""
-    if _size(group) != ranks:
+    for (the cost model reads it). Saved for backward: q, k, v, the output and the
+    log-sum-exp, never the n x n probabilities."""
+    if group is not None and _size(group) != ranks:
         raise RuntimeError(f"ring attention was compiled for cp={ranks} but runs on a group of {_size(group)}")
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     # bf16/fp16 (autocast): scores, softmax and the log-sum-exp in fp32, as eager softmax under
@@ -204,9 +207,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     work = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
     q, k, v = q.to(work), k.to(work), v.to(work)
     with torch.autocast(q.device.type, enabled=False):
-        if group is None:
-            allowed = _diag_mask(q.shape[-2], 1, 0, q.device) if causal else None
-            o, _ = _block(q, k, v, scale, allowed)
-        else:
-            o = _RingAttention.apply(q, k, v, scale, causal, group)
+        # group None: one rank's view (cp=1, or the memory model running the op alone on
+        # fakes): the same autograd function, so it saves what a real rank saves
+        o = _RingAttention.apply(q, k, v, scale, causal, group)
     return o.to(dtype)
