@@ -177,7 +177,7 @@ def program_memory(prog) -> list[RankMemory]:
             largest = max([largest] + [u0 for u0, _ in units])
             comm_buffers = 2 * largest * STATE_BYTES
         else:
-            comm_buffers = grads if plan.dp > 1 else 0
+            comm_buffers = grads if plan.dp * plan.cp > 1 else 0   # the flat all-reduce buffer
         buffers = int(unsaved + grad_msg + comm_buffers)
         d = plan.shard_degree
         for dp_rank in range(plan.dp):
@@ -192,8 +192,10 @@ def program_memory(prog) -> list[RankMemory]:
                 mine_params = params - whole + owned * STATE_BYTES
                 layers = sorted((n for _, ls in units for n in ls), reverse=True)
                 gathered = (sum(u0 for u0, _ in units) + sum(layers[:2])) * STATE_BYTES
-            for tp_rank in range(plan.tp):
-                out.append(RankMemory(rank=mesh.rank(tp=tp_rank, dp=dp_rank, pp=stage), stage=stage,
+            # cp ranks run the same graph on their share of the sequence (traced at s/cp):
+            # the same figures each
+            for tp_rank, cp_rank in ((t, c) for t in range(plan.tp) for c in range(plan.cp)):
+                out.append(RankMemory(rank=mesh.rank(tp=tp_rank, cp=cp_rank, dp=dp_rank, pp=stage), stage=stage,
                                       params=int(mine_params), gathered=int(gathered), grads=int(mine_grads),
                                       optimizer=int(opt), activations=int(acts), recompute=int(rerun),
                                       buffers=buffers))
