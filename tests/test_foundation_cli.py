@@ -38,7 +38,7 @@ def test_inspect_json_schema(capsys):
     assert code == 0
     report = json.loads(out)
     assert set(report) == {"plan", "chunks", "imbalance", "parameters", "mesh", "step_collectives"}
-    assert report["mesh"] == [["pp", 2], ["dp_replicate", 1], ["dp_shard", 2], ["tp", 1]]
+    assert report["mesh"] == [["pp", 2], ["dp_replicate", 1], ["dp_shard", 2], ["cp", 1], ["tp", 1]]
     # each stage's verified step schedule holds its gradient all-reduces and their wait
     assert all("wg" in acts and any(a.startswith("ar") for a in acts) for acts in report["step_collectives"])
     assert report["plan"] == "tp=1,pp=2,dp=2,m=1,v=1,schedule=1f1b"

@@ -218,7 +218,8 @@ class Manifest:
             "torch_version": self.torch_version,
             "model": self.model,
             "plan": str(plan),
-            "mesh": self.mesh.to_json(),
+            # cp=1 is left out: a runtime from before the cp axis reads the artifact unchanged
+            "mesh": [a for a in self.mesh.to_json() if a != ["cp", 1]],
             "num_chunks": len(self.chunks),
             "has_loss": self.has_loss,
             "num_model_inputs": self.num_model_inputs,
