@@ -31,3 +31,19 @@ def test_ring_attention_on_four_ranks():
     for rank in launch(ring_checks, 4, 4, timeout=250):
         for diffs in rank:
             assert max(diffs.values()) < 1e-12, diffs
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_checkpoint_saved_under_cp_loads_under_tp(tmp_path):
+    """cp changes nothing in the saved layout: 3 AdamW steps at cp=2, save, load at tp=2, 3 more
+    steps = 6 single-process steps (and the other way round)."""
+    from tests.test_checkpoint_reshard import GPT as CK_GPT, reference, run_phases
+    phases = [("A", "cp2-tp2", CK_GPT, "cp=2"), ("A", "tp2-cp2", CK_GPT, "tp=2"),
+              ("B", "cp2-tp2", CK_GPT, "tp=2"), ("B", "tp2-cp2", CK_GPT, "cp=2")]
+    losses = launch(run_phases, 2, phases, str(tmp_path), timeout=550)[0]
+    ref = reference(CK_GPT)
+    for name in ("cp2-tp2", "tp2-cp2"):
+        got = losses[("A", name)] + losses[("B", name)]
+        assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) < 1e-5, (name, got, ref)

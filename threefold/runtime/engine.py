@@ -249,7 +249,7 @@ class PipelineEngine:
                      else (mod, mod.USER_INPUTS))
         user = [st.micro[a.mb][j] for j in reads]
         # random ops seed from (step, global microbatch): independent across dp ranks too
-        mod.rng_key = (self._rng_base, self._step_count, self.coord.dp * st.m + a.mb)
+        mod.rng_key = (self._rng_base, self._step_count, (self.coord.dp * self.mesh.cp + self.coord.cp) * st.m + a.mb)
         # zero bubble: the module's deferred ops keep what W needs here (runtime/weight_grad.py)
         mod.weight_stash = st.deferred.setdefault(key, []) if st.split else None
         with torch.set_grad_enabled(st.train), self._saving(a.chunk):
