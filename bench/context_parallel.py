@@ -138,6 +138,6 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["demo"]:
         demo()
     elif sys.argv[1:] == ["torch"]:
-        print(f"torch {torch.__version__} context_parallel, cp=2 on gloo/CPU:", launch(torch_job, 2, timeout=120)[0])
+        print(f"torch {torch.__version__} context_parallel, cp=2 on gloo/CPU:", launch(torch_job, 2, timeout=400)[0])
     else:
         main(int(sys.argv[1]) if len(sys.argv) > 1 else 4096)
