@@ -60,7 +60,7 @@ def context_parallel(stage: Sharded) -> Sharded:
 def _rewrite_attention(gm: fx.GraphModule, stage, n: int) -> int:
     count = 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_function":
+        if node.op != "call_function" or getattr(node, "_erased", False):   # erased by an earlier rewrite
             continue
         name = op_name(node)
         if name in _SDPA:
@@ -71,12 +71,11 @@ def _rewrite_attention(gm: fx.GraphModule, stage, n: int) -> int:
             continue
         if found is None:
             continue
-        q, k, v, scale, mask, last, dead = found
-        causal = _classify_mask(mask, stage, node) if mask is not None else ("causal" if dead == "causal" else "full")
-        if isinstance(dead, str):
-            dead = []
+        q, k, v, scale, mask, causal, last, dead = found
+        if mask is not None:
+            causal = _classify_mask(mask, stage, node) == "causal"
         with gm.graph.inserting_before(last):
-            ring = gm.graph.call_function(cp_ops.ring_attention, (q, k, v, float(scale), causal == "causal", CP),
+            ring = gm.graph.call_function(cp_ops.ring_attention, (q, k, v, float(scale), bool(causal), CP),
                                           {"ranks": stage.plan.cp})
         ring.meta = dict(last.meta)
         ring.meta["tf"] = dict(tf(last))
@@ -113,10 +112,9 @@ def _sdpa(node: fx.Node):
         raise PlanError(f"cp: {where} uses enable_gqa; ring attention needs key/value heads repeated "
                         "(repeat_interleave them in the model) or cp=1")
     mask = a.get("attn_mask")
-    dead = "causal" if a.get("is_causal") and mask is None else []
     if a.get("is_causal") and mask is not None:
         raise PlanError(f"cp: {where} has both is_causal and attn_mask; use cp=1")
-    return q, k, v, scale, mask, node, dead
+    return q, k, v, scale, mask, bool(a.get("is_causal")), node, []
 
 
 def _users(node: fx.Node) -> list:
@@ -198,7 +196,7 @@ def _handwritten(sm: fx.Node):
     if any(len(_users(c)) != 1 for c in chain[1:] + [qk]):
         return None   # an intermediate (scores, probabilities) is used elsewhere: not rewritable
     dead = after[::-1] + chain + [qk, kt]
-    return q, k, pv.args[1], scale, _Mask(mask) if mask else None, pv, dead
+    return q, k, pv.args[1], scale, _Mask(mask) if mask else None, False, pv, dead
 
 
 class _Mask:
