@@ -134,3 +134,17 @@ def test_cp2_matches_one_process_on_gpt_and_llama():
 @pytest.mark.timeout(600)
 def test_cp2_with_tp2_matches_one_process():
     _check(4, [GPT + ("cp=2,tp=2",)])
+
+
+def test_planner_searches_cp_for_long_sequences_only():
+    from threefold.planner.cluster import load_cluster
+    from threefold.planner.gpt_cost import gpt_model_cost
+    from threefold.planner.search import best_plan, legal_configs
+    cluster = load_cluster("a100-80gb")
+    long = gpt_model_cost(32, 4096, 32, 51200, 131072)
+    best = best_plan(long, 8, 64, cluster)
+    assert best.config.plan.cp > 1 and best.fits, best.config.plan
+    without = [c for c in legal_configs(long, 8, 64, cluster) if c.plan.cp == 1]
+    assert without   # cp=1 plans were candidates: cp won on memory/time, not by being the only option
+    short = gpt_model_cost(32, 4096, 32, 51200, 2048)
+    assert all(c.plan.cp == 1 for c in legal_configs(short, 8, 64, cluster))

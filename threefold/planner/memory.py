@@ -235,6 +235,9 @@ def layer_activation_bytes(model: ModelCost, plan, tokens: float) -> tuple[float
         return (split / t + (repl / t if plan.sp else repl)) * tokens
     full = per_rank(model.act_split, model.act_repl)
     mode = plan.recompute
+    if mode == "none" and getattr(plan, "cp", 1) > 1:
+        # ring attention keeps no s x s scores: what selective recompute keeps, nothing rerun
+        return per_rank(model.act_selective_split, model.act_selective_repl), 0.0
     if mode == "full":
         return model.act_input * tokens / (t if plan.sp else 1), full
     if mode == "selective":
@@ -247,7 +250,7 @@ def stage_memory(model: ModelCost, cfg: Config, stage: int, n_layers: int, param
     """Bytes of the fullest GPU of a stage (the planner's `fits`), by the rules above."""
     plan = cfg.plan
     t, p, v = plan.tp, plan.pp, plan.interleave
-    tokens = cfg.microbatch_size * model.seq_len
+    tokens = cfg.microbatch_size * model.seq_len / getattr(plan, "cp", 1)   # cp: s/cp per rank
     kept, rerun = layer_activation_bytes(model, plan, tokens)
     layers_per_chunk = math.ceil(n_layers / v)
     # Every chunk of a stage holds the same layers here, so the peak is the schedule's count
