@@ -46,3 +46,18 @@ def parity_cases(cases: list, steps: int) -> list[list[float]]:
         pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
         out.append(parallel_sgd_losses(pm, w, steps))
     return out
+
+
+def dropout_seeds(plan: str) -> list:
+    """The per-microbatch random-op keys each chunk of this rank used in one step (GPT, dropout
+    0.1 outside attention)."""
+    import threefold
+    from examples.gpt import GPT, GPTConfig, lm_loss
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=0.1))
+    model.h[0].attn.attn_dropout.p = 0.0   # ring attention has no dropout (a PlanError); the rest keep 0.1
+    idx = torch.randint(0, 32, (2, 17), generator=torch.Generator().manual_seed(1))
+    pm = threefold.parallelize(model, plan, (idx[:, :-1],), lm_loss, target=idx[:, 1:])
+    pm.step(idx[:, :-1], target=idx[:, 1:])
+    return [list(m.rng_key) for m in pm.engine.modules.values()]

@@ -148,3 +148,13 @@ def test_planner_searches_cp_for_long_sequences_only():
     assert without   # cp=1 plans were candidates: cp won on memory/time, not by being the only option
     short = gpt_model_cost(32, 4096, 32, 51200, 2048)
     assert all(c.plan.cp == 1 for c in legal_configs(short, 8, 64, cluster))
+
+
+def test_attention_dropout_is_refused_in_one_line():
+    from examples.gpt import GPT, GPTConfig, lm_loss
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=0.1))
+    idx = torch.randint(0, 32, (2, 17))
+    w = {"model": model, "inputs": (idx[:, :-1],), "target": idx[:, 1:], "loss_fn": lm_loss}
+    with pytest.raises(threefold.PlanError, match="attention dropout p=0.1 at h.0.attn.attn_dropout"):
+        compile_workload(w, "cp=2")

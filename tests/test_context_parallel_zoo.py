@@ -47,3 +47,13 @@ def test_checkpoint_saved_under_cp_loads_under_tp(tmp_path):
     for name in ("cp2-tp2", "tp2-cp2"):
         got = losses[("A", name)] + losses[("B", name)]
         assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) < 1e-5, (name, got, ref)
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cp_ranks_draw_their_own_dropout_masks():
+    """cp ranks hold different tokens: their random ops are seeded apart, as dp ranks' are."""
+    from tests.cp_jobs import dropout_seeds
+    keys = launch(dropout_seeds, 2, "cp=2", timeout=250)
+    assert keys[0] != keys[1], keys
