@@ -61,3 +61,14 @@ def dropout_seeds(plan: str) -> list:
     pm = threefold.parallelize(model, plan, (idx[:, :-1],), lm_loss, target=idx[:, 1:])
     pm.step(idx[:, :-1], target=idx[:, 1:])
     return [list(m.rng_key) for m in pm.engine.modules.values()]
+
+
+def conv_parity(cp: int, steps: int = 3) -> list[float]:
+    """A causal-conv1d model (Mamba-style) at cp: SGD losses."""
+    import threefold
+    from tests.parity import parallel_sgd_losses
+    from tests.test_context_parallel import causal_conv_workload
+    torch.set_num_threads(1)
+    w = causal_conv_workload()
+    pm = threefold.parallelize(w["model"], f"cp={cp}", w["inputs"], w["loss_fn"], target=w["target"])
+    return parallel_sgd_losses(pm, w, steps)

@@ -71,7 +71,8 @@ class _Emb(nn.Module):
         super().__init__()
         self.emb, self.head, self.op = nn.Embedding(vocab, width), nn.Linear(width, vocab), op
         self.register_buffer("table", torch.randn(64, width))
-        self.conv = nn.Conv1d(width, width, 3, padding=2)
+        self.conv = nn.Conv1d(width, width, 3, padding=2)                    # causal after [..., :T]
+        self.same = nn.Conv1d(width, width, 3, padding=1)                    # sees the next position too
 
     def forward(self, idx, *rest):
         return self.head(self.op(self, self.emb(idx), *rest))
@@ -89,7 +90,7 @@ def _sdpa_padding(m, x, pad):
 @pytest.mark.parametrize("op,words", [
     (lambda m, x: torch.cumsum(x, dim=1), "cumsum at"),
     (lambda m, x: x + m.table[: x.shape[1]], "varies per position"),
-    (lambda m, x: m.conv(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2), "conv1d at conv has no context-parallel rule"),
+    (lambda m, x: m.same(x.transpose(1, 2)).transpose(1, 2), "conv1d at same has no context-parallel rule"),
     (lambda m, x: x - x.mean(dim=1, keepdim=True), "reduces along the sequence"),
     (_sdpa_padding, "depends on an input"),
 ])
@@ -101,6 +102,23 @@ def test_ops_that_mix_positions_are_refused_in_one_line(op, words):
     with pytest.raises(threefold.PlanError, match=words) as err:
         compile_workload(w, "cp=2")
     assert "\n" not in str(err.value) and "cp=1" in str(err.value)
+
+
+def _causal_conv(m, x):
+    """A Mamba-style causal depthwise-free conv over time: conv1d(padding=k-1)[..., :T]."""
+    return x + m.conv(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
+
+
+def causal_conv_workload(seq: int = 16):
+    torch.manual_seed(0)
+    idx = torch.randint(0, 32, (2, seq + 1), generator=torch.Generator().manual_seed(1))
+    return {"model": _Emb(_causal_conv), "inputs": (idx[:, :-1],), "target": idx[:, 1:], "loss_fn": _lm}
+
+
+def test_causal_conv1d_exchanges_halos():
+    prog = compile_workload(causal_conv_workload(), "cp=2")
+    code = build_sources(prog)["chunk00.py"].split("def model_outputs")[0]
+    assert "cp_ops.causal_conv1d(" in code and "conv1d.default" not in code
 
 
 def test_sequence_not_divisible_by_2cp_is_refused():

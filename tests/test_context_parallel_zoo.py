@@ -57,3 +57,17 @@ def test_cp_ranks_draw_their_own_dropout_masks():
     from tests.cp_jobs import dropout_seeds
     keys = launch(dropout_seeds, 2, "cp=2", timeout=250)
     assert keys[0] != keys[1], keys
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_causal_conv1d_model_matches_one_process():
+    """A Mamba-style causal conv over time: halos exchanged between the blocks' ranks."""
+    from tests.cp_jobs import conv_parity
+    from tests.parity import max_rel_diff, sgd_losses
+    from tests.test_context_parallel import causal_conv_workload
+    ref = sgd_losses(causal_conv_workload(), 3)
+    for cp in (2, 4):
+        for losses in launch(conv_parity, cp, cp, timeout=280):
+            assert max_rel_diff(losses, ref) < 1e-5, (cp, losses, ref)

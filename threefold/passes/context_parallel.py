@@ -46,12 +46,14 @@ def context_parallel(stage: Sharded) -> Sharded:
     gm = copy_graph_module(stage.gm)
     n = stage.seq_len
     rings = _rewrite_attention(gm, stage, n)
+    convs = _causal_convolutions(gm, stage, n)
     moved = _global_positions(gm, n)
     check_sequence(gm, stage)
     gm.graph.lint()
     gm.recompile()
     note = (f"cp={stage.plan.cp}: {rings} attention op(s) run as ring attention over the cp group; "
-            f"{moved} sequence arange(s) give global positions; sequence split in blocks r, 2cp-1-r")
+            f"{moved} sequence arange(s) give global positions; {convs} causal conv1d(s) exchange halos; "
+            "sequence split in blocks r, 2cp-1-r")
     return stage.evolve(gm=gm, notes=stage.notes + (note,))
 
 
@@ -313,6 +315,41 @@ def _erase_dead(nodes: list, graph: fx.Graph) -> None:
         graph.erase_node(n)
         erased.add(n)
         stack.extend(inputs)
+
+
+# -- causal convolutions ----------------------------------------------------------------------
+
+def _causal_convolutions(gm: fx.GraphModule, stage, n: int) -> int:
+    """conv1d(x, w, b, stride 1, padding k-1, dilation 1, groups) -> slice(time, 0, n): the
+    causal convolution of a Mamba-style block -> cp_ops.causal_conv1d, which fetches the k-1
+    positions before each block from the rank that holds them (a halo exchange)."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or op_name(node) != "conv1d":
+            continue
+        a = _args(node)
+        x, w = a["input"], a["weight"]
+        k = w.meta["val"].shape[-1]
+        users = _users(node)
+        cut = users[0] if len(users) == 1 and op_name(users[0]) == "slice" else None
+        if (list(a["stride"]) != [1] or list(a["dilation"]) != [1] or not isinstance(a["padding"], (list, tuple))
+                or list(a["padding"]) != [k - 1] or x.meta["val"].shape[-1] != n or cut is None):
+            continue   # not the causal form: cp_rules refuses it
+        dim, start, end = (list(cut.args[1:4]) + [None, None, None])[:3]
+        if dim % cut.meta["val"].dim() != cut.meta["val"].dim() - 1 or start not in (0, None) or end != n:
+            continue
+        if k - 1 > n // 2:
+            raise PlanError(f"cp={stage.plan.cp}: conv1d at {tf(node).get('module') or '<top>'} reaches {k - 1} "
+                            f"positions back, more than a block ({n // 2}); use a smaller cp or cp=1")
+        with gm.graph.inserting_before(node):
+            conv = gm.graph.call_function(cp_ops.causal_conv1d, (x, w, a["bias"], a["groups"], CP),
+                                          {"ranks": stage.plan.cp})
+        conv.meta = dict(cut.meta)
+        conv.meta["tf"] = dict(tf(node))
+        cut.replace_all_uses_with(conv)
+        _erase_dead([cut, node], gm.graph)
+        count += 1
+    return count
 
 
 # -- positions -------------------------------------------------------------------------------

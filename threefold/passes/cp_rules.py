@@ -116,6 +116,10 @@ def _rule(node: fx.Node, state: dict, stage):
         _fail(node, stage, "reads a partial (per-rank) loss sum")
     if name == "ring_attention":
         return Seq(out.dim() - 2)
+    if name == "causal_conv1d":
+        if s0 is None or s0.dim != _val(first).dim() - 1:
+            _fail(node, stage, "convolves along a dim that is not the sequence")
+        return s0
     if name in _LOSSES:
         return _loss(node, state, stage)
     if isinstance(node.target, torch._ops.OpOverload) and (

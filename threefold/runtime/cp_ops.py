@@ -211,3 +211,73 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         # fakes): the same autograd function, so it saves what a real rank saves
         o = _RingAttention.apply(q, k, v, scale, causal, group)
     return o.to(dtype)
+
+
+# -- causal convolution over time ------------------------------------------------------------
+
+class _Halo(torch.autograd.Function):
+    """The `width` positions before each of this rank's two blocks (time is the last dim).
+
+    Block r's predecessor is rank r-1's first block (none at r=0); block 2cp-1-r's is rank
+    r+1's second block, or at r=cp-1 this rank's own first block. Backward returns each
+    halo's gradient to the rank it came from."""
+
+    @staticmethod
+    def forward(ctx, x, width, group):
+        ring = _Ring(group)
+        cp, r, b = ring.cp, ring.r, x.shape[-1] // 2
+        tail1, tail2 = x[..., b - width:b].contiguous(), x[..., 2 * b - width:].contiguous()
+        h1, h2 = torch.zeros_like(tail1), tail1.clone()
+        works = []
+        if r < cp - 1:
+            works += [dist.isend(tail1, dst=ring.next, group=group), dist.irecv(h2, src=ring.next, group=group)]
+        if r > 0:
+            works += [dist.isend(tail2, dst=ring.prev, group=group), dist.irecv(h1, src=ring.prev, group=group)]
+        _wait(works, group, "convolution halos")
+        ctx.width, ctx.group, ctx.shape = width, group, x.shape
+        return h1, h2
+
+    @staticmethod
+    def backward(ctx, g1, g2):
+        ring = _Ring(ctx.group)
+        cp, r, width = ring.cp, ring.r, ctx.width
+        b = ctx.shape[-1] // 2
+        g1, g2 = g1.contiguous(), g2.contiguous()
+        dx = torch.zeros(ctx.shape, dtype=g1.dtype, device=g1.device)
+        back1, back2 = torch.zeros_like(g1), torch.zeros_like(g2)   # grads of our tails, from peers
+        works = []
+        if r > 0:     # h1 came from r-1's first tail; our second tail went to r-1
+            works += [dist.isend(g1, dst=ring.prev, group=ctx.group), dist.irecv(back2, src=ring.prev, group=ctx.group)]
+        if r < cp - 1:  # h2 came from r+1's second tail; our first tail went to r+1
+            works += [dist.isend(g2, dst=ring.next, group=ctx.group), dist.irecv(back1, src=ring.next, group=ctx.group)]
+        _wait(works, ctx.group, "convolution halo gradients")
+        if r == cp - 1:
+            back1 = g2          # our second block's halo was our own first tail
+        dx[..., b - width:b] += back1
+        dx[..., 2 * b - width:] += back2
+        return dx, None, None
+
+
+def _wait(works, group, what: str) -> None:
+    try:
+        for w in works:
+            w.wait()
+    except Exception as exc:
+        raise comm._fail(f"context parallelism: exchanging {what} with", group, exc) from None
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias, groups: int, group, ranks: int = 1) -> torch.Tensor:
+    """conv1d(x, padding=k-1)[..., :n] (a causal convolution over time, the last dim) on this
+    rank's two blocks: each block is extended by the k-1 positions before it (a halo from
+    the rank that holds them, zeros at the start of the sequence)."""
+    import torch.nn.functional as F
+    width = weight.shape[-1] - 1
+    if group is None:   # the whole sequence (or one rank's view in the memory model)
+        return F.conv1d(F.pad(x, (width, 0)), weight, bias, groups=groups)
+    if _size(group) != ranks:
+        raise RuntimeError(f"causal_conv1d was compiled for cp={ranks} but runs on a group of {_size(group)}")
+    b = x.shape[-1] // 2
+    h1, h2 = _Halo.apply(x, width, group)
+    y1 = F.conv1d(torch.cat([h1, x[..., :b]], -1), weight, bias, groups=groups)
+    y2 = F.conv1d(torch.cat([h2, x[..., b:]], -1), weight, bias, groups=groups)
+    return torch.cat([y1, y2], -1)
