@@ -104,6 +104,24 @@ def test_ops_that_mix_positions_are_refused_in_one_line(op, words):
     assert "\n" not in str(err.value) and "cp=1" in str(err.value)
 
 
+def _window_attention(m, x, window=10):
+    """Attention over a sliding window of 10 positions, mask built from aranges: causal at
+    the traced length 8 (cp=2 of 16), a window over the whole 16."""
+    i = torch.arange(x.shape[1])
+    hidden = ~((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window))
+    s = (x @ x.transpose(1, 2)).masked_fill(hidden, float("-inf"))
+    return torch.softmax(s, -1) @ x
+
+
+def test_sliding_window_wider_than_a_rank_share_is_refused():
+    idx = torch.randint(0, 32, (2, 17), generator=torch.Generator().manual_seed(0))
+    w = {"model": _Emb(_window_attention), "inputs": (idx[:, :-1],), "target": idx[:, 1:], "loss_fn": _lm}
+    with pytest.raises(threefold.PlanError, match="sliding window"):
+        compile_workload(w, "cp=2")
+    w["model"] = _Emb(lambda m, x: _window_attention(m, x, window=64))   # wider than s: causal
+    assert "ring_attention" in build_sources(compile_workload(w, "cp=2"))["chunk00.py"]
+
+
 def _causal_conv(m, x):
     """A Mamba-style causal depthwise-free conv over time: conv1d(padding=k-1)[..., :T]."""
     return x + m.conv(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)

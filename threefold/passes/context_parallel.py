@@ -250,7 +250,24 @@ def _classify_mask(mask, stage, node) -> str:
     if stage.is_meta:
         raise PlanError(f"cp: the mask of {where} cannot be checked on the meta device; compile with real "
                         "weights (threefold needs them to tell a causal mask) or use cp=1")
-    value = _evaluate(m, stage)
+    n = node.meta["val"].shape[-2]
+    kinds = set()
+    # at the traced length s/cp, and again with every length argument n made the whole
+    # sequence's s: a window wider than s/cp but narrower than s looks causal at s/cp only
+    for length in (n, n * stage.plan.cp):
+        try:
+            value = _evaluate(m, stage, {n: length})
+        except Exception as exc:
+            raise PlanError(f"cp: the mask of {where} cannot be evaluated at the whole sequence's length "
+                            f"({type(exc).__name__}); use cp=1") from None
+        kinds.add(_mask_kind(value, kind, node, where, length))
+    if len(kinds) != 1:
+        raise PlanError(f"cp: the mask of {where} is causal over s/cp positions but not over the whole "
+                        "sequence (a sliding window?); use cp=1")
+    return kinds.pop()
+
+
+def _mask_kind(value, kind: str, node, where: str, n: int) -> str:
     if kind == "bool":
         # SDPA's bool attn_mask says True = visible; masked_fill's says True = hidden
         visible = value if op_name(node) in _SDPA else ~value
@@ -259,12 +276,11 @@ def _classify_mask(mask, stage, node) -> str:
             raise PlanError(f"cp: the additive mask of {where} has values other than 0 and -inf "
                             "(an ALiBi-style bias?); ring attention does not take it yet: use cp=1")
         visible = value == 0
-    n_q, n_k = node.meta["val"].shape[-2], visible.shape[-1]
-    if visible.shape[-2] not in (1, n_q) or n_k != n_q:
+    if visible.dim() < 2 or visible.shape[-2] not in (1, n) or visible.shape[-1] != n:
         raise PlanError(f"cp: the mask of {where} is {tuple(visible.shape)}, not over the sequence "
-                        f"({n_q} x {n_q}); use cp=1")
-    vis = visible.expand(*visible.shape[:-2], n_q, n_k).reshape(-1, n_q, n_k)
-    tril = torch.tril(torch.ones(n_q, n_k, dtype=torch.bool))
+                        f"({n} x {n}); use cp=1")
+    vis = visible.expand(*visible.shape[:-2], n, n).reshape(-1, n, n)
+    tril = torch.tril(torch.ones(n, n, dtype=torch.bool))
     if bool((vis == tril).all()):
         return "causal"
     if bool(vis.all()):
@@ -273,8 +289,10 @@ def _classify_mask(mask, stage, node) -> str:
                     "document or prefix masks are not supported yet); use cp=1")
 
 
-def _evaluate(node: fx.Node, stage):
-    """The value of a free node, computed from the stage's buffers."""
+def _evaluate(node: fx.Node, stage, lengths: dict | None = None):
+    """The value of a free node, computed from the stage's buffers; integer arguments in
+    `lengths` (a sequence length, in aranges, slices, views) replaced by their value there."""
+    lengths = lengths or {}
     env: dict = {}
 
     def value(x):
@@ -284,6 +302,8 @@ def _evaluate(node: fx.Node, stage):
             return env[x]
         if isinstance(x, (list, tuple)):
             return type(x)(value(a) for a in x)
+        if isinstance(x, int) and not isinstance(x, bool):
+            return lengths.get(x, x)
         return x
 
     def run(x: fx.Node):
