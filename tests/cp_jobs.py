@@ -72,3 +72,27 @@ def conv_parity(cp: int, steps: int = 3) -> list[float]:
     w = causal_conv_workload()
     pm = threefold.parallelize(w["model"], f"cp={cp}", w["inputs"], w["loss_fn"], target=w["target"])
     return parallel_sgd_losses(pm, w, steps)
+
+
+def ignore_index_workload():
+    """GPT whose targets ignore (-100) most of the sequence's second half: the cp ranks hold
+    different numbers of counted tokens, so only a global count gives the right mean."""
+    import torch.nn.functional as F
+    from examples.gpt import workload
+    w = workload(n_layer=2, n_embd=32, n_head=2, seq=16, batch=4)
+    target = w["target"].clone()
+    target[:, 9:15] = -100
+    target[0, 2] = -100
+    w["target"] = target
+    w["loss_fn"] = lambda logits, t: F.cross_entropy(logits.reshape(-1, logits.size(-1)), t.reshape(-1),
+                                                     ignore_index=-100)
+    return w
+
+
+def ignore_index_parity(plan: str, steps: int = 3) -> list[float]:
+    import threefold
+    from tests.parity import parallel_sgd_losses
+    torch.set_num_threads(1)
+    w = ignore_index_workload()
+    pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
+    return parallel_sgd_losses(pm, w, steps)

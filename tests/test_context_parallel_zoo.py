@@ -71,3 +71,16 @@ def test_causal_conv1d_model_matches_one_process():
     for cp in (2, 4):
         for losses in launch(conv_parity, cp, cp, timeout=280):
             assert max_rel_diff(losses, ref) < 1e-5, (cp, losses, ref)
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_masked_mean_loss_counts_tokens_globally():
+    """ignore_index over most of the sequence's second half: cp ranks count different numbers
+    of tokens, and the loss is still the single-process masked mean."""
+    from tests.cp_jobs import ignore_index_parity, ignore_index_workload
+    from tests.parity import max_rel_diff, sgd_losses
+    ref = sgd_losses(ignore_index_workload(), 3)
+    for losses in launch(ignore_index_parity, 2, "cp=2", timeout=350):
+        assert max_rel_diff(losses, ref) < 1e-5, (losses, ref)
