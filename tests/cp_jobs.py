@@ -75,13 +75,13 @@ def conv_parity(cp: int, steps: int = 3) -> list[float]:
 
 
 def ignore_index_workload():
-    """GPT whose targets ignore (-100) most of the sequence's second half: the cp ranks hold
+    """GPT whose targets ignore (-100) positions 4-10 and one more: the cp ranks hold
     different numbers of counted tokens, so only a global count gives the right mean."""
     import torch.nn.functional as F
     from examples.gpt import workload
     w = workload(n_layer=2, n_embd=32, n_head=2, seq=16, batch=4)
     target = w["target"].clone()
-    target[:, 9:15] = -100
+    target[:, 4:11] = -100   # all in cp rank 1's blocks (positions 4-11) at cp=2
     target[0, 2] = -100
     w["target"] = target
     w["loss_fn"] = lambda logits, t: F.cross_entropy(logits.reshape(-1, logits.size(-1)), t.reshape(-1),

@@ -77,8 +77,8 @@ def test_causal_conv1d_model_matches_one_process():
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_masked_mean_loss_counts_tokens_globally():
-    """ignore_index over most of the sequence's second half: cp ranks count different numbers
-    of tokens, and the loss is still the single-process masked mean."""
+    """ignore_index on positions 4-10, all in cp rank 1's blocks: the ranks count different
+    numbers of tokens, and the loss is still the single-process masked mean."""
     from tests.cp_jobs import ignore_index_parity, ignore_index_workload
     from tests.parity import max_rel_diff, sgd_losses
     ref = sgd_losses(ignore_index_workload(), 3)
