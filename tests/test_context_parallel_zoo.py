@@ -84,3 +84,22 @@ def test_masked_mean_loss_counts_tokens_globally():
     ref = sgd_losses(ignore_index_workload(), 3)
     for losses in launch(ignore_index_parity, 2, "cp=2", timeout=350):
         assert max_rel_diff(losses, ref) < 1e-5, (losses, ref)
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_hf_decoders_at_cp2():
+    """Qwen2, Mistral, GPT-NeoX (partial rotary), Phi (parallel attention/MLP), Gemma (examples/hf.py
+    causal_lm), eager attention with HF's own mask graphs."""
+    _check(2, [("causal_lm", {"arch": a, "seq": 16}, "cp=2") for a in ("qwen2", "mistral", "gpt_neox", "phi", "gemma")])
+
+
+def test_opt_learned_positions_from_a_cumsum_are_refused():
+    """OPT numbers positions by a cumsum over a ones mask (not an arange): a per-position value
+    cp cannot move to global positions, refused in one line rather than trained wrong."""
+    import threefold
+    from examples.hf import causal_lm
+    from threefold.compiler.api import compile_workload
+    with pytest.raises(threefold.PlanError, match="varies per position"):
+        compile_workload(causal_lm(arch="opt", seq=16), "cp=2")
