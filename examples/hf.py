@@ -45,13 +45,13 @@ def gpt2(n_layer: int = 2, n_embd: int = 64, n_head: int = 4, vocab_size: int = 
 
 def llama(n_layer: int = 2, hidden: int = 64, n_head: int = 4, n_kv_head: int = 2,
           intermediate: int = 128, vocab_size: int = 128, seq: int = 16, batch: int = 4,
-          device: str = "cpu", seed: int = 0, tie: bool = False):
+          device: str = "cpu", seed: int = 0, tie: bool = False, attn: str = "eager"):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
     cfg = LlamaConfig(num_hidden_layers=n_layer, hidden_size=hidden, num_attention_heads=n_head,
                       num_key_value_heads=n_kv_head, intermediate_size=intermediate,
                       vocab_size=vocab_size, max_position_embeddings=max(seq, 16),
-                      tie_word_embeddings=tie, use_cache=False, attn_implementation="eager")
+                      tie_word_embeddings=tie, use_cache=False, attn_implementation=attn)
     with torch.device(device):
         model = LogitsOnly(LlamaForCausalLM(cfg))
     inputs, target = _batch(vocab_size, batch, seq, seed, device)

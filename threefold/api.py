@@ -60,6 +60,9 @@ class ParallelModule:
         For a model compiled with a loss the last chunk's `model_outputs` method computes
         them, gathering tensor-parallel shards (vocab-parallel logits) there only."""
         with_loss = self.manifest.has_loss
+        if self.manifest.plan.cp > 1:   # each rank holds 2 of 2*cp sequence blocks, not whole outputs
+            raise PlanError(f"pm(x) under cp={self.manifest.plan.cp} is not supported yet (each rank holds only "
+                            "its blocks of every sequence); train with pm.step, or read outputs with cp=1")
         if with_loss and self.manifest.model_outputs_missing:   # every rank refuses alike
             raise PlanError(f"pm(x) cannot return the model's outputs: {self.manifest.model_outputs_missing}")
         with torch.no_grad():

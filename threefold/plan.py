@@ -67,9 +67,12 @@ class Plan:
     # all-to-all. ep ranks are dp ranks (Megatron's expert-data-parallel layout): ep divides dp,
     # and an expert's gradient is reduced over the dp/ep ranks that hold it.
     ep: int = 1
+    # context parallelism: ranks that split every sequence (inputs, activations) along its
+    # positions; attention runs as a ring over them (passes/context_parallel.py, runtime/cp_ops.py)
+    cp: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp", "microbatches", "interleave", "ep"):
+        for name in ("tp", "pp", "dp", "microbatches", "interleave", "ep", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanError(f"plan {name}={value!r} is invalid: it must be a positive integer")
@@ -92,6 +95,12 @@ class Plan:
                             "pipeline stages; set pp>1 or v=1")
         if self.sp and self.tp == 1:
             raise PlanError("plan sp=true needs tp>1: sequence parallelism shards along the tensor-parallel group")
+        if self.cp > 1 and self.sp:
+            raise PlanError("plan cp>1 with sp=true is not supported yet: both shard the sequence; "
+                            "drop sp=true (cp already splits every activation along the sequence)")
+        if self.cp > 1 and self.zero >= 1:
+            raise PlanError(f"plan cp={self.cp} with zero={self.zero} is not supported yet: ZeRO reduces "
+                            "gradients over dp only and cp ranks hold different tokens; use zero=0 with cp")
         if isinstance(self.recompute, bool):
             object.__setattr__(self, "recompute", "full" if self.recompute else "none")
         for name, allowed in (("loss", LOSS_MODES), ("batchnorm", BATCHNORM_MODES),
@@ -195,7 +204,7 @@ class Plan:
             value = getattr(self, f.name)
             if value == getattr(default, f.name) and f.name in ("split_points", "fuse", "recompute",
                                                                  "scatter_gather", "sp", "loss", "batchnorm",
-                                                                 "strict", "dtype", "zero", "dp_shard", "ep"):
+                                                                 "strict", "dtype", "zero", "dp_shard", "ep", "cp"):
                 continue
             key = _SHORT.get(f.name, f.name)
             if f.name == "split_points":

@@ -30,13 +30,20 @@ def load(pm, optimizer, directory: str) -> dict:
     if problems:
         raise PlanError(f"checkpoint {ckpt}: {problems[0]}; load an earlier checkpoint")
     md = SafeReader(ckpt).read_metadata()      # never plain pickle: checkpoint/safe_read.py
-    _check_same_model(ckpt, md, state.full_shapes(pm.manifest))
+    from threefold.checkpoint.save import _buffer_names
+    # buffers one plan reads and another does not (cp's ring drops the causal-mask buffer) are
+    # constants of the model: missing ones keep the model's values, extra ones are not read
+    own_buffers, saved_buffers = _buffer_names(pm.manifest), set(index.get("buffers", ()))
+    _check_same_model(ckpt, md, state.full_shapes(pm.manifest), own_buffers, saved_buffers)
     gap = files.coverage_problem(md)
     if gap:
         raise PlanError(f"checkpoint {ckpt} is incomplete: {gap}")
 
     sd: dict = {}
+    saved_keys = set(md.state_dict_metadata)
     for fqn, dest in state.model_state(pm).items():
+        if fqn in own_buffers and state.MODEL + fqn not in saved_keys:
+            continue
         dest.zero_padding()
         sd[state.MODEL + fqn] = dest
     moments = _optimizer_targets(pm, optimizer, md) if optimizer is not None else {}
@@ -79,12 +86,12 @@ def load(pm, optimizer, directory: str) -> dict:
     return {"step": meta.get("step"), "extra": meta.get("extra"), "path": ckpt, "optimizer_groups": groups}
 
 
-def _check_same_model(ckpt: str, md, expected: dict) -> None:
+def _check_same_model(ckpt: str, md, expected: dict, own_buffers=frozenset(), saved_buffers=frozenset()) -> None:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     saved = {k[len(state.MODEL):]: list(m.size) for k, m in md.state_dict_metadata.items()
              if k.startswith(state.MODEL) and isinstance(m, TensorStorageMetadata)}
-    missing = [k for k in expected if k not in saved]
-    unexpected = [k for k in saved if k not in expected]
+    missing = [k for k in expected if k not in saved and k not in own_buffers]
+    unexpected = [k for k in saved if k not in expected and k not in saved_buffers]
     shapes = [f"{k} saved {saved[k]} vs model {expected[k][0]}" for k in expected
               if k in saved and saved[k] != expected[k][0]]
     if not (missing or unexpected or shapes):

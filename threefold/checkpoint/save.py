@@ -59,6 +59,9 @@ def save(pm, optimizer, directory: str, step: int | None = None, extra=None, kee
                 "format": files.FORMAT, "version": 1, "model": pm.manifest.get("model"),
                 "plan": str(pm.plan), "world": world, "step": step, "files": written,
                 "state_shapes": {k: v for k, v in pm.manifest["state_shapes"].items() if not k.startswith("_const.")},
+                # buffers: constants of the model, not trained state; a plan that does not
+                # read some (cp's ring drops a causal-mask buffer) loads without them
+                "buffers": sorted(_buffer_names(pm.manifest)),
                 "has_optimizer": optimizer is not None, "seconds": time.perf_counter() - started})
             outcome = files.publish(directory, tmp, name, keep)
         outcome = from_rank0(outcome)
@@ -100,3 +103,9 @@ def _collect(pm, optimizer, step, extra, rank) -> dict:
                           "rng_base": pm.engine._rng_base}
     sd[f"rng.rank{rank}"] = state.rng_state()
     return sd
+
+
+def _buffer_names(manifest: dict) -> set[str]:
+    """The manifest's buffers: state that is not a parameter."""
+    return {k for k in manifest.get("state_shapes", {}) if not k.startswith("_const.")} - set(
+        manifest.get("local_shapes", {}))

@@ -74,8 +74,11 @@ def model_state(pm) -> dict[str, Sharded]:
 
 def holds_unique(pm, layout) -> bool:
     """Whether this rank is the one that counts `layout`'s pieces when the whole model is
-    assembled: dp rank 0 for replicated tensors, replica 0 for zero=3's row shards."""
+    assembled: dp rank 0 for replicated tensors, replica 0 for zero=3's row shards; cp rank 0
+    (cp ranks hold the same parameters, like dp replicas)."""
     coord = pm.engine.coord
+    if coord["cp"] != 0:                        # cp ranks hold the same parameters
+        return False
     if getattr(layout, "expert_rows", False):   # ep: the edp ranks hold equal copies of these experts
         return coord["edp"] == 0
     return (coord["dp_replicate"] if getattr(layout, "row_sharded", False) else coord["dp"]) == 0

@@ -218,6 +218,14 @@ def format_report(prog, report: dict) -> str:
             what = ", ".join(f"{s['segment']} ({s['ops']} ops)" for s in segs) or "nothing (no region frees more of the saved bytes than it costs of the FLOPs)"
             why = f"  [{segs[0]['why']}]" if segs else ""
             lines.append(f"  chunk {i}: {what}{why}")
+    ring = [e for r in report["chunks"] for e in r["collectives"] if e["kind"] == "ring_send"]
+    if ring:   # cp > 1: ring attention's K/V (and backward dK/dV) blocks, per rank
+        width = 4 if prog.plan.dtype == "fp32" else 2
+        fwd = sum(e["count_per_microbatch"] * e["elements"] for e in ring if e["phase"] == "forward") * width
+        bwd = sum(e["count_per_microbatch"] * e["elements"] for e in ring if e["phase"] == "backward") * width
+        m = prog.plan.microbatches
+        lines.append(f"cp ring (p2p per rank): forward {human_bytes(fwd)}/mb, backward {human_bytes(bwd)}/mb, "
+                     f"{human_bytes((fwd + bwd) * m)}/step")
     if "mesh" in report:
         from threefold.cli.step_report import format_step
         lines += format_step(report)

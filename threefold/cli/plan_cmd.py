@@ -46,9 +46,10 @@ def register(subparsers) -> None:
     shape.add_argument("--hidden", type=int, help="hidden size h")
     shape.add_argument("--heads", type=int, help="attention heads a (tp must divide it)")
     shape.add_argument("--vocab", type=int, default=51200, help="vocabulary size V (default 51200)")
-    shape.add_argument("--seq", type=int, default=2048, help="sequence length s (default 2048)")
+    shape.add_argument("--seq", type=int, default=2048, help="sequence length s (default 2048; from "
+                       "16384 on the search includes context parallelism cp)")
     p.add_argument("--batch", type=int, required=True, help="global batch size in sequences B")
-    p.add_argument("--gpus", type=int, required=True, help="GPUs to use (tp*pp*dp)")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs to use (tp*cp*pp*dp)")
     p.add_argument("--cluster", default="a100-80gb",
                    help="preset name or cluster TOML file (default a100-80gb, the paper's DGX A100 cluster)")
     p.add_argument("--dtype", default="bf16", help="compute dtype for peak FLOP/s (default bf16)")
@@ -118,7 +119,8 @@ def run(args) -> int:
 def _row(rank: int, e) -> list[str]:
     c = e.config
     shares = "/".join(f"{100 * e.shares[k]:.0f}" for k in SHARES)
-    return [str(rank), f"tp{c.tp} pp{c.pp} dp{c.dp} b{c.microbatch_size} v{c.interleave}"
+    return [str(rank), f"tp{c.tp}" + (f" cp{c.plan.cp}" if c.plan.cp > 1 else "")
+            + f" pp{c.pp} dp{c.dp} b{c.microbatch_size} v{c.interleave}"
             + (" rc" if c.recompute else " sel" if c.plan.recompute == "selective" else "")
             + (f" z{c.plan.zero}" if c.plan.zero else ""), c.plan.schedule,
             f"{e.tflops_per_gpu:.1f} ({e.peak_fraction:.0%})",

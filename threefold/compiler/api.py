@@ -10,6 +10,7 @@ from threefold.compiler.stages import Fused, Traced
 from threefold.compiler.trace import trace
 from threefold.errors import PlanError
 from threefold.passes.batch_dims import AmbiguousBatch, find_batch_dims
+from threefold.passes.seq_dims import find_seq_dims, local_share
 from threefold.plan import Plan
 from threefold.workload import Workload, load_spec
 
@@ -59,13 +60,19 @@ def compile_workload(workload: Workload | str, plan: Plan | str | None = None,
         notes.append(f"batch dims {dims}: rows coupled by ops the plan accepts per microbatch, "
                      "so no split could be checked numerically; the usual dim 0 is taken")
     sliced = microbatch(batch, parts, name, dims)
+    seq_dims = find_seq_dims(batch, dims, len(workload.inputs), plan.cp, name)
+    if plan.cp > 1:   # trace this cp rank's share of each sequence (passes/context_parallel.py)
+        sliced = local_share(sliced, seq_dims, plan.cp)
     inputs, target = (sliced[:-1], sliced[-1]) if has_target else (sliced, None)
     if progress is not None:
         progress("trace")
     traced = trace(workload.model, inputs, target, workload.loss_fn, plan)
     rows = [sliced[i].shape[d] for i, d in enumerate(dims) if d is not None]
+    lengths = [sliced[i].shape[d] for i, d in enumerate(seq_dims) if d is not None]
     traced = traced.evolve(batch_dims=list(dims), micro_rows=rows[0] if rows else None,
-                           notes=traced.notes + tuple(notes))
+                           notes=traced.notes + tuple(notes),
+                           seq_dims=list(seq_dims) if plan.cp > 1 else None,
+                           seq_len=lengths[0] if plan.cp > 1 and lengths else None)
     traced = traced.evolve(output_batch_dims=_output_batch_dims(traced, dims, batch, parts))
     eager = eager_node(traced)
     if eager is not None and parts > 1:   # how the eager loss combines rows, measured once

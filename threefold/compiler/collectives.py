@@ -27,6 +27,8 @@ def chunk_collectives(prog) -> list[list[dict]]:
                 counts[(c.backward, c.group, "backward", c.elements)] += c.count
             if c.regathers:
                 counts[(c.kind, c.group, "backward", c.elements)] += c.count
+        for kind, phase, elements, n in ring_sends(chunk.gm, plan.cp):
+            counts[(kind, "cp", phase, elements)] += n
         if plan.pp > 1:
             sent = sum(_p2p_elements(b, plan) for b in chunk.outputs if i < len(prog.chunks) - 1)
             got = sum(_p2p_elements(b, plan) for b in chunk.inputs)
@@ -44,6 +46,21 @@ def chunk_collectives(prog) -> list[list[dict]]:
             entries.append({"kind": "all_reduce", "group": "dp", "phase": "backward",
                             "count_per_microbatch": round(1 / plan.microbatches, 6), "elements": params})
         out.append(entries)
+    return out
+
+
+def ring_sends(gm, cp: int) -> list[tuple[str, str, int, int]]:
+    """Each ring attention's sends per rank and microbatch (runtime/cp_ops.py): its K and V
+    blocks go cp-1 hops in forward; in backward K and V again (cp-1 hops) and the dK, dV
+    accumulators, the same size, cp hops (the last brings each rank its own)."""
+    out = []
+    if cp == 1:
+        return out
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "ring_attention":
+            kv = meta_of(node.args[1]).numel + meta_of(node.args[2]).numel
+            out.append(("ring_send", "forward", kv, cp - 1))
+            out.append(("ring_send", "backward", kv, (cp - 1) + cp))
     return out
 
 

@@ -93,6 +93,16 @@ def _sdpa_flops(node, ins, outs):
     return 2 * b * L * S * E + 2 * b * L * S * ev + 5 * b * L * S
 
 
+def _ring_flops(node, ins, outs):
+    """Ring attention (runtime/cp_ops.py): the local queries meet every rank's keys, cp times
+    the local block; counted unmasked, as SDPA's rule counts causal attention."""
+    q, k = ins[0], ins[1]
+    *batch, L, E = q.shape
+    S = k.shape[-2] * int(node.kwargs.get("ranks", 1))
+    b, ev = _numel(batch), outs[0].shape[-1]
+    return 2 * b * L * S * E + 2 * b * L * S * ev + 5 * b * L * S
+
+
 def _conv_flops(node, ins, outs):
     w = ins[1]
     per_out = 2 * _numel(w.shape[1:])  # in_channels/groups * kernel
@@ -139,6 +149,7 @@ FLOP_RULES = {
     "scaled_dot_product_attention": _sdpa_flops, "_scaled_dot_product_flash_attention": _sdpa_flops,
     "_scaled_dot_product_efficient_attention": _sdpa_flops,
     "conv1d": _conv_flops, "conv2d": _conv_flops, "convolution": _conv_flops,
+    "ring_attention": _ring_flops, "causal_conv1d": _conv_flops,
     "layer_norm": _norm_flops, "native_layer_norm": _norm_flops, "rms_norm": _norm_flops,
     "group_norm": _norm_flops, "batch_norm": _norm_flops,
     "softmax": _softmax_flops, "_softmax": _softmax_flops, "log_softmax": _softmax_flops,

@@ -21,6 +21,7 @@ from threefold.compiler.cost import annotate_costs
 from threefold.compiler.stages import Stage
 from threefold.errors import PlanError
 from threefold.passes.batch_coupling import check_batch_coupling
+from threefold.passes.context_parallel import context_parallel
 from threefold.passes.experts import find_experts
 from threefold.passes.fusion import fuse
 from threefold.passes.loss_form import loss_form
@@ -41,9 +42,12 @@ def default_passes() -> list[Pass]:
     combination over microbatches read the traced graph. Recomputation marks segments of the final chunk graphs (random
     ops already seeded, so a recomputed dropout calls the same seeded op). ZeRO-2/3 units
     group the final chunk graphs' parameters by layer. Expert regions are found in the final
-    chunk graphs (a pipeline cut between two expert matmuls leaves a region on each side)."""
-    return [check_static_shapes, check_batch_coupling, loss_form, tensor_parallel, annotate_costs,
-            split_pipeline, fuse, seed_random_ops, find_experts, plan_recompute, plan_shard_units]
+    chunk graphs (a pipeline cut between two expert matmuls leaves a region on each side).
+    Context parallelism rewrites attention on the sharded graph (the tp rules saw the plain
+    ops; the ring runs per head shard)."""
+    return [check_static_shapes, check_batch_coupling, loss_form, tensor_parallel, context_parallel,
+            annotate_costs, split_pipeline, fuse, seed_random_ops, find_experts, plan_recompute,
+            plan_shard_units]
 
 
 class PassFailed(RuntimeError):

@@ -119,6 +119,10 @@ class Stage:
     loss_denominator: fx.GraphModule | None = None
     batch_dims: list | None = None   # per user input: its batch dim, None = not split
     micro_rows: int | None = None    # rows (batch-dim length) of the traced microbatch
+    # cp > 1 (passes/seq_dims.py): per user input its sequence dim (None = not split), and the
+    # sequence length traced: this cp rank's share, S / cp
+    seq_dims: list | None = None
+    seq_len: int | None = None
     output_batch_dims: list | None = None  # per model output: its batch dim (forward-only)
     # With a loss: the model's own outputs (the loss_fn's input) by value name, None where
     # the loss does not read one, and their full shapes; pm(x) returns them (codegen writes

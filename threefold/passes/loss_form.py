@@ -55,7 +55,7 @@ def loss_form(stage: Traced) -> Traced:
         return stage.evolve()
     if stage.plan.loss == "microbatch_mean":
         return stage.evolve(loss_form={"mode": "microbatch_mean", "denominator": {"kind": "const", "value": 1}})
-    parts = stage.plan.dp * stage.plan.microbatches
+    parts = stage.plan.dp * stage.plan.microbatches * stage.plan.cp   # cp ranks hold different tokens
     if parts == 1:  # one microbatch on one replica: nothing to combine, keep the loss as traced
         return stage.evolve(loss_form={"mode": "whole", "denominator": {"kind": "const", "value": 1}})
     prog = stage.draft()   # the rewrite below works on a copy of the graph

@@ -135,7 +135,10 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
     t, p, d, b, v = cfg.tp, cfg.pp, cfg.dp, cfg.microbatch_size, cfg.interleave
     m = cfg.microbatches
     g = cluster.gpus_per_node
-    tokens = b * model.seq_len
+    cp = cfg.plan.cp
+    # cp: each rank holds s/cp of every sequence; its queries still meet all s keys (the
+    # ring), so per-token costs are unchanged and the tokens are divided
+    tokens = b * model.seq_len / cp
     passes = 4 if cfg.recompute else 3          # forward, backward (2x), recompute forward
 
     # -- one microbatch through one stage ---------------------------------------------
@@ -151,7 +154,7 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
     one_ar = _ring_allreduce_s(model.tp_allreduce_bytes / model.tp_allreduces_per_layer * tokens, t, tp_bw, tp_lat)
     # Boundary transfer: scatter/gather sends 1/t over the slower link, then all-gathers.
     boundary = model.boundary_bytes * tokens
-    mesh = Mesh(tp=t, dp=d, pp=p)                # the runtime's rank layout (Megatron's)
+    mesh = Mesh(tp=t, dp=d, pp=p, cp=cp)         # the runtime's rank layout (Megatron's, cp inside dp)
     stride = mesh.rank(pp=1) - mesh.rank(pp=0)   # ranks between consecutive pipeline stages
     p2p_inter = p > 1 and (stride >= g or p * stride > g)
     link = cluster.inter_node_bandwidth if p2p_inter else cluster.intra_node_bandwidth
@@ -168,12 +171,21 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
     layer_w = _weight_grad_s(model.layer_ops, tokens, t, cluster, dtype)
     pre_w = _weight_grad_s(model.pre_ops, tokens, t, cluster, dtype)
     post_w = _weight_grad_s(model.post_ops, tokens, t, cluster, dtype)
+    # cp ring per layer: K and V (about two hidden vectors per token) pass cp-1 hops forward,
+    # K, V and their gradients 2cp-1 hops backward, overlapped with the layer's compute
+    ring = 0.0
+    if cp > 1:
+        cp_in_node = t * cp <= g
+        cp_bw = cluster.intra_node_bandwidth if cp_in_node else cluster.inter_node_bandwidth
+        cp_lat = cluster.intra_node_latency_s if cp_in_node else cluster.inter_node_latency_s
+        hop = 2 * model.boundary_bytes * tokens / cp_bw + cp_lat
+        ring = max(0.0, (cp - 1) * hop - layer_fwd) + max(0.0, (2 * cp - 1) * hop - 2 * layer_fwd)
     compute, tp_time, fwd, bwd, wgt = [], [], [], [], []
     for r, n in enumerate(stage_layers):
         edge = (pre_fwd if r == 0 else 0.0) + (post_fwd if r == post_stage else 0.0)
         wgt.append(n * layer_w + (pre_w if r == 0 else 0.0) + (post_w if r == post_stage else 0.0))
         compute.append(n * (layer_fwd * passes + rerun_fwd) + edge * 3)
-        tp_time.append(n * ar_fwd * (passes - 1))
+        tp_time.append(n * (ar_fwd * (passes - 1) + ring))
         fwd.append(n * (layer_fwd + ar_fwd) + edge)
         bwd.append(compute[-1] + tp_time[-1] - fwd[-1])      # backward, with the recomputed forward
     p2p_time = [2 * v * xfer] * p                              # per chunk: activation in, gradient back
@@ -195,8 +207,10 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
     local_params = {r: stage_params(model, stage_layers[r], r, p, t) for r in edges}
     most = max(local_params.values())
     dp_s = 0.0
-    if d > 1:
-        dp_stride = mesh.rank(dp=1) - mesh.rank(dp=0)   # ranks between data-parallel replicas
+    if d * cp > 1:   # replicated gradients are reduced over dp x cp (runtime/mesh.BATCH_AXES)
+        d = d * cp
+        # ranks between members of the dp (x cp) group: cp ranks are tp apart
+        dp_stride = t if cp > 1 else mesh.rank(dp=1) - mesh.rank(dp=0)
         per_node = max(1, min(d, g // dp_stride)) if dp_stride <= g else 1
         in_node = dp_stride * d <= g
         bw = cluster.intra_node_bandwidth if in_node else per_node * cluster.inter_node_bandwidth
@@ -209,7 +223,7 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
     total = pipeline_s + dp_s + embed_s + opt_s
 
     flops = model.flops_per_iteration(cfg.batch, cfg.recompute)
-    world = t * p * d
+    world = t * p * cfg.dp * cp
     tflops = flops / total / world
     shares = {
         "compute": m * compute[slowest] / total,

@@ -184,7 +184,7 @@ def program_memory(prog) -> list[RankMemory]:
             largest = max([largest] + [u0 for u0, _ in units])
             comm_buffers = 2 * largest * STATE_BYTES
         else:
-            comm_buffers = grads if plan.dp > 1 else 0
+            comm_buffers = grads if plan.dp * plan.cp > 1 else 0   # the flat all-reduce buffer
         buffers = int(unsaved + grad_msg + comm_buffers)
         d = plan.shard_degree
         for dp_rank in range(plan.dp):
@@ -199,8 +199,10 @@ def program_memory(prog) -> list[RankMemory]:
                 mine_params = params - whole + owned * STATE_BYTES
                 layers = sorted((n for _, ls in units for n in ls), reverse=True)
                 gathered = (sum(u0 for u0, _ in units) + sum(layers[:2])) * STATE_BYTES
-            for tp_rank in range(plan.tp):
-                out.append(RankMemory(rank=mesh.rank(tp=tp_rank, dp=dp_rank, pp=stage), stage=stage,
+            # cp ranks run the same graph on their share of the sequence (traced at s/cp):
+            # the same figures each
+            for tp_rank, cp_rank in ((t, c) for t in range(plan.tp) for c in range(plan.cp)):
+                out.append(RankMemory(rank=mesh.rank(tp=tp_rank, cp=cp_rank, dp=dp_rank, pp=stage), stage=stage,
                                       params=int(mine_params), gathered=int(gathered), grads=int(mine_grads),
                                       optimizer=int(opt), activations=int(acts), recompute=int(rerun),
                                       buffers=buffers))
@@ -240,6 +242,9 @@ def layer_activation_bytes(model: ModelCost, plan, tokens: float) -> tuple[float
         return (split / t + (repl / t if plan.sp else repl)) * tokens
     full = per_rank(model.act_split, model.act_repl)
     mode = plan.recompute
+    if mode == "none" and getattr(plan, "cp", 1) > 1:
+        # ring attention keeps no s x s scores: what selective recompute keeps, nothing rerun
+        return per_rank(model.act_selective_split, model.act_selective_repl), 0.0
     if mode == "full":
         return model.act_input * tokens / (t if plan.sp else 1), full
     if mode == "selective":
@@ -252,7 +257,7 @@ def stage_memory(model: ModelCost, cfg: Config, stage: int, n_layers: int, param
     """Bytes of the fullest GPU of a stage (the planner's `fits`), by the rules above."""
     plan = cfg.plan
     t, p, v = plan.tp, plan.pp, plan.interleave
-    tokens = cfg.microbatch_size * model.seq_len
+    tokens = cfg.microbatch_size * model.seq_len / getattr(plan, "cp", 1)   # cp: s/cp per rank
     kept, rerun = layer_activation_bytes(model, plan, tokens)
     layers_per_chunk = math.ceil(n_layers / v)
     # Every chunk of a stage holds the same layers here, so the peak is the schedule's count

@@ -7,7 +7,8 @@ ranking the rest by predicted time per iteration (i.e. by throughput). Nothing i
 ranking encodes a takeaway: tp inside a node, pp only as large as memory needs, and
 interleaving at small batch sizes are what the costs produce (tests check that).
 
-Legal means: tp*pp*dp = GPUs; tp divides the heads and the FFN width (Megatron pads the
+Legal means: tp*cp*pp*dp = GPUs (cp > 1 only for sequences of LONG_SEQUENCE tokens or more,
+divisible by 2*cp, and without ZeRO); tp divides the heads and the FFN width (Megatron pads the
 vocabulary to a multiple of tp, so it does not constrain tp); tp
 divides the GPUs of a node (unless tp may span nodes); pp <= layers; dp divides the
 global batch and the microbatch size divides each replica's share; interleaving v > 1
@@ -30,6 +31,11 @@ from threefold.planner.model_cost import ModelCost
 from threefold.runtime.schedule import SPLIT_KINDS
 
 
+# Context parallelism (cp) is searched from this sequence length up: below it a sequence's
+# activations are small next to the weights, and the search space stays what it was.
+LONG_SEQUENCE = 16384
+
+
 def divisors(n: int) -> list[int]:
     small = [k for k in range(1, int(n**0.5) + 1) if n % k == 0]
     return sorted(set(small + [n // k for k in small]))
@@ -40,15 +46,17 @@ def legal_configs(model: ModelCost, batch: int, gpus: int, cluster: Cluster,
     """Every legal Config for this model, batch and GPU count (see the module docstring)."""
     _check_inputs(batch, gpus, cluster, where)
     g = cluster.gpus_per_node
-    for tp in divisors(gpus):
+    for tp, cp in ((t, c) for t in divisors(gpus) for c in divisors(gpus // t)):
         if any(n % tp for n in model.tp_divides):
             continue
         if not tp_across_nodes and (tp > g or g % tp):
             continue
-        for pp in divisors(gpus // tp):
+        if cp > 1 and (model.seq_len < LONG_SEQUENCE or model.seq_len % (2 * cp)):
+            continue
+        for pp in divisors(gpus // (tp * cp)):
             if pp > model.layers:
                 continue
-            dp = gpus // (tp * pp)
+            dp = gpus // (tp * cp * pp)
             if batch % dp:
                 continue
             share = batch // dp
@@ -60,10 +68,10 @@ def legal_configs(model: ModelCost, batch: int, gpus: int, cluster: Cluster,
                         if v > 1 and m < pp and schedule == "interleaved":
                             continue
                         plan = Plan(tp=tp, pp=pp, dp=dp, microbatches=m, interleave=v, recompute=recompute,
-                                    schedule=schedule)
+                                    schedule=schedule, cp=cp)
                         if where.admits(plan, b):
                             yield Config(plan, batch)
-                        for zero in ((1, 2, 3) if dp > 1 else ()):   # ZeRO: what is sharded over dp
+                        for zero in ((1, 2, 3) if dp > 1 and cp == 1 else ()):   # ZeRO: what is sharded over dp
                             if where.admits(plan.replace(zero=zero), b):
                                 yield Config(plan.replace(zero=zero), batch)
 

@@ -47,7 +47,7 @@ class RankFailure(RuntimeError):
 # The groups every rank builds: one per mesh axis or alias that collectives run over.
 # (A name "axis#tag" asks for a second group over the same ranks, so that two streams of
 # collectives, ZeRO-3's all-gathers and its reduce-scatters, are ordered independently.)
-GROUP_AXES = ("tp", "dp", "pp", "dp_shard", "dp_replicate", "ep", "edp")
+GROUP_AXES = ("tp", "dp", "pp", "dp_shard", "dp_replicate", "ep", "edp", "cp", "dp+cp")
 
 
 @dataclass

@@ -22,6 +22,7 @@ from threefold.runtime.collective_plan import CollectivePlan, with_collectives
 from threefold.runtime.comm import Groups
 from threefold.runtime.receives import ReceivePlan, receive_plan
 from threefold.runtime.manifest import Manifest
+from threefold.runtime.cp_ops import local_blocks
 from threefold.runtime.mesh import BATCH_AXES, chunk_layout
 from threefold.runtime.module import ChunkModule
 from threefold.runtime.schedule import Kind, Schedule, forward_only
@@ -85,11 +86,13 @@ class PipelineEngine:
         # how partial losses combine (compiler's passes/loss_form.py)
         self.loss_form = manifest.loss
         self.batch_dims = manifest.batch_dims
+        self.seq_dims = manifest.seq_dims
         self._step_count = 0
         self._rng_base = _shared_seed()
         for mod in modules.values():
             mod.tp_group = groups.tp
             mod.ep_group = groups.of("ep")
+            mod.cp_group = groups.of("cp")
         # plan dtype / zero (runtime/mixed_precision.py, runtime/zero.py, runtime/optimizers.py)
         mixed_precision.install_autocast(modules, mixed_precision.compute_dtype(manifest), device)
         self.wire_dtype = mixed_precision.wire_dtype(manifest)   # boundary tensors on the wire
@@ -247,7 +250,7 @@ class PipelineEngine:
                      else (mod, mod.USER_INPUTS))
         user = [st.micro[a.mb][j] for j in reads]
         # random ops seed from (step, global microbatch): independent across dp ranks too
-        mod.rng_key = (self._rng_base, self._step_count, self.coord.dp * st.m + a.mb)
+        mod.rng_key = (self._rng_base, self._step_count, (self.coord.dp * self.mesh.cp + self.coord.cp) * st.m + a.mb)
         mod.microbatch = a.mb   # buffers updated once per step restart from the step's value
         # zero bubble: the module's deferred ops keep what W needs here (runtime/weight_grad.py)
         mod.weight_stash = st.deferred.setdefault(key, []) if st.split else None
@@ -346,6 +349,10 @@ class PipelineEngine:
         for i, t in enumerate(batch):
             # the batch dim found by the compiler (manifest); old artifacts: dim 0
             bd = dims[i] if dims is not None and i < len(dims) else (0 if dims is None else None)
+            sd = self.seq_dims[i] if self.seq_dims and i < len(self.seq_dims) else None
+            if isinstance(t, torch.Tensor) and sd is not None:
+                # cp: this rank's blocks r and 2cp-1-r of each sequence (runtime/cp_ops.py)
+                t = local_blocks(t, sd, self.mesh.cp, self.coord.cp)
             if not isinstance(t, torch.Tensor) or t.dim() == 0 or bd is None:
                 for mb in out:
                     mb.append(t.to(self.device) if isinstance(t, torch.Tensor) else t)

@@ -161,6 +161,7 @@ class Manifest:
     model_flops: int = 0                        # forward + backward of one step (compiler/model_flops.py)
     loss: LossForm = field(default_factory=LossForm)
     batch_dims: list | None = None              # per user input: its batch dim (None: whole)
+    seq_dims: list | None = None                # cp > 1: per user input its sequence dim (None: whole)
     output_batch_dims: list | None = None       # per model output: its batch dim
     output_tree: dict | None = None             # the model's return structure (runtime/output_tree.py)
     frozen: tuple[str, ...] = ()
@@ -221,7 +222,7 @@ class Manifest:
             "torch_version": self.torch_version,
             "model": self.model,
             "plan": str(plan),
-            "mesh": self.mesh.to_json(),
+            "mesh": self.mesh.to_json(),    # optional axes (ep, cp) only when > 1
             "num_chunks": len(self.chunks),
             "has_loss": self.has_loss,
             "num_model_inputs": self.num_model_inputs,
@@ -242,6 +243,7 @@ class Manifest:
             "notes": list(self.notes),
             "loss": self.loss.to_json(),
             "batch_dims": self.batch_dims,
+            "seq_dims": self.seq_dims,
             "output_batch_dims": self.output_batch_dims,
             "output_tree": self.output_tree,
             "frozen": list(self.frozen),
@@ -283,6 +285,7 @@ class Manifest:
                 model_flops=int(m.get("model_flops") or 0),
                 loss=LossForm.from_json(m.get("loss")),
                 batch_dims=m.get("batch_dims"),
+                seq_dims=m.get("seq_dims"),
                 output_batch_dims=m.get("output_batch_dims"),
                 output_tree=m.get("output_tree"),
                 frozen=tuple(m.get("frozen", [])),

@@ -2,7 +2,10 @@
 
 A rank's coordinates are a mixed-radix number over the axes, outermost first. The default
 order puts pipeline stages outermost and tensor-parallel ranks innermost (they share a node
-and its fast links), which is Megatron's layout: rank = tp + tp * (dp + dp * pp).
+and its fast links), which is Megatron's layout: rank = tp + tp * (dp + dp * pp). Context
+parallelism sits between dp and tp, as in Megatron-Core (tp-cp-dp-pp, innermost first): its
+ring sends K/V every layer, more often than dp reduces, less than tp's per-layer
+all-reduces, so it gets the next-fastest links: rank = tp + tp * (cp + cp * (dp + dp * pp)).
 
 The axes (`AXES`, one entry each; adding a kind of parallelism is one entry here plus its
 rules where it is used):
@@ -15,6 +18,8 @@ rules where it is used):
     ep            expert-parallel ranks: consecutive data-parallel ranks that share their
                   tokens with all-to-all, each holding E/ep whole experts (Megatron's
                   expert-data-parallel layout: ep is the inner part of dp); 1 unless `ep`
+    cp            context-parallel ranks: each holds 2 of 2*cp blocks of every sequence
+                  (load-balanced for causal attention); attention is a ring over them
     tp            tensor-parallel ranks
 
 An *alias* names a product of consecutive axes: `dp` is (dp_replicate, dp_shard, ep), the
@@ -70,6 +75,9 @@ AXES: tuple[Axis, ...] = (
     Axis("ep", lambda plan: getattr(plan, "ep", 1),
          "expert-parallel ranks (inside dp): each holds E/ep whole experts, tokens move by all-to-all",
          optional=True),
+    Axis("cp", lambda plan: getattr(plan, "cp", 1),
+         "context-parallel ranks (every sequence split along its positions; ring attention)",
+         optional=True),
     Axis("tp", lambda plan: plan.tp, "tensor-parallel ranks"),
 )
 AXIS_NAMES = tuple(a.name for a in AXES)
@@ -80,7 +88,10 @@ ALIASES: dict[str, tuple[str, ...]] = {"dp": ("dp_replicate", "dp_shard", "ep"),
 # (or tokens), so a replicated parameter's gradient is summed over all of them and the loss's
 # global denominator counts all of them. One place: the engine's gradient reduction, the
 # loss seed and the denominator all read it. (A new axis that splits the data joins here.)
-BATCH_AXES = "dp"
+# cp splits the tokens of each sequence: its ranks hold different tokens of the same rows, so
+# it joins (a replicated parameter's gradient is summed over dp x cp, the loss denominator
+# counts the tokens of every cp rank).
+BATCH_AXES = "dp+cp"
 
 
 class Coord:
@@ -283,7 +294,7 @@ class Mesh:
 
 
 # Axes that other meshes may have (added by plans with more parallelism): absent, size 1.
-_KNOWN_ELSEWHERE = ("cp", "ep", "edp")
+_KNOWN_ELSEWHERE = ("ep", "edp", "cp")
 
 
 def _digits(k: int, sizes: list[int]) -> list[int]:

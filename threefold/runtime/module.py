@@ -28,6 +28,7 @@ class ChunkModule(torch.nn.Module):
     EXPERTS: dict[str, int] = {}
     tp_group = None              # tensor-parallel process group, set by the runtime
     ep_group = None              # expert-parallel process group (None: ep=1), set by the runtime
+    cp_group = None              # context-parallel process group (ring attention), set by the runtime
     # (base seed, step, global microbatch): set by the engine before each forward
     rng_key: tuple[int, int, int] = (0, 0, 0)
     # this dp rank's microbatch index in the step, set by the engine before each forward

@@ -1,0 +1,98 @@
+"""Jobs the context-parallel tests launch on every rank (importable by spawned ranks)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def ring_vs_full(cp: int, causal: bool, seed: int = 0) -> dict:
+    """Ring attention on this rank's blocks vs full attention on the whole sequence:
+    the max abs difference of the output and of dq, dk, dv on this rank's rows."""
+    from threefold.runtime.cp_ops import local_blocks, ring_attention
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 3, 8 * cp, 5, generator=g, dtype=torch.float64) for _ in range(3))
+    dout = torch.randn(2, 3, 8 * cp, 5, generator=g, dtype=torch.float64)
+    r = dist.get_rank()
+    group = dist.new_group(list(range(cp)))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    s = full[0] @ full[1].transpose(-2, -1) * 0.3
+    if causal:
+        s = s.masked_fill(~torch.tril(torch.ones(8 * cp, 8 * cp, dtype=torch.bool)), float("-inf"))
+    ref = torch.softmax(s, -1) @ full[2]
+    ref.backward(dout)
+    local = [local_blocks(t, 2, cp, r).clone().requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*local, 0.3, causal, group, ranks=cp)
+    out.backward(local_blocks(dout, 2, cp, r))
+    diffs = {"out": (out - local_blocks(ref, 2, cp, r)).abs().max().item()}
+    for name, a, b in zip("qkv", local, full):
+        diffs["d" + name] = (a.grad - local_blocks(b.grad, 2, cp, r)).abs().max().item()
+    return diffs
+
+
+def ring_checks(cp: int) -> list[dict]:
+    """ring_vs_full, causal and not."""
+    return [ring_vs_full(cp, True), ring_vs_full(cp, False, seed=1)]
+
+
+def parity_cases(cases: list, steps: int) -> list[list[float]]:
+    """Each (factory, kwargs, plan): the losses of `steps` SGD steps of the parallel run."""
+    import threefold
+    from tests.parity import load_workload, parallel_sgd_losses
+    torch.set_num_threads(1)
+    out = []
+    for factory, kwargs, plan in cases:
+        w = load_workload(factory, **kwargs)
+        pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
+        out.append(parallel_sgd_losses(pm, w, steps))
+    return out
+
+
+def dropout_seeds(plan: str) -> list:
+    """The per-microbatch random-op keys each chunk of this rank used in one step (GPT, dropout
+    0.1 outside attention)."""
+    import threefold
+    from examples.gpt import GPT, GPTConfig, lm_loss
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=0.1))
+    model.h[0].attn.attn_dropout.p = 0.0   # ring attention has no dropout (a PlanError); the rest keep 0.1
+    idx = torch.randint(0, 32, (2, 17), generator=torch.Generator().manual_seed(1))
+    pm = threefold.parallelize(model, plan, (idx[:, :-1],), lm_loss, target=idx[:, 1:])
+    pm.step(idx[:, :-1], target=idx[:, 1:])
+    return [list(m.rng_key) for m in pm.engine.modules.values()]
+
+
+def conv_parity(cp: int, steps: int = 3) -> list[float]:
+    """A causal-conv1d model (Mamba-style) at cp: SGD losses."""
+    import threefold
+    from tests.parity import parallel_sgd_losses
+    from tests.test_context_parallel import causal_conv_workload
+    torch.set_num_threads(1)
+    w = causal_conv_workload()
+    pm = threefold.parallelize(w["model"], f"cp={cp}", w["inputs"], w["loss_fn"], target=w["target"])
+    return parallel_sgd_losses(pm, w, steps)
+
+
+def ignore_index_workload():
+    """GPT whose targets ignore (-100) positions 4-10 and one more: the cp ranks hold
+    different numbers of counted tokens, so only a global count gives the right mean."""
+    import torch.nn.functional as F
+    from examples.gpt import workload
+    w = workload(n_layer=2, n_embd=32, n_head=2, seq=16, batch=4)
+    target = w["target"].clone()
+    target[:, 4:11] = -100   # all in cp rank 1's blocks (positions 4-11) at cp=2
+    target[0, 2] = -100
+    w["target"] = target
+    w["loss_fn"] = lambda logits, t: F.cross_entropy(logits.reshape(-1, logits.size(-1)), t.reshape(-1),
+                                                     ignore_index=-100)
+    return w
+
+
+def ignore_index_parity(plan: str, steps: int = 3) -> list[float]:
+    import threefold
+    from tests.parity import parallel_sgd_losses
+    torch.set_num_threads(1)
+    w = ignore_index_workload()
+    pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
+    return parallel_sgd_losses(pm, w, steps)

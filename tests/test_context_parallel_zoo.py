@@ -1,0 +1,105 @@
+"""Context parallelism, the wider matrix (marker zoo: `pytest -m zoo tests/test_context_parallel_zoo.py`):
+cp=4, cp with dp / pp / recompute, Hugging Face Llama with sdpa attention, ring attention on 4 ranks."""
+import pytest
+
+from threefold.runtime.launch import launch
+from tests.cp_jobs import ring_checks
+from tests.test_context_parallel import GPT, LLAMA, _check
+
+LLAMA_SDPA = (LLAMA[0], {**LLAMA[1], "attn": "sdpa"})
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cp2_with_recompute_and_hf_sdpa():
+    _check(2, [LLAMA_SDPA + ("cp=2",), GPT + ("cp=2,recompute=full",), LLAMA + ("cp=2,recompute=selective",)])
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_cp4_and_cp2_with_dp_or_pp():
+    _check(4, [GPT + ("cp=4",), LLAMA + ("cp=4",), GPT + ("cp=2,dp=2",), LLAMA + ("cp=2,pp=2,m=2",),
+               LLAMA_SDPA + ("cp=2,tp=2",)])
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ring_attention_on_four_ranks():
+    for rank in launch(ring_checks, 4, 4, timeout=250):
+        for diffs in rank:
+            assert max(diffs.values()) < 1e-12, diffs
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_checkpoint_saved_under_cp_loads_under_tp(tmp_path):
+    """cp changes nothing in the saved layout: 3 AdamW steps at cp=2, save, load at tp=2, 3 more
+    steps = 6 single-process steps (and the other way round)."""
+    from tests.test_checkpoint_reshard import GPT as CK_GPT, reference, run_phases
+    phases = [("A", "cp2-tp2", CK_GPT, "cp=2"), ("A", "tp2-cp2", CK_GPT, "tp=2"),
+              ("B", "cp2-tp2", CK_GPT, "tp=2"), ("B", "tp2-cp2", CK_GPT, "cp=2")]
+    losses = launch(run_phases, 2, phases, str(tmp_path), timeout=550)[0]
+    ref = reference(CK_GPT)
+    for name in ("cp2-tp2", "tp2-cp2"):
+        got = losses[("A", name)] + losses[("B", name)]
+        assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) < 1e-5, (name, got, ref)
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cp_ranks_draw_their_own_dropout_masks():
+    """cp ranks hold different tokens: their random ops are seeded apart, as dp ranks' are."""
+    from tests.cp_jobs import dropout_seeds
+    keys = launch(dropout_seeds, 2, "cp=2", timeout=250)
+    assert keys[0] != keys[1], keys
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_causal_conv1d_model_matches_one_process():
+    """A Mamba-style causal conv over time: halos exchanged between the blocks' ranks."""
+    from tests.cp_jobs import conv_parity
+    from tests.parity import max_rel_diff, sgd_losses
+    from tests.test_context_parallel import causal_conv_workload
+    ref = sgd_losses(causal_conv_workload(), 3)
+    for cp in (2, 4):
+        for losses in launch(conv_parity, cp, cp, timeout=280):
+            assert max_rel_diff(losses, ref) < 1e-5, (cp, losses, ref)
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_masked_mean_loss_counts_tokens_globally():
+    """ignore_index on positions 4-10, all in cp rank 1's blocks: the ranks count different
+    numbers of tokens, and the loss is still the single-process masked mean."""
+    from tests.cp_jobs import ignore_index_parity, ignore_index_workload
+    from tests.parity import max_rel_diff, sgd_losses
+    ref = sgd_losses(ignore_index_workload(), 3)
+    for losses in launch(ignore_index_parity, 2, "cp=2", timeout=350):
+        assert max_rel_diff(losses, ref) < 1e-5, (losses, ref)
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_hf_decoders_at_cp2():
+    """Qwen2, Mistral, GPT-NeoX (partial rotary), Phi (parallel attention/MLP), Gemma (examples/hf.py
+    causal_lm), eager attention with HF's own mask graphs."""
+    _check(2, [("causal_lm", {"arch": a, "seq": 16}, "cp=2") for a in ("qwen2", "mistral", "gpt_neox", "phi", "gemma")])
+
+
+def test_opt_learned_positions_from_a_cumsum_are_refused():
+    """OPT numbers positions by a cumsum over a ones mask (not an arange): a per-position value
+    cp cannot move to global positions, refused in one line rather than trained wrong."""
+    import threefold
+    from examples.hf import causal_lm
+    from threefold.compiler.api import compile_workload
+    with pytest.raises(threefold.PlanError, match="varies per position"):
+        compile_workload(causal_lm(arch="opt", seq=16), "cp=2")

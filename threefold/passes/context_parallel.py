@@ -1,0 +1,403 @@
+"""Context parallelism (plan `cp=N`): the graph traced on this rank's share of each sequence.
+
+The compiler traces at the local sequence length n = S/cp (compiler/api.py cuts the example
+batch along the sequence dims passes/seq_dims.py finds), and the runtime feeds each cp rank
+blocks r and 2cp-1-r of every sequence (runtime/cp_ops.py). Most ops are then already right:
+they treat positions independently. This pass rewrites the ones that are not and checks the rest:
+
+1. Attention becomes ring attention (runtime/cp_ops.ring_attention): the SDPA op, and the
+   pattern written by hand, matmul(q, k^T) [* or / a constant] [+ mask | masked_fill(mask,
+   -inf)] -> softmax(-1) [-> cast, dropout(p=0)] -> matmul(., v). The mask must be a free
+   value (built from constants, buffers and aranges, no input) that, evaluated at the traced
+   length, is causal (lower triangular) or all-visible: the ring applies it over global
+   positions. Any other mask (padding from an input, ALiBi biases) is a PlanError.
+2. `arange(n)` over the sequence becomes `cp_ops.positions(n)`: this rank's global positions,
+   so learned position embeddings and rotary tables see where the tokens really are.
+3. Every op is checked by the sequence rules (passes/cp_rules.py): position-local ops keep
+   the sequence placement; one that mixes positions is a PlanError naming it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from threefold.compiler.contracts import stage_pass
+from threefold.compiler.program import tf
+from threefold.compiler.stages import Sharded, copy_graph_module
+from threefold.errors import PlanError
+from threefold.passes.cp_rules import check_sequence, op_name
+from threefold.runtime import cp_ops
+from threefold.runtime.tp_ops import GroupRef
+
+CP = GroupRef("cp")
+_CASTS = {"_to_copy", "to", "clone", "contiguous", "alias", "type_as"}
+_SDPA = {"scaled_dot_product_attention"}
+
+
+@stage_pass(needs=Sharded, gives=Sharded)
+def context_parallel(stage: Sharded) -> Sharded:
+    """Needs: the tp-sharded graph traced at the local sequence length. Guarantees (cp>1):
+    attention is ring attention, sequence aranges are global positions, and no op mixes
+    positions unnoticed (else a PlanError)."""
+    if stage.plan.cp == 1:
+        return stage.evolve()
+    gm = copy_graph_module(stage.gm)
+    n = stage.seq_len
+    rings = _rewrite_attention(gm, stage, n)
+    convs = _causal_convolutions(gm, stage, n)
+    moved = _global_positions(gm, n)
+    check_sequence(gm, stage)
+    gm.graph.lint()
+    gm.recompile()
+    note = (f"cp={stage.plan.cp}: {rings} attention op(s) run as ring attention over the cp group; "
+            f"{moved} sequence arange(s) give global positions; {convs} causal conv1d(s) exchange halos; "
+            "sequence split in blocks r, 2cp-1-r")
+    return stage.evolve(gm=gm, notes=stage.notes + (note,))
+
+
+# -- attention -----------------------------------------------------------------------------
+
+def _rewrite_attention(gm: fx.GraphModule, stage, n: int) -> int:
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or getattr(node, "_erased", False):   # erased by an earlier rewrite
+            continue
+        name = op_name(node)
+        if name in _SDPA:
+            found = _sdpa(node)
+        elif name in ("softmax", "_softmax"):
+            found = _handwritten(node)
+        else:
+            continue
+        if found is None:
+            continue
+        q, k, v, scale, mask, causal, last, dead = found
+        if mask is not None:
+            causal = _classify_mask(mask, stage, node) == "causal"
+        with gm.graph.inserting_before(last):
+            ring = gm.graph.call_function(cp_ops.ring_attention, (q, k, v, float(scale), bool(causal), CP),
+                                          {"ranks": stage.plan.cp})
+        ring.meta = dict(last.meta)
+        ring.meta["tf"] = dict(tf(last))
+        last.replace_all_uses_with(ring)
+        _erase_dead([last] + dead + ([mask] if mask is not None else []), gm.graph)
+        count += 1
+    return count
+
+
+def _args(node: fx.Node) -> dict:
+    """An ATen call's arguments by schema name (defaults filled in)."""
+    out = {}
+    for i, a in enumerate(node.target._schema.arguments):
+        if i < len(node.args):
+            out[a.name] = node.args[i]
+        elif a.name in node.kwargs:
+            out[a.name] = node.kwargs[a.name]
+        else:
+            out[a.name] = a.default_value if a.has_default_value() else None
+    return out
+
+
+def _sdpa(node: fx.Node):
+    a = _args(node)
+    where = f"{op_name(node)} at {tf(node).get('module') or '<top>'}"
+    if a.get("dropout_p"):
+        raise PlanError(f"cp: {where} has attention dropout p={a['dropout_p']}; ring attention has no "
+                        "dropout yet: set the attention dropout to 0 or use cp=1")
+    q, k, v = a["query"], a["key"], a["value"]
+    scale = a.get("scale")
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.meta["val"].shape[-1])
+    if a.get("enable_gqa"):
+        raise PlanError(f"cp: {where} uses enable_gqa; ring attention needs key/value heads repeated "
+                        "(repeat_interleave them in the model) or cp=1")
+    mask = a.get("attn_mask")
+    if a.get("is_causal") and mask is not None:
+        raise PlanError(f"cp: {where} has both is_causal and attn_mask; use cp=1")
+    return q, k, v, scale, mask, bool(a.get("is_causal")), node, []
+
+
+def _users(node: fx.Node) -> list:
+    """Users that read the value (dtype/device asserts do not)."""
+    return [u for u in node.users if op_name(u) != "_assert_tensor_metadata"]
+
+
+def _single_user(node: fx.Node):
+    users = _users(node)
+    return users[0] if len(users) == 1 else None
+
+
+def _handwritten(sm: fx.Node):
+    """matmul(q, k^T) [scale] [mask] -> softmax(-1) [casts, dropout(0)] -> matmul(., v), or None."""
+    val = sm.meta.get("val")
+    dim = sm.args[1] if len(sm.args) > 1 else sm.kwargs.get("dim")
+    if val is None or dim not in (-1, val.dim() - 1):
+        return None
+    chain = [sm]
+    x = sm.args[0]
+    while isinstance(x, fx.Node) and op_name(x) in _CASTS:
+        chain.append(x)
+        x = x.args[0]
+    mask = None
+    if isinstance(x, fx.Node) and op_name(x) == "masked_fill":
+        fill = x.args[2]
+        if not (isinstance(fill, (int, float)) and fill <= -1e30):
+            return None
+        mask = ("bool", x.args[1])
+        chain.append(x)
+        x = x.args[0]
+    elif isinstance(x, fx.Node) and op_name(x) == "add" and all(isinstance(a, fx.Node) for a in x.args[:2]):
+        add, (left, right) = x, x.args[:2]
+        if _free(right) and not _free(left):
+            mask, x = ("add", right), left
+        elif _free(left) and not _free(right):
+            mask, x = ("add", left), right
+        else:
+            return None
+        chain.append(add)
+    while isinstance(x, fx.Node) and op_name(x) in _CASTS:
+        chain.append(x)
+        x = x.args[0]
+    scale = 1.0
+    while isinstance(x, fx.Node) and op_name(x) in ("mul", "div") and isinstance(x.args[1], (int, float)):
+        scale = scale * x.args[1] if op_name(x) == "mul" else scale / x.args[1]
+        chain.append(x)
+        x = x.args[0]
+    if not (isinstance(x, fx.Node) and op_name(x) in ("matmul", "bmm")):
+        return None
+    qk = x
+    q, kt = qk.args[0], qk.args[1]
+    k = _untransposed(kt)
+    if k is None:
+        return None
+    # forward: softmax -> casts / dropout(0) -> matmul(p, v)
+    y, after = sm, []
+    while True:
+        u = _single_user(y)
+        if u is None:
+            return None
+        name = op_name(u)
+        if name in _CASTS:
+            after.append(u)
+            y = u
+            continue
+        if name == "dropout":
+            p = u.args[1] if len(u.args) > 1 else u.kwargs.get("p", 0.0)
+            if p:
+                raise PlanError(f"cp: attention dropout p={p} at {tf(u).get('module') or '<top>'}; ring "
+                                "attention has no dropout yet: set it to 0 or use cp=1")
+            after.append(u)
+            y = u
+            continue
+        if name in ("matmul", "bmm") and u.args[0] is y:
+            pv = u
+            break
+        return None
+    if any(len(_users(c)) != 1 for c in chain[1:] + [qk]):
+        return None   # an intermediate (scores, probabilities) is used elsewhere: not rewritable
+    dead = after[::-1] + chain + [qk, kt]
+    return q, k, pv.args[1], scale, _Mask(mask) if mask else None, False, pv, dead
+
+
+class _Mask:
+    """A mask operand: 'bool' (True = hidden, as masked_fill) or 'add' (0 visible, very negative hidden)."""
+
+    def __init__(self, pair):
+        self.kind, self.node = pair
+
+
+def _untransposed(kt: fx.Node):
+    """k for kt = k^T over its last two dims (transpose / t / permute), else None."""
+    if not isinstance(kt, fx.Node):
+        return None
+    name, rank = op_name(kt), kt.meta["val"].dim()
+    if name == "transpose":
+        dims = {d % rank for d in kt.args[1:3]}
+        return kt.args[0] if dims == {rank - 2, rank - 1} else None
+    if name == "t" and rank == 2:
+        return kt.args[0]
+    if name == "permute":
+        perm = [d % rank for d in kt.args[1]]
+        return kt.args[0] if perm == list(range(rank - 2)) + [rank - 1, rank - 2] else None
+    return None
+
+
+def _free(node) -> bool:
+    """Depends on no user input and no parameter (constants, buffers, aranges only)."""
+    seen, stack = set(), [node]
+    while stack:
+        x = stack.pop()
+        if not isinstance(x, fx.Node) or x in seen:
+            continue
+        seen.add(x)
+        if x.op == "placeholder" and tf(x).get("kind") != "buffer":
+            return False
+        stack.extend(x.all_input_nodes)
+    return True
+
+
+def _classify_mask(mask, stage, node) -> str:
+    """'causal' or 'full' for a mask that, at the traced length, hides exactly the future or
+    nothing; a PlanError otherwise."""
+    m = mask.node if isinstance(mask, _Mask) else mask
+    kind = mask.kind if isinstance(mask, _Mask) else ("bool" if m.meta["val"].dtype == torch.bool else "add")
+    where = f"attention at {tf(node).get('module') or '<top>'}"
+    if not _free(m):
+        raise PlanError(f"cp: the mask of {where} depends on an input (a padding mask?); ring attention "
+                        "takes causal or no masks only: use cp=1 for this model")
+    if stage.is_meta:
+        raise PlanError(f"cp: the mask of {where} cannot be checked on the meta device; compile with real "
+                        "weights (threefold needs them to tell a causal mask) or use cp=1")
+    n = node.meta["val"].shape[-2]
+    kinds = set()
+    # at the traced length s/cp, and again with every length argument n made the whole
+    # sequence's s: a window wider than s/cp but narrower than s looks causal at s/cp only
+    for length in (n, n * stage.plan.cp):
+        try:
+            value = _evaluate(m, stage, {n: length})
+        except Exception as exc:
+            raise PlanError(f"cp: the mask of {where} cannot be evaluated at the whole sequence's length "
+                            f"({type(exc).__name__}); use cp=1") from None
+        kinds.add(_mask_kind(value, kind, node, where, length))
+    if len(kinds) != 1:
+        raise PlanError(f"cp: the mask of {where} is causal over s/cp positions but not over the whole "
+                        "sequence (a sliding window?); use cp=1")
+    return kinds.pop()
+
+
+def _mask_kind(value, kind: str, node, where: str, n: int) -> str:
+    if kind == "bool":
+        # SDPA's bool attn_mask says True = visible; masked_fill's says True = hidden
+        visible = value if op_name(node) in _SDPA else ~value
+    else:
+        if not bool(((value == 0) | (value <= -1e30)).all()):
+            raise PlanError(f"cp: the additive mask of {where} has values other than 0 and -inf "
+                            "(an ALiBi-style bias?); ring attention does not take it yet: use cp=1")
+        visible = value == 0
+    if visible.dim() < 2 or visible.shape[-2] not in (1, n) or visible.shape[-1] != n:
+        raise PlanError(f"cp: the mask of {where} is {tuple(visible.shape)}, not over the sequence "
+                        f"({n} x {n}); use cp=1")
+    vis = visible.expand(*visible.shape[:-2], n, n).reshape(-1, n, n)
+    tril = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    if bool((vis == tril).all()):
+        return "causal"
+    if bool(vis.all()):
+        return "full"
+    raise PlanError(f"cp: the mask of {where} is neither causal nor all-visible (sliding window, "
+                    "document or prefix masks are not supported yet); use cp=1")
+
+
+def _evaluate(node: fx.Node, stage, lengths: dict | None = None):
+    """The value of a free node, computed from the stage's buffers; integer arguments in
+    `lengths` (a sequence length, in aranges, slices, views) replaced by their value there."""
+    lengths = lengths or {}
+    env: dict = {}
+
+    def value(x):
+        if isinstance(x, fx.Node):
+            if x not in env:
+                env[x] = run(x)
+            return env[x]
+        if isinstance(x, (list, tuple)):
+            return type(x)(value(a) for a in x)
+        if isinstance(x, int) and not isinstance(x, bool):
+            return lengths.get(x, x)
+        return x
+
+    def run(x: fx.Node):
+        if x.op == "placeholder":
+            return stage.state[tf(x)["fqn"]]
+        if x.op == "get_attr":
+            return getattr(x.graph.owning_module, x.target)
+        args = [value(a) for a in x.args]
+        kwargs = {k: value(v) for k, v in x.kwargs.items()}
+        return x.target(*args, **kwargs)
+    with torch.no_grad():
+        return value(node)
+
+
+def _erase_dead(nodes: list, graph: fx.Graph) -> None:
+    """Erase `nodes` and what only they used, once nothing (but metadata asserts) uses them."""
+    stack, erased = [n for n in nodes if isinstance(n, fx.Node)], set()
+    while stack:
+        n = stack.pop()
+        if n in erased or n.op != "call_function":
+            continue
+        users = list(n.users)
+        if any(op_name(u) != "_assert_tensor_metadata" for u in users):
+            continue
+        for u in users:
+            graph.erase_node(u)
+            erased.add(u)
+        inputs = list(n.all_input_nodes)
+        graph.erase_node(n)
+        erased.add(n)
+        stack.extend(inputs)
+
+
+# -- causal convolutions ----------------------------------------------------------------------
+
+def _causal_convolutions(gm: fx.GraphModule, stage, n: int) -> int:
+    """conv1d(x, w, b, stride 1, padding k-1, dilation 1, groups) -> slice(time, 0, n): the
+    causal convolution of a Mamba-style block -> cp_ops.causal_conv1d, which fetches the k-1
+    positions before each block from the rank that holds them (a halo exchange)."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or op_name(node) != "conv1d":
+            continue
+        a = _args(node)
+        x, w = a["input"], a["weight"]
+        k = w.meta["val"].shape[-1]
+        users = _users(node)
+        cut = users[0] if len(users) == 1 and op_name(users[0]) == "slice" else None
+        if (list(a["stride"]) != [1] or list(a["dilation"]) != [1] or not isinstance(a["padding"], (list, tuple))
+                or list(a["padding"]) != [k - 1] or x.meta["val"].shape[-1] != n or cut is None):
+            continue   # not the causal form: cp_rules refuses it
+        dim, start, end = (list(cut.args[1:4]) + [None, None, None])[:3]
+        if dim % cut.meta["val"].dim() != cut.meta["val"].dim() - 1 or start not in (0, None) or end != n:
+            continue
+        if k - 1 > n // 2:
+            raise PlanError(f"cp={stage.plan.cp}: conv1d at {tf(node).get('module') or '<top>'} reaches {k - 1} "
+                            f"positions back, more than a block ({n // 2}); use a smaller cp or cp=1")
+        with gm.graph.inserting_before(node):
+            conv = gm.graph.call_function(cp_ops.causal_conv1d, (x, w, a["bias"], a["groups"], CP),
+                                          {"ranks": stage.plan.cp})
+        conv.meta = dict(cut.meta)
+        conv.meta["tf"] = dict(tf(node))
+        cut.replace_all_uses_with(conv)
+        _erase_dead([cut, node], gm.graph)
+        count += 1
+    return count
+
+
+# -- positions -------------------------------------------------------------------------------
+
+def _global_positions(gm: fx.GraphModule, n: int) -> int:
+    """arange(n) / arange(0, n[, 1]) over the sequence -> this rank's global positions."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or op_name(node) != "arange":
+            continue
+        overload = node.target._overloadname
+        args = list(node.args)
+        if overload == "default":
+            start, end, step = 0, args[0], 1
+        elif overload == "start":
+            start, end, step = args[0], args[1], 1
+        elif overload == "start_step":
+            start, end, step = args[0], args[1], args[2]
+        else:
+            continue
+        if (start, end, step) != (0, n, 1) or node.meta["val"].is_floating_point():
+            continue
+        kwargs = {k: v for k, v in node.kwargs.items() if k in ("dtype", "device")}
+        with gm.graph.inserting_before(node):
+            pos = gm.graph.call_function(cp_ops.positions, (n, CP), kwargs)
+        pos.meta = dict(node.meta)
+        pos.meta["tf"] = dict(tf(node))
+        node.replace_all_uses_with(pos)
+        gm.graph.erase_node(node)
+        count += 1
+    return count

@@ -1,0 +1,283 @@
+"""Context-parallel operations that generated code calls (plan `cp=N`).
+
+Every sequence is cut into 2N blocks; cp rank r holds blocks r and 2N-1-r (in that order),
+so under causal attention every rank does the same work: the early block attends to few
+keys, the late one to many (Megatron-Core's and torchtitan's load balance). The group is
+the module's cp group (`self.cp_group` in generated code); with group None (cp=1) every op
+is the single-process one.
+
+  local_blocks   this rank's two blocks of a global tensor along a dim (the runtime's input split)
+  positions      this rank's global positions: what `arange(n)` over the sequence means here
+  ring_attention exact attention of the local queries against every rank's keys and values:
+                 K/V blocks travel around the ring (p2p, the next block in flight while this one
+                 is computed), softmax merged online through the log-sum-exp; the backward goes
+                 around the ring again carrying the dK/dV accumulators with their K/V
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from threefold.runtime import comm
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def block_positions(n_local: int, cp: int, r: int, device=None, dtype=torch.int64) -> torch.Tensor:
+    """Global positions of the n_local tokens cp rank r holds (blocks r and 2cp-1-r)."""
+    if cp == 1:
+        return torch.arange(n_local, device=device, dtype=dtype)
+    b = n_local // 2
+    return torch.cat([torch.arange(r * b, (r + 1) * b, device=device, dtype=dtype),
+                      torch.arange((2 * cp - 1 - r) * b, (2 * cp - r) * b, device=device, dtype=dtype)])
+
+
+def local_blocks(t: torch.Tensor, dim: int, cp: int, r: int) -> torch.Tensor:
+    """Rank r's share of a global tensor along `dim`: blocks r and 2cp-1-r of 2cp."""
+    if cp == 1:
+        return t
+    n = t.shape[dim]
+    if n % (2 * cp):
+        raise ValueError(f"sequence length {n} (dim {dim}) is not divisible by 2*cp={2 * cp}")
+    parts = t.chunk(2 * cp, dim=dim)
+    return torch.cat([parts[r], parts[2 * cp - 1 - r]], dim=dim)
+
+
+def positions(n: int, group, device=None, dtype=torch.int64, layout=None, pin_memory=None) -> torch.Tensor:
+    """`arange(n)` over a sequence of which this rank holds n positions: their global indices."""
+    return block_positions(n, _size(group), _rank(group), device=device, dtype=dtype or torch.int64)
+
+
+# -- ring attention -------------------------------------------------------------------------
+
+def _block(q, k, v, scale, allowed):
+    """Attention of q against one K/V block: (output, log-sum-exp per query); rows with no
+    allowed key give output 0 and lse -inf."""
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
+    return torch.matmul(p, v), lse
+
+
+def _merge(out, lse, o, l):
+    """Online softmax: combine two partial attentions over disjoint key sets."""
+    new = torch.logaddexp(lse, l)
+    new_safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    return out * torch.exp(lse - new_safe) + o * torch.exp(l - new_safe), new
+
+
+def _pieces(step: int, r: int, cp: int, n: int, causal: bool):
+    """Which queries meet which keys at ring step `step` (keys from rank (r-step) % cp), under
+    the load-balanced layout: (query slice, key slice, mask or 'diag' or None). Off the diagonal
+    step a causal block is either wholly visible or wholly hidden, half by half."""
+    full = slice(0, n)
+    if not causal:
+        return full, full, None
+    src = (r - step) % cp
+    b = n // 2
+    if src == r:
+        return full, full, "diag"
+    if src < r:          # the source's early block is before both of ours; its late one after both
+        return full, slice(0, b), None
+    return slice(b, n), full, None   # our late block is after both of the source's; our early one before
+
+
+def _diag_mask(n: int, cp: int, r: int, device) -> torch.Tensor:
+    pos = block_positions(n, cp, r, device=device)
+    return pos[None, :] <= pos[:, None]
+
+
+class _Ring:
+    """Async p2p along the cp ring: send to the next rank, receive from the previous."""
+
+    def __init__(self, group):
+        self.group, self.cp, self.r = group, _size(group), _rank(group)
+        if group is not None:   # None: a ring of one (the memory model's fake run)
+            self.next = dist.get_global_rank(group, (self.r + 1) % self.cp)
+            self.prev = dist.get_global_rank(group, (self.r - 1) % self.cp)
+
+    def shift(self, tensors: list[torch.Tensor], what: str):
+        """Post sends of `tensors` and receives of same-shaped ones; wait() gives those."""
+        sent = [t.contiguous() for t in tensors]
+        got = [torch.empty_like(t) for t in sent]
+        try:
+            works = [dist.isend(t, dst=self.next, group=self.group) for t in sent]
+            works += [dist.irecv(t, src=self.prev, group=self.group) for t in got]
+        except Exception as exc:
+            raise comm._fail(f"ring attention: exchanging {what} with", self.group, exc) from None
+
+        def wait():
+            try:
+                for w in works:
+                    w.wait()
+            except Exception as exc:
+                raise comm._fail(f"ring attention: exchanging {what} with", self.group, exc) from None
+            return got
+        return wait
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, group):
+        ring = _Ring(group)
+        cp, r, n = ring.cp, ring.r, q.shape[-2]
+        out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+        lse = torch.full((*q.shape[:-1], 1), float("-inf"), dtype=q.dtype, device=q.device)
+        kv = [k, v]
+        for step in range(cp):
+            wait = ring.shift(kv, "keys and values") if step < cp - 1 else None   # next block in flight
+            qs, ks, mask = _pieces(step, r, cp, n, causal)
+            allowed = _diag_mask(n, cp, r, q.device) if mask == "diag" else None
+            o, l = _block(q[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :], scale, allowed)
+            out[..., qs, :], lse[..., qs, :] = _merge(out[..., qs, :], lse[..., qs, :], o, l)
+            if wait is not None:
+                kv = wait()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.causal, ctx.group = scale, causal, group
+        return out
+
+    @staticmethod
+    @torch.autocast("cpu", enabled=False)
+    @torch.autocast("cuda", enabled=False)
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        scale, causal = ctx.scale, ctx.causal
+        ring = _Ring(ctx.group)
+        cp, r, n = ring.cp, ring.r, q.shape[-2]
+        dout = dout.contiguous()
+        delta = (dout * out).sum(dim=-1, keepdim=True)
+        dq = torch.zeros_like(q)
+        kv = [k, v]
+        acc = [torch.zeros_like(k), torch.zeros_like(v)]   # dK, dV of the block we hold
+        for step in range(cp):
+            wait_kv = ring.shift(kv, "keys and values (backward)") if step < cp - 1 else None
+            qs, ks, mask = _pieces(step, r, cp, n, causal)
+            kb, vb = kv[0][..., ks, :], kv[1][..., ks, :]
+            qb, dob = q[..., qs, :], dout[..., qs, :]
+            s = torch.matmul(qb, kb.transpose(-2, -1)) * scale
+            if mask == "diag":
+                s = s.masked_fill(~_diag_mask(n, cp, r, q.device), float("-inf"))
+            p = torch.exp(s - lse[..., qs, :])
+            dv = torch.matmul(p.transpose(-2, -1), dob)
+            ds = p * (torch.matmul(dob, vb.transpose(-2, -1)) - delta[..., qs, :])
+            dq[..., qs, :] += torch.matmul(ds, kb) * scale
+            dk = torch.matmul(ds.transpose(-2, -1), qb) * scale
+            acc[0][..., ks, :] += _reduce_to(dk, acc[0][..., ks, :].shape)
+            acc[1][..., ks, :] += _reduce_to(dv, acc[1][..., ks, :].shape)
+            # the accumulators travel with their block: one more hop after the last step
+            # brings each rank its own dK, dV
+            if cp > 1:
+                acc = ring.shift(acc, "key and value gradients")()
+            if wait_kv is not None:
+                kv = wait_kv()
+        return dq, _reduce_to(acc[0], k.shape), _reduce_to(acc[1], v.shape), None, None, None
+
+
+def _reduce_to(g: torch.Tensor, shape) -> torch.Tensor:
+    """Sum a gradient over the dims its input was broadcast along (k, v shared across q's batch dims)."""
+    if tuple(g.shape) == tuple(shape):
+        return g
+    while g.dim() > len(shape):
+        g = g.sum(0)
+    for d, s in enumerate(shape):
+        if s == 1 and g.shape[d] != 1:
+            g = g.sum(d, keepdim=True)
+    return g
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                   group, ranks: int = 1) -> torch.Tensor:
+    """softmax(q k^T * scale [causal over global positions]) v over the whole sequence, with
+    q, k, v [..., n_local, d] this rank's blocks. `ranks` is the cp size the code was compiled
+    for (the cost model reads it). Saved for backward: q, k, v, the output and the
+    log-sum-exp, never the n x n probabilities."""
+    if group is not None and _size(group) != ranks:
+        raise RuntimeError(f"ring attention was compiled for cp={ranks} but runs on a group of {_size(group)}")
+    dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    # bf16/fp16 (autocast): scores, softmax and the log-sum-exp in fp32, as eager softmax under
+    # autocast; the result in the compute dtype
+    work = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    q, k, v = q.to(work), k.to(work), v.to(work)
+    with torch.autocast(q.device.type, enabled=False):
+        # group None: one rank's view (cp=1, or the memory model running the op alone on
+        # fakes): the same autograd function, so it saves what a real rank saves
+        o = _RingAttention.apply(q, k, v, scale, causal, group)
+    return o.to(dtype)
+
+
+# -- causal convolution over time ------------------------------------------------------------
+
+class _Halo(torch.autograd.Function):
+    """The `width` positions before each of this rank's two blocks (time is the last dim).
+
+    Block r's predecessor is rank r-1's first block (none at r=0); block 2cp-1-r's is rank
+    r+1's second block, or at r=cp-1 this rank's own first block. Backward returns each
+    halo's gradient to the rank it came from."""
+
+    @staticmethod
+    def forward(ctx, x, width, group):
+        ring = _Ring(group)
+        cp, r, b = ring.cp, ring.r, x.shape[-1] // 2
+        tail1, tail2 = x[..., b - width:b].contiguous(), x[..., 2 * b - width:].contiguous()
+        h1, h2 = torch.zeros_like(tail1), tail1.clone()
+        works = []
+        if r < cp - 1:
+            works += [dist.isend(tail1, dst=ring.next, group=group), dist.irecv(h2, src=ring.next, group=group)]
+        if r > 0:
+            works += [dist.isend(tail2, dst=ring.prev, group=group), dist.irecv(h1, src=ring.prev, group=group)]
+        _wait(works, group, "convolution halos")
+        ctx.width, ctx.group, ctx.shape = width, group, x.shape
+        return h1, h2
+
+    @staticmethod
+    def backward(ctx, g1, g2):
+        ring = _Ring(ctx.group)
+        cp, r, width = ring.cp, ring.r, ctx.width
+        b = ctx.shape[-1] // 2
+        g1, g2 = g1.contiguous(), g2.contiguous()
+        dx = torch.zeros(ctx.shape, dtype=g1.dtype, device=g1.device)
+        back1, back2 = torch.zeros_like(g1), torch.zeros_like(g2)   # grads of our tails, from peers
+        works = []
+        if r > 0:     # h1 came from r-1's first tail; our second tail went to r-1
+            works += [dist.isend(g1, dst=ring.prev, group=ctx.group), dist.irecv(back2, src=ring.prev, group=ctx.group)]
+        if r < cp - 1:  # h2 came from r+1's second tail; our first tail went to r+1
+            works += [dist.isend(g2, dst=ring.next, group=ctx.group), dist.irecv(back1, src=ring.next, group=ctx.group)]
+        _wait(works, ctx.group, "convolution halo gradients")
+        if r == cp - 1:
+            back1 = g2          # our second block's halo was our own first tail
+        dx[..., b - width:b] += back1
+        dx[..., 2 * b - width:] += back2
+        return dx, None, None
+
+
+def _wait(works, group, what: str) -> None:
+    try:
+        for w in works:
+            w.wait()
+    except Exception as exc:
+        raise comm._fail(f"context parallelism: exchanging {what} with", group, exc) from None
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias, groups: int, group, ranks: int = 1) -> torch.Tensor:
+    """conv1d(x, padding=k-1)[..., :n] (a causal convolution over time, the last dim) on this
+    rank's two blocks: each block is extended by the k-1 positions before it (a halo from
+    the rank that holds them, zeros at the start of the sequence)."""
+    import torch.nn.functional as F
+    width = weight.shape[-1] - 1
+    if group is None:   # the whole sequence (or one rank's view in the memory model)
+        return F.conv1d(F.pad(x, (width, 0)), weight, bias, groups=groups)
+    if _size(group) != ranks:
+        raise RuntimeError(f"causal_conv1d was compiled for cp={ranks} but runs on a group of {_size(group)}")
+    b = x.shape[-1] // 2
+    h1, h2 = _Halo.apply(x, width, group)
+    y1 = F.conv1d(torch.cat([h1, x[..., :b]], -1), weight, bias, groups=groups)
+    y2 = F.conv1d(torch.cat([h2, x[..., b:]], -1), weight, bias, groups=groups)
+    return torch.cat([y1, y2], -1)
