@@ -104,7 +104,8 @@ class _Rowwise(torch.nn.Module):
 
 @pytest.mark.parametrize("f,mixes", [
     (lambda x: x - x.mean(0), "aten.mean"),                                    # batch centering
-    (lambda x: x[x.sum(-1) > 0].mean(0, keepdim=True).expand(x.shape[0], -1), "aten.mean"),
+    # a boolean-mask index has a data-dependent size: refused first for that, under any plan
+    (lambda x: x[x.sum(-1) > 0].mean(0, keepdim=True).expand(x.shape[0], -1), "size depends on the data"),
     (lambda x: x * x[0], "aten.select"),                                       # row 0 of each part
     (lambda x: torch.cumsum(x, 0), "aten.cumsum"),
     (lambda x: x.softmax(-1) * x.norm(dim=-1, keepdim=True), None),            # per row
@@ -117,5 +118,6 @@ def test_row_patterns(f, mixes):
     if mixes is None:
         compile_workload(w, "m=2")
     else:
-        with pytest.raises(threefold.PlanError, match=rf"{mixes}\b.*mixes the rows"):
+        pattern = mixes if " " in mixes else rf"{mixes}\b.*mixes the rows"
+        with pytest.raises(threefold.PlanError, match=pattern):
             compile_workload(w, "m=2")

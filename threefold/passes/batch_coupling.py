@@ -32,6 +32,7 @@ from threefold.compiler.contracts import stage_pass
 from threefold.compiler.program import tf
 from threefold.compiler.stages import Traced
 from threefold.errors import PlanError
+from threefold.passes.experts import expert_matmul
 from threefold.passes.loss_form import exact_reductions, final_op
 from threefold.passes.row_rules import BATCH_STAT_OPS, propagate
 from threefold.passes.row_state import LOST, Rows, op_name
@@ -179,8 +180,20 @@ def _reaches_output(graph: fx.Graph) -> set[fx.Node]:
         if n in seen:
             continue
         seen.add(n)
-        stack.extend(n.all_input_nodes)
+        stack.extend(_value_inputs(n))
     return seen
+
+
+def _value_inputs(node: fx.Node) -> list[fx.Node]:
+    """The inputs a node's values depend on row by row. A grouped (expert) matmul's offsets
+    only say where each group's rows end in rows sorted by group within the same microbatch:
+    counts over all rows feed them, yet every output row is its own row times its group's
+    weight, so counting them per microbatch changes no row."""
+    m = expert_matmul(node)
+    if m is None and op_name(node) in ("_grouped_mm", "grouped_mm", "grouped_mm_fallback"):
+        offs = node.kwargs.get("offs", node.args[2] if len(node.args) > 2 else None)
+        return [a for a in node.all_input_nodes if a is not offs]
+    return [a for a in node.all_input_nodes if m is None or a is not m[3]]
 
 
 def _where(node: fx.Node) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from threefold.passes.experts import expert_matmul
 from threefold.passes.row_index_rules import INDEX_OPS, index_rule
 from threefold.passes.row_state import (LOST, POS, Rows, arg_of, dims_of, rows_of, shape_of,
                                         op_name)
@@ -57,9 +58,10 @@ def _propagate(node: fx.Node, states: dict, rows: int):
     ins = {a: states.get(a) for a in node.all_input_nodes}
     if all(s is None for s in ins.values()):
         return None, None
-    if name in _GROUPED_MM:
+    if name in _GROUPED_MM or expert_matmul(node) is not None:
         # rows sorted by group, each multiplied by its own group's weight: per row (the
-        # offsets, counted over all rows, only say where each group's rows start)
+        # offsets, counted over all rows, only say where each group's rows start; an
+        # expert matmul is the same structure under any op name, passes/experts.py)
         sx, sw = states.get(node.args[0]), states.get(node.args[1])
         return (sx, None) if sw is None and isinstance(sx, Rows) and sx.dim == 0 else (LOST, None)
     if name in ("empty_like", "zeros_like", "ones_like", "full_like", "new_empty", "new_zeros",

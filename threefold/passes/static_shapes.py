@@ -28,6 +28,8 @@ def check_static_shapes(prog: Traced) -> Traced:
         for v in vals:
             if isinstance(v, torch.Tensor) and any(not isinstance(s, int) for s in v.shape):
                 src = _producer(node)
+                if src.op == "placeholder":
+                    continue   # an input the tracer left symbolic (an eager loss's target): not data
                 where = tf(src).get("module", "") or "<top>"
                 raise PlanError(f"{prog.name}: {op_name(src)} in {where} makes a tensor whose size depends on "
                                 "the data (e.g. torch.where(mask) or nonzero picking each expert's tokens); threefold "
