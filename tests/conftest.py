@@ -13,9 +13,12 @@ torch.set_num_threads(1)
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    from tests.tiers import in_default_sample, unmatched
-    # Multi-rank tests outside the default run's sample are `extended` (tests/tiers.py).
+    from tests.tiers import in_default_sample, is_long_single_process, unmatched
+    # The longest single-process tests are `slow` too (out of the quick tier, in the default
+    # run); multi-rank tests outside the default run's sample are `extended` (tests/tiers.py).
     for item in items:
+        if is_long_single_process(item.nodeid):
+            item.add_marker(pytest.mark.slow)
         if "slow" in item.keywords and "zoo" not in item.keywords and not in_default_sample(item.nodeid):
             item.add_marker(pytest.mark.extended)
     # (only when whole files were collected: naming single tests collects part of a file)

@@ -77,6 +77,47 @@ DEFAULT_SAMPLE = [
 ]
 
 
+# Single-process tests that take the most CPU (about 3-11 s each, measured): `slow` as well,
+# so the quick tier (`-m "not slow"`) stays under 3 minutes, and in the default run all the
+# same (they are counted in the sample).
+LONG_SINGLE_PROCESS = [
+    "tests/test_planner.py::test_tp_stays_within_a_node",
+    "tests/test_foundation_split.py::test_chunks_in_order_reproduce_loss_and_every_gradient[llama]",
+    "tests/test_bench_gpu_1b.py::test_gpu_1b_smoke_runs_threefold_and_eager_on_the_same_model",
+    "tests/test_recompute.py::test_measured_saved_bytes_per_layer_full_below_selective_below_none",
+    "tests/test_schedule.py::test_verifier_accepts_every_generated_schedule[8]",
+    "tests/test_foundation_split.py::test_chunks_in_order_reproduce_loss_and_every_gradient[gpt2]",
+    "tests/test_planner.py::test_table1_best_plan_fits_and_is_at_least_as_fast[529.6B]",
+    "tests/test_schedule.py::test_verifier_accepts_every_generated_schedule[7]",
+    "tests/test_planner.py::test_table1_best_plan_fits_and_is_at_least_as_fast[310.1B]",
+    "tests/test_foundation_split.py::test_uneven_layers_30_on_pp4",
+    "tests/test_planner.py::test_compiler_and_runtime_import_nothing_from_the_planner",
+    "tests/test_checkpoint_resume.py::test_resume_from_a_directory_that_is_not_a_checkpoint_is_one_line",
+    "tests/test_schedule.py::test_verifier_accepts_every_generated_schedule[6]",
+    "tests/test_foundation_split.py::test_chunks_in_order_reproduce_loss_and_every_gradient[gpt]",
+    "tests/test_planner.py::test_pipeline_only_as_needed_and_data_parallel_takes_the_rest",
+    "tests/test_semantics_compile.py::test_loss_form_combines_exactly_in_one_process",
+    "tests/test_planner.py::test_training_reads_no_compiler_ir",
+    "tests/test_recompute.py::test_dropout_recomputed_in_backward_draws_the_forward_mask[full]",
+    "tests/test_foundation_codegen.py::test_artifact_reloads_in_a_fresh_process[pp=3]",
+    "tests/test_recompute.py::test_dropout_recomputed_in_backward_draws_the_forward_mask[selective]",
+    "tests/test_schedule.py::test_verifier_accepts_every_generated_schedule[5]",
+    "tests/test_recompute.py::test_full_is_one_segment_per_layer_and_selective_the_attention_core[llama-kwargs1-model.model.layers.{}]",
+    "tests/test_artifact_run.py::test_run_rejects_a_directory_that_is_not_an_artifact",
+    "tests/test_foundation_split.py::test_balance_24_layer_gpt_medium_pp8",
+    "tests/test_runtime_api.py::test_check_command_bad_plan_is_exit_2",
+    "tests/test_backward_split.py::test_generated_code_defers_every_parameter_read_by_an_op",
+    "tests/test_runtime_api.py::test_runtime_imports_nothing_from_the_compiler",
+    "tests/test_foundation_codegen.py::test_artifact_reloads_in_a_fresh_process[pp=2,v=2,schedule=interleaved]",
+    "tests/test_schedule.py::test_verifier_accepts_every_generated_schedule[4]",
+    "tests/test_planner.py::test_table1_best_plan_fits_and_is_at_least_as_fast[1008.0B]",
+]
+
+
+def is_long_single_process(nodeid: str) -> bool:
+    return nodeid in _LONG
+
+
 def in_default_sample(nodeid: str) -> bool:
     return nodeid in _SAMPLE or nodeid.split("[", 1)[0] in _SAMPLE
 
@@ -86,8 +127,9 @@ def unmatched(collected_ids: list[str]) -> list[str]:
     otherwise leave the default run silently)."""
     files = {i.split("::", 1)[0] for i in collected_ids}
     bare = {i.split("[", 1)[0] for i in collected_ids}
-    return [e for e in DEFAULT_SAMPLE
+    return [e for e in DEFAULT_SAMPLE + LONG_SINGLE_PROCESS
             if e.split("::", 1)[0] in files and e not in collected_ids and e not in bare]
 
 
-_SAMPLE = frozenset(DEFAULT_SAMPLE)
+_LONG = frozenset(LONG_SINGLE_PROCESS)
+_SAMPLE = frozenset(DEFAULT_SAMPLE) | _LONG
