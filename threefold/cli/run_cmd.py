@@ -94,6 +94,8 @@ def run(args) -> int:
         raise PlanError(f"--lr {args.lr} is invalid: use a positive finite learning rate")
     art = open_artifact(args.dir, trust=args.trust)
     art.verify()        # every file against its sha256, before any rank imports or reads one
+    from threefold.runtime.op_modules import check_op_modules
+    check_op_modules(art.manifest.op_modules, art.root, args.trust)   # and the custom ops' modules
     if not art.manifest.has_weights:
         raise PlanError(f"artifact {args.dir!r} has no weights (compiled on the meta device?); "
                         "compile a model with real weights to run it")
