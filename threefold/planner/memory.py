@@ -218,10 +218,12 @@ def _stage_units(chunks, local: dict) -> list[tuple[int, list[int]]]:
 
 
 # ---- from the planner's per-layer ModelCost ----------------------------------------------------
-def stage_params(model: ModelCost, n_layers: int, stage: int, pp: int, tp: int) -> float:
-    """Parameters one GPU of this stage holds."""
+def stage_params(model: ModelCost, n_layers: int, stage: int, pp: int, tp: int, ep: int = 1) -> float:
+    """Parameters one GPU of this stage holds (a MoE layer's experts: E/ep, each 1/tp)."""
     split = model.layer_params - model.layer_params_repl
     params = n_layers * (split / tp + model.layer_params_repl)
+    if model.moe is not None:
+        params += n_layers * model.moe.expert_params() / (tp * ep)
     if stage == 0:
         params += model.pre_params / tp + model.pre_params_repl
     if stage == pp - 1:
