@@ -48,6 +48,10 @@ def register(subparsers) -> None:
     shape.add_argument("--vocab", type=int, default=51200, help="vocabulary size V (default 51200)")
     shape.add_argument("--seq", type=int, default=2048, help="sequence length s (default 2048; from "
                        "16384 on the search includes context parallelism cp)")
+    shape.add_argument("--experts", type=int, help="MoE: experts E per layer (each MLP becomes a top-k "
+                       "mixture of SwiGLU experts; the search then includes ep)")
+    shape.add_argument("--top-k", type=int, default=2, help="MoE: experts per token k (default 2)")
+    shape.add_argument("--expert-ffn", type=int, help="MoE: one expert's intermediate size (default 4h/k)")
     p.add_argument("--batch", type=int, required=True, help="global batch size in sequences B")
     p.add_argument("--gpus", type=int, required=True, help="GPUs to use (tp*cp*pp*dp)")
     p.add_argument("--cluster", default="a100-80gb",
@@ -76,6 +80,11 @@ def model_from_args(args):
     if any(v is None for v in shape):
         missing = [n for n, v in zip(("--layers", "--hidden", "--heads"), shape) if v is None]
         raise PlanError(f"plan needs a model: give a SPEC, or {', '.join(missing)} for a GPT shape")
+    if args.experts is not None:
+        from threefold.planner.moe import moe_model_cost
+        ffn = args.expert_ffn or 4 * args.hidden // max(1, args.top_k)
+        return moe_model_cost(args.layers, args.hidden, args.heads, args.experts, args.top_k, ffn,
+                              args.vocab, args.seq)
     return gpt_model_cost(args.layers, args.hidden, args.heads, args.vocab, args.seq)
 
 
@@ -122,7 +131,8 @@ def _row(rank: int, e) -> list[str]:
     return [str(rank), f"tp{c.tp}" + (f" cp{c.plan.cp}" if c.plan.cp > 1 else "")
             + f" pp{c.pp} dp{c.dp} b{c.microbatch_size} v{c.interleave}"
             + (" rc" if c.recompute else " sel" if c.plan.recompute == "selective" else "")
-            + (f" z{c.plan.zero}" if c.plan.zero else ""), c.plan.schedule,
+            + (f" z{c.plan.zero}" if c.plan.zero else "") + (f" ep{c.plan.ep}" if c.plan.ep > 1 else ""),
+            c.plan.schedule,
             f"{e.tflops_per_gpu:.1f} ({e.peak_fraction:.0%})",
             f"{e.memory_bytes / 2**30:.1f}" + ("" if e.fits else " !"), f"{e.bubble_fraction:.1%}",
             f"{e.iteration_s:.3g}", shares]
@@ -130,7 +140,7 @@ def _row(rank: int, e) -> list[str]:
 
 # Two-line headers keep the terminal table within 80 columns; plain text joins the lines.
 HEADERS = ["#", "plan", "schedule", "TFLOP/s/GPU\n(% peak)", "GiB\n/GPU", "bubble", "iter\ns", "time\nshares %"]
-LEGEND = ("rc = recompute=full, sel = recompute=selective, zN = zero=N (ZeRO stage); time shares % = " + "/".join(SHARES)
+LEGEND = ("rc = recompute=full, sel = recompute=selective, zN = zero=N (ZeRO stage), epN = ep=N; time shares % = " + "/".join(SHARES)
           + "; ranked by predicted time per iteration; TFLOP/s count executed FLOPs (Eq. 3: "
           "recompute adds a forward)")
 
@@ -176,6 +186,8 @@ def explain(plans, where: Constraints = Constraints()) -> list[str]:
     best = plans[0]
     out = []
     for key, label in _KNOBS:
+        if key == "ep" and all(e.config.plan.ep == 1 for e in plans):
+            continue   # a dense model: ep is no choice (and golden outputs stay as they were)
         mine = _knob(best.config, key)
         if getattr(where, key) is not None:
             out.append(f"  {label}={_fmt(mine)}: fixed by --evaluate")
@@ -193,12 +205,12 @@ def explain(plans, where: Constraints = Constraints()) -> list[str]:
 
 # (Constraints field, label): the knobs `why` explains, spelt as the best plan's text spells them
 _KNOBS = (("tp", "tp"), ("pp", "pp"), ("microbatch_size", "b"), ("interleave", "v"),
-          ("schedule", "schedule"), ("recompute", "recompute"), ("zero", "zero"))
+          ("schedule", "schedule"), ("recompute", "recompute"), ("zero", "zero"), ("ep", "ep"))
 
 
 def _knob(config, key: str):
     """A knob's value as the plan says it (recompute: none/selective/full, not full-or-not)."""
-    if key in ("schedule", "recompute", "zero"):
+    if key in ("schedule", "recompute", "zero", "ep"):
         return getattr(config.plan, key)
     return getattr(config, key)
 

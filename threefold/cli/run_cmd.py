@@ -104,6 +104,8 @@ def run(args) -> int:
         verify_key = read_key(args.verify, "--verify")
     art = open_artifact(args.dir, trust=args.trust, verify_key=verify_key)
     art.verify()        # every file against its sha256, before any rank imports or reads one
+    from threefold.runtime.op_modules import check_op_modules
+    check_op_modules(art.manifest.op_modules, art.root, args.trust)   # and the custom ops' modules
     if not args.trust:
         _tell_imports(art, args.verify, sys.stderr if args.json else sys.stdout)
     if not art.manifest.has_weights:

@@ -7,6 +7,7 @@ import os
 import torch
 
 from threefold.codegen.model_outputs import missing_reason
+from threefold.codegen.op_modules import op_modules
 from threefold.codegen.python import content_hash, generate_module
 from threefold.compiler.model_flops import graph_model_flops
 from threefold.compiler.param_roles import graph_roles
@@ -169,6 +170,7 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
         output_batch_dims=prog.output_batch_dims,
         output_tree=prog.output_tree,
         model_outputs_missing=missing_reason(prog),
+        op_modules=op_modules(prog),
         experts={f: e for c in prog.chunks for r in c.experts for f, e in r["params"].items()},
         frozen=tuple(sorted({tf(n)["fqn"] for _, n in prog.chunk_nodes()
                              if n.op == "placeholder" and tf(n).get("frozen")})),

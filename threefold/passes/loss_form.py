@@ -47,6 +47,17 @@ _FIX = ("set loss=microbatch_mean in the plan (the mean of per-microbatch losses
         "and dp=1")
 
 
+def _fix(plan) -> str:
+    """The options a user has. Under ep=N the batch is always split (ep divides dp, N > 1),
+    so m=1, dp=1 is not one; the usual culprit there is a router load-balancing loss,
+    E x sum_e f_e x P_e: a product of two means over every token (docs/design.md)."""
+    if getattr(plan, "ep", 1) == 1:
+        return _FIX
+    return (f"ep={plan.ep} always splits the batch (ep divides dp), and a router load-balancing loss "
+            "(a product of two batch means) never splits exactly: set loss=microbatch_mean (each "
+            "rank and microbatch balances its own tokens), or train without the aux loss")
+
+
 @stage_pass(needs=Traced, guarantees=("loss_combined",))
 def loss_form(stage: Traced) -> Traced:
     """Needs: a traced graph whose output is the loss. Guarantees: the output is this
@@ -64,7 +75,8 @@ def loss_form(stage: Traced) -> Traced:
         form = _rewrite(prog, node, divisor)
     except _NotSeparable as exc:
         raise PlanError(f"{prog.name}: the loss is not a sum or mean over batch rows ({exc}), so "
-                        f"the {parts} microbatch/dp partial losses cannot be combined exactly; {_FIX}") from None
+                        f"the {parts} microbatch/dp partial losses cannot be combined exactly; "
+                        f"{_fix(stage.plan)}") from None
     form["mode"] = "exact"
     form["module"] = tf(node).get("module", "")
     prog.loss_form = form

@@ -15,7 +15,7 @@ from threefold.plan import _SHORT as PLAN_SPELLING
 from threefold.plan import Plan
 
 # Plan fields the planner searches over; the performance model assumes the others' defaults.
-SEARCHED = ("tp", "pp", "dp", "microbatches", "interleave", "recompute", "schedule", "zero")
+SEARCHED = ("tp", "pp", "dp", "microbatches", "interleave", "recompute", "schedule", "zero", "ep")
 # Plan fields it models at one value only (Megatron's setting), and that value.
 ASSUMED = {"sp": False, "scatter_gather": True}
 MODELLED_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zbv")
@@ -33,6 +33,7 @@ class Constraints:
     recompute: bool | str | None = None   # True/False = full/none, or "selective"
     zero: int | None = None         # ZeRO stage 0..3 (1: AdamW state, 2: + gradients, 3: + parameters over dp)
     schedule: str | None = None     # 1f1b (v=1) or interleaved (any v)
+    ep: int | None = None           # expert parallelism (MoE models; 1 for the others)
     microbatch_size: int | None = None
 
     @classmethod
@@ -55,7 +56,7 @@ class Constraints:
                 continue
             if name not in SEARCHED:
                 raise PlanError(f"plan key {_key(name)}={value!r} cannot be evaluated by the planner: it models "
-                                "tp, pp, dp, m, b (microbatch size), v, schedule, recompute and zero"
+                                "tp, pp, dp, m, b (microbatch size), v, schedule, recompute, zero and ep"
                                 + (f" with {name}={str(ASSUMED[name]).lower()}" if name in ASSUMED else ""))
         schedule = given.get("schedule")
         if schedule is not None and schedule not in MODELLED_SCHEDULES:

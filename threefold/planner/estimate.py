@@ -67,6 +67,7 @@ class Config:
     interleave = property(lambda self: self.plan.interleave)
     recompute = property(lambda self: self.plan.recompute == "full")   # modelled: full or none
     microbatches = property(lambda self: self.plan.microbatches)
+    ep = property(lambda self: self.plan.ep)
 
 
 @dataclass
@@ -146,6 +147,11 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
     # recompute=selective reruns the ops it recomputes (the attention core) once more in backward
     rerun_fwd = (_ops_s([op for op in model.layer_ops if op.selective], tokens, t, cluster, dtype)
                  if cfg.plan.recompute == "selective" else 0.0)
+    a2a_fwd = 0.0
+    if model.moe is not None:   # expert GEMMs and all-to-alls (planner/moe.py), fwd + bwd -> per forward
+        from threefold.planner.moe import moe_seconds
+        moe_s, a2a_s = moe_seconds(model.moe, tokens, t, cfg.ep, cluster, dtype)
+        layer_fwd, a2a_fwd = layer_fwd + moe_s / 3, a2a_s / 2
     pre_fwd = _ops_s(model.pre_ops, tokens, t, cluster, dtype)
     post_fwd = _ops_s(model.post_ops, tokens, t, cluster, dtype)
     tp_in_node = t <= g
@@ -165,7 +171,7 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
         if t > 1:
             xfer += (t - 1) / t * boundary / cluster.intra_node_bandwidth + (t - 1) * cluster.intra_node_latency_s
     stage_layers = _layers_on_stages(model.layers, p)
-    ar_fwd = one_ar * model.tp_allreduces_per_layer            # one layer's forward all-reduces
+    ar_fwd = one_ar * model.tp_allreduces_per_layer + a2a_fwd  # one layer's forward all-reduces (and ep's all-to-alls)
     # the stage holding the last chunk (the post part): p-1, or 0 on ZB-V's V (runtime/mesh.py)
     post_stage = stage_of(p * v - 1, p, chunk_layout(cfg.plan.schedule))
     layer_w = _weight_grad_s(model.layer_ops, tokens, t, cluster, dtype)
@@ -204,7 +210,7 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
     # Stage 0 holds the most layers (extra layers go first), the embedding and the most
     # in-flight activations; the last stage holds the logits: the fullest GPU is one of them.
     edges = sorted({0, p - 1})
-    local_params = {r: stage_params(model, stage_layers[r], r, p, t) for r in edges}
+    local_params = {r: stage_params(model, stage_layers[r], r, p, t, cfg.ep) for r in edges}
     most = max(local_params.values())
     dp_s = 0.0
     if d * cp > 1:   # replicated gradients are reduced over dp x cp (runtime/mesh.BATCH_AXES)

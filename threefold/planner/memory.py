@@ -83,7 +83,7 @@ def owned_elements(shape: tuple[int, ...], d: int, r: int) -> int:
 def optimizer_bytes(shapes: list[tuple[int, ...]], plan, dp_rank: int = 0,
                     moments: int = ADAM_MOMENTS) -> int:
     """AdamW state of these trainable parameter shapes on one dp_shard rank."""
-    d = plan.shard_degree if getattr(plan, "zero", 0) else 1
+    d = _zero_ranks(plan) if getattr(plan, "zero", 0) else 1
     dp_rank = dp_rank if d > 1 else 0
     total = 0
     for shape in shapes:
@@ -186,9 +186,10 @@ def program_memory(prog) -> list[RankMemory]:
         else:
             comm_buffers = grads if plan.dp * plan.cp > 1 else 0   # the flat all-reduce buffer
         buffers = int(unsaved + grad_msg + comm_buffers)
-        d = plan.shard_degree
+        d = _zero_ranks(plan)
         for dp_rank in range(plan.dp):
-            r = dp_rank % d          # the rank's index in its shard group (HSDP: within a replica)
+            # the rank's index in its shard group (HSDP: within a replica; ep is the inner axis)
+            r = (dp_rank // getattr(plan, "ep", 1)) % d
             opt = optimizer_bytes(trainable, plan, r)
             mine_params, mine_grads, gathered = params, grads, 0
             if plan.zero >= 2:
@@ -220,10 +221,12 @@ def _stage_units(chunks, local: dict) -> list[tuple[int, list[int]]]:
 
 
 # ---- from the planner's per-layer ModelCost ----------------------------------------------------
-def stage_params(model: ModelCost, n_layers: int, stage: int, pp: int, tp: int) -> float:
-    """Parameters one GPU of this stage holds."""
+def stage_params(model: ModelCost, n_layers: int, stage: int, pp: int, tp: int, ep: int = 1) -> float:
+    """Parameters one GPU of this stage holds (a MoE layer's experts: E/ep, each 1/tp)."""
     split = model.layer_params - model.layer_params_repl
     params = n_layers * (split / tp + model.layer_params_repl)
+    if model.moe is not None:
+        params += n_layers * model.moe.expert_params() / (tp * ep)
     if stage == 0:
         params += model.pre_params / tp + model.pre_params_repl
     if stage == pp - 1:
@@ -274,7 +277,7 @@ def stage_memory(model: ModelCost, cfg: Config, stage: int, n_layers: int, param
 
 def state_bytes_per_param(plan) -> float:
     """Bytes of parameter + gradient + AdamW state per parameter on one rank."""
-    d = plan.shard_degree if getattr(plan, "zero", 0) else 1
+    d = _zero_ranks(plan) if getattr(plan, "zero", 0) else 1
     sharded = {0: 0, 1: ADAM_MOMENTS * STATE_BYTES, 2: (ADAM_MOMENTS + 1) * STATE_BYTES,
                3: BYTES_PER_PARAM}[plan.zero]
     return BYTES_PER_PARAM - sharded + sharded / d
@@ -286,3 +289,8 @@ def gathered_bytes(model: ModelCost, plan, n_layers: int) -> float:
         return 0.0
     split = model.layer_params - model.layer_params_repl
     return 2 * (split / plan.tp + model.layer_params_repl) * STATE_BYTES
+
+
+def _zero_ranks(plan) -> int:
+    """The ranks ZeRO shards over: the dp_shard mesh axis (under ep it is inside edp)."""
+    return plan.shard_degree // getattr(plan, "ep", 1)

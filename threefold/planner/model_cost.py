@@ -81,6 +81,9 @@ class ModelCost:
     # (None: the same as without recomputation, i.e. nothing is selected)
     act_selective_split: float | None = None
     act_selective_repl: float | None = None
+    # every layer's MLP is a mixture of experts (planner/moe.MoeLayer): its GEMMs and
+    # all-to-alls are priced by planner/moe.moe_seconds, its E x 3hf parameters held E/ep
+    moe: object | None = None
 
     def __post_init__(self):
         if self.act_selective_split is None:
@@ -90,7 +93,8 @@ class ModelCost:
 
     @property
     def params(self) -> float:
-        return (self.layers * self.layer_params + self.pre_params + self.pre_params_repl
+        experts = self.moe.expert_params() if self.moe else 0.0
+        return (self.layers * (self.layer_params + experts) + self.pre_params + self.pre_params_repl
                 + self.post_params + self.post_params_repl)
 
     def layer_flops(self) -> float:

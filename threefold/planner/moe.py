@@ -63,3 +63,59 @@ def crossover_experts(shape: MoeShape, n: int, cluster, dtype: str = "bf16", lim
             return e
         e += n
     return None
+
+
+# -- the plan search's view: a GPT-shaped model whose MLPs are MoE layers -----------------
+@dataclass(frozen=True)
+class MoeLayer:
+    """Every layer's MLP is this MoE (SwiGLU experts, as above); ModelCost.moe."""
+    experts: int         # E
+    top_k: int           # k
+    ffn: int             # f: one expert's intermediate size
+    hidden: int          # h
+
+    def expert_params(self) -> float:
+        return self.experts * 3 * self.hidden * self.ffn   # gate+up [h, 2f], down [f, h]
+
+
+def moe_seconds(moe: MoeLayer, tokens: float, tp: int, ep: int, cluster,
+                dtype: str = "bf16", dtype_bytes: int = 2) -> tuple[float, float]:
+    """(expert GEMMs, all-to-alls) seconds, forward + backward, of one MoE layer on one rank
+    holding `tokens` tokens, under tp (each expert 1/tp wide) and ep (E/ep experts, the ep
+    group's tokens routed to them): the terms of `layer_seconds` for tp=n (ep=1) and ep=n
+    (tp=1). tp's all-reduce of the layer output is the dense model's (ModelCost)."""
+    peak, hidden = cluster.peak(dtype) * cluster.matmul_fraction, moe.hidden
+    rows = ep * tokens * moe.top_k / moe.experts              # rows per expert (balanced)
+    per_expert = 6 * rows * hidden * moe.ffn / tp
+    compute = _gemms_s(moe.experts // ep * 6, per_expert / 2, peak, cluster.kernel_launch_s)
+    a2a = 0.0
+    if ep > 1:
+        bw, lat = cluster.intra_node_bandwidth, cluster.intra_node_latency_s
+        a2a = 4 * ((ep - 1) / ep * tokens * moe.top_k * hidden * dtype_bytes / bw + (ep - 1) * lat)
+    return compute, a2a
+
+
+def moe_model_cost(layers: int, hidden: int, heads: int, experts: int, top_k: int, ffn: int,
+                   vocab: int = 51200, seq: int = 2048):
+    """The GPT shape's ModelCost with each MLP (fc1, GeLU, fc2) replaced by this MoE: the
+    expert GEMMs are priced by `moe_seconds` in the estimate, their parameters by E/ep."""
+    import dataclasses
+    from threefold.errors import PlanError
+    from threefold.planner.gpt_cost import gpt_model_cost
+    for name, value in (("experts", experts), ("top_k", top_k), ("ffn", ffn)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise PlanError(f"model {name}={value!r} is invalid: it must be a positive integer")
+    if top_k > experts:
+        raise PlanError(f"model top_k={top_k} exceeds experts={experts}: route to at most E experts")
+    dense = gpt_model_cost(layers, hidden, heads, vocab, seq)
+    h, f = hidden, 4 * hidden
+    moe = MoeLayer(experts, top_k, ffn, hidden)
+    ops = tuple(op for op in dense.layer_ops if op.name not in ("fc1_gemm", "bias_gelu", "fc2_gemm"))
+    router = h * experts                                       # replicated: every rank routes its tokens
+    flops = 2 * 3 * h * ffn * top_k                            # expert GEMM FLOPs per token, forward
+    return dataclasses.replace(
+        dense, name=f"moe(l={layers},h={h},a={heads},E={experts},k={top_k},f={ffn})", layer_ops=ops,
+        layer_params=dense.layer_params - (2 * h * f + f + h) + router, layer_params_repl=dense.layer_params_repl + router,
+        tp_divides=(heads, ffn), moe=moe,
+        flops_per_iteration_fn=lambda batch, recompute: dense.flops_per_iteration(batch, recompute)
+        - batch * seq * layers * (2 * 2 * h * f - flops) * (4 if recompute else 3))

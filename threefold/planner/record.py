@@ -22,6 +22,7 @@ def plan_record(e: Estimate) -> dict:
         "time_shares": {k: round(v, 6) for k, v in e.shares.items()},
         "recompute_mode": c.plan.recompute,       # none | selective | full ("recompute": full)
         "zero": c.plan.zero,
+        "ep": c.plan.ep,
         "mesh": c.plan.mesh.to_json(),            # the named axes, outermost first
         "plan": str(c.plan),
     }

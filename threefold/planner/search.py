@@ -74,6 +74,17 @@ def legal_configs(model: ModelCost, batch: int, gpus: int, cluster: Cluster,
                         for zero in ((1, 2, 3) if dp > 1 and cp == 1 else ()):   # ZeRO: what is sharded over dp
                             if where.admits(plan.replace(zero=zero), b):
                                 yield Config(plan.replace(zero=zero), batch)
+                        for ep in _ep_degrees(model, dp):   # experts over dp ranks (zero<=1: runtime)
+                            for zero in ((0, 1) if dp > ep else (0,)):   # zero=1 shards over dp/ep
+                                if where.admits(plan.replace(ep=ep, zero=zero), b):
+                                    yield Config(plan.replace(ep=ep, zero=zero), batch)
+
+
+def _ep_degrees(model: ModelCost, dp: int) -> list[int]:
+    """ep > 1 dividing dp and the expert count, for a model with MoE layers."""
+    if model.moe is None:
+        return []
+    return [e for e in divisors(dp) if e > 1 and model.moe.experts % e == 0]
 
 
 def _schedules(pp: int, v: int) -> tuple[str, ...]:
@@ -142,5 +153,5 @@ def _order(e: Estimate):
     # Fastest first (to 9 significant digits); ties go to less model parallelism, no
     # interleaving, no recompute, then larger microbatches (fewer, larger kernels).
     return (float(f"{e.iteration_s:.9g}"), c.tp * c.pp, c.interleave, c.plan.schedule in SPLIT_KINDS,
-            c.recompute, c.plan.recompute != "none", c.plan.zero,
+            c.recompute, c.plan.recompute != "none", c.plan.zero, c.plan.ep,
             -c.microbatch_size)

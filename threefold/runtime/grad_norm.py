@@ -47,8 +47,12 @@ def owned_grad_pieces(engine) -> list[torch.Tensor]:
     # ep: an expert's gradient is equal over the ranks holding it (edp) and each ep rank holds
     # different experts, so edp rank 0 of every ep rank counts its experts
     experts = set(manifest.get("experts") or {}) if engine.mesh.ep > 1 else set()
-    counts_dense = (coord["dp"] if zero == 0 else coord["dp_replicate"]) == 0
-    if not counts_dense and not (experts and coord["edp"] == 0):
+    if zero == 0:
+        counts_dense, counts_experts = coord["dp"] == 0, coord["edp"] == 0
+    else:   # zero=1 with ep: dp_shard ranks own rows; dense rows are equal over ep ranks too
+        counts_experts = coord["dp_replicate"] == 0
+        counts_dense = counts_experts and (not experts or coord["ep"] == 0)
+    if not counts_dense and not (experts and counts_experts):
         return []
     d, r = engine.mesh.size("dp_shard"), coord["dp_shard"]
     first_holder = _first_holder_stage(manifest["chunks"])
@@ -58,7 +62,7 @@ def owned_grad_pieces(engine) -> list[torch.Tensor]:
     for fqn, p in engine.params.items():
         if not p.requires_grad or (fqn in first_holder and engine.stage != first_holder[fqn]):
             continue
-        if (fqn in experts and coord["edp"] != 0) or (fqn not in experts and not counts_dense):
+        if (fqn in experts and not counts_experts) or (fqn not in experts and not counts_dense):
             continue
         g, start, count = _rows(engine, fqn, p, zero, d, r, row_range)
         if g is None:

@@ -171,7 +171,11 @@ def load_chunk(art: Artifact, chunk: int, tp_rank: int = 0, device="cpu",
 
 
 def chunk_class(art: Artifact, entry) -> type:
-    """The chunk's ChunkModule subclass, imported from its checked source (kernels first)."""
+    """The chunk's ChunkModule subclass, imported from its checked source (kernels first,
+    and before either the modules that register the custom ops it calls)."""
+    if art.manifest.op_modules:
+        from threefold.runtime.op_modules import import_op_modules
+        import_op_modules(art.manifest.op_modules, art.root, art.trust)
     if "kernels.py" in art.manifest.files:
         import_source(art.read("kernels.py").decode(), os.path.join(art.root, "kernels.py"))
     rel = entry.module   # one module for every tp rank; the weights are this rank's

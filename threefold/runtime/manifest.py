@@ -168,6 +168,9 @@ class Manifest:
     # expert parameters (passes/experts.py): FQN -> number of experts along dim 0; under ep=N
     # each rank keeps E/N of them and their gradients are reduced over the edp ranks
     experts: dict[str, int] = field(default_factory=dict)
+    # custom ops the generated code calls: "ns::name" -> {"module", "sha256"} of the Python
+    # module that registers it, imported by the loader (runtime/op_modules.py)
+    op_modules: dict[str, dict] = field(default_factory=dict)
     # with a loss: why pm(x) cannot return the model's outputs ('' = it can: the last
     # chunk's `model_outputs` method computes them; codegen/model_outputs.py)
     model_outputs_missing: str = ""
@@ -248,6 +251,7 @@ class Manifest:
             "output_tree": self.output_tree,
             "frozen": list(self.frozen),
             "experts": dict(self.experts),
+            "op_modules": {k: dict(v) for k, v in self.op_modules.items()},
             "model_outputs_missing": self.model_outputs_missing,
         }
         out.update({k: v for k, v in self.extra.items() if k not in out})
@@ -290,6 +294,8 @@ class Manifest:
                 output_tree=m.get("output_tree"),
                 frozen=tuple(m.get("frozen", [])),
                 experts={str(k): int(v) for k, v in (m.get("experts") or {}).items()},
+                op_modules={str(k): {"module": str(v["module"]), "sha256": str(v["sha256"])}
+                            for k, v in (m.get("op_modules") or {}).items()},
                 model_outputs_missing=m.get("model_outputs_missing", _OLD_OUTPUTS if m.get("has_loss") else ""),
                 notes=tuple(m.get("notes", [])),
                 files=dict(m["files"]),

@@ -113,17 +113,25 @@ class ZeroGradSync:
     after the step's last action, before tied and sequence-parallel gradient sums (those
     all-reduce over other groups, which commutes with the dp mean)."""
 
-    def __init__(self, shards: dict[str, RowShard], group, d: int, replicate_group=None, dp: int | None = None):
+    def __init__(self, shards: dict[str, RowShard], group, d: int, replicate_group=None, dp: int | None = None,
+                 ep_group=None, experts: frozenset = frozenset()):
         self.shards, self.group, self.d = shards, group, d
         self.replicate_group = replicate_group   # HSDP: the shard's other replicas
         self.scale = 1.0 / (dp or d)             # the mean over every data-parallel rank
+        # ep: dp_shard is inside edp, so a dense row's other contributions are on the ep
+        # ranks with the same dp_shard coordinate (same row range): summed over `ep_group`
+        # after the reduce-scatter. Expert rows differ per ep rank and are only edp-reduced.
+        self.ep_group, self.experts = ep_group, experts
 
     def start(self, fqns: list[str]) -> list:
         items = [self.shards[f] for f in fqns if f in self.shards and self.shards[f].param.grad is not None]
-        if self.group is None or not items:
+        if not items or (self.group is None and self.ep_group is None):
             return []
         pending = []
-        for bucket in _buckets(items, lambda s: s.per * s.width * self.d * 4):
+        dense = [s for s in items if s.fqn not in self.experts]
+        expert = [s for s in items if s.fqn in self.experts]
+        for bucket in _buckets(dense, lambda s: s.per * s.width * self.d * 4) + \
+                _buckets(expert, lambda s: s.per * s.width * self.d * 4):
             span = sum(s.per * s.width for s in bucket)          # one rank's part of the bucket
             send = torch.zeros(self.d, span, dtype=torch.float32, device=bucket[0].param.device)
             off = 0
@@ -135,15 +143,22 @@ class ZeroGradSync:
                     rows = g[r * s.per:(r + 1) * s.per]
                     send[r, off:off + rows.numel()].view_as(rows).copy_(rows)
                 off += n
-            recv = torch.empty(span, dtype=torch.float32, device=send.device)
-            pending.append((reduce_scatter_flat(recv, send.view(-1), self.group, "gradients"), recv, bucket))
+            if self.group is None:   # dp_shard of 1 (ep = dp): this rank owns every row
+                recv, work = send.view(-1).clone(), None
+            else:
+                recv = torch.empty(span, dtype=torch.float32, device=send.device)
+                work = reduce_scatter_flat(recv, send.view(-1), self.group, "gradients")
+            pending.append((work, recv, bucket))
         return pending
 
     def finish(self, pending: list) -> None:
         for work, recv, bucket in pending:
-            comm.wait(work, "data-parallel gradient reduce-scatter", self.group)
+            if work is not None:
+                comm.wait(work, "data-parallel gradient reduce-scatter", self.group)
             if self.replicate_group is not None:   # HSDP: sum the shard over its replicas
                 comm.all_reduce(recv, self.replicate_group, "gradient shards over replicas")
+            if self.ep_group is not None and bucket[0].fqn not in self.experts:
+                comm.all_reduce(recv, self.ep_group, "dense gradient shards over ep ranks")
             off = 0
             for s in bucket:
                 g = s.rows_of(s.param.grad)
@@ -208,8 +223,11 @@ class ZeroOptimizer(WrappedOptimizer):
                                 "ParallelModule: pass pm.parameters() (or groups over them)")
             mapped.append({**g, "params": [by_id[id(p)].shard for p in ps]})
         self.inner = optimizer_cls(mapped, *args, **kwargs)
+        ep = engine.mesh.ep > 1
         self.sync = ZeroGradSync(self.shards, engine.groups.of("dp_shard"), d,
-                                 engine.groups.of("dp_replicate"), engine.mesh.size("dp"))
+                                 engine.groups.of("dp_replicate"), engine.mesh.size("dp"),
+                                 engine.groups.of("ep") if ep else None,
+                                 frozenset(engine.manifest.get("experts") or {}) if ep else frozenset())
         if self.sharded is None:
             engine.dp_grad_hook = self.sync
 

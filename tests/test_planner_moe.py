@@ -1,0 +1,51 @@
+"""The planner knows ep: for a GPT shape whose MLPs are MoE layers (planner/moe.py's model)
+the search includes ep, prices it with the same kernels-and-bytes terms as the tp-vs-ep
+layer model, holds E/ep experts per rank, and picks ep exactly where that model says ep wins."""
+import json
+import subprocess
+import sys
+
+from threefold.planner.cluster import load_cluster
+from threefold.planner.moe import MoeLayer, MoeShape, crossover_experts, layer_seconds, moe_model_cost, moe_seconds
+from threefold.planner.search import best_plan, rank_plans
+
+CLUSTER = load_cluster("h100-80gb")
+
+
+def _model(experts: int, top_k: int):
+    return moe_model_cost(layers=8, hidden=2048, heads=16, experts=experts, top_k=top_k, ffn=1408,
+                          vocab=32000, seq=2048)
+
+
+def test_moe_seconds_are_the_layer_models_terms():
+    moe, n, tokens = MoeLayer(64, 2, 1408, 2048), 4, 1024
+    compute, a2a = moe_seconds(moe, tokens, 1, n, CLUSTER)    # each rank its own `tokens`
+    whole = layer_seconds(MoeShape(n * tokens, 2048, 1408, 64, 2), n, "ep", CLUSTER)
+    assert abs(compute + a2a - whole) / whole < 1e-12
+
+
+def test_plan_picks_ep_where_the_moe_model_says_ep_wins_and_not_where_it_loses():
+    # top-2 of 64 experts on 8 GPUs: ep=8 moves k/n of tp's bytes and runs fat experts
+    assert crossover_experts(MoeShape(4096, 2048, 1408, 64, 2), 8, CLUSTER) <= 64
+    best = best_plan(_model(64, 2), batch=64, gpus=8, cluster=CLUSTER)
+    assert best.config.plan.ep == 8, best.config.plan
+    plans = rank_plans(_model(64, 2), 64, 8, CLUSTER)
+    dense = next(e for e in plans if e.config.plan.ep == 1)
+    assert best.iteration_s < dense.iteration_s
+    # ep=8 holds 1/8 of the experts: its memory is below the same plan's without ep
+    every = rank_plans(_model(64, 2), 64, 8, CLUSTER, include_unfit=True)
+    same = next(e for e in every if e.config.plan == best.config.plan.replace(ep=1))
+    assert best.memory_bytes < same.memory_bytes
+    # top-8 of 8 experts: the layer model's crossover is past 8 experts, so no ep
+    assert crossover_experts(MoeShape(4096, 2048, 1408, 8, 8), 8, CLUSTER) > 8
+    assert best_plan(_model(8, 8), batch=64, gpus=8, cluster=CLUSTER).config.plan.ep == 1
+
+
+def test_plan_cli_searches_ep_for_an_moe_shape():
+    out = subprocess.run([sys.executable, "-m", "threefold", "plan", "--layers", "8", "--hidden", "2048",
+                          "--heads", "16", "--experts", "64", "--top-k", "2", "--expert-ffn", "1408",
+                          "--vocab", "32000", "--batch", "64", "--gpus", "8", "--cluster", "h100-80gb",
+                          "--json", "--top", "3"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    plans = json.loads(out.stdout)["plans"]
+    assert plans[0]["ep"] == 8 and "ep=8" in plans[0]["plan"]
