@@ -33,11 +33,10 @@ from threefold.compiler.program import tf
 from threefold.compiler.stages import Traced
 from threefold.errors import PlanError
 from threefold.passes.experts import expert_matmul
-from threefold.passes.loss_form import exact_reductions, final_op
+from threefold.passes.loss_form import exact_reductions, final_op, split_fix
 from threefold.passes.row_rules import BATCH_STAT_OPS, propagate
 from threefold.passes.row_state import LOST, Rows, op_name
 
-_FIX = "set loss=microbatch_mean in the plan to accept per-microbatch results, or use m=1 and dp=1"
 _VIEWS = {"view", "_unsafe_view", "reshape", "slice", "select", "transpose", "t", "permute",
           "unsqueeze", "squeeze", "expand", "as_strided", "narrow", "alias", "diagonal",
           "unflatten", "flatten", "view_as", "movedim", "detach", "getitem"}
@@ -91,7 +90,7 @@ def check_batch_coupling(prog: Traced) -> Traced:
             continue
         raise PlanError(f"{prog.name}: {op} in module {where!r} mixes the rows of the batch ({reason})"
                         f"{_before_loss(prog)}, so the m*dp={parts} microbatch/dp parts cannot equal the "
-                        f"whole batch; {_FIX}")
+                        f"whole batch; {split_fix(prog.plan)}")
     notes = [n for i, n in enumerate(notes) if n not in notes[:i] and n not in prog.notes]
     if not once:
         return prog.noted(*notes)

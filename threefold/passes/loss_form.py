@@ -47,7 +47,7 @@ _FIX = ("set loss=microbatch_mean in the plan (the mean of per-microbatch losses
         "and dp=1")
 
 
-def _fix(plan) -> str:
+def split_fix(plan) -> str:
     """The options a user has. Under ep=N the batch is always split (ep divides dp, N > 1),
     so m=1, dp=1 is not one; the usual culprit there is a router load-balancing loss,
     E x sum_e f_e x P_e: a product of two means over every token (docs/design.md)."""
@@ -76,7 +76,7 @@ def loss_form(stage: Traced) -> Traced:
     except _NotSeparable as exc:
         raise PlanError(f"{prog.name}: the loss is not a sum or mean over batch rows ({exc}), so "
                         f"the {parts} microbatch/dp partial losses cannot be combined exactly; "
-                        f"{_fix(stage.plan)}") from None
+                        f"{split_fix(stage.plan)}") from None
     form["mode"] = "exact"
     form["module"] = tf(node).get("module", "")
     prog.loss_form = form
