@@ -100,3 +100,25 @@ def test_weight_written_in_place_under_no_grad_keeps_its_gradient():
     assert torch.ops.aten.mul_.Tensor not in ops and torch.ops.aten.detach.default not in ops, ops
     linear = next(n for n in prog.gm.graph.nodes if n.target is torch.ops.aten.linear.default)
     assert linear.args[1].op == "placeholder", linear.format_node()
+
+
+def test_buffer_written_under_no_grad_carries_no_graph_into_the_next_step():
+    # `running.mul_(0.9).add_(0.1 * h.mean())` under no_grad: the buffer keeps its identity
+    # after tracing, but the write must not record a graph (it used to: step 2 then ran
+    # backward through step 1's freed graph, and gradients flowed into h through the buffer)
+    import tempfile
+    import threefold
+    from tests.parity import sgd_losses
+    torch.manual_seed(1234)
+    w = ZOO["hw_running_buffer"]()
+    with tempfile.TemporaryDirectory() as workdir:
+        pm = threefold.parallelize(w["model"], "tp=1", w["inputs"], w["loss_fn"], target=w["target"],
+                                   workdir=workdir)
+        opt = pm.optimizer(torch.optim.SGD, lr=0.1)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            losses.append(pm.step(*w["inputs"], target=w["target"]))
+            opt.step()
+    ref = sgd_losses(ZOO["hw_running_buffer"](), 3)
+    assert losses == pytest.approx(ref, rel=1e-6, abs=0), (losses, ref)

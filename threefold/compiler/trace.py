@@ -432,8 +432,9 @@ def _inline_higher_order_ops(gm: fx.GraphModule) -> None:
                                     "threefold compiles fp32/bf16 models as they are: cast the model instead")
                 grad_enabled = True
             sub: fx.GraphModule = getattr(gm, sub_node.target)
-            outputs = _inline(graph, node, sub, operands)
+            outputs, inlined = _inline(graph, node, sub, operands)
             if not grad_enabled:
+                _detach_written_values(graph, inlined)
                 # an operand written in place under no_grad (`w.mul_(s)`) is still the tensor
                 # it was, gradients included: its later uses read it, not a detached alias
                 with graph.inserting_before(node):
@@ -467,8 +468,36 @@ def _inplace_root(node: fx.Node) -> fx.Node:
     return node
 
 
-def _inline(graph: fx.Graph, at: fx.Node, sub: fx.GraphModule, operands: list) -> list:
+def _detach_written_values(graph: fx.Graph, region: list[fx.Node]) -> None:
+    """In a no_grad region, what an in-place op writes (`buf.mul_(0.9).add_(x.mean())`)
+    reaches its destination without a graph: its value operands get an aten.detach.
+
+    The destination keeps its identity (see above), so it must not gain an autograd history
+    from the write either: a buffer would carry the first step's graph into the next one
+    ("backward through the graph a second time") and pass gradients into the batch that
+    eager training never sees."""
+    for node in region:
+        target = node.target
+        if not (isinstance(target, torch._ops.OpOverload) and target._schema.arguments
+                and target._schema.arguments[0].is_write):
+            continue
+        with graph.inserting_before(node):
+            def detach(a):
+                val = a.meta.get("val") if isinstance(a, fx.Node) else None
+                if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
+                    return a
+                d = graph.call_function(torch.ops.aten.detach.default, (a,))
+                d.meta["val"] = val
+                d.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+                return d
+            node.args = (node.args[0], *fx.node.map_arg(tuple(node.args[1:]), detach))
+            node.kwargs = fx.node.map_arg(dict(node.kwargs), detach)
+
+
+def _inline(graph: fx.Graph, at: fx.Node, sub: fx.GraphModule, operands: list) -> tuple[list, list]:
+    """The body of `sub` copied before `at`: (its outputs, the nodes copied)."""
     env: dict[fx.Node, object] = {}
+    copied: list[fx.Node] = []
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     for ph, value in zip(placeholders, operands):
         env[ph] = value
@@ -481,10 +510,11 @@ def _inline(graph: fx.Graph, at: fx.Node, sub: fx.GraphModule, operands: list) -
                 outputs = [env[o] if isinstance(o, fx.Node) else o for o in n.args[0]]
                 break
             new = graph.node_copy(n, lambda x: env[x])
+            copied.append(new)
             if not new.meta.get("nn_module_stack"):
                 new.meta["nn_module_stack"] = at.meta.get("nn_module_stack", {})
             env[n] = new
-    return outputs
+    return outputs, copied
 
 
 def _record_module_paths(graph: fx.Graph) -> None:
