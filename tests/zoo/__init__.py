@@ -13,6 +13,7 @@ from tests.zoo import handwritten_losses as _hwl
 from tests.zoo import handwritten_more as _hwm
 from tests.zoo import handwritten_moe as _hwmoe
 from tests.zoo import handwritten_semantics as _hws
+from tests.zoo import handwritten_uneven as _hwu
 from tests.zoo import ctc as _ctc
 from tests.zoo import hf_cached as _hfc
 from tests.zoo import hf_decoders as _hf
@@ -106,6 +107,9 @@ ZOO = {
     "hw_step_counter": _hwc.step_counter,     # step-counter buffer read after its update: exact, once per step
     "hw_running_buffer": _hwc.running_buffer, # running mean of activations in a buffer: PlanError when m>1 or dp>1
     "hw_ste": _hwc.ste,                       # custom autograd.Function (straight-through round): PlanError always
+    # uneven tp shards (issue 21 item 5): padded by whole heads / features under tp=2
+    "hw_three_heads": _hwu.FACTORIES["hw_three_heads"],   # 3 heads: a zero head pads rank 1
+    "hw_odd_ffn": _hwu.FACTORIES["hw_odd_ffn"],           # MLP width 37 through a sigmoid (0.5 on padding)
 }
 
 # Cases judged by distribution instead of exact parity (random masks differ from one process):

@@ -46,6 +46,7 @@ from threefold.passes.tp_patterns import (_GROUPED, _TRANSPOSES, _coll, _feeds_c
                                           _is_param, _needs_grad, _param_weight, _replace, _split_blocks,
                                           x_old_of)
 from threefold.passes.tp_einsum import einsum_matmul, einsum_param
+from threefold.passes.tp_padding import padded_size, padding_ok
 from threefold.passes.tp_pieces import piece_matmul, weight_piece
 from threefold.passes.tp_redistribute import NoRule, fallback, replicated
 from threefold.runtime import tp_ops
@@ -69,9 +70,18 @@ def tensor_parallel(stage: Traced) -> Sharded:
     # row-parallel matmul (or another sharded consumer). When its shards run into an op with
     # no sharded rule, rewrite with that projection replicated instead of gathering them.
     avoid: dict[str, str] = {}   # fqn -> the op its shards could not pass
-    for _ in range(_MAX_RETRIES):
+    for attempt in range(_MAX_RETRIES):
         rw = _Rewriter(prog, avoid)
-        rw.run()
+        try:
+            rw.run()
+        except PlanError as exc:
+            # padded heads/features (tp_padding.py) whose shards no rule could follow: keep
+            # those projections whole, as before padding existed
+            if not rw.padded or prog.plan.strict or attempt == _MAX_RETRIES - 1:
+                raise
+            why = str(exc).splitlines()[0][:160]
+            avoid.update({fqn: f"its padded shards could not be followed ({why})" for fqn in rw.padded})
+            continue
         more = {fqn: why for fqn, why in rw.blamed.items() if fqn not in avoid}
         if not more or prog.plan.strict:
             break
@@ -102,6 +112,7 @@ class _Rewriter:
         self.gathered_from: dict[fx.Node, fx.Node] = {}  # all_gather_seq(x) -> x
         self.notes: list[str] = []
         self.replicated_weights: dict[str, str] = {}   # fqn -> why it is kept whole
+        self.padded: dict[str, str] = {}               # fqn -> its padding (tp_padding.py)
         self.padded_len: dict[fx.Node, int] = {}       # padded sequence shards emitted here -> true length
         self.maybe_dead: list[fx.Node] = []
         self.old_of: dict[fx.Node, fx.Node] = {}        # new node -> the source node it stands for
@@ -429,6 +440,9 @@ class _Rewriter:
         padded_dims = {self.place[i].dim for i in inputs if self.seq_len(i, getattr(self.place[i], "dim", -1))}
         if padded_dims and not padding_safe(name, old, padded_dims):
             return fallback(self, old, f"{name} reads a sequence shard padded for tp={self.t} across its rows")
+        heads_padded = {a: size for a in old.all_input_nodes if (size := padded_size(self, a))}
+        if heads_padded and not padding_ok(self, old, heads_padded):
+            return fallback(self, old, f"{name} mixes the entries of a dim padded for tp={self.t}")
         rule = RULES.get(name) or (RULES.get(name[:-1]) if name.endswith("_") and name[:-1] in _IN_PLACE_OK else None)
         if rule is None:
             return fallback(self, old, "no sharded rule for " + name + " on inputs placed "
@@ -500,17 +514,30 @@ class _Rewriter:
             x, px = self.g(x), R
         if isinstance(px, Replicate) and (px.partial_grad or px.gathered):
             x, px = replicated(self, x)[0], R
-        whole_why = None
+        whole_why, pad_to = None, None
         if fqn not in self.decisions and (isinstance(px, Replicate) or (isinstance(px, Shard) and px.seq)):
             heads = _head_count(old)
+            out = w_shape[out_dim]
+            plain = not _feeds_cross_entropy(old) and not _split_blocks(old, out)
+            strict = self.prog.plan.strict
             if fqn in self.avoid:
-                whole_why = f"its shards would reach {self.avoid[fqn]}, which has no sharded rule"
-            elif w_shape[out_dim] % self.t and not _feeds_cross_entropy(old) and not _split_blocks(old, w_shape[out_dim]):
-                whole_why = f"its {w_shape[out_dim]} output features do not divide by tp"
-            elif heads is not None and heads % self.t:
-                if self.prog.plan.strict and heads > self.t:
+                why = self.avoid[fqn]
+                whole_why = why if why.startswith("its padded") else \
+                    f"its shards would reach {why}, which has no sharded rule"
+            elif heads is not None and heads % self.t and plain:
+                if strict and heads > self.t:
                     local_size(heads, self.t, f"tp={self.t}: heads of {fqn}")  # raises
-                whole_why = f"its {heads} heads do not divide by tp"
+                if heads > self.t and not strict:   # pad by whole heads (tp_padding.py)
+                    pad_to = -(-heads // self.t) * self.t * (out // heads)
+                    self.padded[fqn] = f"{heads} heads padded to {pad_to * heads // out} for tp={self.t}"
+                else:
+                    whole_why = f"its {heads} heads do not divide by tp"
+            elif out % self.t and plain:
+                if out > self.t and not strict:
+                    pad_to = padded(out, self.t)
+                    self.padded[fqn] = f"{out} output features padded to {pad_to} for tp={self.t}"
+                else:
+                    whole_why = f"its {out} output features do not divide by tp"
         if whole_why is not None:
             # GQA/MQA k/v projections whose heads tp does not divide, or projections whose
             # shards would only be gathered again: every rank computes them whole
@@ -524,7 +551,7 @@ class _Rewriter:
         if isinstance(px, Shard) and px.seq:
             x, px = self.gather_seq(x, px.dim), Replicate(gathered=True)
         if isinstance(px, Replicate):
-            return self.column(old, name, x, px, w_old, b_old, fqn, w_shape, out_dim)
+            return self.column(old, name, x, px, w_old, b_old, fqn, w_shape, out_dim, pad_to)
         last = len(self.val[x].shape) - 1
         if isinstance(px, Shard) and px.dim == last \
                 and self.decisions.get(fqn, (in_dim, px.blocks))[:2] == (in_dim, px.blocks):   # shared weights
@@ -533,11 +560,14 @@ class _Rewriter:
         # treat it as a replicated input
         return fallback(self, old, f"multiplies weight {fqn} with an input sharded {px}")
 
-    def column(self, old, name, x, px, w_old, b_old, fqn, w_shape, out_dim):
+    def column(self, old, name, x, px, w_old, b_old, fqn, w_shape, out_dim, pad_to=None):
         out = w_shape[out_dim]
-        blocks = _split_blocks(old, out)
+        blocks = () if pad_to else _split_blocks(old, out)
         what = f"tp={self.t}: output features of {fqn}"
-        if blocks:
+        if pad_to:
+            pad = pad_to
+            self.notes.append(f"{fqn}: {self.padded[fqn]} (zero rows; its row-parallel partner gets zero columns)")
+        elif blocks:
             for b in blocks:
                 local_size(b, self.t, what + f" (block of {b} of a fused projection)")
             pad = out
@@ -575,8 +605,14 @@ class _Rewriter:
         return args
 
     def row(self, old, name, x, px, w_old, b_old, fqn, w_shape, in_dim):
-        self.decide(fqn, in_dim, px.blocks, w_shape[in_dim])
+        true_in = w_shape[in_dim]
+        # an input padded for tp (tp_padding.py) meets zero columns, whose gradient is masked
+        pad = true_in if px.blocks else self.val[x].shape[-1] * self.t
+        self.decide(fqn, in_dim, px.blocks, pad)
         w = self.param_arg(w_old)
+        if pad != true_in:
+            self.padded.setdefault(fqn, f"{true_in} input features padded to {pad} for tp={self.t}")
+            w = self.emit(tp_ops.mask_padding, (w, in_dim, true_in, TP), place=self.place[w], val=self.val[w])
         target = {"linear": aten.linear.default, "addmm": aten.mm.default}.get(name, old.target)
         if not _is_param(old.args[1]) and name != "addmm":   # x @ W.T
             arg = old.args[1]

@@ -14,6 +14,7 @@ from threefold.compiler.annotations import Collective
 from threefold.compiler.cost import op_name
 from threefold.errors import PlanError
 from threefold.passes.tp_dims import reshape_placement
+from threefold.passes.tp_padding import padded_reshape
 from threefold.passes.tp_placement import Partial, Replicate, Shard
 from threefold.passes.tp_redistribute import NoRule, replicated
 from threefold.runtime import tp_ops
@@ -74,12 +75,17 @@ def elementwise(rw, old):
                 _fail(rw, f"combines values sharded {shard} and {cand}")
             shard = cand
     sliced = set()
+    # the shards' size along their dim times t: the true size, or more where heads or
+    # features are padded (tp_padding.py); a replicated operand must match it to be cut
+    full = next((rw.val[a].shape[rw.place[a].dim] * rw.t for a in tensors if isinstance(rw.place[a], Shard)), None)
 
     def fix(a):
         if not isinstance(a, fx.Node) or not isinstance(rw.place[a], Replicate):
             return a
         k = shard.dim - (out_rank - _rank(rw.val[a]))
         if k >= 0 and rw.val[a].shape[k] != 1:
+            if not shard.seq and not shard.blocks and rw.val[a].shape[k] != full:
+                _fail(rw, f"combines a shard padded to {full} with a whole value of {rw.val[a].shape[k]}")
             sliced.add(a)
             if shard.blocks:
                 return rw.scatter_blocks(a, k, shard.blocks)
@@ -159,8 +165,13 @@ def reshape(rw, old):
         _fail(rw, f"reshapes a value placed {s}")
     src_global = list(old.args[0].meta["val"].shape)
     dst_global = list(old.meta["val"].shape)
+    src_local = list(rw.val[x].shape)
+    padded = not s.seq and not s.blocks and src_local[s.dim] * rw.t != src_global[s.dim]
     try:
-        out_place, dst_local = reshape_placement(src_global, list(rw.val[x].shape), dst_global, s, rw.t)
+        if padded:   # heads or features padded for tp (tp_padding.py)
+            out_place, dst_local = padded_reshape(src_global, src_local, dst_global, s, rw.t)
+        else:
+            out_place, dst_local = reshape_placement(src_global, src_local, dst_global, s, rw.t)
     except PlanError as exc:
         if not s.seq:
             _fail(rw, f"reshapes {src_global} -> {dst_global} with the shard {s} ({exc})")

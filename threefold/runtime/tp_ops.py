@@ -161,6 +161,29 @@ class _AllGatherSeq(torch.autograd.Function):
         return _reduce_scatter(_pad(grad, ctx.dim, ctx.size, ctx.group, zeros=True), ctx.dim, ctx.group), None, None, None
 
 
+class _MaskPadding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w, dim, size, group):
+        ctx.dim, ctx.size, ctx.group = dim, size, group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = grad.shape[ctx.dim]
+        keep = max(0, min(n, ctx.size - _rank(ctx.group) * n))
+        if keep < n:
+            grad = grad.clone()
+            grad.narrow(ctx.dim, keep, n - keep).zero_()
+        return grad, None, None, None
+
+
+def mask_padding(w, dim, size, group):
+    """A weight shard whose entries past `size` along `dim` (over all ranks) are padding
+    (heads or features tp does not divide, tp_padding.py): identity forward; their gradient
+    is zero, so they stay zero and the padded model stays the model."""
+    return _MaskPadding.apply(w, dim, size, group) if group is not None else w
+
+
 def f(x, group):
     return _F.apply(x, group) if group is not None else x
 

@@ -1,0 +1,107 @@
+"""Uneven shards of heads and features: a projection tp does not divide is padded.
+
+A column-parallel weight whose 3 heads (or 33 output features) tp=2 does not divide is cut
+as if it had 4 heads (34 features): the ShardSpec appends zero rows, whole heads per rank
+(rank 0 holds heads 0-1, rank 1 head 2 and a zero head). Its row-parallel partner gets zero
+input columns, so whatever the padding head computes adds nothing to the output, and the
+gradient of those columns is masked (tp_ops.mask_padding), so they stay zero: the padded
+model is the model. A padded value is recognised by its local size: local * tp exceeds the
+traced (global) size along its shard dim.
+
+Padding must never mix with real heads, so a padded shard passes only ops that treat each
+head alone (elementwise on equal shapes, views that keep heads whole, transposes, matmuls
+and attention with the heads as a batch dim, softmax / norms / reductions over other dims);
+anything else gathers it and cuts the padding off (the fallback). If the padded shards of a
+projection cannot be followed at all, the pass reruns with it kept whole (tensor_parallel).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from threefold.compiler.cost import op_name
+from threefold.errors import PlanError
+from threefold.passes.tp_dims import reshape_placement
+from threefold.passes.tp_placement import Shard, reshape_groups
+
+# ops that move or copy dims without mixing entries along them (reshape has its own math)
+_MOVERS = {"transpose", "t", "permute", "unsqueeze", "squeeze", "expand", "broadcast_to", "view",
+           "reshape", "_unsafe_view", "flatten", "unflatten", "clone", "contiguous", "_to_copy", "alias",
+           "detach", "getitem", "dropout", "native_dropout", "_assert_tensor_metadata", "to", "type_as"}
+_BATCHED = {"matmul", "bmm", "baddbmm", "scaled_dot_product_attention"}
+_ALONG = {"split": 2, "split_with_sizes": 2, "chunk": 2, "slice": 1, "narrow": 1, "select": 1,
+          "index_select": 1, "softmax": 1, "_softmax": 1, "_safe_softmax": 1, "log_softmax": 1,
+          "_log_softmax": 1, "cat": 1, "stack": 1}
+
+
+def padded_size(rw, a: fx.Node) -> int | None:
+    """The true size of a plain (not sequence, not block) shard whose ranks hold padding."""
+    new = rw.env.get(a)
+    p = rw.place.get(new)
+    v, full = rw.val.get(new), a.meta.get("val")
+    if not (isinstance(p, Shard) and not p.seq and not p.blocks and isinstance(v, torch.Tensor)
+            and isinstance(full, torch.Tensor) and p.dim < v.dim() and p.dim < full.dim()):
+        return None
+    size = int(full.shape[p.dim])
+    return size if v.shape[p.dim] * rw.t != size else None
+
+
+def padding_ok(rw, old: fx.Node, padded: dict[fx.Node, int]) -> bool:
+    """Whether `old` keeps each head of its padded inputs apart (see the module docstring)."""
+    from threefold.passes.tp_rules import _ELEMENTWISE, padding_safe
+    name = op_name(old)
+    base = name[:-1] if name.endswith("_") else name
+    dims = {rw.place[rw.env[a]].dim for a in padded}
+    shards = [a for a in old.all_input_nodes if isinstance(rw.place.get(rw.env[a]), Shard)]
+    # every sharded operand has the same true size along its shard dim: no size-1 dim
+    # broadcast over padded heads (one k/v head shared by every query head)
+    sizes = {int(a.meta["val"].shape[rw.place[rw.env[a]].dim]) for a in shards}
+    if len(sizes) > 1:
+        return False
+    if base in _MOVERS:
+        return True
+    if base in _ELEMENTWISE:
+        return True
+    if base in _BATCHED:
+        return all(rw.place[rw.env[a]].dim < a.meta["val"].dim() - 2 for a in shards)
+    if base in _ALONG:
+        x = old.args[0][0] if base in ("cat", "stack") else old.args[0]
+        k = _arg(old, _ALONG[base], 0)
+        ndim = x.meta["val"].dim() + (1 if base == "stack" else 0)
+        return isinstance(k, int) and k % ndim not in dims
+    return padding_safe(name, old, dims)
+
+
+def _arg(old: fx.Node, i: int, default):
+    if len(old.args) > i:
+        return old.args[i]
+    return old.kwargs.get("dim", default)
+
+
+def padded_reshape(src: list[int], src_local: list[int], dst: list[int], s: Shard, t: int):
+    """reshape_placement for a padded shard: the reshape as the padded model would do it
+    ([.., 32] -> [.., 4, 8] for 3 heads of 8 padded to 4), the padding landing on one whole
+    output dim; PlanError where no output dim can take it whole."""
+    d = s.dim
+    src_p = list(src)
+    src_p[d] = src_local[d] * t
+    for gi, gj in reshape_groups(src, dst):
+        if d in gi:
+            break
+    else:
+        raise PlanError(f"dim {d} has no counterpart")
+    total, total_p = math.prod(src[i] for i in gi), math.prod(src_p[i] for i in gi)
+    for j in gj:
+        if (dst[j] * total_p) % total:
+            continue
+        dst_p = list(dst)
+        dst_p[j] = dst[j] * total_p // total
+        try:
+            place, local = reshape_placement(src_p, src_local, dst_p, s, t)
+        except PlanError:
+            continue
+        if place.dim == j and not place.blocks:
+            return place, local
+    raise PlanError(f"the padding of dim {d} does not fall on one whole output dim")
