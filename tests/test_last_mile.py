@@ -145,3 +145,21 @@ def test_heads_and_features_tp_does_not_divide_are_padded_and_inspect_shows_it()
     ffn = compile_workload(ZOO["hw_odd_ffn"](), "tp=2")
     assert ffn.shard_fns["blocks.1.mlp.fc.weight"].padded == 38
     assert ffn.shard_fns["blocks.1.mlp.proj.weight"].padded == 38
+
+
+def test_falcon_fused_multi_query_qkv_shards_its_queries_and_keeps_one_kv_head_whole():
+    # query_key_value's output is viewed [.., heads + 2, head_dim] and cut by a slice and two
+    # constant indices: one linear per piece of the weight, the queries column-parallel, the
+    # single key and value head whole on every rank (blocks marked whole in the ShardSpec)
+    from threefold.checkpoint.layout import pieces
+    prog = compile_workload(ZOO["falcon"](), "tp=2")
+    fqn = "model.transformer.h.0.self_attention.query_key_value.weight"
+    spec = prog.shard_fns[fqn]
+    assert (spec.blocks, spec.whole) == ((32, 8, 8), (False, True, True)), spec
+    full = prog.state[fqn]
+    assert torch.equal(spec(full, 1), torch.cat([full[16:32], full[32:]]))
+    assert [p.length for p in pieces(spec, full.shape, 1)[1]] == [16, 8, 8]
+    assert [p.length for p in pieces(spec, full.shape, 1, owned=True)[1]] == [16]   # counted once
+    rep = prog.tp_report
+    assert not rep["replicated_weights"] and not rep["fallbacks"], rep
+    assert 1 - rep["sharded_share"] / 2 <= 0.55, rep["sharded_share"]   # was 0.607 per rank

@@ -48,8 +48,12 @@ def sharded_share(pm, model) -> float:
     full = {n: p.numel() for n, p in model.named_parameters()}   # a tied weight counts once
     total = max(sum(full.values()), 1)
     shards = getattr(pm, "manifest", {}).get("shards")
-    if shards is not None:
-        return sum(full[n] for n in full if n in shards) / total
+    if shards is not None:   # a block every rank holds whole (Falcon's k/v head) is not sharded
+        def part(spec):
+            whole = spec.get("whole") or []
+            return 1.0 if not any(whole) else \
+                sum(b for b, w in zip(spec["blocks"], whole) if not w) / sum(spec["blocks"])
+        return sum(full[n] * part(shards[n]) for n in full if n in shards) / total
     local = {n: p.numel() for n, p in pm.named_parameters()}
     return sum(full[n] for n in full if n in local and local[n] < full[n]) / total
 

@@ -30,8 +30,10 @@ def _chunk(size: int, t: int, r: int) -> tuple[int, int]:
     return start, max(0, min(size, start + c) - start)
 
 
-def pieces(spec: ShardSpec | None, full_shape, tp_rank: int) -> tuple[int, list[Piece]]:
-    """(dim, pieces) of tp rank `tp_rank`'s shard of a tensor of `full_shape`."""
+def pieces(spec: ShardSpec | None, full_shape, tp_rank: int, owned: bool = False) -> tuple[int, list[Piece]]:
+    """(dim, pieces) of tp rank `tp_rank`'s shard of a tensor of `full_shape`. A block every
+    rank holds whole is a piece of each (loads fill it everywhere, DCP writes it once); with
+    `owned`, of tp rank 0 only (what a sum over ranks must count once)."""
     full_shape = list(full_shape)
     if spec is None:
         return 0, [Piece(0, full_shape[0] if full_shape else 1, 0)]
@@ -39,9 +41,10 @@ def pieces(spec: ShardSpec | None, full_shape, tp_rank: int) -> tuple[int, list[
     out: list[Piece] = []
     if spec.blocks:
         local, offset = 0, 0
-        for b in spec.blocks:
-            start, n = _chunk(b, t, tp_rank)
-            out.append(Piece(local, n, offset + start))
+        for b, whole in zip(spec.blocks, spec.whole or (False,) * len(spec.blocks)):
+            start, n = (0, b) if whole else _chunk(b, t, tp_rank)
+            if not (whole and owned and tp_rank):
+                out.append(Piece(local, n, offset + start))
             local, offset = local + n, offset + b
         return dim, [p for p in out if p.length]
     start, n = _chunk(spec.padded, t, tp_rank)
@@ -52,7 +55,9 @@ def pieces(spec: ShardSpec | None, full_shape, tp_rank: int) -> tuple[int, list[
 def local_shape(spec: ShardSpec | None, full_shape, tp_rank: int) -> list[int]:
     shape = list(full_shape)
     if spec is not None:
-        shape[spec.dim] = (sum(_chunk(b, spec.t, tp_rank)[1] for b in spec.blocks) if spec.blocks
+        whole = spec.whole or (False,) * len(spec.blocks)
+        shape[spec.dim] = (sum(b if w else _chunk(b, spec.t, tp_rank)[1] for b, w in zip(spec.blocks, whole))
+                           if spec.blocks
                            else _chunk(spec.padded, spec.t, tp_rank)[1])
     return shape
 

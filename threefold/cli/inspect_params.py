@@ -50,6 +50,8 @@ def _placement(spec, full) -> str:
     text = f"S({spec.dim}"
     if spec.blocks:
         text += f",blocks={list(spec.blocks)}"
+        if any(spec.whole):   # blocks every rank holds whole (a fused projection's k/v head)
+            text += f",whole={[b for b, w in zip(spec.blocks, spec.whole) if w]}"
     elif full is not None and spec.padded != full.shape[spec.dim]:
-        text += f",padded={spec.padded}"   # a vocabulary padded to a multiple of tp
+        text += f",padded={spec.padded}"   # a vocabulary, heads or features padded to a multiple of tp
     return text + ")"

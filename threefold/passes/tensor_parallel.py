@@ -46,6 +46,7 @@ from threefold.passes.tp_patterns import (_GROUPED, _TRANSPOSES, _coll, _feeds_c
                                           _is_param, _needs_grad, _param_weight, _replace, _split_blocks,
                                           x_old_of)
 from threefold.passes.tp_einsum import einsum_matmul, einsum_param
+from threefold.passes.tp_fused_split import fused_cuts, split_fused_outputs
 from threefold.passes.tp_padding import padded_size, padding_ok
 from threefold.passes.tp_pieces import piece_matmul, weight_piece
 from threefold.passes.tp_redistribute import NoRule, fallback, replicated
@@ -64,7 +65,13 @@ def tensor_parallel(stage: Traced) -> Sharded:
     The input graph is only read: the rewrite writes a new graph."""
     if stage.plan.tp == 1:
         return stage.advance(Sharded)
-    prog = stage.draft(copy_graphs=False)
+    # a fused projection cut into pieces by slices (Falcon's multi-query qkv) becomes one
+    # linear per piece of its weight, on a copy of the graph (tp_fused_split.py)
+    fused = fused_cuts(stage.gm.graph, stage.state)
+    prog = stage.draft(copy_graphs=bool(fused))
+    if fused:
+        split_fused_outputs(prog.gm.graph, prog.state)
+        prog.gm.recompile()
     prog.shard_fns, prog.tp_grad_sync, prog.notes = {}, [], list(stage.notes)
     # Megatron's pairing: a column-parallel matmul pays off only if its shards reach a
     # row-parallel matmul (or another sharded consumer). When its shards run into an op with
@@ -113,6 +120,7 @@ class _Rewriter:
         self.notes: list[str] = []
         self.replicated_weights: dict[str, str] = {}   # fqn -> why it is kept whole
         self.padded: dict[str, str] = {}               # fqn -> its padding (tp_padding.py)
+        self.whole_blocks: dict[str, tuple[bool, ...]] = {}   # fqn -> blocks every rank holds whole
         self.padded_len: dict[fx.Node, int] = {}       # padded sequence shards emitted here -> true length
         self.maybe_dead: list[fx.Node] = []
         self.old_of: dict[fx.Node, fx.Node] = {}        # new node -> the source node it stands for
@@ -181,7 +189,7 @@ class _Rewriter:
         """Write this rewrite into the program (the last of the retries)."""
         prog = self.prog
         for fqn, (dim, blocks, pad) in self.decisions.items():
-            prog.shard_fns[fqn] = ShardSpec(dim, blocks, pad, self.t)
+            prog.shard_fns[fqn] = ShardSpec(dim, blocks, pad, self.t, self.whole_blocks.get(fqn, ()))
         prog.tp_grad_sync = sorted(self.shard_uses - set(self.decisions))
         gm = fx.GraphModule(prog.gm, self.new)
         for node in gm.graph.nodes:
@@ -395,7 +403,8 @@ class _Rewriter:
         dim, blocks, pad = self.decisions[fqn]
         full = self.prog.state[fqn]
         shape = list(full.shape)
-        shape[dim] = sum(b // self.t for b in blocks) if blocks else pad // self.t
+        whole = self.whole_blocks.get(fqn) or (False,) * len(blocks)
+        shape[dim] = sum(b if w else b // self.t for b, w in zip(blocks, whole)) if blocks else pad // self.t
         return torch.empty(shape, dtype=full.dtype, device="meta")
 
     def param_arg(self, old_arg: fx.Node) -> fx.Node:

@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from threefold.compiler.cost import op_name
 from threefold.compiler.program import tf
-from threefold.passes.tp_patterns import _is_param, _split_blocks
+from threefold.passes.tp_patterns import _head_count, _is_param, _split_blocks
 from threefold.passes.tp_placement import Replicate, Shard
 
 aten = torch.ops.aten
@@ -78,29 +78,72 @@ def piece_matmul(rw, old: fx.Node):
     if b_get is not None and (bias is None or bias[2] != i or _sizes(bias[0]) != [sum(p) for p in layout]
                               or any(op_name(u) != "linear" for g in bias[0].users for u in g.users)):
         return None
+    # a piece whose shards could not be followed (Falcon's one key head) is kept whole on
+    # every rank while the others stay sharded: the parameter's ShardSpec marks its blocks
+    # from the start where its heads do not divide by tp, as for any projection
+    heads = _piece_heads(split, len(layout))
+    kept = [piece_key(fqn, j) in rw.avoid or (heads[j] is not None and heads[j] % rw.t != 0)
+            for j in range(len(layout))]
+    for j, h in enumerate(heads):
+        if h is not None and h % rw.t and piece_key(fqn, j) not in rw.avoid:
+            rw.avoid[piece_key(fqn, j)] = f"its {h} heads, which do not divide by tp={rw.t}"
+    if all(kept):
+        return None
     blocks = tuple(b for piece in layout for b in piece)
-    if any(b % rw.t for b in blocks) or (fqn in rw.decisions and rw.decisions[fqn][1] != blocks):
+    whole = tuple(k for piece, k in zip(layout, kept) for _ in piece)
+    if any(b % rw.t for b, w in zip(blocks, whole) if not w) \
+            or (fqn in rw.decisions and (rw.decisions[fqn][1] != blocks
+                                         or rw.whole_blocks.get(fqn, ()) != (whole if any(whole) else ()))):
         return None
     rows = sum(blocks)
-    rw.decide(fqn, 0, blocks, rows)
-    w = _local_piece(rw, split, param, layout, i)
-    args = [rw.f(x), w]
+    for name in [fqn] + ([tf(bias[1])["fqn"]] if bias is not None else []):
+        if any(whole):
+            rw.whole_blocks[name] = whole
+        rw.decide(name, 0, blocks, rows)
+    w = _local_piece(rw, split, param, layout, i, kept)
+    args = [x if kept[i] else rw.f(x), w]
     if bias is not None:
-        rw.decide(tf(bias[1])["fqn"], 0, blocks, rows)
-        args.append(_local_piece(rw, bias[0], bias[1], layout, i))
+        args.append(_local_piece(rw, bias[0], bias[1], layout, i, kept))
+    if kept[i]:
+        why = rw.avoid[piece_key(fqn, i)]
+        note = f"tp: {fqn} piece {i} ({sum(layout[i])} rows) kept whole on every rank: " \
+               + (why if why.startswith("its ") else f"its shards would reach {why}")
+        if note not in rw.notes:
+            rw.notes.append(note)
+        return rw.emit(aten.linear.default, tuple(args), place=Replicate())
     out = rw.emit(aten.linear.default, tuple(args), place=Shard(len(old.meta["val"].shape) - 1,
                                                                  layout[i] if len(layout[i]) > 1 else ()))
-    rw.origin[out] = frozenset([fqn])
+    rw.origin[out] = frozenset([piece_key(fqn, i)])
     return out
 
 
-def _local_piece(rw, split, param, layout, i):
+def _piece_heads(split: fx.Node, n: int) -> list[int | None]:
+    """Per piece, the heads its linear's output is viewed as ([.., heads, head_dim])."""
+    out: list[int | None] = [None] * n
+    for get in split.users:
+        for lin in get.users:
+            if op_name(lin) == "linear" and lin.args[1] is get:
+                out[get.args[1]] = _head_count(lin)
+                last = lin.meta["val"].shape[-1]
+                for v in lin.users:   # a single head: [.., 1, head_dim]
+                    shape = list(v.meta["val"].shape) if op_name(v) in ("view", "reshape") else []
+                    if len(shape) >= 2 and shape[-2] == 1 and shape[-1] == last:
+                        out[get.args[1]] = 1
+    return out
+
+
+def piece_key(fqn: str, i: int) -> str:
+    """How the pass names piece i of a parameter split before its linears (blame, avoid)."""
+    return f"{fqn}#piece{i}"
+
+
+def _local_piece(rw, split, param, layout, i, kept):
     """getitem(split_with_sizes(local param, local piece sizes), i), once per split."""
     def make():
         rw.maybe_dead.append(rw.env[split])
         for get in split.users:
             rw.maybe_dead.append(rw.env[get])
-        local = [sum(b // rw.t for b in piece) for piece in layout]
+        local = [sum(piece) if k else sum(b // rw.t for b in piece) for piece, k in zip(layout, kept)]
         return rw.emit(aten.split_with_sizes.default, (rw.param_arg(param), local, 0),
                        place=[Shard(0)] * len(local), src=split)
     node = rw._cached(("piece", split), make)

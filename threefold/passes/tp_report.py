@@ -11,7 +11,7 @@ def tp_report(rw) -> dict:
     params = {tf(n)["fqn"] for n in prog.graph.nodes
               if n.op == "placeholder" and tf(n).get("kind") == "param"}
     total = sum(int(prog.state[f].numel()) for f in params if f in prog.state)
-    sharded = sum(int(prog.state[f].numel()) for f in rw.decisions if f in prog.state)
+    sharded = sum(_sharded_numel(rw, f) for f in rw.decisions if f in prog.state)
     return {"tp": rw.t, "params": total, "sharded_params": sharded,
             "sharded_share": round(sharded / total, 4) if total else 0.0,
             "fallbacks": list(rw.fallbacks),
@@ -34,3 +34,13 @@ def report_notes(rep: dict) -> list[str]:
                         "no parameter matmul was recognised as column- or row-parallel")
                      + ("; ops without a sharded rule: " + ", ".join(why[:6]) if why else ""))
     return notes
+
+
+def _sharded_numel(rw, fqn: str) -> int:
+    """Elements of a parameter that are split over tp (blocks held whole do not count)."""
+    numel = int(rw.prog.state[fqn].numel())
+    whole = rw.whole_blocks.get(fqn)
+    if not whole:
+        return numel
+    blocks = rw.decisions[fqn][1]
+    return numel * sum(b for b, w in zip(blocks, whole) if not w) // sum(blocks)

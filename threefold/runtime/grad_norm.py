@@ -73,7 +73,7 @@ def owned_grad_pieces(engine) -> list[torch.Tensor]:
             continue
         spec = ShardSpec.from_json(shards[fqn])
         full_shape = shapes[fqn][0] if fqn in shapes else _unpadded_shape(p, spec)
-        dim, parts = pieces(spec, full_shape, coord.tp)
+        dim, parts = pieces(spec, full_shape, coord.tp, owned=True)
         for piece in parts:
             if dim != 0 or g.dim() == 0:
                 out.append(g.narrow(dim, piece.local, piece.length) if g.dim() else g)

@@ -18,11 +18,15 @@ class ShardSpec:
     blocks: tuple[int, ...]
     padded: int
     t: int
+    whole: tuple[bool, ...] = ()   # per block: every rank holds it whole (a fused projection's
+                                   # single key/value head beside its sharded queries)
 
     def __call__(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         if self.blocks:
             pieces = full.split(list(self.blocks), dim=self.dim)
-            return torch.cat([p.chunk(self.t, dim=self.dim)[rank] for p in pieces], dim=self.dim).contiguous()
+            whole = self.whole or (False,) * len(pieces)
+            return torch.cat([p if w else p.chunk(self.t, dim=self.dim)[rank] for p, w in zip(pieces, whole)],
+                             dim=self.dim).contiguous()
         size = full.shape[self.dim]
         if self.padded != size:
             shape = list(full.shape)
@@ -31,11 +35,14 @@ class ShardSpec:
         return full.chunk(self.t, dim=self.dim)[rank].contiguous()
 
     def to_json(self) -> dict:
-        return {"dim": self.dim, "blocks": list(self.blocks), "padded": self.padded, "t": self.t}
+        out = {"dim": self.dim, "blocks": list(self.blocks), "padded": self.padded, "t": self.t}
+        if any(self.whole):
+            out["whole"] = list(self.whole)
+        return out
 
     @classmethod
     def from_json(cls, d: dict) -> "ShardSpec":
-        return cls(d["dim"], tuple(d["blocks"]), d["padded"], d["t"])
+        return cls(d["dim"], tuple(d["blocks"]), d["padded"], d["t"], tuple(d.get("whole", ())))
 
 
 def rank_shard(full: torch.Tensor, spec: ShardSpec | None, tp_rank: int) -> torch.Tensor:
