@@ -163,3 +163,12 @@ def test_falcon_fused_multi_query_qkv_shards_its_queries_and_keeps_one_kv_head_w
     rep = prog.tp_report
     assert not rep["replicated_weights"] and not rep["fallbacks"], rep
     assert 1 - rep["sharded_share"] / 2 <= 0.55, rep["sharded_share"]   # was 0.607 per rank
+
+
+def test_padded_vocabulary_still_reaches_the_vocab_parallel_cross_entropy():
+    # a padded vocabulary's logits are also "local x tp > traced size": the cross-entropy
+    # handles that padding itself and must not be refused as a padded-heads consumer
+    from tests.parity import load_workload
+    prog = compile_workload(load_workload("gpt", n_layer=1, n_embd=16, n_head=2, vocab_size=97, seq=8, batch=4),
+                            "tp=2")
+    assert prog.tp_report["replicated_weights"] == {} and prog.tp_report["fallbacks"] == [], prog.tp_report

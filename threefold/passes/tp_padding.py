@@ -30,6 +30,10 @@ from threefold.passes.tp_placement import Shard, reshape_groups
 _MOVERS = {"transpose", "t", "permute", "unsqueeze", "squeeze", "expand", "broadcast_to", "view",
            "reshape", "_unsafe_view", "flatten", "unflatten", "clone", "contiguous", "_to_copy", "alias",
            "detach", "getitem", "dropout", "native_dropout", "_assert_tensor_metadata", "to", "type_as"}
+# rules that handle padding themselves: the vocab-parallel cross-entropy (a vocabulary tp
+# does not divide is padded too, and its padding never wins the softmax), the eager loss
+# (gathers and cuts its inputs)
+_OWN_PADDING = {"cross_entropy_loss", "call_loss"}
 _BATCHED = {"matmul", "bmm", "baddbmm", "scaled_dot_product_attention"}
 _ALONG = {"split": 2, "split_with_sizes": 2, "chunk": 2, "slice": 1, "narrow": 1, "select": 1,
           "index_select": 1, "softmax": 1, "_softmax": 1, "_safe_softmax": 1, "log_softmax": 1,
@@ -60,7 +64,7 @@ def padding_ok(rw, old: fx.Node, padded: dict[fx.Node, int]) -> bool:
     sizes = {int(a.meta["val"].shape[rw.place[rw.env[a]].dim]) for a in shards}
     if len(sizes) > 1:
         return False
-    if base in _MOVERS:
+    if base in _MOVERS or base in _OWN_PADDING:
         return True
     if base in _ELEMENTWISE:
         return True
