@@ -16,8 +16,11 @@ the graph once in order, writing a new graph of *local* (per-tp-rank) shapes:
   matmuls, softmax, norms ...). Where no rule applies, the op runs on gathered inputs
   (tp_redistribute.py), recorded in prog.tp_report and a PlanError under strict=true.
 * A column-parallel projection whose shards reach such an op is instead kept whole (the
-  pass reruns with it replicated), as is one whose heads or output features tp does not
-  divide: Megatron's pairing, column then row, is only used where it pays.
+  pass reruns with it replicated): Megatron's pairing, column then row, is only used where
+  it pays. One whose heads or output features tp does not divide is padded to whole heads
+  (tp_padding.py); a fused projection read as slices is one linear per piece, and a piece
+  that cannot be split (one k/v head) is kept whole beside its sharded siblings
+  (tp_fused_split.py, tp_pieces.py).
 * `x @ W.T` (matmul of a transposed 2-D parameter) is a weight matmul like aten.linear.
 * An embedding indexed by user input (token ids) is vocab-parallel; a cross-entropy over
   vocab-sharded logits becomes the vocab-parallel cross-entropy. Vocabularies t does not
