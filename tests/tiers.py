@@ -69,7 +69,7 @@ DEFAULT_SAMPLE = [
     "tests/test_last_mile.py::test_last_mile_cells_match_single_process",
     # expert parallelism
     "tests/test_expert_parallel.py::test_ep2_trains_like_one_process_with_half_the_experts_per_rank",
-    "tests/test_ep_zero.py::test_ep2_zero1_trains_like_one_process_with_expert_state_over_edp",
+    "tests/test_ep_fsdp.py::test_ep2_zero2_zero3_train_like_one_process_with_sharded_bytes",
     # the zoo's representative sample (the full matrices are `-m zoo`)
     "tests/test_zoo.py::test_zoo_sample_matches_single_process[llama-tp=2]",
     "tests/test_zoo.py::test_zoo_sample_matches_single_process[hw_nanogpt-pp=2,m=2]",
