@@ -16,9 +16,9 @@ from threefold.planner.moe import MoeLayer
 
 def block_moe(traced, block_nodes: list, tokens: int) -> tuple[MoeLayer | None, set[str], set[str]]:
     """(the MoE layer of this block or None, its expert parameter FQNs, its region's node names)."""
-    from threefold.passes.experts import _regions, expert_matmul
+    from threefold.passes.experts import expert_matmul, expert_regions
     names = {n.name for n in block_nodes}
-    regions = [r for r in _regions(traced.graph, strict=False) if set(r["nodes"]) & names]
+    regions = [r for r in expert_regions(traced.graph) if set(r["nodes"]) & names]
     if not regions or not tokens:
         return None, set(), set()
     r = regions[0]

@@ -79,9 +79,9 @@ def run_experts(fn, num_experts: int, offs: torch.Tensor, rows: tuple, weights: 
 def _past_last_expert(fn, offs, rows: tuple, total: int, weights: tuple, others: tuple) -> tuple:
     """The region's outputs for rows past the last expert's offset, on the token's own rank:
     the method run on those rows alone with this rank's experts and every offset 0 (`offs`
-    is E/ep long), so every row is past the last expert, as in one process. Exact when the grouped op gives such rows a value that does
-    not depend on the weights (zeros: grouped matmuls give no expert's product to a row no
-    expert owns)."""
+    is E/ep long), so every row is past the last expert, as in one process. Exact when the
+    grouped op gives such rows a value that does not depend on the weights (zeros: grouped
+    matmuls give no expert's product to a row no expert owns)."""
     none = torch.zeros_like(offs)
     return fn(none, *(x[total:] for x in rows), *weights, *others)
 
