@@ -33,8 +33,7 @@ def test_plan_key_ep_round_trips_and_sits_inside_dp():
     assert [n for n, _ in Plan.parse("dp=2").mesh.axes] == ["pp", "dp_replicate", "dp_shard", "tp"]
     with pytest.raises(threefold.PlanError, match="ep must divide dp"):
         Plan.parse("dp=2,ep=4")
-    with pytest.raises(threefold.PlanError, match="use zero=0 or zero=1 with ep"):
-        Plan.parse("dp=2,ep=2,zero=2")
+    assert Plan.parse("dp=4,ep=2,zero=3").mesh.dp_shard == 2    # ZeRO shards over edp (tests/test_ep_fsdp.py)
 
 
 def test_mixtral_expert_regions_are_found_from_the_graph():

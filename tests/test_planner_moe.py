@@ -49,3 +49,24 @@ def test_plan_cli_searches_ep_for_an_moe_shape():
     assert out.returncode == 0, out.stderr
     plans = json.loads(out.stdout)["plans"]
     assert plans[0]["ep"] == 8 and "ep=8" in plans[0]["plan"]
+
+
+def test_a_traced_moe_spec_is_priced_as_moe_and_the_search_includes_ep_with_zero():
+    """`threefold plan SPEC` on a model (no --experts flags): the expert regions of the traced
+    graph (planner/spec_moe.py) give E, k, h and f, the parameter count stays the model's, and
+    the search holds ep plans (with ZeRO 0-3, never with recompute, which ep refuses)."""
+    import torch
+    from tests.zoo import ZOO
+    from threefold.planner.spec_cost import model_cost_from_spec
+    model = model_cost_from_spec("tests.zoo.hf_decoders:decoder(arch='mixtral')")
+    assert model.moe == MoeLayer(experts=4, top_k=2, ffn=64, hidden=32), model.moe
+    torch.manual_seed(0)
+    assert model.params == sum(p.numel() for p in ZOO["mixtral"]()["model"].parameters())
+    plans = rank_plans(model, 16, 4, CLUSTER, include_unfit=True)
+    ep = [e.config.plan for e in plans if e.config.plan.ep > 1]
+    assert {p.ep for p in ep} == {2, 4} and {p.zero for p in ep if p.ep == 2} == {0, 1, 2, 3}
+    assert all(p.recompute == "none" for p in ep)
+    # E/ep experts per rank: ep=2 holds less than the same plan without ep
+    best = next(e for e in plans if e.config.plan.ep == 2 and e.config.plan.zero == 0)
+    same = next(e for e in plans if e.config.plan == best.config.plan.replace(ep=1))
+    assert best.memory_bytes < same.memory_bytes

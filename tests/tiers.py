@@ -69,7 +69,7 @@ DEFAULT_SAMPLE = [
     "tests/test_last_mile.py::test_last_mile_cells_match_single_process",
     # expert parallelism
     "tests/test_expert_parallel.py::test_ep2_trains_like_one_process_with_half_the_experts_per_rank",
-    "tests/test_ep_zero.py::test_ep2_zero1_trains_like_one_process_with_expert_state_over_edp",
+    "tests/test_ep_fsdp.py::test_ep2_zero2_zero3_train_like_one_process_with_sharded_bytes",
     # the zoo's representative sample (the full matrices are `-m zoo`)
     "tests/test_zoo.py::test_zoo_sample_matches_single_process[llama-tp=2]",
     "tests/test_zoo.py::test_zoo_sample_matches_single_process[hw_nanogpt-pp=2,m=2]",
@@ -112,6 +112,8 @@ LONG_SINGLE_PROCESS = [
     "tests/test_foundation_codegen.py::test_artifact_reloads_in_a_fresh_process[pp=2,v=2,schedule=interleaved]",
     "tests/test_schedule.py::test_verifier_accepts_every_generated_schedule[4]",
     "tests/test_planner.py::test_table1_best_plan_fits_and_is_at_least_as_fast[1008.0B]",
+    "tests/test_planner_moe.py::test_a_traced_moe_spec_is_priced_as_moe_and_the_search_includes_ep_with_zero",
+    "tests/test_ep_capacity.py::test_capacity_under_ep_without_microbatch_mean_is_a_one_line_plan_error",
 ]
 
 

@@ -126,11 +126,12 @@ class Plan:
             if self.dp % self.ep:
                 raise PlanError(f"plan ep={self.ep} is invalid with dp={self.dp}: expert-parallel ranks are "
                                 f"data-parallel ranks, so ep must divide dp; set dp to a multiple of {self.ep}")
-            if self.zero >= 2 or self.dp_shard is not None:
-                raise PlanError(f"plan ep={self.ep} with zero={self.zero}"
-                                + (f",dp_shard={self.dp_shard}" if self.dp_shard is not None else "")
-                                + " is not supported yet (ZeRO-2/3 and HSDP would shard expert and dense "
-                                "gradients over different groups); use zero=0 or zero=1 with ep")
+            # HSDP under ep: dp_shard counts the ranks of one shard group including its ep
+            # ranks (mesh: dp_shard axis = dp_shard / ep, dp_replicate = dp / dp_shard)
+            if self.dp_shard is not None and self.dp_shard % self.ep:
+                raise PlanError(f"plan dp_shard={self.dp_shard} is invalid with ep={self.ep}: a shard group "
+                                "holds whole ep groups (ZeRO shards over dp_shard/ep ranks holding the same "
+                                f"experts); set dp_shard to a multiple of {self.ep}")
         if isinstance(self.split_points, (list, str)):
             pts = (self.split_points,) if isinstance(self.split_points, str) else tuple(self.split_points)
             object.__setattr__(self, "split_points", pts)

@@ -4,6 +4,8 @@ grouped matmul (its own custom op, as Hugging Face writes one), and the weighted
 Nothing in it is named for threefold: expert parallelism must find it from the graph."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -130,3 +132,78 @@ def loop_moe(seed: int = 0):
     inputs, target = token_batch(seed=seed)
     model = nn.Sequential(nn.Embedding(VOCAB, HIDDEN), LoopMoE(), nn.Linear(HIDDEN, VOCAB))
     return workload(model, (inputs,), target)
+
+
+class CapacityTop2MoE(Top2MoE):
+    """Top2MoE with expert capacity, GShard / Switch style: a (token, slot) pick's place in
+    its expert's queue is a cumsum over the layer's tokens in order; picks at or past
+    `capacity = ceil(factor x N x 2 / E)` are dropped: sorted past the last expert's rows
+    (not computed) and weighted 0 in the combine. Optionally returns the Switch
+    load-balancing loss aux = E x sum_e f_e x P_e over the same tokens."""
+
+    def __init__(self, experts: int = 4, hidden: int = 64, factor: float = 0.75):
+        super().__init__(experts, hidden)
+        self.factor = factor
+
+    def forward(self, x):
+        b, t, c = x.shape
+        tokens = x.reshape(-1, c)                                    # [N, C]
+        probs = self.router(tokens).softmax(-1)
+        gate, expert = probs.topk(2, dim=-1)                         # [N, 2]
+        gate = gate / gate.sum(-1, keepdim=True)
+        picks = F.one_hot(expert.reshape(-1), self.experts)          # [2N, E], token-major
+        place = ((picks.cumsum(0) - 1) * picks).sum(-1)              # queue position per pick
+        capacity = math.ceil(self.factor * tokens.shape[0] * 2 / self.experts)
+        keep = place < capacity                                      # [2N]
+        key = torch.where(keep, expert.reshape(-1), self.experts)    # dropped picks sort last
+        order = key.argsort(stable=True)
+        rows = tokens[order // 2]                                    # [2N, C]
+        counts = (picks * keep.unsqueeze(-1)).sum(0)                 # kept rows per expert
+        offs = counts.cumsum(0).to(torch.int32)                      # offs[-1] <= 2N
+        h = F.gelu(torch.ops.zoo_moe.gmm(rows, self.w_in, offs))
+        y = torch.ops.zoo_moe.gmm(h, self.w_out, offs)               # rows past offs[-1]: 0
+        y = y * (gate.reshape(-1) * keep)[order].unsqueeze(-1)
+        out = torch.zeros_like(tokens).index_add(0, order // 2, y)
+        f = picks.float().mean(0) / 2                                # fraction of picks per expert
+        aux = self.experts * (f * probs.mean(0)).sum()
+        return out.reshape(b, t, c), aux
+
+
+class CapacityMoELM(nn.Module):
+    """[B, T] -> (logits, summed aux loss of the MoE layers)."""
+
+    def __init__(self, layers: int = 2, experts: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.norms = nn.ModuleList(nn.LayerNorm(HIDDEN) for _ in range(layers))
+        self.moes = nn.ModuleList(CapacityTop2MoE(experts) for _ in range(layers))
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, idx):
+        x, aux = self.embed(idx), 0.0
+        for norm, moe in zip(self.norms, self.moes):
+            y, a = moe(norm(x))
+            x, aux = x + y, aux + a
+        return self.head(x), aux
+
+
+def capacity_moe(seed: int = 0, aux_coef: float = 0.0):
+    """The capacity MoE LM; `aux_coef` > 0 adds the router's load-balancing loss."""
+    from tests.zoo.common import lm_loss
+    torch.manual_seed(seed)
+    inputs, target = token_batch(seed=seed)
+    w = workload(CapacityMoELM().train(), (inputs,), target,
+                 lambda out, t: lm_loss(out[0], t) + aux_coef * out[1])
+    return {**w, "batch_dims": (0, 0)}   # capacity and aux mix every row: the batch dim is stated
+
+
+def dropped_picks(model: CapacityMoELM, idx: torch.Tensor) -> int:
+    """(token, slot) picks the first MoE layer drops for this batch (what the tests check
+    is not zero, so the capacity path runs)."""
+    moe = model.moes[0]
+    with torch.no_grad():
+        tokens = model.norms[0](model.embed(idx)).reshape(-1, HIDDEN)
+        expert = moe.router(tokens).softmax(-1).topk(2, dim=-1).indices.reshape(-1)
+        picks = F.one_hot(expert, moe.experts)
+        place = ((picks.cumsum(0) - 1) * picks).sum(-1)
+        return int((place >= math.ceil(moe.factor * tokens.shape[0] * 2 / moe.experts)).sum())

@@ -48,9 +48,13 @@ def layout_of(pm, fqn: str, local: torch.Tensor) -> Sharded:
         # ep: this rank's E/ep experts are rows of the full tensor (runtime/experts.py), so
         # they are saved as those rows, under the same key and full shape as any other plan
         from threefold.checkpoint.zero_state import RowsOf
+        if spec is not None and spec.dim == 0:   # RowsOf reads dim 0 as global rows
+            raise PlanError(f"{fqn}: an expert weight split over tp along its expert dim cannot be "
+                            "saved under ep; checkpoint it with ep=1")
         count = experts[fqn] // mesh.ep
         rows = RowsOf(s, pm.engine.coord.ep * count, count, local)
         rows.expert_rows = True
+        rows.rows_base = (s, pm.engine.coord.ep * count)   # ZeRO rows of these rows compose (zero_state)
         return rows
     return s
 
@@ -58,16 +62,17 @@ def layout_of(pm, fqn: str, local: torch.Tensor) -> Sharded:
 def model_state(pm) -> dict[str, Sharded]:
     """What `pm.state_dict()` returns: this rank's shards, each with its layout (under
     zero=3 a trainable parameter is this dp_shard rank's rows of it: runtime/fsdp.py)."""
-    from threefold.checkpoint.zero_state import RowsOf
+    from threefold.checkpoint.zero_state import rows_within, shape_only
     sharded = pm.engine.sharded
     rows = sharded.rows if sharded is not None and sharded.zero >= 3 else {}
     out = {}
     for fqn, t in local_tensors(pm).items():
-        layout = layout_of(pm, fqn, t.detach())
-        if fqn in rows:
+        if fqn in rows:   # the parameter's storage may be freed: only its layout is read
             s = rows[fqn]
-            layout = RowsOf(layout, s.start, s.count, s.shard.detach())
+            layout = rows_within(layout_of(pm, fqn, shape_only(t)), s.start, s.count, s.shard.detach())
             layout.row_sharded = True
+        else:
+            layout = layout_of(pm, fqn, t.detach())
         out[fqn] = layout
     return out
 
@@ -87,10 +92,6 @@ def holds_unique(pm, layout) -> bool:
 def optimizer_params(pm, optimizer):
     """(fqn, the tensor optimizer.state is keyed by, its state's layout) per parameter: the
     parameter (zero=0) or its ZeRO-1 row shard (checkpoint/zero_state.py)."""
-    if pm.engine.mesh.ep > 1 and pm.manifest.plan.zero:
-        # an expert's ZeRO rows would be rows of its ep rows (RowsOf of RowsOf): not written yet
-        raise PlanError(f"checkpoints of ep={pm.engine.mesh.ep} with zero={pm.manifest.plan.zero} are not "
-                        "supported yet: train with zero=0 under ep to save or load optimizer state")
     from threefold.checkpoint.zero_state import optimizer_params as params
     return params(pm, optimizer, layout_of)
 

@@ -72,6 +72,24 @@ class RowsOf(Sharded):
         return [ChunkStorageMetadata(offsets=offs, sizes=sizes) for offs, sizes, _ in self._chunks]
 
 
+def rows_within(layout: Sharded, start: int, count: int, local: torch.Tensor) -> RowsOf:
+    """Rows [start, start + count) of `layout`'s local tensor, as pieces of the full tensor.
+    An ep expert layout is itself a row range of the full tensor (`rows_base`: the tp layout
+    and the first global row), so ZeRO's rows of it are rows of that range: one RowsOf of
+    the tp layout, offset by the ep rows' start."""
+    base = getattr(layout, "rows_base", None)
+    if base is not None:
+        tp_layout, first = base
+        return RowsOf(tp_layout, first + start, count, local)
+    return RowsOf(layout, start, count, local)
+
+
+def shape_only(p: torch.Tensor) -> torch.Tensor:
+    """A stand-in for a parameter whose layout is wanted but whose data is not read (zero=3
+    frees parameters between uses; only the layout's pieces and shape are used)."""
+    return torch.empty(p.shape, dtype=p.dtype, device="meta")
+
+
 def row_shards(optimizer):
     """The ZeRO-1 optimizer's RowShards by FQN (through wrappers such as fp16's), or None."""
     seen = 0
@@ -85,7 +103,8 @@ def row_shards(optimizer):
 
 def optimizer_params(pm, optimizer, layout_of):
     """(fqn, the tensor the optimizer keys its state by, layout(state tensor) -> Sharded)
-    for each trainable parameter: the parameter itself (zero=0) or its row shard (zero=1)."""
+    for each trainable parameter: the parameter itself (zero=0) or its row shard (zero>=1;
+    under ep an expert's row shard is rows of its ep rows: `rows_within`)."""
     shards = row_shards(optimizer)
     if shards is None:
         for fqn, p in pm.engine.params.items():
@@ -93,5 +112,5 @@ def optimizer_params(pm, optimizer, layout_of):
         return
     for fqn, s in shards.items():
         def layout(t, fqn=fqn, s=s):
-            return RowsOf(layout_of(pm, fqn, s.param.detach()), s.start, s.count, t)
+            return rows_within(layout_of(pm, fqn, shape_only(s.param)), s.start, s.count, t)
         yield fqn, s.shard, layout

@@ -105,6 +105,11 @@ def _val(n):
     return n.meta.get("val") if isinstance(n, fx.Node) else None
 
 
+def expert_regions(graph: fx.Graph) -> list[dict]:
+    """The expert regions ep could run in any graph (the planner reads a traced SPEC's)."""
+    return _regions(graph, strict=False)
+
+
 def _regions(graph: fx.Graph, strict: bool) -> list[dict]:
     """The graph's expert regions. Without ep (strict=False) a region that ep could not run
     is simply not one: the ops stay inline, as traced."""

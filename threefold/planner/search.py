@@ -74,8 +74,10 @@ def legal_configs(model: ModelCost, batch: int, gpus: int, cluster: Cluster,
                         for zero in ((1, 2, 3) if dp > 1 and cp == 1 else ()):   # ZeRO: what is sharded over dp
                             if where.admits(plan.replace(zero=zero), b):
                                 yield Config(plan.replace(zero=zero), batch)
-                        for ep in _ep_degrees(model, dp):   # experts over dp ranks (zero<=1: runtime)
-                            for zero in ((0, 1) if dp > ep else (0,)):   # zero=1 shards over dp/ep
+                        # experts over dp ranks; ZeRO shards over dp/ep (the runtime refuses ep
+                        # with recompute: an expert region inside a recomputed segment)
+                        for ep in (_ep_degrees(model, dp) if not recompute else ()):
+                            for zero in ((0, 1, 2, 3) if dp > ep else (0,)):
                                 if where.admits(plan.replace(ep=ep, zero=zero), b):
                                     yield Config(plan.replace(ep=ep, zero=zero), batch)
 

@@ -97,6 +97,11 @@ def model_cost_from_program(traced: Program, inputs: tuple, name: str) -> ModelC
         return out
 
     layer_params, pre_params, post_params = (params_of(groups[k]) for k in ("block0", "pre", "post"))
+    # a mixture of experts in block 0 (planner/spec_moe.py): its experts are priced by
+    # planner/moe.py (E/ep per rank, GEMMs and all-to-alls), not as the block's own ops
+    from threefold.planner.spec_moe import block_moe
+    moe, expert_fqns, expert_nodes = block_moe(traced, block0, tokens)
+    layer_params = {f: p for f, p in layer_params.items() if f not in expert_fqns}
     tied = {f for group in traced.ties.values() for f in group} | set(traced.ties)
     tied_embedding = any(f in tied for f in pre_params) and any(f in tied for f in post_params)
     untied_post = {f: p for f, p in post_params.items() if f not in tied}
@@ -122,10 +127,10 @@ def model_cost_from_program(traced: Program, inputs: tuple, name: str) -> ModelC
     sel_split, sel_repl = kept_graph.per_token([n.name for n in block0_all], selective)
     post_split, post_repl = kept_graph.per_token([n.name for n in local["post"]])
     rerun = {name for seg in selective for name in seg}
-    return ModelCost(
+    cost = ModelCost(
         name=name, layers=len(indices), seq_len=seq,
         layer_ops=tuple(dataclasses.replace(op, selective=True) if n.name in rerun else op
-                        for n in local["block0"] if (op := costing.op(n)) is not None),
+                        for n in local["block0"] if n.name not in expert_nodes and (op := costing.op(n)) is not None),
         pre_ops=costing.ops(local["pre"]),
         post_ops=costing.ops(local["post"]),
         layer_params=float(sum(p.numel() for p in layer_params.values())),
@@ -141,6 +146,14 @@ def model_cost_from_program(traced: Program, inputs: tuple, name: str) -> ModelC
         post_act=post_split + post_repl,
         tp_divides=tuple(sorted(divides)),
     )
+    if moe is None:
+        return cost
+    expert_flops = 2 * 3 * moe.hidden * moe.ffn * moe.top_k   # per token per layer, forward
+
+    def flops(batch: int, recompute: bool) -> float:
+        return (cost.flops_per_iteration(batch, recompute)
+                + batch * seq * cost.layers * expert_flops * (4 if recompute else 3))
+    return dataclasses.replace(cost, moe=moe, flops_per_iteration_fn=flops)
 
 
 def _layer(node: fx.Node, pattern: re.Pattern) -> int | None:

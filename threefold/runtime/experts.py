@@ -57,9 +57,12 @@ def run_experts(fn, num_experts: int, offs: torch.Tensor, rows: tuple, weights: 
     counts = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))
     total = int(offs[-1]) if len(offs) else 0
     n_rows = rows[0].shape[0] if rows else 0
-    if total != n_rows:
-        raise RuntimeError(f"expert region: offsets cover {total} rows of {n_rows}; rows past the last "
-                           "expert are not supported under ep")
+    if total > n_rows:
+        raise RuntimeError(f"expert region: offsets cover {total} rows but only {n_rows} arrived")
+    if total < n_rows:   # dropped rows (capacity, Hugging Face's EP sentinel) sort past the last expert
+        kept = run_experts(fn, num_experts, offs, tuple(x[:total] for x in rows), weights, others, group)
+        return tuple(torch.cat([k, d]) for k, d in zip(kept, _past_last_expert(fn, offs[:local], rows, total,
+                                                                               weights, others)))
     send = counts.view(ep, local).contiguous()
     recv = torch.empty_like(send)
     comm.all_to_all(recv, send, [1] * ep, [1] * ep, group, "tokens per expert")
@@ -71,6 +74,16 @@ def run_experts(fn, num_experts: int, offs: torch.Tensor, rows: tuple, weights: 
     outs = fn(local_offs, *there, *weights, *others)
     inverse = torch.argsort(perm)
     return tuple(_AllToAll.apply(y[inverse], send_splits, recv_splits, group, "expert outputs") for y in outs)
+
+
+def _past_last_expert(fn, offs, rows: tuple, total: int, weights: tuple, others: tuple) -> tuple:
+    """The region's outputs for rows past the last expert's offset, on the token's own rank:
+    the method run on those rows alone with this rank's experts and every offset 0 (`offs`
+    is E/ep long), so every row is past the last expert, as in one process. Exact when the
+    grouped op gives such rows a value that does not depend on the weights (zeros: grouped
+    matmuls give no expert's product to a row no expert owns)."""
+    none = torch.zeros_like(offs)
+    return fn(none, *(x[total:] for x in rows), *weights, *others)
 
 
 def _by_expert(recv: torch.Tensor) -> torch.Tensor:

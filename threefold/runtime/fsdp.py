@@ -66,6 +66,13 @@ class ShardedParams:
         self.group = groups.of("dp_shard")          # all-gathers
         self.rs_group = groups.of("dp_shard#rs")    # reduce-scatters, in their own order
         self.replicate_group = groups.of("dp_replicate")
+        # ep: dp_shard is inside edp (the ranks holding the same experts), so a dense row's
+        # other contributions sit on the ep ranks with the same dp_shard coordinate (same row
+        # range, other tokens): summed over `ep_group` after the reduce-scatter. Expert rows
+        # differ per ep rank and are complete once summed over dp_shard and the replicas.
+        ep = mesh.ep > 1
+        self.ep_group = groups.of("ep") if ep else None
+        self.experts = frozenset(engine.manifest.get("experts") or {}) if ep else frozenset()
         trainable = dict(engine.named_parameters())
         own = self.zero >= 3   # the shard keeps its own storage: the parameter's is freed
         self.rows: dict[str, RowShard] = {f: split_rows(f, p, self.d, coord.dp_shard, own=own)
@@ -99,6 +106,9 @@ class ShardedParams:
         for s in u.shards:
             mine[off:off + s.count * s.width].copy_(s.shard.detach().reshape(-1))
             off += s.per * s.width
+        if self.group is None:   # one dp_shard rank (HSDP with dp_shard = ep): the shard is whole
+            u.pending = (None, mine.view(1, u.span))
+            return
         every = torch.empty(self.d, u.span, dtype=dtype, device=mine.device)
         work = all_gather_flat(every.view(-1), mine, self.group, f"parameters of {u.name}", async_op=True)
         u.pending = (work, every)
@@ -109,7 +119,8 @@ class ShardedParams:
         if u.pending is None:
             self._start_gather(u)
         work, every = u.pending
-        comm.wait(work, f"the all-gather of {u.name}'s parameters", self.group)
+        if work is not None:
+            comm.wait(work, f"the all-gather of {u.name}'s parameters", self.group)
         off = 0
         with torch.no_grad():
             for s in u.shards:
@@ -285,6 +296,8 @@ class ShardedParams:
                 continue
             if self.replicate_group is not None:
                 comm.all_reduce(g, self.replicate_group, f"gradient shard of {s.fqn} over replicas")
+            if self.ep_group is not None and s.fqn not in self.experts:
+                comm.all_reduce(g, self.ep_group, f"dense gradient shard of {s.fqn} over ep ranks")
             g.mul_(self.scale)
 
     def end_step(self) -> None:
@@ -294,7 +307,8 @@ class ShardedParams:
         for units in self.units.values():
             for u in units:
                 if u.pending is not None:
-                    comm.wait(u.pending[0], f"the all-gather of {u.name}'s parameters", self.group)
+                    if u.pending[0] is not None:
+                        comm.wait(u.pending[0], f"the all-gather of {u.name}'s parameters", self.group)
                     u.pending = None
                 if u.index > 0:
                     self._free_unit(u)
