@@ -96,3 +96,17 @@ def ignore_index_parity(plan: str, steps: int = 3) -> list[float]:
     w = ignore_index_workload()
     pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
     return parallel_sgd_losses(pm, w, steps)
+
+
+def mask_parity(modes: list, plan: str, steps: int = 3) -> list[list[float]]:
+    """Each masked-attention model (tests/cp_mask_models.py) under `plan`: SGD losses."""
+    import threefold
+    from tests.cp_mask_models import masked_workload
+    from tests.parity import parallel_sgd_losses
+    torch.set_num_threads(1)
+    out = []
+    for mode in modes:
+        w = masked_workload(mode)
+        pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
+        out.append(parallel_sgd_losses(pm, w, steps))
+    return out

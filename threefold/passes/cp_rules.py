@@ -116,6 +116,10 @@ def _rule(node: fx.Node, state: dict, stage):
         _fail(node, stage, "reads a partial (per-rank) loss sum")
     if name == "ring_attention":
         return Seq(out.dim() - 2)
+    if name == "key_bias":   # a key-side padding mask: split along its last (key) dim
+        if any(_st(state, a) != Seq(_val(a).dim() - 1) for a in node.all_input_nodes):
+            _fail(node, stage, "takes a mask that is not split along its key dim")
+        return Seq(out.dim() - 1)
     if name == "causal_conv1d":
         if s0 is None or s0.dim != _val(first).dim() - 1:
             _fail(node, stage, "convolves along a dim that is not the sequence")
