@@ -110,3 +110,17 @@ def mask_parity(modes: list, plan: str, steps: int = 3) -> list[list[float]]:
         pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
         out.append(parallel_sgd_losses(pm, w, steps))
     return out
+
+
+def mixing_parity(modes: list, plan: str, steps: int = 3) -> list[list[float]]:
+    """Each all-gather-fallback model (tests/cp_mask_models.Mixing) under `plan`: SGD losses."""
+    import threefold
+    from tests.cp_mask_models import mixing_workload
+    from tests.parity import parallel_sgd_losses
+    torch.set_num_threads(1)
+    out = []
+    for mode in modes:
+        w = mixing_workload(mode)
+        pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
+        out.append(parallel_sgd_losses(pm, w, steps))
+    return out

@@ -63,3 +63,34 @@ def masked_workload(mode: str, seq: int = 16, batch: int = 4) -> dict:
         mask[3, 5:] = 0
         inputs += (mask,)
     return {"model": model, "inputs": inputs, "target": idx[:, 1:], "loss_fn": lm_loss}
+
+
+class Mixing(nn.Module):
+    """Ops with no ring form that take the all-gather fallback: `mode` cumsum (a running mean
+    over time added to each position), conv (a non-causal conv1d over time), pool (mean over
+    the sequence -> a classifier: the target has no sequence dim)."""
+
+    def __init__(self, mode: str, vocab: int = 32, width: int = 16):
+        super().__init__()
+        self.mode = mode
+        self.emb, self.mix, self.head = nn.Embedding(vocab, width), nn.Linear(width, width), nn.Linear(width, vocab)
+        self.conv = nn.Conv1d(width, width, 3, padding=1)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        if self.mode == "cumsum":
+            x = x + torch.tanh(self.mix(torch.cumsum(x, dim=1)))
+        elif self.mode == "conv":
+            x = x + self.conv(x.transpose(1, 2)).transpose(1, 2)
+        else:
+            x = self.mix(x).mean(dim=1)
+        return self.head(x)
+
+
+def mixing_workload(mode: str, seq: int = 16, batch: int = 4) -> dict:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 32, (batch, seq + 1), generator=g)
+    target = idx[:, 0] if mode == "pool" else idx[:, 1:]
+    return {"model": Mixing(mode), "inputs": (idx[:, :-1],), "target": target,
+            "loss_fn": (lambda y, t: F.cross_entropy(y, t)) if mode == "pool" else lm_loss}

@@ -89,10 +89,10 @@ def _sdpa_padding(m, x, pad):
 
 
 @pytest.mark.parametrize("op,words", [
-    (lambda m, x: torch.cumsum(x, dim=1), "cumsum at"),
+    (lambda m, x: torch.cumsum(x, dim=1), "cumsum at <top> mixes sequence positions"),
     (lambda m, x: x + m.table[: x.shape[1]], "varies per position"),
-    (lambda m, x: m.same(x.transpose(1, 2)).transpose(1, 2), "conv1d at same has no context-parallel rule"),
-    (lambda m, x: x - x.mean(dim=1, keepdim=True), "reduces along the sequence"),
+    (lambda m, x: m.same(x.transpose(1, 2)).transpose(1, 2), "conv1d at same mixes sequence positions"),
+    (lambda m, x: x - x.mean(dim=1, keepdim=True), "mean at <top> mixes sequence positions"),
     (_sdpa_padding, "not key-side"),
 ])
 def test_ops_that_mix_positions_are_refused_in_one_line(op, words):
@@ -100,8 +100,8 @@ def test_ops_that_mix_positions_are_refused_in_one_line(op, words):
     idx = torch.randint(0, 32, (2, 9), generator=g)
     inputs = (idx[:, :-1],) + ((torch.ones(2, 8),) if op is _sdpa_padding else ())
     w = {"model": _Emb(op), "inputs": inputs, "target": idx[:, 1:], "loss_fn": _lm}
-    with pytest.raises(threefold.PlanError, match=words) as err:
-        compile_workload(w, "cp=2")
+    with pytest.raises(threefold.PlanError, match=words) as err:   # strict: no all-gather fallback
+        compile_workload(w, "cp=2,strict=true")
     assert "\n" not in str(err.value) and "cp=1" in str(err.value)
 
 

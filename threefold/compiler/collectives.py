@@ -64,6 +64,10 @@ def ring_sends(gm, cp: int) -> list[tuple[str, str, int, int]]:
             out.append(("ring_send", "backward", kv, (cp - 1) + cp))
             if kb:   # the key-side mask travels with its keys in backward too (no gradient)
                 out.append(("ring_send", "backward", kb, cp - 1))
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "gather_seq":
+            local = meta_of(node.args[0]).numel   # the all-gather fallback (runtime/cp_gather.py)
+            out.append(("all_gather", "forward", local, 1))
+            out.append(("reduce_scatter", "backward", local, 1))
     return out
 
 

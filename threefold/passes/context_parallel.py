@@ -49,13 +49,18 @@ def context_parallel(stage: Sharded) -> Sharded:
     rings = _rewrite_attention(gm, stage, n)
     convs = _causal_convolutions(gm, stage, n)
     moved = _global_positions(gm, n)
-    check_sequence(gm, stage)
+    fallbacks: list = []
+    check_sequence(gm, stage, fallbacks)
     gm.graph.lint()
     gm.recompile()
     note = (f"cp={stage.plan.cp}: {rings} attention op(s) run as ring attention over the cp group; "
             f"{moved} sequence arange(s) give global positions; {convs} causal conv1d(s) exchange halos; "
             "sequence split in blocks r, 2cp-1-r")
-    return stage.evolve(gm=gm, notes=stage.notes + (note,))
+    m = stage.plan.microbatches
+    notes = tuple(f"cp fallback: {f['op']} ({f['node']}) at {f['module']} mixes sequence positions: the sequence "
+                  f"is all-gathered around it, {2 * m * f['bytes']} bytes per rank per step (all-gather forward, "
+                  f"reduce-scatter backward; strict=true refuses it)" for f in fallbacks)
+    return stage.evolve(gm=gm, notes=stage.notes + (note,) + notes)
 
 
 # -- attention -----------------------------------------------------------------------------

@@ -42,9 +42,12 @@ def _val(x):
     return x.meta.get("val") if isinstance(x, fx.Node) else None
 
 
-def check_sequence(gm: fx.GraphModule, stage) -> dict:
-    """Every node's sequence placement (name -> Seq | PARTIAL | None); a PlanError where an
-    op would mix positions."""
+def check_sequence(gm: fx.GraphModule, stage, fallbacks: list | None = None) -> dict:
+    """Every node's sequence placement (name -> Seq | PARTIAL | None); an op that would mix
+    positions runs on the all-gathered sequence (passes/cp_fallback.py, appended to
+    `fallbacks`) where its family allows, else a PlanError."""
+    from threefold.passes.cp_fallback import gather_around
+    fallbacks = [] if fallbacks is None else fallbacks
     seq_dims = stage.seq_dims or []
     state: dict = {}
     for node in gm.graph.nodes:
@@ -59,10 +62,16 @@ def check_sequence(gm: fx.GraphModule, stage) -> dict:
                     _fail(node, stage, "the loss is not reduced over the sequence")
         elif node.op == "call_function":
             ins = [state.get(a) for a in node.all_input_nodes]
+            if op_name(node) == "shard_seq":   # the all-gather fallback's cut back to this rank's blocks
+                state[node] = Seq(node.args[1])
+                continue
             if all(s is None for s in ins):
                 state[node] = None if op_name(node) != "positions" else Seq(0)
                 continue
-            state[node] = _rule(node, state, stage)
+            try:
+                state[node] = _rule(node, state, stage)
+            except PlanError as exc:
+                state[node] = gather_around(node, state, stage, str(exc), fallbacks, op_name(node), Seq)
     return {n.name: s for n, s in state.items()}
 
 
