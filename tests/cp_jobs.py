@@ -124,3 +124,15 @@ def mixing_parity(modes: list, plan: str, steps: int = 3) -> list[list[float]]:
         pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
         out.append(parallel_sgd_losses(pm, w, steps))
     return out
+
+
+def grad_norm_after_one_step(factory: str, kwargs: dict, plan: str) -> float:
+    """The global gradient norm after one step (cp ranks must not count their shared
+    parameters twice)."""
+    import threefold
+    from tests.parity import load_workload
+    torch.set_num_threads(1)
+    w = load_workload(factory, **kwargs)
+    pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
+    pm.step(*w["inputs"], target=w["target"])
+    return pm.clip_grad_norm_()

@@ -37,8 +37,7 @@ def test_plan_and_mesh_place_cp_between_dp_and_tp():
     assert Mesh(tp=2).cp == 1
 
 
-@pytest.mark.parametrize("text,words", [("cp=2,tp=2,sp=true", "sp=true"), ("cp=2,dp=2,zero=1", "zero=1"),
-                                        ("cp=0", "positive")])
+@pytest.mark.parametrize("text,words", [("cp=2,tp=2,sp=true", "sp=true"), ("cp=0", "positive")])
 def test_plan_refuses_what_cp_does_not_support(text, words):
     with pytest.raises(threefold.PlanError, match=words):
         Plan.parse(text)
@@ -166,6 +165,24 @@ def _check(world, cases):
 @pytest.mark.timeout(600)
 def test_cp2_matches_one_process_on_gpt_and_llama():
     _check(2, [GPT + ("cp=2",), LLAMA + ("cp=2",)])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cp2_with_dp2_zero3_matches_one_process():
+    """ZeRO's shards are reduced over the cp ranks too (they hold the same rows)."""
+    _check(4, [GPT + ("cp=2,dp=2,zero=3",)])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_gradient_norm_under_cp_counts_each_parameter_once():
+    from tests.cp_jobs import grad_norm_after_one_step
+    w = load_workload(*GPT[:1], **GPT[1])
+    w["loss_fn"](w["model"](*w["inputs"]), w["target"]).backward()
+    ref = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in w["model"].parameters() if p.grad is not None))
+    for norm in launch(grad_norm_after_one_step, 2, GPT[0], GPT[1], "cp=2", timeout=250):
+        assert abs(norm - ref.item()) / ref.item() < 1e-5, (norm, ref.item())
 
 
 @pytest.mark.slow

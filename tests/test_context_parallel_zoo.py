@@ -103,3 +103,11 @@ def test_opt_learned_positions_from_a_cumsum_are_refused():
     from threefold.compiler.api import compile_workload
     with pytest.raises(threefold.PlanError, match="varies per position"):
         compile_workload(causal_lm(arch="opt", seq=16), "cp=2")
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_cp2_with_zero1_and_zero2():
+    """ZeRO-1/2 shards are summed over the cp ranks too (zero=3 is in the default file)."""
+    _check(4, [GPT + ("cp=2,dp=2,zero=1",), LLAMA + ("cp=2,dp=2,zero=2",)])

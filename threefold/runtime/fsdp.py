@@ -66,6 +66,7 @@ class ShardedParams:
         self.group = groups.of("dp_shard")          # all-gathers
         self.rs_group = groups.of("dp_shard#rs")    # reduce-scatters, in their own order
         self.replicate_group = groups.of("dp_replicate")
+        self.cp_group = groups.of("cp")   # cp ranks hold the same rows, grads of other tokens
         trainable = dict(engine.named_parameters())
         own = self.zero >= 3   # the shard keeps its own storage: the parameter's is freed
         self.rows: dict[str, RowShard] = {f: split_rows(f, p, self.d, coord.dp_shard, own=own)
@@ -285,6 +286,8 @@ class ShardedParams:
                 continue
             if self.replicate_group is not None:
                 comm.all_reduce(g, self.replicate_group, f"gradient shard of {s.fqn} over replicas")
+            if self.cp_group is not None:
+                comm.all_reduce(g, self.cp_group, f"gradient shard of {s.fqn} over cp ranks")
             g.mul_(self.scale)
 
     def end_step(self) -> None:
