@@ -99,14 +99,15 @@ def ignore_index_parity(plan: str, steps: int = 3) -> list[float]:
 
 
 def mask_parity(modes: list, plan: str, steps: int = 3) -> list[list[float]]:
-    """Each masked-attention model (tests/cp_mask_models.py) under `plan`: SGD losses."""
+    """Each masked-attention model (tests/cp_mask_models.py; "hf_eager" / "hf_sdpa": HF Llama
+    with a padding attention_mask) under `plan`: SGD losses."""
     import threefold
-    from tests.cp_mask_models import masked_workload
+    from tests.cp_mask_models import hf_llama_padded, masked_workload
     from tests.parity import parallel_sgd_losses
     torch.set_num_threads(1)
     out = []
     for mode in modes:
-        w = masked_workload(mode)
+        w = hf_llama_padded(mode[len("hf_"):]) if mode.startswith("hf_") else masked_workload(mode)
         pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
         out.append(parallel_sgd_losses(pm, w, steps))
     return out

@@ -94,3 +94,24 @@ def mixing_workload(mode: str, seq: int = 16, batch: int = 4) -> dict:
     target = idx[:, 0] if mode == "pool" else idx[:, 1:]
     return {"model": Mixing(mode), "inputs": (idx[:, :-1],), "target": target,
             "loss_fn": (lambda y, t: F.cross_entropy(y, t)) if mode == "pool" else lm_loss}
+
+
+class _WithMask(nn.Module):
+    """An HF causal LM called with input_ids and attention_mask: its logits."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+
+def hf_llama_padded(attn: str = "eager", seq: int = 16, batch: int = 4) -> dict:
+    """HF Llama (examples/hf.py) with an attention_mask input, rows 1 and 3 right-padded."""
+    from examples.hf import llama
+    w = llama(n_layer=2, hidden=32, n_head=4, n_kv_head=2, intermediate=64, seq=seq, batch=batch, attn=attn)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[1, 11:] = 0
+    mask[3, 5:] = 0
+    return {**w, "model": _WithMask(w["model"].model), "inputs": w["inputs"] + (mask,)}

@@ -12,7 +12,7 @@ from threefold.codegen.artifact import build_sources
 from threefold.compiler.api import compile_workload
 from threefold.runtime.launch import launch
 from tests.cp_jobs import mask_parity
-from tests.cp_mask_models import MaskedAttention, masked_workload
+from tests.cp_mask_models import MaskedAttention, hf_llama_padded, masked_workload
 from tests.parity import max_rel_diff, sgd_losses
 
 MODES = ["pad_sdpa", "pad_hand", "alibi", "window"]
@@ -77,5 +77,24 @@ def test_masked_attention_cp2_matches_one_process():
     got = launch(mask_parity, 2, MODES, "cp=2", 3, timeout=550)
     for i, mode in enumerate(MODES):
         ref = sgd_losses(masked_workload(mode), 3)
+        for rank in got:
+            assert max_rel_diff(rank[i], ref) < 1e-5, (mode, rank[i], ref)
+
+
+def test_hf_llama_padding_mask_travels_with_the_keys():
+    """HF builds mask[batch_idx, kv_idx] & causal: the causal part is the ring's, the padding a
+    key-side bias; kv_idx stays this rank's local arange (the input holds its positions)."""
+    code = build_sources(compile_workload(hf_llama_padded("sdpa"), "cp=2"))["chunk00.py"]
+    code = code.split("def model_outputs")[0]
+    assert code.count("kbias=") == 2 and code.count("cp_ops.key_bias(") == 2 and "rel=" not in code
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_hf_llama_with_attention_mask_cp2_matches_one_process():
+    modes = ["hf_eager", "hf_sdpa"]
+    got = launch(mask_parity, 2, modes, "cp=2", 3, timeout=550)
+    for i, mode in enumerate(modes):
+        ref = sgd_losses(hf_llama_padded(mode[3:]), 3)
         for rank in got:
             assert max_rel_diff(rank[i], ref) < 1e-5, (mode, rank[i], ref)

@@ -100,6 +100,36 @@ def _rewrite_attention(gm: fx.GraphModule, stage, n: int) -> int:
     return count
 
 
+_INDEX_VIEWS = {"unsqueeze", "view", "reshape", "expand", "_to_copy", "to", "add", "sub"}
+
+
+def _indexes_an_input(arange: fx.Node) -> bool:
+    """The arange only indexes values that come from inputs (through views and + 0), as HF's
+    mask[batch_idx, kv_idx]: there it is the local identity, since the input holds this
+    rank's positions already; cp_rules checks the index op."""
+    stack, seen, found = [arange], set(), False
+    while stack:
+        x = stack.pop()
+        for u in x.users:
+            if u in seen or op_name(u) == "_assert_tensor_metadata":
+                continue
+            seen.add(u)
+            name = op_name(u)
+            if name == "index" and u.args[0] is not x and not _param_free_of_inputs(u.args[0]):
+                found = True
+            elif name in _INDEX_VIEWS and (name not in ("add", "sub") or u.args[1] == 0):
+                stack.append(u)
+            else:
+                return False
+    return found
+
+
+def _param_free_of_inputs(node) -> bool:
+    """Depends on no user input."""
+    from threefold.passes.cp_masks import _depends_on_none
+    return _depends_on_none(node, ("buffer", "param"))
+
+
 def _args(node: fx.Node) -> dict:
     """An ATen call's arguments by schema name (defaults filled in)."""
     out = {}
@@ -305,7 +335,7 @@ def _global_positions(gm: fx.GraphModule, n: int) -> int:
             start, end, step = args[0], args[1], args[2]
         else:
             continue
-        if (start, end, step) != (0, n, 1) or node.meta["val"].is_floating_point():
+        if (start, end, step) != (0, n, 1) or node.meta["val"].is_floating_point() or _indexes_an_input(node):
             continue
         kwargs = {k: v for k, v in node.kwargs.items() if k in ("dtype", "device")}
         with gm.graph.inserting_before(node):

@@ -118,11 +118,22 @@ def _leaves(m, kind: str, out: list) -> None:
     elif kind == "add" and name == "masked_fill" and isinstance(args[2], (int, float)) and args[2] <= _NEG:
         _leaves(args[0], "add", out)
         _leaves(args[1], "hidden", out)
-    elif kind == "add" and name == "where" and len(args) == 3 and args[1] == 0 and \
+    elif kind == "add" and name == "where" and len(args) == 3 and _is_zero(args[1]) and \
             isinstance(args[2], (int, float)) and args[2] <= _NEG:
         _leaves(args[0], "visible", out)
+    elif name in ("expand", "_to_copy", "to", "clone", "contiguous", "alias") and (
+            kind == "add" or m.meta["val"].dtype == torch.bool == args[0].meta["val"].dtype):
+        _leaves(args[0], kind, out)   # broadcasts and copies: the leaves broadcast the same way
     else:
         out.append((kind, m))
+
+
+def _is_zero(x) -> bool:
+    """0, or a free zero-dim node that is (HF writes torch.tensor(0.0) into where)."""
+    if isinstance(x, (int, float)):
+        return x == 0
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    return val is not None and val.dim() == 0 and op_name(x) in ("zeros", "zeros_like") and free(x)
 
 
 def _additive(fixed: list, is_causal: bool, stage, where: str, n: int, length: int) -> torch.Tensor:
