@@ -7,14 +7,15 @@ they treat positions independently. This pass rewrites the ones that are not and
 
 1. Attention becomes ring attention (runtime/cp_ops.ring_attention): the SDPA op, and the
    pattern written by hand, matmul(q, k^T) [* or / a constant] [+ mask | masked_fill(mask,
-   -inf)] -> softmax(-1) [-> cast, dropout(p=0)] -> matmul(., v). The mask must be a free
-   value (built from constants, buffers and aranges, no input) that, evaluated at the traced
-   length, is causal (lower triangular) or all-visible: the ring applies it over global
-   positions. Any other mask (padding from an input, ALiBi biases) is a PlanError.
+   -inf)]... -> softmax(-1) [-> cast, dropout(p=0)] -> matmul(., v). Masks (passes/cp_masks.py)
+   become what the ring recomputes per pair of blocks: a function of j - i (causal, sliding
+   window, ALiBi) from global positions, and a key-side padding bias that travels with K/V;
+   any other mask is a PlanError.
 2. `arange(n)` over the sequence becomes `cp_ops.positions(n)`: this rank's global positions,
    so learned position embeddings and rotary tables see where the tokens really are.
 3. Every op is checked by the sequence rules (passes/cp_rules.py): position-local ops keep
-   the sequence placement; one that mixes positions is a PlanError naming it.
+   the sequence placement; one that mixes positions runs on the all-gathered sequence
+   (passes/cp_fallback.py) where its family allows, else is a PlanError naming it.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from threefold.compiler.contracts import stage_pass
 from threefold.compiler.program import tf
 from threefold.compiler.stages import Sharded, copy_graph_module
 from threefold.errors import PlanError
-from threefold.passes.cp_masks import key_bias_val as _key_bias_val, param_free as _param_free, split_mask as _split_mask
+from threefold.passes.cp_masks import input_free, key_bias_val as _key_bias_val, param_free as _param_free, \
+    split_mask as _split_mask
 from threefold.passes.cp_rules import check_sequence, op_name
 from threefold.runtime import cp_ops
 from threefold.runtime.tp_ops import GroupRef
@@ -115,19 +117,13 @@ def _indexes_an_input(arange: fx.Node) -> bool:
                 continue
             seen.add(u)
             name = op_name(u)
-            if name == "index" and u.args[0] is not x and not _param_free_of_inputs(u.args[0]):
+            if name == "index" and u.args[0] is not x and not input_free(u.args[0]):
                 found = True
             elif name in _INDEX_VIEWS and (name not in ("add", "sub") or u.args[1] == 0):
                 stack.append(u)
             else:
                 return False
     return found
-
-
-def _param_free_of_inputs(node) -> bool:
-    """Depends on no user input."""
-    from threefold.passes.cp_masks import _depends_on_none
-    return _depends_on_none(node, ("buffer", "param"))
 
 
 def _args(node: fx.Node) -> dict:

@@ -45,6 +45,11 @@ def param_free(node) -> bool:
     return _depends_on_none(node, ("buffer", "input"))
 
 
+def input_free(node) -> bool:
+    """Depends on no user input (parameters, buffers, constants only)."""
+    return _depends_on_none(node, ("buffer", "param"))
+
+
 def _depends_on_none(node, allowed: tuple) -> bool:
     seen, stack = set(), [node]
     while stack:
