@@ -98,3 +98,35 @@ def test_hf_llama_with_attention_mask_cp2_matches_one_process():
         ref = sgd_losses(hf_llama_padded(mode[3:]), 3)
         for rank in got:
             assert max_rel_diff(rank[i], ref) < 1e-5, (mode, rank[i], ref)
+
+
+class _SplitHeads(torch.nn.Module):
+    """ALiBi with separate q/k/v projections, so tp shards the heads and slices the bias."""
+
+    def __init__(self, heads=2, width=16, vocab=32):
+        super().__init__()
+        self.heads = heads
+        self.emb, self.head = torch.nn.Embedding(vocab, width), torch.nn.Linear(width, vocab)
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(width, width) for _ in range(4))
+        self.register_buffer("slopes", torch.tensor([0.5, 0.25]))
+
+    def forward(self, idx):
+        b, t = idx.shape
+        x = self.emb(idx)
+        q, k, v = (m(x).view(b, t, self.heads, -1).transpose(1, 2) for m in (self.q, self.k, self.v))
+        i = torch.arange(t)
+        s = q @ k.transpose(-2, -1) * 0.35 + self.slopes[:, None, None] * (i[None, :] - i[:, None]).float()
+        s = s.masked_fill(~(i[None, :] <= i[:, None]), float("-inf"))
+        y = (torch.softmax(s, -1) @ v).transpose(1, 2).reshape(b, t, -1)
+        return self.head(x + self.o(y))
+
+
+def test_a_per_head_bias_sliced_over_tp_is_refused_not_guessed():
+    """One compile-time value cannot stand for every tp rank's slice of the heads."""
+    w = masked_workload("alibi")
+    torch.manual_seed(0)
+    w["model"] = _SplitHeads()
+    assert "rel=(None, 0, [0.5, 0.25]" in build_sources(compile_workload(w, "cp=2"))["chunk00.py"]
+    with pytest.raises(threefold.PlanError, match="split over tp ranks") as err:
+        compile_workload(w, "cp=2,tp=2")
+    assert "\n" not in str(err.value)

@@ -95,6 +95,10 @@ def split_mask(masks: list, is_causal: bool, stage, node: fx.Node, n: int):
     if not _same(local, whole[..., :n, :n]):
         raise PlanError(f"cp: the mask of {where} over the first s/cp positions differs from its corner over "
                         "the whole sequence (it depends on the length, not only on positions); use cp=1")
+    heads = tuple(node.meta["val"].shape[:-2])   # the scores' leading dims (batch, heads)
+    if len(lead) > len(heads) or torch.broadcast_shapes(tuple(lead), heads) != heads:
+        raise PlanError(f"cp: the mask of {where} has leading dims {tuple(lead)} that do not broadcast to "
+                        f"the attention's {heads}; use cp=1")
     lo, hi, slopes, intercepts = _fit(whole.reshape(-1, s, s), where)
     causal = hi is not None and hi <= 0
     if lo is None and hi in (0, None) and not any(slopes) and not any(intercepts):
@@ -149,6 +153,9 @@ def _additive(fixed: list, is_causal: bool, stage, where: str, n: int, length: i
     for kind, m in fixed:
         try:
             v = evaluate(m, stage, {n: length}) if isinstance(m, fx.Node) else torch.tensor(m)
+        except _PerRank as exc:
+            raise PlanError(f"cp: the mask of {where} is split over tp ranks ({exc}: a per-head bias with "
+                            "heads sharded); use tp=1 or cp=1") from None
         except Exception as exc:
             raise PlanError(f"cp: the mask of {where} cannot be evaluated at the whole sequence's length "
                             f"({type(exc).__name__}); use cp=1") from None
@@ -202,6 +209,10 @@ def _fit(m: torch.Tensor, where: str):
     return (None if lo == -(s - 1) else lo), (None if hi == s - 1 else hi), slopes, intercepts
 
 
+class _PerRank(Exception):
+    """The mask runs a collective op (tp): one value cannot stand for every rank."""
+
+
 def _snap(x: float) -> float:
     """x as the float32 it is within least-squares rounding of (the mask's own dtype, usually)."""
     f = float(torch.tensor(x, dtype=torch.float32))
@@ -243,6 +254,9 @@ def evaluate(node: fx.Node, stage, lengths: dict | None = None):
             return getattr(x.graph.owning_module, x.target)
         args = [value(a) for a in x.args]
         kwargs = {k: value(v) for k, v in x.kwargs.items()}
+        if any(type(a).__name__ == "GroupRef" for a in list(args) + list(kwargs.values())):
+            # a tp op (a per-rank slice of the mask): its value differs per tp rank
+            raise _PerRank(op_name(x))
         return x.target(*args, **kwargs)
     with torch.no_grad():
         return value(node)
