@@ -5,24 +5,33 @@ import torch
 import torch.distributed as dist
 
 
-def ring_vs_full(cp: int, causal: bool, seed: int = 0) -> dict:
+def ring_vs_full(cp: int, causal: bool, seed: int = 0, masked: bool = False) -> dict:
     """Ring attention on this rank's blocks vs full attention on the whole sequence:
-    the max abs difference of the output and of dq, dk, dv on this rank's rows."""
-    from threefold.runtime.cp_ops import local_blocks, ring_attention
+    the max abs difference of the output and of dq, dk, dv on this rank's rows. `masked`:
+    with a window + ALiBi bias (rel) and a key-side padding bias (kbias) as well."""
+    from threefold.runtime.cp_ops import local_blocks, relative_bias, ring_attention
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(2, 3, 8 * cp, 5, generator=g, dtype=torch.float64) for _ in range(3))
-    dout = torch.randn(2, 3, 8 * cp, 5, generator=g, dtype=torch.float64)
+    s_len = 8 * cp
+    q, k, v = (torch.randn(2, 3, s_len, 5, generator=g, dtype=torch.float64) for _ in range(3))
+    dout = torch.randn(2, 3, s_len, 5, generator=g, dtype=torch.float64)
     r = dist.get_rank()
     group = dist.new_group(list(range(cp)))
+    rel = (-5, 0 if causal else 3, [0.5, 0.25, 0.125], [0.0, 0.1, 0.0], (3,)) if masked else None
+    kbias = torch.zeros(2, 1, 1, s_len, dtype=torch.float64)
+    kbias[1, ..., s_len - 3:] = float("-inf")            # row 1: its last 3 keys are padding
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     s = full[0] @ full[1].transpose(-2, -1) * 0.3
+    if masked:
+        pos = torch.arange(s_len)
+        s = s + relative_bias(pos, pos, rel, torch.float64) + kbias
     if causal:
-        s = s.masked_fill(~torch.tril(torch.ones(8 * cp, 8 * cp, dtype=torch.bool)), float("-inf"))
+        s = s.masked_fill(~torch.tril(torch.ones(s_len, s_len, dtype=torch.bool)), float("-inf"))
     ref = torch.softmax(s, -1) @ full[2]
     ref.backward(dout)
     local = [local_blocks(t, 2, cp, r).clone().requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*local, 0.3, causal, group, ranks=cp)
+    extra = {"rel": rel, "kbias": local_blocks(kbias, 3, cp, r)} if masked else {}
+    out = ring_attention(*local, 0.3, causal, group, ranks=cp, **extra)
     out.backward(local_blocks(dout, 2, cp, r))
     diffs = {"out": (out - local_blocks(ref, 2, cp, r)).abs().max().item()}
     for name, a, b in zip("qkv", local, full):
@@ -31,8 +40,9 @@ def ring_vs_full(cp: int, causal: bool, seed: int = 0) -> dict:
 
 
 def ring_checks(cp: int) -> list[dict]:
-    """ring_vs_full, causal and not."""
-    return [ring_vs_full(cp, True), ring_vs_full(cp, False, seed=1)]
+    """ring_vs_full, causal and not, plain and masked (window + ALiBi + key padding)."""
+    return [ring_vs_full(cp, True), ring_vs_full(cp, False, seed=1),
+            ring_vs_full(cp, True, seed=2, masked=True), ring_vs_full(cp, False, seed=3, masked=True)]
 
 
 def parity_cases(cases: list, steps: int) -> list[list[float]]:
@@ -96,3 +106,44 @@ def ignore_index_parity(plan: str, steps: int = 3) -> list[float]:
     w = ignore_index_workload()
     pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
     return parallel_sgd_losses(pm, w, steps)
+
+
+def mask_parity(modes: list, plan: str, steps: int = 3) -> list[list[float]]:
+    """Each masked-attention model (tests/cp_mask_models.py; "hf_eager" / "hf_sdpa": HF Llama
+    with a padding attention_mask) under `plan`: SGD losses."""
+    import threefold
+    from tests.cp_mask_models import hf_llama_padded, masked_workload
+    from tests.parity import parallel_sgd_losses
+    torch.set_num_threads(1)
+    out = []
+    for mode in modes:
+        w = hf_llama_padded(mode[len("hf_"):]) if mode.startswith("hf_") else masked_workload(mode)
+        pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
+        out.append(parallel_sgd_losses(pm, w, steps))
+    return out
+
+
+def mixing_parity(modes: list, plan: str, steps: int = 3) -> list[list[float]]:
+    """Each all-gather-fallback model (tests/cp_mask_models.Mixing) under `plan`: SGD losses."""
+    import threefold
+    from tests.cp_mask_models import mixing_workload
+    from tests.parity import parallel_sgd_losses
+    torch.set_num_threads(1)
+    out = []
+    for mode in modes:
+        w = mixing_workload(mode)
+        pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
+        out.append(parallel_sgd_losses(pm, w, steps))
+    return out
+
+
+def grad_norm_after_one_step(factory: str, kwargs: dict, plan: str) -> float:
+    """The global gradient norm after one step (cp ranks must not count their shared
+    parameters twice)."""
+    import threefold
+    from tests.parity import load_workload
+    torch.set_num_threads(1)
+    w = load_workload(factory, **kwargs)
+    pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
+    pm.step(*w["inputs"], target=w["target"])
+    return pm.clip_grad_norm_()

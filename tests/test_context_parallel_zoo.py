@@ -103,3 +103,28 @@ def test_opt_learned_positions_from_a_cumsum_are_refused():
     from threefold.compiler.api import compile_workload
     with pytest.raises(threefold.PlanError, match="varies per position"):
         compile_workload(causal_lm(arch="opt", seq=16), "cp=2")
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_cp2_with_zero1_and_zero2():
+    """ZeRO-1/2 shards are summed over the cp ranks too (zero=3 is in the default file)."""
+    _check(4, [GPT + ("cp=2,dp=2,zero=1",), LLAMA + ("cp=2,dp=2,zero=2",)])
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_masks_and_all_gather_fallback_at_cp4():
+    """Padding, ALiBi and sliding-window masks, and the all-gather fallback, on a ring of 4."""
+    from tests.cp_jobs import mask_parity, mixing_parity
+    from tests.cp_mask_models import masked_workload, mixing_workload
+    from tests.parity import max_rel_diff, sgd_losses
+    masks, mixing = ["pad_sdpa", "pad_hand", "alibi", "window"], ["cumsum", "conv", "pool"]
+    for job, modes, make in ((mask_parity, masks, masked_workload), (mixing_parity, mixing, mixing_workload)):
+        got = launch(job, 4, modes, "cp=4", 3, timeout=550)
+        for i, mode in enumerate(modes):
+            ref = sgd_losses(make(mode), 3)
+            for rank in got:
+                assert max_rel_diff(rank[i], ref) < 1e-5, (mode, rank[i], ref)

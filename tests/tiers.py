@@ -70,6 +70,9 @@ DEFAULT_SAMPLE = [
     # expert parallelism
     "tests/test_expert_parallel.py::test_ep2_trains_like_one_process_with_half_the_experts_per_rank",
     "tests/test_ep_fsdp.py::test_ep2_zero2_zero3_train_like_one_process_with_sharded_bytes",
+    # context parallelism: ring attention with masks, the all-gather fallback (cp=2)
+    "tests/test_cp_masks.py::test_masked_attention_cp2_matches_one_process",
+    "tests/test_cp_fallback.py::test_fallback_cp2_matches_one_process",
     # the zoo's representative sample (the full matrices are `-m zoo`)
     "tests/test_zoo.py::test_zoo_sample_matches_single_process[llama-tp=2]",
     "tests/test_zoo.py::test_zoo_sample_matches_single_process[hw_nanogpt-pp=2,m=2]",

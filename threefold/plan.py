@@ -98,9 +98,6 @@ class Plan:
         if self.cp > 1 and self.sp:
             raise PlanError("plan cp>1 with sp=true is not supported yet: both shard the sequence; "
                             "drop sp=true (cp already splits every activation along the sequence)")
-        if self.cp > 1 and self.zero >= 1:
-            raise PlanError(f"plan cp={self.cp} with zero={self.zero} is not supported yet: ZeRO reduces "
-                            "gradients over dp only and cp ranks hold different tokens; use zero=0 with cp")
         if isinstance(self.recompute, bool):
             object.__setattr__(self, "recompute", "full" if self.recompute else "none")
         for name, allowed in (("loss", LOSS_MODES), ("batchnorm", BATCHNORM_MODES),

@@ -51,16 +51,23 @@ def chunk_collectives(prog) -> list[list[dict]]:
 
 def ring_sends(gm, cp: int) -> list[tuple[str, str, int, int]]:
     """Each ring attention's sends per rank and microbatch (runtime/cp_ops.py): its K and V
-    blocks go cp-1 hops in forward; in backward K and V again (cp-1 hops) and the dK, dV
-    accumulators, the same size, cp hops (the last brings each rank its own)."""
+    blocks (and a key-side mask) go cp-1 hops in forward; in backward the same again (cp-1
+    hops) and the dK, dV accumulators, cp hops (the last brings each rank its own)."""
     out = []
     if cp == 1:
         return out
     for node in gm.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "__name__", "") == "ring_attention":
             kv = meta_of(node.args[1]).numel + meta_of(node.args[2]).numel
-            out.append(("ring_send", "forward", kv, cp - 1))
+            kb = meta_of(node.kwargs["kbias"]).numel if node.kwargs.get("kbias") is not None else 0
+            out.append(("ring_send", "forward", kv + kb, cp - 1))
             out.append(("ring_send", "backward", kv, (cp - 1) + cp))
+            if kb:   # the key-side mask travels with its keys in backward too (no gradient)
+                out.append(("ring_send", "backward", kb, cp - 1))
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "gather_seq":
+            local = meta_of(node.args[0]).numel   # the all-gather fallback (runtime/cp_gather.py)
+            out.append(("all_gather", "forward", local, 1))
+            out.append(("reduce_scatter", "backward", local, 1))
     return out
 
 

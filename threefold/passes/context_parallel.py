@@ -7,14 +7,15 @@ they treat positions independently. This pass rewrites the ones that are not and
 
 1. Attention becomes ring attention (runtime/cp_ops.ring_attention): the SDPA op, and the
    pattern written by hand, matmul(q, k^T) [* or / a constant] [+ mask | masked_fill(mask,
-   -inf)] -> softmax(-1) [-> cast, dropout(p=0)] -> matmul(., v). The mask must be a free
-   value (built from constants, buffers and aranges, no input) that, evaluated at the traced
-   length, is causal (lower triangular) or all-visible: the ring applies it over global
-   positions. Any other mask (padding from an input, ALiBi biases) is a PlanError.
+   -inf)]... -> softmax(-1) [-> cast, dropout(p=0)] -> matmul(., v). Masks (passes/cp_masks.py)
+   become what the ring recomputes per pair of blocks: a function of j - i (causal, sliding
+   window, ALiBi) from global positions, and a key-side padding bias that travels with K/V;
+   any other mask is a PlanError.
 2. `arange(n)` over the sequence becomes `cp_ops.positions(n)`: this rank's global positions,
    so learned position embeddings and rotary tables see where the tokens really are.
 3. Every op is checked by the sequence rules (passes/cp_rules.py): position-local ops keep
-   the sequence placement; one that mixes positions is a PlanError naming it.
+   the sequence placement; one that mixes positions runs on the all-gathered sequence
+   (passes/cp_fallback.py) where its family allows, else is a PlanError naming it.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from threefold.compiler.contracts import stage_pass
 from threefold.compiler.program import tf
 from threefold.compiler.stages import Sharded, copy_graph_module
 from threefold.errors import PlanError
+from threefold.passes.cp_masks import input_free, key_bias_val as _key_bias_val, param_free as _param_free, \
+    split_mask as _split_mask
 from threefold.passes.cp_rules import check_sequence, op_name
 from threefold.runtime import cp_ops
 from threefold.runtime.tp_ops import GroupRef
@@ -48,13 +51,18 @@ def context_parallel(stage: Sharded) -> Sharded:
     rings = _rewrite_attention(gm, stage, n)
     convs = _causal_convolutions(gm, stage, n)
     moved = _global_positions(gm, n)
-    check_sequence(gm, stage)
+    fallbacks: list = []
+    check_sequence(gm, stage, fallbacks)
     gm.graph.lint()
     gm.recompile()
     note = (f"cp={stage.plan.cp}: {rings} attention op(s) run as ring attention over the cp group; "
             f"{moved} sequence arange(s) give global positions; {convs} causal conv1d(s) exchange halos; "
             "sequence split in blocks r, 2cp-1-r")
-    return stage.evolve(gm=gm, notes=stage.notes + (note,))
+    m = stage.plan.microbatches
+    notes = tuple(f"cp fallback: {f['op']} ({f['node']}) at {f['module']} mixes sequence positions: the sequence "
+                  f"is all-gathered around it, {2 * m * f['bytes']} bytes per rank per step (all-gather forward, "
+                  f"reduce-scatter backward; strict=true refuses it)" for f in fallbacks)
+    return stage.evolve(gm=gm, notes=stage.notes + (note,) + notes)
 
 
 # -- attention -----------------------------------------------------------------------------
@@ -73,18 +81,49 @@ def _rewrite_attention(gm: fx.GraphModule, stage, n: int) -> int:
             continue
         if found is None:
             continue
-        q, k, v, scale, mask, causal, last, dead = found
-        if mask is not None:
-            causal = _classify_mask(mask, stage, node) == "causal"
+        q, k, v, scale, masks, causal, last, dead = found
+        kwargs = {"ranks": stage.plan.cp}
+        if masks or causal:
+            causal, rel, keyside = _split_mask(masks, causal, stage, node, n)
+            if rel is not None:
+                kwargs["rel"] = rel
+            if keyside:
+                with gm.graph.inserting_before(last):
+                    kb = gm.graph.call_function(cp_ops.key_bias, ([p for _, p in keyside], [k_ for k_, _ in keyside]))
+                kb.meta = {"val": _key_bias_val(keyside), "tf": dict(tf(last))}
+                kwargs["kbias"] = kb
         with gm.graph.inserting_before(last):
-            ring = gm.graph.call_function(cp_ops.ring_attention, (q, k, v, float(scale), bool(causal), CP),
-                                          {"ranks": stage.plan.cp})
+            ring = gm.graph.call_function(cp_ops.ring_attention, (q, k, v, float(scale), bool(causal), CP), kwargs)
         ring.meta = dict(last.meta)
         ring.meta["tf"] = dict(tf(last))
         last.replace_all_uses_with(ring)
-        _erase_dead([last] + dead + ([mask] if mask is not None else []), gm.graph)
+        _erase_dead([last] + dead + [m for _, m in masks], gm.graph)
         count += 1
     return count
+
+
+_INDEX_VIEWS = {"unsqueeze", "view", "reshape", "expand", "_to_copy", "to", "add", "sub"}
+
+
+def _indexes_an_input(arange: fx.Node) -> bool:
+    """The arange only indexes values that come from inputs (through views and + 0), as HF's
+    mask[batch_idx, kv_idx]: there it is the local identity, since the input holds this
+    rank's positions already; cp_rules checks the index op."""
+    stack, seen, found = [arange], set(), False
+    while stack:
+        x = stack.pop()
+        for u in x.users:
+            if u in seen or op_name(u) == "_assert_tensor_metadata":
+                continue
+            seen.add(u)
+            name = op_name(u)
+            if name == "index" and u.args[0] is not x and not input_free(u.args[0]):
+                found = True
+            elif name in _INDEX_VIEWS and (name not in ("add", "sub") or u.args[1] == 0):
+                stack.append(u)
+            else:
+                return False
+    return found
 
 
 def _args(node: fx.Node) -> dict:
@@ -114,9 +153,8 @@ def _sdpa(node: fx.Node):
         raise PlanError(f"cp: {where} uses enable_gqa; ring attention needs key/value heads repeated "
                         "(repeat_interleave them in the model) or cp=1")
     mask = a.get("attn_mask")
-    if a.get("is_causal") and mask is not None:
-        raise PlanError(f"cp: {where} has both is_causal and attn_mask; use cp=1")
-    return q, k, v, scale, mask, bool(a.get("is_causal")), node, []
+    masks = [] if mask is None else [("visible" if mask.meta["val"].dtype == torch.bool else "add", mask)]
+    return q, k, v, scale, masks, bool(a.get("is_causal")), node, []
 
 
 def _users(node: fx.Node) -> list:
@@ -140,26 +178,30 @@ def _handwritten(sm: fx.Node):
     while isinstance(x, fx.Node) and op_name(x) in _CASTS:
         chain.append(x)
         x = x.args[0]
-    mask = None
-    if isinstance(x, fx.Node) and op_name(x) == "masked_fill":
-        fill = x.args[2]
-        if not (isinstance(fill, (int, float)) and fill <= -1e30):
-            return None
-        mask = ("bool", x.args[1])
-        chain.append(x)
-        x = x.args[0]
-    elif isinstance(x, fx.Node) and op_name(x) == "add" and all(isinstance(a, fx.Node) for a in x.args[:2]):
-        add, (left, right) = x, x.args[:2]
-        if _free(right) and not _free(left):
-            mask, x = ("add", right), left
-        elif _free(left) and not _free(right):
-            mask, x = ("add", left), right
+    masks = []   # (kind, node): masked_fill(-inf) masks hide where True; added masks are biases
+    while isinstance(x, fx.Node):
+        name = op_name(x)
+        if name in _CASTS:
+            chain.append(x)
+            x = x.args[0]
+        elif name == "masked_fill" and isinstance(x.args[2], (int, float)) and x.args[2] <= -1e30:
+            masks.append(("hidden", x.args[1]))
+            chain.append(x)
+            x = x.args[0]
+        elif name == "add" and len(x.args) == 2 and all(isinstance(a, fx.Node) for a in x.args):
+            left, right = x.args
+            if _param_free(right) and not _param_free(left):
+                masks.append(("add", right))
+                chain.append(x)
+                x = left
+            elif _param_free(left) and not _param_free(right):
+                masks.append(("add", left))
+                chain.append(x)
+                x = right
+            else:
+                return None
         else:
-            return None
-        chain.append(add)
-    while isinstance(x, fx.Node) and op_name(x) in _CASTS:
-        chain.append(x)
-        x = x.args[0]
+            break
     scale = 1.0
     while isinstance(x, fx.Node) and op_name(x) in ("mul", "div") and isinstance(x.args[1], (int, float)):
         scale = scale * x.args[1] if op_name(x) == "mul" else scale / x.args[1]
@@ -198,14 +240,7 @@ def _handwritten(sm: fx.Node):
     if any(len(_users(c)) != 1 for c in chain[1:] + [qk]):
         return None   # an intermediate (scores, probabilities) is used elsewhere: not rewritable
     dead = after[::-1] + chain + [qk, kt]
-    return q, k, pv.args[1], scale, _Mask(mask) if mask else None, False, pv, dead
-
-
-class _Mask:
-    """A mask operand: 'bool' (True = hidden, as masked_fill) or 'add' (0 visible, very negative hidden)."""
-
-    def __init__(self, pair):
-        self.kind, self.node = pair
+    return q, k, pv.args[1], scale, masks, False, pv, dead
 
 
 def _untransposed(kt: fx.Node):
@@ -222,100 +257,6 @@ def _untransposed(kt: fx.Node):
         perm = [d % rank for d in kt.args[1]]
         return kt.args[0] if perm == list(range(rank - 2)) + [rank - 1, rank - 2] else None
     return None
-
-
-def _free(node) -> bool:
-    """Depends on no user input and no parameter (constants, buffers, aranges only)."""
-    seen, stack = set(), [node]
-    while stack:
-        x = stack.pop()
-        if not isinstance(x, fx.Node) or x in seen:
-            continue
-        seen.add(x)
-        if x.op == "placeholder" and tf(x).get("kind") != "buffer":
-            return False
-        stack.extend(x.all_input_nodes)
-    return True
-
-
-def _classify_mask(mask, stage, node) -> str:
-    """'causal' or 'full' for a mask that, at the traced length, hides exactly the future or
-    nothing; a PlanError otherwise."""
-    m = mask.node if isinstance(mask, _Mask) else mask
-    kind = mask.kind if isinstance(mask, _Mask) else ("bool" if m.meta["val"].dtype == torch.bool else "add")
-    where = f"attention at {tf(node).get('module') or '<top>'}"
-    if not _free(m):
-        raise PlanError(f"cp: the mask of {where} depends on an input (a padding mask?); ring attention "
-                        "takes causal or no masks only: use cp=1 for this model")
-    if stage.is_meta:
-        raise PlanError(f"cp: the mask of {where} cannot be checked on the meta device; compile with real "
-                        "weights (threefold needs them to tell a causal mask) or use cp=1")
-    n = node.meta["val"].shape[-2]
-    kinds = set()
-    # at the traced length s/cp, and again with every length argument n made the whole
-    # sequence's s: a window wider than s/cp but narrower than s looks causal at s/cp only
-    for length in (n, n * stage.plan.cp):
-        try:
-            value = _evaluate(m, stage, {n: length})
-        except Exception as exc:
-            raise PlanError(f"cp: the mask of {where} cannot be evaluated at the whole sequence's length "
-                            f"({type(exc).__name__}); use cp=1") from None
-        kinds.add(_mask_kind(value, kind, node, where, length))
-    if len(kinds) != 1:
-        raise PlanError(f"cp: the mask of {where} is causal over s/cp positions but not over the whole "
-                        "sequence (a sliding window?); use cp=1")
-    return kinds.pop()
-
-
-def _mask_kind(value, kind: str, node, where: str, n: int) -> str:
-    if kind == "bool":
-        # SDPA's bool attn_mask says True = visible; masked_fill's says True = hidden
-        visible = value if op_name(node) in _SDPA else ~value
-    else:
-        if not bool(((value == 0) | (value <= -1e30)).all()):
-            raise PlanError(f"cp: the additive mask of {where} has values other than 0 and -inf "
-                            "(an ALiBi-style bias?); ring attention does not take it yet: use cp=1")
-        visible = value == 0
-    if visible.dim() < 2 or visible.shape[-2] not in (1, n) or visible.shape[-1] != n:
-        raise PlanError(f"cp: the mask of {where} is {tuple(visible.shape)}, not over the sequence "
-                        f"({n} x {n}); use cp=1")
-    vis = visible.expand(*visible.shape[:-2], n, n).reshape(-1, n, n)
-    tril = torch.tril(torch.ones(n, n, dtype=torch.bool))
-    if bool((vis == tril).all()):
-        return "causal"
-    if bool(vis.all()):
-        return "full"
-    raise PlanError(f"cp: the mask of {where} is neither causal nor all-visible (sliding window, "
-                    "document or prefix masks are not supported yet); use cp=1")
-
-
-def _evaluate(node: fx.Node, stage, lengths: dict | None = None):
-    """The value of a free node, computed from the stage's buffers; integer arguments in
-    `lengths` (a sequence length, in aranges, slices, views) replaced by their value there."""
-    lengths = lengths or {}
-    env: dict = {}
-
-    def value(x):
-        if isinstance(x, fx.Node):
-            if x not in env:
-                env[x] = run(x)
-            return env[x]
-        if isinstance(x, (list, tuple)):
-            return type(x)(value(a) for a in x)
-        if isinstance(x, int) and not isinstance(x, bool):
-            return lengths.get(x, x)
-        return x
-
-    def run(x: fx.Node):
-        if x.op == "placeholder":
-            return stage.state[tf(x)["fqn"]]
-        if x.op == "get_attr":
-            return getattr(x.graph.owning_module, x.target)
-        args = [value(a) for a in x.args]
-        kwargs = {k: value(v) for k, v in x.kwargs.items()}
-        return x.target(*args, **kwargs)
-    with torch.no_grad():
-        return value(node)
 
 
 def _erase_dead(nodes: list, graph: fx.Graph) -> None:
@@ -390,7 +331,7 @@ def _global_positions(gm: fx.GraphModule, n: int) -> int:
             start, end, step = args[0], args[1], args[2]
         else:
             continue
-        if (start, end, step) != (0, n, 1) or node.meta["val"].is_floating_point():
+        if (start, end, step) != (0, n, 1) or node.meta["val"].is_floating_point() or _indexes_an_input(node):
             continue
         kwargs = {k: v for k, v in node.kwargs.items() if k in ("dtype", "device")}
         with gm.graph.inserting_before(node):

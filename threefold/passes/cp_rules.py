@@ -42,9 +42,12 @@ def _val(x):
     return x.meta.get("val") if isinstance(x, fx.Node) else None
 
 
-def check_sequence(gm: fx.GraphModule, stage) -> dict:
-    """Every node's sequence placement (name -> Seq | PARTIAL | None); a PlanError where an
-    op would mix positions."""
+def check_sequence(gm: fx.GraphModule, stage, fallbacks: list | None = None) -> dict:
+    """Every node's sequence placement (name -> Seq | PARTIAL | None); an op that would mix
+    positions runs on the all-gathered sequence (passes/cp_fallback.py, appended to
+    `fallbacks`) where its family allows, else a PlanError."""
+    from threefold.passes.cp_fallback import gather_around
+    fallbacks = [] if fallbacks is None else fallbacks
     seq_dims = stage.seq_dims or []
     state: dict = {}
     for node in gm.graph.nodes:
@@ -59,10 +62,16 @@ def check_sequence(gm: fx.GraphModule, stage) -> dict:
                     _fail(node, stage, "the loss is not reduced over the sequence")
         elif node.op == "call_function":
             ins = [state.get(a) for a in node.all_input_nodes]
+            if op_name(node) == "shard_seq":   # the all-gather fallback's cut back to this rank's blocks
+                state[node] = Seq(node.args[1])
+                continue
             if all(s is None for s in ins):
                 state[node] = None if op_name(node) != "positions" else Seq(0)
                 continue
-            state[node] = _rule(node, state, stage)
+            try:
+                state[node] = _rule(node, state, stage)
+            except PlanError as exc:
+                state[node] = gather_around(node, state, stage, str(exc), fallbacks, op_name(node), Seq)
     return {n.name: s for n, s in state.items()}
 
 
@@ -116,6 +125,10 @@ def _rule(node: fx.Node, state: dict, stage):
         _fail(node, stage, "reads a partial (per-rank) loss sum")
     if name == "ring_attention":
         return Seq(out.dim() - 2)
+    if name == "key_bias":   # a key-side padding mask: split along its last (key) dim
+        if any(_st(state, a) != Seq(_val(a).dim() - 1) for a in node.all_input_nodes):
+            _fail(node, stage, "takes a mask that is not split along its key dim")
+        return Seq(out.dim() - 1)
     if name == "causal_conv1d":
         if s0 is None or s0.dim != _val(first).dim() - 1:
             _fail(node, stage, "convolves along a dim that is not the sequence")
@@ -147,6 +160,8 @@ def _rule(node: fx.Node, state: dict, stage):
     if name == "permute":
         perm = [_norm(d, out.dim()) for d in args[1]]
         return Seq(perm.index(s0.dim))
+    if name == "index":
+        return _index(node, state, stage)
     if name in ("slice", "narrow", "select", "split", "split_with_sizes", "chunk", "unbind", "index_select"):
         return _slicing(node, state, stage)
     if name in ("cat", "stack"):
@@ -231,6 +246,36 @@ def _slicing(node, state, stage):
     if name in ("split", "split_with_sizes", "chunk"):
         return tuple(s0 for _ in _val(node))
     return s0
+
+
+def _index(node, state, stage):
+    """x[..., idx, ...] with x split along the sequence at d: exact when the index at d is the
+    local identity, arange(n) (HF's padding mask read as mask[batch_idx, kv_idx]; the cp pass
+    keeps such an arange local), and no other index varies along it."""
+    from threefold.passes.cp_masks import evaluate
+    x, indices = node.args[0], list(node.args[1])
+    s0, out = _st(state, x), _val(node)
+    n = stage.seq_len
+    if not isinstance(s0, Seq) or s0.dim >= len(indices) or not isinstance(indices[s0.dim], fx.Node) or any(
+            _st(state, i) is not None for i in indices if isinstance(i, fx.Node)):
+        _fail(node, stage, "indexes along the sequence")
+    try:
+        v = evaluate(indices[s0.dim], stage)
+    except Exception:
+        _fail(node, stage, "indexes along the sequence with an index it cannot read")
+    varying = [e for e in range(v.dim()) if v.shape[e] == n]
+    if len(varying) != 1 or not torch.equal(
+            v, torch.arange(n).view([n if e == varying[0] else 1 for e in range(v.dim())]).expand(v.shape)):
+        _fail(node, stage, "indexes along the sequence (not with its own positions)")
+    given = [i for i, a in enumerate(indices) if a is not None]
+    shapes = [_val(indices[i]).shape for i in given]
+    bshape = torch.broadcast_shapes(*shapes)
+    e = varying[0] + len(bshape) - v.dim()
+    if any(len(sh) - len(bshape) + e >= 0 and sh[len(sh) - len(bshape) + e] != 1
+           for i, sh in zip(given, shapes) if i != s0.dim):
+        _fail(node, stage, "indexes along the sequence with indices that vary along it")
+    adjacent = given == list(range(given[0], given[-1] + 1))
+    return Seq((given[0] if adjacent else 0) + e)
 
 
 def _is_whole_slice(args, src, d) -> bool:

@@ -56,15 +56,53 @@ def positions(n: int, group, device=None, dtype=torch.int64, layout=None, pin_me
 
 # -- ring attention -------------------------------------------------------------------------
 
-def _block(q, k, v, scale, allowed):
+def _block(q, k, v, scale, allowed, bias=None):
     """Attention of q against one K/V block: (output, log-sum-exp per query); rows with no
-    allowed key give output 0 and lse -inf."""
-    s = torch.matmul(q, k.transpose(-2, -1)) * scale
-    if allowed is not None:
-        s = s.masked_fill(~allowed, float("-inf"))
+    allowed key give output 0 and lse -inf. `bias` is added to the scores (-inf hides)."""
+    s = _scores(q, k, scale, allowed, bias)
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
     p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
     return torch.matmul(p, v), lse
+
+
+def _scores(q, k, scale, allowed, bias):
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if bias is not None:
+        s = s + bias
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    return s
+
+
+def relative_bias(qpos: torch.Tensor, kpos: torch.Tensor, rel, dtype) -> torch.Tensor:
+    """The additive bias of a mask that depends on d = j - i only (passes/context_parallel.py
+    fits it at compile time): slope[l] * d + intercept[l] per leading index l (ALiBi), -inf
+    where d < lo or d > hi (causal, sliding windows). [*lead, len(qpos), len(kpos)]."""
+    lo, hi, slopes, intercepts, lead = rel
+    d = kpos[None, :] - qpos[:, None]
+    shape = tuple(lead) + (1, 1)
+    slope = torch.tensor(slopes, dtype=dtype, device=qpos.device).reshape(shape)
+    icpt = torch.tensor(intercepts, dtype=dtype, device=qpos.device).reshape(shape)
+    bias = slope * d.to(dtype) + icpt
+    hidden = torch.zeros_like(d, dtype=torch.bool)
+    if lo is not None:
+        hidden |= d < lo
+    if hi is not None:
+        hidden |= d > hi
+    return bias.masked_fill(hidden, float("-inf"))
+
+
+def key_bias(pieces: list, kinds: list) -> torch.Tensor:
+    """The key-side part of an attention mask (a padding mask from an input, [..., 1, n]) as
+    one additive bias: 'add' pieces as they are, 'visible' / 'hidden' bools as 0 / -inf. It
+    travels around the ring with its keys."""
+    total = None
+    for p, kind in zip(pieces, kinds):
+        if kind != "add":
+            hide = ~p if kind == "visible" else p
+            p = torch.zeros(p.shape, dtype=torch.float32, device=p.device).masked_fill(hide, float("-inf"))
+        total = p if total is None else total + p
+    return total
 
 
 def _merge(out, lse, o, l):
@@ -126,49 +164,49 @@ class _Ring:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, group):
+    def forward(ctx, q, k, v, scale, causal, group, kbias=None, rel=None):
         ring = _Ring(group)
         cp, r, n = ring.cp, ring.r, q.shape[-2]
         out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
         lse = torch.full((*q.shape[:-1], 1), float("-inf"), dtype=q.dtype, device=q.device)
-        kv = [k, v]
+        kv = [k, v] + ([kbias] if kbias is not None else [])
         for step in range(cp):
             wait = ring.shift(kv, "keys and values") if step < cp - 1 else None   # next block in flight
             qs, ks, mask = _pieces(step, r, cp, n, causal)
             allowed = _diag_mask(n, cp, r, q.device) if mask == "diag" else None
-            o, l = _block(q[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :], scale, allowed)
+            bias = _step_bias(kv, rel, step, r, cp, n, qs, ks, q)
+            o, l = _block(q[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :], scale, allowed, bias)
             out[..., qs, :], lse[..., qs, :] = _merge(out[..., qs, :], lse[..., qs, :], o, l)
             if wait is not None:
                 kv = wait()
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.causal, ctx.group = scale, causal, group
+        ctx.save_for_backward(q, k, v, out, lse, *([kbias] if kbias is not None else []))
+        ctx.scale, ctx.causal, ctx.group, ctx.rel = scale, causal, group, rel
         return out
 
     @staticmethod
     @torch.autocast("cpu", enabled=False)
     @torch.autocast("cuda", enabled=False)
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        scale, causal = ctx.scale, ctx.causal
+        q, k, v, out, lse, *kb = ctx.saved_tensors
+        scale, causal, rel = ctx.scale, ctx.causal, ctx.rel
         ring = _Ring(ctx.group)
         cp, r, n = ring.cp, ring.r, q.shape[-2]
         dout = dout.contiguous()
         delta = (dout * out).sum(dim=-1, keepdim=True)
         dq = torch.zeros_like(q)
-        kv = [k, v]
+        kv = [k, v] + kb
         acc = [torch.zeros_like(k), torch.zeros_like(v)]   # dK, dV of the block we hold
         for step in range(cp):
             wait_kv = ring.shift(kv, "keys and values (backward)") if step < cp - 1 else None
             qs, ks, mask = _pieces(step, r, cp, n, causal)
-            kb, vb = kv[0][..., ks, :], kv[1][..., ks, :]
+            kb_, vb = kv[0][..., ks, :], kv[1][..., ks, :]
             qb, dob = q[..., qs, :], dout[..., qs, :]
-            s = torch.matmul(qb, kb.transpose(-2, -1)) * scale
-            if mask == "diag":
-                s = s.masked_fill(~_diag_mask(n, cp, r, q.device), float("-inf"))
+            allowed = _diag_mask(n, cp, r, q.device) if mask == "diag" else None
+            s = _scores(qb, kb_, scale, allowed, _step_bias(kv, rel, step, r, cp, n, qs, ks, q))
             p = torch.exp(s - lse[..., qs, :])
             dv = torch.matmul(p.transpose(-2, -1), dob)
             ds = p * (torch.matmul(dob, vb.transpose(-2, -1)) - delta[..., qs, :])
-            dq[..., qs, :] += torch.matmul(ds, kb) * scale
+            dq[..., qs, :] += torch.matmul(ds, kb_) * scale
             dk = torch.matmul(ds.transpose(-2, -1), qb) * scale
             acc[0][..., ks, :] += _reduce_to(dk, acc[0][..., ks, :].shape)
             acc[1][..., ks, :] += _reduce_to(dv, acc[1][..., ks, :].shape)
@@ -178,7 +216,22 @@ class _RingAttention(torch.autograd.Function):
                 acc = ring.shift(acc, "key and value gradients")()
             if wait_kv is not None:
                 kv = wait_kv()
-        return dq, _reduce_to(acc[0], k.shape), _reduce_to(acc[1], v.shape), None, None, None
+        return dq, _reduce_to(acc[0], k.shape), _reduce_to(acc[1], v.shape), None, None, None, None, None
+
+
+def _step_bias(kv: list, rel, step: int, r: int, cp: int, n: int, qs: slice, ks: slice, q: torch.Tensor):
+    """The additive mask of ring step `step` for its (query, key) slices: the relative-position
+    part from global positions (keys of rank (r-step) mod cp), plus the key-side bias that
+    travelled with the keys; None when there is neither."""
+    bias = None
+    if rel is not None:
+        qpos = block_positions(n, cp, r, device=q.device)[qs]
+        kpos = block_positions(n, cp, (r - step) % cp, device=q.device)[ks]
+        bias = relative_bias(qpos, kpos, rel, q.dtype)
+    if len(kv) > 2:
+        kb = kv[2][..., ks].to(q.dtype)
+        bias = kb if bias is None else bias + kb
+    return bias
 
 
 def _reduce_to(g: torch.Tensor, shape) -> torch.Tensor:
@@ -194,11 +247,14 @@ def _reduce_to(g: torch.Tensor, shape) -> torch.Tensor:
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                   group, ranks: int = 1) -> torch.Tensor:
+                   group, ranks: int = 1, kbias: torch.Tensor | None = None, rel=None) -> torch.Tensor:
     """softmax(q k^T * scale [causal over global positions]) v over the whole sequence, with
     q, k, v [..., n_local, d] this rank's blocks. `ranks` is the cp size the code was compiled
     for (the cost model reads it). Saved for backward: q, k, v, the output and the
-    log-sum-exp, never the n x n probabilities."""
+    log-sum-exp, never the n x n probabilities. A mask comes as `rel` (a bias of j - i from
+    global positions, see relative_bias) and `kbias` (an additive key-side bias [..., 1, n],
+    e.g. padding; it travels with K/V); `causal` then says the mask hides at least the
+    future, so the ring skips the blocks causality hides."""
     if group is not None and _size(group) != ranks:
         raise RuntimeError(f"ring attention was compiled for cp={ranks} but runs on a group of {_size(group)}")
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
@@ -209,7 +265,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     with torch.autocast(q.device.type, enabled=False):
         # group None: one rank's view (cp=1, or the memory model running the op alone on
         # fakes): the same autograd function, so it saves what a real rank saves
-        o = _RingAttention.apply(q, k, v, scale, causal, group)
+        o = _RingAttention.apply(q, k, v, scale, causal, group, kbias, rel)
     return o.to(dtype)
 
 

@@ -73,6 +73,7 @@ class ShardedParams:
         ep = mesh.ep > 1
         self.ep_group = groups.of("ep") if ep else None
         self.experts = frozenset(engine.manifest.get("experts") or {}) if ep else frozenset()
+        self.cp_group = groups.of("cp")   # cp ranks hold the same rows, grads of other tokens
         trainable = dict(engine.named_parameters())
         own = self.zero >= 3   # the shard keeps its own storage: the parameter's is freed
         self.rows: dict[str, RowShard] = {f: split_rows(f, p, self.d, coord.dp_shard, own=own)
@@ -298,6 +299,8 @@ class ShardedParams:
                 comm.all_reduce(g, self.replicate_group, f"gradient shard of {s.fqn} over replicas")
             if self.ep_group is not None and s.fqn not in self.experts:
                 comm.all_reduce(g, self.ep_group, f"dense gradient shard of {s.fqn} over ep ranks")
+            if self.cp_group is not None:
+                comm.all_reduce(g, self.cp_group, f"gradient shard of {s.fqn} over cp ranks")
             g.mul_(self.scale)
 
     def end_step(self) -> None:

@@ -52,6 +52,8 @@ def owned_grad_pieces(engine) -> list[torch.Tensor]:
     else:   # zero=1 with ep: dp_shard ranks own rows; dense rows are equal over ep ranks too
         counts_experts = coord["dp_replicate"] == 0
         counts_dense = counts_experts and (not experts or coord["ep"] == 0)
+    if coord["cp"] != 0:   # cp ranks hold the same parameters and, reduced, the same gradients
+        return []
     if not counts_dense and not (experts and counts_experts):
         return []
     d, r = engine.mesh.size("dp_shard"), coord["dp_shard"]

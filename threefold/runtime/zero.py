@@ -114,10 +114,13 @@ class ZeroGradSync:
     all-reduce over other groups, which commutes with the dp mean)."""
 
     def __init__(self, shards: dict[str, RowShard], group, d: int, replicate_group=None, dp: int | None = None,
-                 ep_group=None, experts: frozenset = frozenset()):
+                 ep_group=None, experts: frozenset = frozenset(), cp_group=None, cp: int = 1):
         self.shards, self.group, self.d = shards, group, d
         self.replicate_group = replicate_group   # HSDP: the shard's other replicas
-        self.scale = 1.0 / (dp or d)             # the mean over every data-parallel rank
+        # cp: the cp ranks of a dp_shard rank hold the same rows, with gradients from different
+        # tokens: the shard is summed over them too, and the mean is over dp x cp
+        self.cp_group = cp_group
+        self.scale = 1.0 / ((dp or d) * cp)      # the mean over every rank that splits the batch
         # ep: dp_shard is inside edp, so a dense row's other contributions are on the ep
         # ranks with the same dp_shard coordinate (same row range): summed over `ep_group`
         # after the reduce-scatter. Expert rows differ per ep rank and are only edp-reduced.
@@ -125,7 +128,7 @@ class ZeroGradSync:
 
     def start(self, fqns: list[str]) -> list:
         items = [self.shards[f] for f in fqns if f in self.shards and self.shards[f].param.grad is not None]
-        if not items or (self.group is None and self.ep_group is None):
+        if not items or (self.group is None and self.ep_group is None and self.cp_group is None):
             return []
         pending = []
         dense = [s for s in items if s.fqn not in self.experts]
@@ -159,6 +162,8 @@ class ZeroGradSync:
                 comm.all_reduce(recv, self.replicate_group, "gradient shards over replicas")
             if self.ep_group is not None and bucket[0].fqn not in self.experts:
                 comm.all_reduce(recv, self.ep_group, "dense gradient shards over ep ranks")
+            if self.cp_group is not None:
+                comm.all_reduce(recv, self.cp_group, "gradient shards over cp ranks")
             off = 0
             for s in bucket:
                 g = s.rows_of(s.param.grad)
@@ -227,7 +232,8 @@ class ZeroOptimizer(WrappedOptimizer):
         self.sync = ZeroGradSync(self.shards, engine.groups.of("dp_shard"), d,
                                  engine.groups.of("dp_replicate"), engine.mesh.size("dp"),
                                  engine.groups.of("ep") if ep else None,
-                                 frozenset(engine.manifest.get("experts") or {}) if ep else frozenset())
+                                 frozenset(engine.manifest.get("experts") or {}) if ep else frozenset(),
+                                 engine.groups.of("cp"), engine.mesh.size("cp"))
         if self.sharded is None:
             engine.dp_grad_hook = self.sync
 

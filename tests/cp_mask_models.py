@@ -1,0 +1,117 @@
+"""Small attention models with the masks ring attention recomputes per step (cp masks):
+padding from an input, ALiBi biases, sliding windows; and position-mixing ops that take the
+all-gather fallback. Importable by spawned ranks (tests/cp_jobs.py)."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MaskedAttention(nn.Module):
+    """Embedding -> one attention layer (2 heads) with mask `mode` -> head.
+
+    pad_sdpa:  SDPA, attn_mask = causal & key padding from attention_mask [B, S]
+    pad_hand:  hand-written: masked_fill(causal) + (1 - attention_mask) * -1e9
+    alibi:     hand-written: scores + slope_h * (j - i), masked_fill(causal)
+    window:    hand-written causal sliding window of `window` positions
+    """
+
+    def __init__(self, mode: str, vocab: int = 32, width: int = 16, heads: int = 2, window: int = 6):
+        super().__init__()
+        self.mode, self.heads, self.window = mode, heads, window
+        self.emb, self.qkv = nn.Embedding(vocab, width), nn.Linear(width, 3 * width)
+        self.proj, self.head = nn.Linear(width, width), nn.Linear(width, vocab)
+        self.register_buffer("slopes", torch.tensor([2.0 ** -(h + 1) for h in range(heads)]))
+
+    def forward(self, idx, attention_mask=None):
+        b, t = idx.shape
+        x = self.emb(idx)
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)   # [b, h, t, d]
+        i = torch.arange(t, device=idx.device)
+        causal = i[None, :] <= i[:, None]                                          # [t, t] visible
+        if self.mode == "pad_sdpa":
+            keep = causal[None, None] & attention_mask[:, None, None, :].bool()
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        else:
+            s = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5)
+            if self.mode == "alibi":
+                s = s + self.slopes[:, None, None] * (i[None, :] - i[:, None]).float()
+            if self.mode == "window":
+                causal = causal & (i[None, :] > i[:, None] - self.window)
+            s = s.masked_fill(~causal, float("-inf"))
+            if self.mode == "pad_hand":
+                s = s + (1.0 - attention_mask[:, None, None, :]) * -1e9
+            y = torch.softmax(s, -1) @ v
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
+        return self.head(x)
+
+
+def lm_loss(logits, target):
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+def masked_workload(mode: str, seq: int = 16, batch: int = 4) -> dict:
+    torch.manual_seed(0)
+    model = MaskedAttention(mode)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 32, (batch, seq + 1), generator=g)
+    inputs = (idx[:, :-1],)
+    if mode.startswith("pad"):
+        mask = torch.ones(batch, seq)
+        mask[1, 11:] = 0      # right padding: rows 1 and 3 end early (every query keeps key 0)
+        mask[3, 5:] = 0
+        inputs += (mask,)
+    return {"model": model, "inputs": inputs, "target": idx[:, 1:], "loss_fn": lm_loss}
+
+
+class Mixing(nn.Module):
+    """Ops with no ring form that take the all-gather fallback: `mode` cumsum (a running mean
+    over time added to each position), conv (a non-causal conv1d over time), pool (mean over
+    the sequence -> a classifier: the target has no sequence dim)."""
+
+    def __init__(self, mode: str, vocab: int = 32, width: int = 16):
+        super().__init__()
+        self.mode = mode
+        self.emb, self.mix, self.head = nn.Embedding(vocab, width), nn.Linear(width, width), nn.Linear(width, vocab)
+        self.conv = nn.Conv1d(width, width, 3, padding=1)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        if self.mode == "cumsum":
+            x = x + torch.tanh(self.mix(torch.cumsum(x, dim=1)))
+        elif self.mode == "conv":
+            x = x + self.conv(x.transpose(1, 2)).transpose(1, 2)
+        else:
+            x = self.mix(x).mean(dim=1)
+        return self.head(x)
+
+
+def mixing_workload(mode: str, seq: int = 16, batch: int = 4) -> dict:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 32, (batch, seq + 1), generator=g)
+    target = idx[:, 0] if mode == "pool" else idx[:, 1:]
+    return {"model": Mixing(mode), "inputs": (idx[:, :-1],), "target": target,
+            "loss_fn": (lambda y, t: F.cross_entropy(y, t)) if mode == "pool" else lm_loss}
+
+
+class _WithMask(nn.Module):
+    """An HF causal LM called with input_ids and attention_mask: its logits."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+
+def hf_llama_padded(attn: str = "eager", seq: int = 16, batch: int = 4) -> dict:
+    """HF Llama (examples/hf.py) with an attention_mask input, rows 1 and 3 right-padded."""
+    from examples.hf import llama
+    w = llama(n_layer=2, hidden=32, n_head=4, n_kv_head=2, intermediate=64, seq=seq, batch=batch, attn=attn)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[1, 11:] = 0
+    mask[3, 5:] = 0
+    return {**w, "model": _WithMask(w["model"].model), "inputs": w["inputs"] + (mask,)}

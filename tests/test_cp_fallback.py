@@ -1,0 +1,42 @@
+"""The all-gather fallback of context parallelism (passes/cp_fallback.py, runtime/cp_gather.py):
+ops that mix sequence positions (cumsum over time, a non-causal conv, mean over the sequence)
+run on the gathered sequence, are listed with their bytes, refused under strict=true, and
+equal one process at cp=2 (fp32, 3 SGD steps)."""
+import pytest
+
+import threefold
+from threefold.codegen.artifact import build_sources
+from threefold.compiler.api import compile_workload
+from threefold.runtime.launch import launch
+from tests.cp_jobs import mixing_parity
+from tests.cp_mask_models import mixing_workload
+from tests.parity import max_rel_diff, sgd_losses
+
+MODES = ["cumsum", "conv", "pool"]
+
+
+@pytest.mark.parametrize("mode,op,cut", [("cumsum", "cumsum", True), ("conv", "conv1d", True),
+                                         ("pool", "mean", False)])
+def test_fallback_gathers_around_the_op_and_lists_its_bytes(mode, op, cut):
+    prog = compile_workload(mixing_workload(mode), "cp=2,m=2")
+    code = build_sources(prog)["chunk00.py"].split("def model_outputs")[0]
+    assert code.count("cp_gather.gather_seq(") == 1 and code.count("cp_gather.shard_seq(") == int(cut)
+    notes = [n for n in prog.notes if n.startswith("cp fallback:")]
+    # [2 rows, 8 positions, 16] fp32 per microbatch, gathered from 1 peer, forward + backward, m=2
+    assert len(notes) == 1 and f"{op} (" in notes[0] and f"{2 * 2 * 2 * 8 * 16 * 4} bytes per rank per step" in notes[0]
+
+
+def test_strict_plan_refuses_the_fallback_in_one_line():
+    with pytest.raises(threefold.PlanError, match="strict plan: cumsum at <top> mixes sequence positions") as err:
+        compile_workload(mixing_workload("cumsum"), "cp=2,strict=true")
+    assert "\n" not in str(err.value) and "cp=1" in str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_fallback_cp2_matches_one_process():
+    got = launch(mixing_parity, 2, MODES, "cp=2", 3, timeout=550)
+    for i, mode in enumerate(MODES):
+        ref = sgd_losses(mixing_workload(mode), 3)
+        for rank in got:
+            assert max_rel_diff(rank[i], ref) < 1e-5, (mode, rank[i], ref)

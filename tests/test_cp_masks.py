@@ -1,0 +1,132 @@
+"""Ring attention with masks (cp=N): padding from an input, ALiBi biases, sliding windows.
+
+Compile-level checks that each mask becomes what the ring recomputes per step (a key-side
+bias that travels with K/V, or a relative-position band and slope), the refusals for masks
+the ring cannot recompute, and parity with one process at cp=2 (fp32, 3 SGD steps)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import threefold
+from threefold.codegen.artifact import build_sources
+from threefold.compiler.api import compile_workload
+from threefold.runtime.launch import launch
+from tests.cp_jobs import mask_parity
+from tests.cp_mask_models import MaskedAttention, hf_llama_padded, masked_workload
+from tests.parity import max_rel_diff, sgd_losses
+
+MODES = ["pad_sdpa", "pad_hand", "alibi", "window"]
+
+
+def _ring_call(mode: str) -> str:
+    code = build_sources(compile_workload(masked_workload(mode), "cp=2"))["chunk00.py"]
+    code = code.split("def model_outputs")[0]
+    i = code.index("cp_ops.ring_attention(")
+    return code[i:code.index(")\n", i)]
+
+
+@pytest.mark.parametrize("mode,words", [
+    ("pad_sdpa", "kbias=key_bias"),
+    ("pad_hand", "kbias=key_bias"),
+    ("alibi", "rel=(None, 0, [0.5, 0.25], [0.0, 0.0], (2,))"),
+    ("window", "rel=(-5, 0, [0.0], [0.0], ())"),
+])
+def test_masks_become_what_the_ring_recomputes(mode, words):
+    call = _ring_call(mode)
+    assert words in call and ", True, self.cp_group" in call, call   # all causal: blocks skipped
+
+
+class _QueryPadding(MaskedAttention):
+    """A padding mask over queries ([B, 1, S, 1]): not key-side, the ring cannot carry it."""
+
+    def forward(self, idx, attention_mask=None):
+        b, t = idx.shape
+        x = self.emb(idx)
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        keep = attention_mask[:, None, :, None].bool()
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        return self.head(x + self.proj(y.transpose(1, 2).reshape(b, t, -1)))
+
+
+class _Document(MaskedAttention):
+    """A block-diagonal (document) mask from a buffer: not a function of j - i."""
+
+    def forward(self, idx, attention_mask=None):
+        b, t = idx.shape
+        x = self.emb(idx)
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        i = torch.arange(t)
+        keep = (i[None, :] // 4) == (i[:, None] // 4)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        return self.head(x + self.proj(y.transpose(1, 2).reshape(b, t, -1)))
+
+
+@pytest.mark.parametrize("cls,words", [(_QueryPadding, "not key-side"), (_Document, "not a band")])
+def test_masks_the_ring_cannot_recompute_are_refused(cls, words):
+    w = masked_workload("pad_sdpa")
+    torch.manual_seed(0)
+    w["model"] = cls("pad_sdpa")
+    with pytest.raises(threefold.PlanError, match=words) as err:
+        compile_workload(w, "cp=2")
+    assert "\n" not in str(err.value) and "cp=1" in str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_masked_attention_cp2_matches_one_process():
+    got = launch(mask_parity, 2, MODES, "cp=2", 3, timeout=550)
+    for i, mode in enumerate(MODES):
+        ref = sgd_losses(masked_workload(mode), 3)
+        for rank in got:
+            assert max_rel_diff(rank[i], ref) < 1e-5, (mode, rank[i], ref)
+
+
+def test_hf_llama_padding_mask_travels_with_the_keys():
+    """HF builds mask[batch_idx, kv_idx] & causal: the causal part is the ring's, the padding a
+    key-side bias; kv_idx stays this rank's local arange (the input holds its positions)."""
+    code = build_sources(compile_workload(hf_llama_padded("sdpa"), "cp=2"))["chunk00.py"]
+    code = code.split("def model_outputs")[0]
+    assert code.count("kbias=") == 2 and code.count("cp_ops.key_bias(") == 2 and "rel=" not in code
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_hf_llama_with_attention_mask_cp2_matches_one_process():
+    modes = ["hf_eager", "hf_sdpa"]
+    got = launch(mask_parity, 2, modes, "cp=2", 3, timeout=550)
+    for i, mode in enumerate(modes):
+        ref = sgd_losses(hf_llama_padded(mode[3:]), 3)
+        for rank in got:
+            assert max_rel_diff(rank[i], ref) < 1e-5, (mode, rank[i], ref)
+
+
+class _SplitHeads(torch.nn.Module):
+    """ALiBi with separate q/k/v projections, so tp shards the heads and slices the bias."""
+
+    def __init__(self, heads=2, width=16, vocab=32):
+        super().__init__()
+        self.heads = heads
+        self.emb, self.head = torch.nn.Embedding(vocab, width), torch.nn.Linear(width, vocab)
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(width, width) for _ in range(4))
+        self.register_buffer("slopes", torch.tensor([0.5, 0.25]))
+
+    def forward(self, idx):
+        b, t = idx.shape
+        x = self.emb(idx)
+        q, k, v = (m(x).view(b, t, self.heads, -1).transpose(1, 2) for m in (self.q, self.k, self.v))
+        i = torch.arange(t)
+        s = q @ k.transpose(-2, -1) * 0.35 + self.slopes[:, None, None] * (i[None, :] - i[:, None]).float()
+        s = s.masked_fill(~(i[None, :] <= i[:, None]), float("-inf"))
+        y = (torch.softmax(s, -1) @ v).transpose(1, 2).reshape(b, t, -1)
+        return self.head(x + self.o(y))
+
+
+def test_a_per_head_bias_sliced_over_tp_is_refused_not_guessed():
+    """One compile-time value cannot stand for every tp rank's slice of the heads."""
+    w = masked_workload("alibi")
+    torch.manual_seed(0)
+    w["model"] = _SplitHeads()
+    assert "rel=(None, 0, [0.5, 0.25]" in build_sources(compile_workload(w, "cp=2"))["chunk00.py"]
+    with pytest.raises(threefold.PlanError, match="split over tp ranks") as err:
+        compile_workload(w, "cp=2,tp=2")
+    assert "\n" not in str(err.value)

@@ -1,0 +1,262 @@
+"""Attention masks under context parallelism: what ring attention needs to apply them exactly.
+
+Each ring step meets a (query block, key block) pair that one process never cut out, so a
+mask must be recomputable for any pair. An attention's mask operands (SDPA's attn_mask,
+masked_fill(-inf) and added biases on the scores) are split into leaves over `+` (additive),
+`&` (visible) and `|` (hidden), `~`, masked_fill(-inf) and where(cond, 0, -inf):
+
+* a free leaf (constants, buffers, aranges; no input, no parameter) is evaluated at compile
+  time over the whole sequence (every integer argument equal to the traced length n made s)
+  and must depend on d = j - i only, as causal masks, sliding windows and ALiBi biases do:
+  visible for lo <= d <= hi, bias slope[l] * d + intercept[l] per leading index l (a head).
+  The fit is checked against the evaluated mask, and the mask evaluated at n against its
+  top-left corner, so anything else (document masks, a length that appears by coincidence)
+  is a PlanError, never a wrong mask. The ring computes the bias from global positions.
+* a leaf from an input (a padding mask [B, S] as HF models take it, split along the
+  sequence like every input) must be key-side, [..., 1, n]: cp_ops.key_bias turns such
+  leaves into one additive bias that travels around the ring with its keys. A leaf that
+  varies over queries, or depends on a parameter, is a PlanError.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from threefold.compiler.program import tf
+from threefold.errors import PlanError
+
+_NEG = -1e30   # at or below: hidden (-inf, or finfo.min as HF writes it)
+
+
+def op_name(node: fx.Node) -> str:
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.name.split("::")[-1]
+    return getattr(t, "__name__", str(t))
+
+
+def free(node) -> bool:
+    """Depends on no user input and no parameter (constants, buffers, aranges only)."""
+    return _depends_on_none(node, ("buffer",))
+
+
+def param_free(node) -> bool:
+    """Depends on no parameter (a mask from inputs, buffers and constants; not scores)."""
+    return _depends_on_none(node, ("buffer", "input"))
+
+
+def input_free(node) -> bool:
+    """Depends on no user input (parameters, buffers, constants only)."""
+    return _depends_on_none(node, ("buffer", "param"))
+
+
+def _depends_on_none(node, allowed: tuple) -> bool:
+    seen, stack = set(), [node]
+    while stack:
+        x = stack.pop()
+        if not isinstance(x, fx.Node) or x in seen:
+            continue
+        seen.add(x)
+        if x.op == "placeholder" and tf(x).get("kind") not in allowed:
+            return False
+        stack.extend(x.all_input_nodes)
+    return True
+
+
+def split_mask(masks: list, is_causal: bool, stage, node: fx.Node, n: int):
+    """(causal, rel, keyside) for ring_attention: `causal` = the mask hides at least the
+    future (the ring may skip those blocks), `rel` = the relative-position part
+    (cp_ops.relative_bias) or None, `keyside` = [(kind, node)] leaves from inputs."""
+    where = f"attention at {tf(node).get('module') or '<top>'}"
+    leaves: list = []
+    for kind, m in masks:
+        _leaves(m, kind, leaves)
+    fixed = [(k, m) for k, m in leaves if free(m)]
+    keyside = [(k, m) for k, m in leaves if not free(m)]
+    for _, m in keyside:
+        val = m.meta.get("val")
+        if not param_free(m):
+            raise PlanError(f"cp: the mask of {where} depends on a parameter; ring attention takes masks "
+                            "from positions and inputs only: use cp=1")
+        if val is None or val.dim() < 2 or val.shape[-2] != 1 or val.shape[-1] != n:
+            shape = None if val is None else tuple(val.shape)
+            raise PlanError(f"cp: the mask of {where} comes from an input and is {shape}, not key-side "
+                            f"[..., 1, {n}] (a padding mask over keys); ring attention cannot split it: use cp=1")
+    if not fixed and not is_causal:
+        return False, None, keyside
+    if stage.is_meta:
+        raise PlanError(f"cp: the mask of {where} cannot be checked on the meta device; compile with real "
+                        "weights (threefold needs them to read the mask) or use cp=1")
+    s = n * stage.plan.cp
+    whole = _additive(fixed, is_causal, stage, where, n, s)
+    local = _additive(fixed, is_causal, stage, where, n, n)
+    lead = torch.broadcast_shapes(whole.shape[:-2], local.shape[:-2])
+    whole, local = whole.expand(*lead, s, s), local.expand(*lead, n, n)
+    if not _same(local, whole[..., :n, :n]):
+        raise PlanError(f"cp: the mask of {where} over the first s/cp positions differs from its corner over "
+                        "the whole sequence (it depends on the length, not only on positions); use cp=1")
+    heads = tuple(node.meta["val"].shape[:-2])   # the scores' leading dims (batch, heads)
+    if len(lead) > len(heads) or torch.broadcast_shapes(tuple(lead), heads) != heads:
+        raise PlanError(f"cp: the mask of {where} has leading dims {tuple(lead)} that do not broadcast to "
+                        f"the attention's {heads}; use cp=1")
+    lo, hi, slopes, intercepts = _fit(whole.reshape(-1, s, s), where)
+    causal = hi is not None and hi <= 0
+    if lo is None and hi in (0, None) and not any(slopes) and not any(intercepts):
+        return causal, None, keyside   # plain causal or all-visible: the ring's own masks
+    return causal, (lo, hi, slopes, intercepts, tuple(lead)), keyside
+
+
+def _leaves(m, kind: str, out: list) -> None:
+    """Split a mask operand into leaves over the ops that combine masks (see module doc)."""
+    if not isinstance(m, fx.Node) or free(m):
+        out.append((kind, m))
+        return
+    name, args = op_name(m), m.args
+    both = len(args) >= 2 and all(isinstance(a, fx.Node) for a in args[:2])
+    if kind == "add" and name == "add" and both:
+        _leaves(args[0], "add", out)
+        _leaves(args[1], "add", out)
+    elif kind == "visible" and name in ("bitwise_and", "logical_and", "__and__") and both:
+        _leaves(args[0], "visible", out)
+        _leaves(args[1], "visible", out)
+    elif kind == "hidden" and name in ("bitwise_or", "logical_or", "__or__") and both:
+        _leaves(args[0], "hidden", out)
+        _leaves(args[1], "hidden", out)
+    elif kind in ("visible", "hidden") and name in ("bitwise_not", "logical_not"):
+        _leaves(args[0], "hidden" if kind == "visible" else "visible", out)
+    elif kind == "add" and name == "masked_fill" and isinstance(args[2], (int, float)) and args[2] <= _NEG:
+        _leaves(args[0], "add", out)
+        _leaves(args[1], "hidden", out)
+    elif kind == "add" and name == "where" and len(args) == 3 and _is_zero(args[1]) and \
+            isinstance(args[2], (int, float)) and args[2] <= _NEG:
+        _leaves(args[0], "visible", out)
+    elif name in ("expand", "_to_copy", "to", "clone", "contiguous", "alias") and (
+            kind == "add" or m.meta["val"].dtype == torch.bool == args[0].meta["val"].dtype):
+        _leaves(args[0], kind, out)   # broadcasts and copies: the leaves broadcast the same way
+    else:
+        out.append((kind, m))
+
+
+def _is_zero(x) -> bool:
+    """0, or a free zero-dim node that is (HF writes torch.tensor(0.0) into where)."""
+    if isinstance(x, (int, float)):
+        return x == 0
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    return val is not None and val.dim() == 0 and op_name(x) in ("zeros", "zeros_like") and free(x)
+
+
+def _additive(fixed: list, is_causal: bool, stage, where: str, n: int, length: int) -> torch.Tensor:
+    """The free leaves' sum as an additive float64 mask (-inf hidden) at `length` positions."""
+    total = torch.zeros(length, length, dtype=torch.float64)
+    if is_causal:
+        total = total.masked_fill(~torch.tril(torch.ones(length, length, dtype=torch.bool)), float("-inf"))
+    for kind, m in fixed:
+        try:
+            v = evaluate(m, stage, {n: length}) if isinstance(m, fx.Node) else torch.tensor(m)
+        except _PerRank as exc:
+            raise PlanError(f"cp: the mask of {where} is split over tp ranks ({exc}: a per-head bias with "
+                            "heads sharded); use tp=1 or cp=1") from None
+        except Exception as exc:
+            raise PlanError(f"cp: the mask of {where} cannot be evaluated at the whole sequence's length "
+                            f"({type(exc).__name__}); use cp=1") from None
+        v = torch.as_tensor(v)
+        if kind == "add":
+            v = v.to(torch.float64).masked_fill(v <= _NEG, float("-inf"))
+        else:
+            hide = ~v.bool() if kind == "visible" else v.bool()
+            v = torch.zeros(hide.shape, dtype=torch.float64).masked_fill(hide, float("-inf"))
+        if v.dim() < 2 or v.shape[-2] not in (1, length) or v.shape[-1] != length:
+            raise PlanError(f"cp: the mask of {where} is {tuple(v.shape)}, not over the sequence "
+                            f"({length} x {length}); use cp=1")
+        total = total + v
+    return total
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    hidden = torch.isinf(a)
+    if not torch.equal(hidden, torch.isinf(b)):
+        return False
+    return bool(torch.allclose(a[~hidden], b[~hidden], rtol=1e-6, atol=1e-6))
+
+
+def _fit(m: torch.Tensor, where: str):
+    """m [L, s, s] (additive, -inf hidden) as a function of d = j - i: (lo, hi, slopes,
+    intercepts), lo/hi None where unbounded; a PlanError if it is not one."""
+    L, s, _ = m.shape
+    d = torch.arange(s)[None, :] - torch.arange(s)[:, None]
+    visible = ~torch.isinf(m)
+    if not bool((visible == visible[:1]).all()):
+        raise PlanError(f"cp: the mask of {where} hides different positions per head; use cp=1")
+    vis = visible[0]
+    if not bool(vis.any()):
+        raise PlanError(f"cp: the mask of {where} hides every position; use cp=1")
+    lo, hi = int(d[vis].min()), int(d[vis].max())
+    if not torch.equal(vis, (d >= lo) & (d <= hi)):
+        raise PlanError(f"cp: the mask of {where} is not a band of relative positions (a document, prefix "
+                        "or block mask?); ring attention takes causal, sliding-window and ALiBi masks: use cp=1")
+    x = d[vis].to(torch.float64)
+    design = torch.stack([x, torch.ones_like(x)], 1)
+    slopes, intercepts = [], []
+    for row in m:
+        y = row[vis]
+        coef = torch.linalg.lstsq(design, y[:, None]).solution[:, 0]
+        if not bool(torch.allclose(design @ coef, y, rtol=1e-6, atol=1e-6 * (1 + float(y.abs().max())))):
+            raise PlanError(f"cp: the additive mask of {where} is not slope * (j - i) + c per head (not an "
+                            "ALiBi-style bias); ring attention cannot recompute it: use cp=1")
+        slope, icpt = (_snap(float(c)) for c in coef)
+        slopes.append(slope if abs(slope) > 1e-12 else 0.0)
+        intercepts.append(icpt if abs(icpt) > 1e-12 else 0.0)
+    return (None if lo == -(s - 1) else lo), (None if hi == s - 1 else hi), slopes, intercepts
+
+
+class _PerRank(Exception):
+    """The mask runs a collective op (tp): one value cannot stand for every rank."""
+
+
+def _snap(x: float) -> float:
+    """x as the float32 it is within least-squares rounding of (the mask's own dtype, usually)."""
+    f = float(torch.tensor(x, dtype=torch.float32))
+    return f if abs(f - x) <= 1e-12 * max(abs(x), 1.0) else x
+
+
+def key_bias_val(keyside: list) -> torch.Tensor:
+    """The fake value of cp_ops.key_bias over these leaves (for the node's meta)."""
+    shape = torch.broadcast_shapes(*[m.meta["val"].shape for _, m in keyside])
+    dtypes = [m.meta["val"].dtype for k, m in keyside if k == "add"]
+    dtype = dtypes[0] if dtypes else torch.float32
+    for dt in dtypes[1:]:
+        dtype = torch.promote_types(dtype, dt)
+    like = keyside[0][1].meta["val"]
+    return like.new_empty(shape, dtype=dtype if dtype.is_floating_point else torch.float32)
+
+
+def evaluate(node: fx.Node, stage, lengths: dict | None = None):
+    """The value of a free node, computed from the stage's buffers; integer arguments in
+    `lengths` (a sequence length, in aranges, slices, views) replaced by their value there."""
+    lengths = lengths or {}
+    env: dict = {}
+
+    def value(x):
+        if isinstance(x, fx.Node):
+            if x not in env:
+                env[x] = run(x)
+            return env[x]
+        if isinstance(x, (list, tuple)):
+            return type(x)(value(a) for a in x)
+        if isinstance(x, int) and not isinstance(x, bool):
+            return lengths.get(x, x)
+        return x
+
+    def run(x: fx.Node):
+        if x.op == "placeholder":
+            return stage.state[tf(x)["fqn"]]
+        if x.op == "get_attr":
+            return getattr(x.graph.owning_module, x.target)
+        args = [value(a) for a in x.args]
+        kwargs = {k: value(v) for k, v in x.kwargs.items()}
+        if any(type(a).__name__ == "GroupRef" for a in list(args) + list(kwargs.values())):
+            # a tp op (a per-rank slice of the mask): its value differs per tp rank
+            raise _PerRank(op_name(x))
+        return x.target(*args, **kwargs)
+    with torch.no_grad():
+        return value(node)
