@@ -206,7 +206,8 @@ def measure_bubble(step, instrument) -> dict:
 def rank_job(cfg: Config) -> dict:
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    out = {}
+    from threefold.runtime.allocator import APPLIED
+    out = {"malloc": dict(APPLIED)}   # runtime/allocator.py's settings (THREEFOLD_MALLOC=default: none)
     for m in cfg.ms:
         contenders, instruments = [], {}
         for kind, v in cfg.threefold:
@@ -241,9 +242,10 @@ def rank_job(cfg: Config) -> dict:
             return None
         contenders.append(("eager", eager))
         contenders.append(("floor", floor))
-        times, cpu, losses = run_rotation(contenders, cfg.warmup, cfg.iters)
+        faults: dict = {}
+        times, cpu, losses = run_rotation(contenders, cfg.warmup, cfg.iters, faults)
         bubbles = {name: measure_bubble(*fns) for name, fns in instruments.items()}
-        out[m] = {"times": times, "cpu": cpu, "losses": losses, "bubbles": bubbles}
+        out[m] = {"times": times, "cpu": cpu, "losses": losses, "bubbles": bubbles, "faults": faults}
         dist.barrier()
     return out
 
@@ -289,6 +291,10 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
                 continue
             row = {"wall_s": med[n], "vs_limit_paired": statistics.median(
                 [x / (e / 2) for x, e in zip(t, times["eager"])])}
+            # minor page faults per step, the median over iterations, the larger of the two ranks
+            row["faults_per_step"] = max(statistics.median(rk[m]["faults"][n]) for rk in ranks)
+            if n.startswith("threefold ") and "threefold 1f1b" in times:
+                row["vs_1f1b_paired"] = statistics.median([x / y for x, y in zip(t, times["threefold 1f1b"])])
             if "floor" in times:
                 row["vs_floor_paired"] = statistics.median([x / f for x, f in zip(t, times["floor"])])
             if best:
@@ -307,7 +313,8 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
         rows[m] = {"eager_s": med["eager"], "limit_s": med["eager"] / 2, **floor, "torch_best": best,
                    "threefold_best": ours_best, "contenders": contenders,
                    "raw_wall_s": times}
-    return {"config": asdict(cfg), "ranks": PP, "cores": os.cpu_count(), "rows": rows}
+    return {"config": asdict(cfg), "ranks": PP, "cores": os.cpu_count(), "rows": rows,
+            "malloc": ranks[0].get("malloc", {})}
 
 
 def _threefold_kind(name: str) -> tuple:
@@ -325,22 +332,25 @@ def report(s: dict) -> str:
              f"({s['cores']} cores); medians of {c['iters']} rotating rounds after {c['warmup']} warm-up; "
              f"load average before/after {s['loadavg'][0]:.1f}/{s['loadavg'][1]:.1f}",
              "ratios are paired medians (each round's pair); limit = eager / 2; bubble = idle/(2 x makespan), "
-             "measured | simulated unit costs | simulated with the measured compute times", ""]
+             "measured | simulated unit costs | simulated with the measured compute times; "
+             f"faults = minor page faults per step (the larger rank); rank malloc settings: {s['malloc'] or 'glibc defaults'}",
+             ""]
     for m, r in s["rows"].items():
         lines.append(f"m={m}: eager {r['eager_s']*1e3:.0f} ms, limit {r['limit_s']*1e3:.0f} ms; torch best: "
                      f"{r['torch_best']}; threefold best: {r['threefold_best']}")
         if "floor_s" in r:
             lines.append(f"  floor (both cores, each the whole model over m/2 microbatches of {c['batch'] // m}) "
                          f"{r['floor_s']*1e3:.0f} ms = {r['floor_vs_limit_paired']:.3f} x limit")
-        lines.append(f"  {'contender':<40} {'wall ms':>8} {'/torch best':>11} {'/limit':>7} {'/floor':>7} "
-                     f"{'bubble meas':>11} {'sim unit':>8} {'sim meas':>8} {'loss':>9}")
+        lines.append(f"  {'contender':<40} {'wall ms':>8} {'/1f1b':>6} {'/torch best':>11} {'/limit':>7} {'/floor':>7} "
+                     f"{'bubble meas':>11} {'sim unit':>8} {'sim meas':>8} {'faults':>7} {'loss':>9}")
         for n, x in r["contenders"].items():
             sim_u = f"{x['sim_unit']:.3f}" if "sim_unit" in x else "-"
             sim_m = f"{x['sim_measured_costs']:.3f}" if "sim_measured_costs" in x else "-"
             loss = f"{x['loss']:.5f}" if x["loss"] is not None else "-"
-            lines.append(f"  {n:<40} {x['wall_s']*1e3:>8.0f} {x.get('vs_torch_best_paired', float('nan')):>11.3f} "
+            lines.append(f"  {n:<40} {x['wall_s']*1e3:>8.0f} {x.get('vs_1f1b_paired', float('nan')):>6.3f} "
+                         f"{x.get('vs_torch_best_paired', float('nan')):>11.3f} "
                          f"{x['vs_limit_paired']:>7.3f} {x.get('vs_floor_paired', float('nan')):>7.3f} "
-                         f"{x['bubble_measured']:>11.3f} {sim_u:>8} {sim_m:>8} {loss:>9}")
+                         f"{x['bubble_measured']:>11.3f} {sim_u:>8} {sim_m:>8} {x['faults_per_step']:>7.0f} {loss:>9}")
         lines.append("")
     return "\n".join(lines)
 
