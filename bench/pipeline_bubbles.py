@@ -29,7 +29,11 @@ contender measures both: each rank runs the whole model over its half of the m
 microbatches, both ranks at once; floor / limit is what they cost, contender / floor what
 the pipeline adds (bubble, communication, runtime).
 
-    python bench/pipeline_bubbles.py [--quick] [--json] [--ms 2,4,8] [--iters N] [--warmup N]
+    python bench/pipeline_bubbles.py [--quick] [--json] [--ms 2,4,8] [--iters N] [--warmup N] [--pp 4]
+
+--pp 4 runs the same on 4 ranks (two per core: bubbles then cost less, an idle rank lends
+its core); the limit stays eager / 2 (two cores). Each threefold schedule is also reported
+against threefold's 1f1b, paired per round (issue 25), with minor page faults per step.
 """
 from __future__ import annotations
 
@@ -67,6 +71,7 @@ class Config:
     vocab_size: int = 256
     seq: int = 128
     batch: int = 16            # global batch: microbatches of batch/m
+    pp: int = 2                # pipeline ranks
     ms: tuple = (2, 4, 8)
     warmup: int = 2
     iters: int = 10
@@ -204,6 +209,8 @@ def measure_bubble(step, instrument) -> dict:
 
 
 def rank_job(cfg: Config) -> dict:
+    global PP
+    PP = cfg.pp
     torch.set_num_threads(1)
     rank = dist.get_rank()
     from threefold.runtime.allocator import APPLIED
@@ -360,12 +367,14 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny model, m in {2, 4}, few rounds")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     ap.add_argument("--ms", type=lambda t: tuple(int(x) for x in t.split(",")), help="microbatch counts, e.g. 2,4,8")
-    for f in ("n_layer", "n_embd", "n_head", "vocab_size", "seq", "batch", "warmup", "iters"):
+    for f in ("n_layer", "n_embd", "n_head", "vocab_size", "seq", "batch", "warmup", "iters", "pp"):
         ap.add_argument("--" + f.replace("_", "-"), type=int, dest=f)
     args = ap.parse_args(argv)
     over = dict(QUICK) if args.quick else {}
     over.update({k: v for k, v in vars(args).items() if k in Config.__dataclass_fields__ and v is not None})
     cfg = Config(**over, threefold=available_threefold(), torch=available_torch())
+    global PP
+    PP = cfg.pp
     for m in cfg.ms:
         if cfg.batch % m:
             raise SystemExit(f"batch={cfg.batch} must be a multiple of every m (got m={m})")
