@@ -110,7 +110,8 @@ class _Addmm(torch.autograd.Function):
 
 # -- layer norm ---------------------------------------------------------------------------
 
-def _layer_norm_w(gy, x, shape, mean, rstd, weight, bias) -> None:
+def _layer_norm_w(module, gy, x, shape, mean, rstd, weight, bias) -> None:
+    _whole(module, (weight, bias))   # the kernel reads gamma (and beta) even for their own gradients
     _, gw, gb = aten.native_layer_norm_backward.default(gy, x, shape, mean, rstd, weight, bias,
                                                         [False, True, bias is not None])
     accumulate(weight, gw)
@@ -131,7 +132,7 @@ class _LayerNorm(torch.autograd.Function):
         x, mean, rstd = ctx.saved_tensors
         weight, bias, shape = ctx.weight, ctx.bias, ctx.shape
         _whole(ctx.module, (weight, bias))
-        ctx.stash.append(_Deferred(_layer_norm_w, gy, x, shape, mean, rstd, weight, bias))
+        ctx.stash.append(_Deferred(_layer_norm_w, ctx.module, gy, x, shape, mean, rstd, weight, bias))
         ctx.weight = ctx.bias = ctx.stash = ctx.module = None
         gx = None
         if ctx.needs_input_grad[0]:
