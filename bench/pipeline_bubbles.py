@@ -29,7 +29,11 @@ contender measures both: each rank runs the whole model over its half of the m
 microbatches, both ranks at once; floor / limit is what they cost, contender / floor what
 the pipeline adds (bubble, communication, runtime).
 
-    python bench/pipeline_bubbles.py [--quick] [--json] [--ms 2,4,8] [--iters N] [--warmup N]
+    python bench/pipeline_bubbles.py [--quick] [--json] [--ms 2,4,8] [--iters N] [--warmup N] [--pp 4]
+
+--pp 4 runs the same on 4 ranks (two per core: bubbles then cost less, an idle rank lends
+its core); the limit stays eager / 2 (two cores). Each threefold schedule is also reported
+against threefold's 1f1b, paired per round (issue 25), with minor page faults per step.
 """
 from __future__ import annotations
 
@@ -67,6 +71,7 @@ class Config:
     vocab_size: int = 256
     seq: int = 128
     batch: int = 16            # global batch: microbatches of batch/m
+    pp: int = 2                # pipeline ranks
     ms: tuple = (2, 4, 8)
     warmup: int = 2
     iters: int = 10
@@ -204,9 +209,12 @@ def measure_bubble(step, instrument) -> dict:
 
 
 def rank_job(cfg: Config) -> dict:
+    global PP
+    PP = cfg.pp
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    out = {}
+    from threefold.runtime.allocator import APPLIED
+    out = {"malloc": dict(APPLIED)}   # runtime/allocator.py's settings (THREEFOLD_MALLOC=default: none)
     for m in cfg.ms:
         contenders, instruments = [], {}
         for kind, v in cfg.threefold:
@@ -241,9 +249,10 @@ def rank_job(cfg: Config) -> dict:
             return None
         contenders.append(("eager", eager))
         contenders.append(("floor", floor))
-        times, cpu, losses = run_rotation(contenders, cfg.warmup, cfg.iters)
+        faults: dict = {}
+        times, cpu, losses = run_rotation(contenders, cfg.warmup, cfg.iters, faults)
         bubbles = {name: measure_bubble(*fns) for name, fns in instruments.items()}
-        out[m] = {"times": times, "cpu": cpu, "losses": losses, "bubbles": bubbles}
+        out[m] = {"times": times, "cpu": cpu, "losses": losses, "bubbles": bubbles, "faults": faults}
         dist.barrier()
     return out
 
@@ -289,6 +298,10 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
                 continue
             row = {"wall_s": med[n], "vs_limit_paired": statistics.median(
                 [x / (e / 2) for x, e in zip(t, times["eager"])])}
+            # minor page faults per step, the median over iterations, the larger of the two ranks
+            row["faults_per_step"] = max(statistics.median(rk[m]["faults"][n]) for rk in ranks)
+            if n.startswith("threefold ") and "threefold 1f1b" in times:
+                row["vs_1f1b_paired"] = statistics.median([x / y for x, y in zip(t, times["threefold 1f1b"])])
             if "floor" in times:
                 row["vs_floor_paired"] = statistics.median([x / f for x, f in zip(t, times["floor"])])
             if best:
@@ -307,7 +320,8 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
         rows[m] = {"eager_s": med["eager"], "limit_s": med["eager"] / 2, **floor, "torch_best": best,
                    "threefold_best": ours_best, "contenders": contenders,
                    "raw_wall_s": times}
-    return {"config": asdict(cfg), "ranks": PP, "cores": os.cpu_count(), "rows": rows}
+    return {"config": asdict(cfg), "ranks": PP, "cores": os.cpu_count(), "rows": rows,
+            "malloc": ranks[0].get("malloc", {})}
 
 
 def _threefold_kind(name: str) -> tuple:
@@ -325,22 +339,25 @@ def report(s: dict) -> str:
              f"({s['cores']} cores); medians of {c['iters']} rotating rounds after {c['warmup']} warm-up; "
              f"load average before/after {s['loadavg'][0]:.1f}/{s['loadavg'][1]:.1f}",
              "ratios are paired medians (each round's pair); limit = eager / 2; bubble = idle/(2 x makespan), "
-             "measured | simulated unit costs | simulated with the measured compute times", ""]
+             "measured | simulated unit costs | simulated with the measured compute times; "
+             f"faults = minor page faults per step (the larger rank); rank malloc settings: {s['malloc'] or 'glibc defaults'}",
+             ""]
     for m, r in s["rows"].items():
         lines.append(f"m={m}: eager {r['eager_s']*1e3:.0f} ms, limit {r['limit_s']*1e3:.0f} ms; torch best: "
                      f"{r['torch_best']}; threefold best: {r['threefold_best']}")
         if "floor_s" in r:
             lines.append(f"  floor (both cores, each the whole model over m/2 microbatches of {c['batch'] // m}) "
                          f"{r['floor_s']*1e3:.0f} ms = {r['floor_vs_limit_paired']:.3f} x limit")
-        lines.append(f"  {'contender':<40} {'wall ms':>8} {'/torch best':>11} {'/limit':>7} {'/floor':>7} "
-                     f"{'bubble meas':>11} {'sim unit':>8} {'sim meas':>8} {'loss':>9}")
+        lines.append(f"  {'contender':<40} {'wall ms':>8} {'/1f1b':>6} {'/torch best':>11} {'/limit':>7} {'/floor':>7} "
+                     f"{'bubble meas':>11} {'sim unit':>8} {'sim meas':>8} {'faults':>7} {'loss':>9}")
         for n, x in r["contenders"].items():
             sim_u = f"{x['sim_unit']:.3f}" if "sim_unit" in x else "-"
             sim_m = f"{x['sim_measured_costs']:.3f}" if "sim_measured_costs" in x else "-"
             loss = f"{x['loss']:.5f}" if x["loss"] is not None else "-"
-            lines.append(f"  {n:<40} {x['wall_s']*1e3:>8.0f} {x.get('vs_torch_best_paired', float('nan')):>11.3f} "
+            lines.append(f"  {n:<40} {x['wall_s']*1e3:>8.0f} {x.get('vs_1f1b_paired', float('nan')):>6.3f} "
+                         f"{x.get('vs_torch_best_paired', float('nan')):>11.3f} "
                          f"{x['vs_limit_paired']:>7.3f} {x.get('vs_floor_paired', float('nan')):>7.3f} "
-                         f"{x['bubble_measured']:>11.3f} {sim_u:>8} {sim_m:>8} {loss:>9}")
+                         f"{x['bubble_measured']:>11.3f} {sim_u:>8} {sim_m:>8} {x['faults_per_step']:>7.0f} {loss:>9}")
         lines.append("")
     return "\n".join(lines)
 
@@ -350,12 +367,14 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny model, m in {2, 4}, few rounds")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     ap.add_argument("--ms", type=lambda t: tuple(int(x) for x in t.split(",")), help="microbatch counts, e.g. 2,4,8")
-    for f in ("n_layer", "n_embd", "n_head", "vocab_size", "seq", "batch", "warmup", "iters"):
+    for f in ("n_layer", "n_embd", "n_head", "vocab_size", "seq", "batch", "warmup", "iters", "pp"):
         ap.add_argument("--" + f.replace("_", "-"), type=int, dest=f)
     args = ap.parse_args(argv)
     over = dict(QUICK) if args.quick else {}
     over.update({k: v for k, v in vars(args).items() if k in Config.__dataclass_fields__ and v is not None})
     cfg = Config(**over, threefold=available_threefold(), torch=available_torch())
+    global PP
+    PP = cfg.pp
     for m in cfg.ms:
         if cfg.batch % m:
             raise SystemExit(f"batch={cfg.batch} must be a multiple of every m (got m={m})")

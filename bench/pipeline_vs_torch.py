@@ -160,10 +160,12 @@ def blocking_receives(pm) -> None:
     eng._plan_cache = (eng.schedule, blocking_plan(eng.schedule.actions[eng.stage]), None)
 
 
-def run_rotation(contenders, warmup: int, iters: int):
+def run_rotation(contenders, warmup: int, iters: int, faults: dict | None = None):
     """Time each contender `iters` times after `warmup` rounds, interleaved: every contender
     takes every position equally often, forwards and backwards. Per contender: wall times
-    (barrier to barrier), this process's CPU times, and the last loss it returned."""
+    (barrier to barrier), this process's CPU times, and the last loss it returned; and in
+    `faults`, when given, this process's minor page faults per iteration (ru_minflt)."""
+    import resource
     times = {name: [] for name, _ in contenders}
     cpu = {name: [] for name, _ in contenders}
     losses = {name: None for name, _ in contenders}
@@ -175,13 +177,17 @@ def run_rotation(contenders, warmup: int, iters: int):
         for name, fn in order:
             dist.barrier()
             t, c = time.perf_counter(), time.process_time()
+            f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             loss = fn()
             c = time.process_time() - c
+            f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f
             dist.barrier()
             dt = time.perf_counter() - t
             if it >= warmup:
                 times[name].append(dt)
                 cpu[name].append(c)
+                if faults is not None:
+                    faults.setdefault(name, []).append(f)
             losses[name] = loss
     return times, cpu, losses
 

@@ -1,6 +1,6 @@
 """The main job against a plain PyTorch loop: same model, data, optimizer and schedule.
 
-    python bench/train_vs_eager.py [train flags...] [--threads 1,2] [--skip-threefold]
+    python bench/train_vs_eager.py [train flags...] [--threads 1,2] [--compiled] [--skip-threefold]
 
 Runs (1) a single-process eager loop written with nothing but torch (AdamW with decay on
 Linear matrices only, linear warmup + cosine, global-norm clipping, the same validation
@@ -9,7 +9,9 @@ batches) over threefold.dataset's batches, once per thread count in --threads (d
 ranks use all the cores), then (2) `threefold train --json` with the same settings, and
 prints tokens/s of each, threefold's ratio to each eager run (the worst last), the train
 and validation losses at the start and the end, and the load average around each run.
-Settings are threefold's (embedded defaults < --config < flags).
+Settings are threefold's (embedded defaults < --config < flags). --compiled adds the same
+loop with the model under torch.compile (Inductor, torch's default threads; the first
+step, which compiles, is left out of tokens/s as every run's first step is).
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ def val_loss(model, batches) -> float:
     return out
 
 
-def eager(cfg) -> dict:
+def eager(cfg, compiled: bool = False) -> dict:
     data = load_data(cfg)
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=cfg.seq, n_layer=cfg.n_layer,
@@ -60,6 +62,7 @@ def eager(cfg) -> dict:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas)
     sampler, vals = data.sampler(cfg), data.val_batches(cfg)
+    forward = torch.compile(model) if compiled else model   # validation stays eager (no recompile)
     losses, evals, seconds = [], [], []
     evals.append((0, val_loss(model, vals)))
     for step in range(cfg.steps):
@@ -68,7 +71,7 @@ def eager(cfg) -> dict:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         opt.zero_grad()
-        loss = lm_loss(model(x), y)
+        loss = lm_loss(forward(x), y)
         loss.backward()
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -106,6 +109,7 @@ def main() -> None:
                    help=f"comma-separated torch thread counts of the eager loop (default 1,{default_threads}: "
                    "one thread, and torch's default)")
     p.add_argument("--skip-threefold", action="store_true", help="run the eager loop only")
+    p.add_argument("--compiled", action="store_true", help="also the loop under torch.compile, default threads")
     args = p.parse_args()
     cfg = from_args(args)
     threads = sorted({int(n) for n in str(args.threads).split(",") if n.strip()})
@@ -113,16 +117,18 @@ def main() -> None:
           f"GPT {cfg.n_layer}x{cfg.n_embd} ({cfg.n_head} heads), lr {cfg.lr}, data {cfg.data or 'embedded'}; "
           f"{os.cpu_count()} cores, {_load()}")
     eagers = {}
-    for n in threads:
+    runs = [(n, False) for n in threads] + ([(default_threads, True)] if args.compiled else [])
+    for n, compiled in runs:
         torch.set_num_threads(n)
         before = _load()
-        e = eagers[n] = eager(cfg)
-        print(f"eager ({n} thread{'s' if n > 1 else ''}, {e['params']:,} params): {e['tokens_per_second']:,.0f} "
+        name = f"{n} thread{'s' if n > 1 else ''}" + (", torch.compile" if compiled else "")
+        e = eagers[name] = eager(cfg, compiled)
+        print(f"eager ({name}, {e['params']:,} params): {e['tokens_per_second']:,.0f} "
               f"tokens/s, {e['seconds']:.1f} s of steps; loss {e['first_loss']:.4f} -> {e['final_loss']:.4f}; "
               f"val {e['val'][0][1]:.4f} -> {e['val'][-1][1]:.4f} (step {e['val'][-1][0]}); {before} -> {_load()}")
     if args.skip_threefold:
         return
-    passthrough = [a for a in sys.argv[1:] if a not in ("--skip-threefold",)]
+    passthrough = [a for a in sys.argv[1:] if a not in ("--skip-threefold", "--compiled")]
     for flag in [a for a in passthrough if a.startswith("--threads")]:
         i = passthrough.index(flag)
         del passthrough[i:i + (1 if "=" in flag else 2)]
@@ -136,7 +142,7 @@ def main() -> None:
           f"{before} -> {_load()}")
     ratios = {n: t["tokens_per_second"] / e["tokens_per_second"] for n, e in eagers.items()}
     for n, r in sorted(ratios.items(), key=lambda kv: -kv[1]):     # the worst (the fair peer) last
-        print(f"ratio threefold/eager({n} thread{'s' if n > 1 else ''}) tokens/s: {r:.2f}")
+        print(f"ratio threefold/eager({n}) tokens/s: {r:.2f}")
 
 
 if __name__ == "__main__":

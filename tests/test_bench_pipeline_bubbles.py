@@ -26,3 +26,4 @@ def test_pipeline_bubbles_bench_runs_quick():
     for n, c in row["contenders"].items():
         assert 0.0 <= c["bubble_measured"] < 1.0, (n, c)
         assert c["vs_limit_paired"] > 0, (n, c)
+        assert c["faults_per_step"] >= 0, (n, c)

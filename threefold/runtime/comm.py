@@ -234,9 +234,11 @@ class PendingRecv:
 
 
 def post_recv(specs: list[tuple[tuple[int, ...], torch.dtype]], peer: int, what: str,
-              device: torch.device) -> PendingRecv:
-    """Post the receives without waiting; the bytes land while this rank computes."""
-    tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
+              device: torch.device, pool=None) -> PendingRecv:
+    """Post the receives without waiting; the bytes land while this rank computes.
+    `pool` (runtime/buffer_pool.BufferPool): receive into buffers kept across microbatches."""
+    tensors = [pool.take(shape, dtype, device) if pool is not None else torch.empty(shape, dtype=dtype, device=device)
+               for shape, dtype in specs]
     try:
         works = [dist.irecv(t, src=peer) for t in tensors]
     except Exception as exc:

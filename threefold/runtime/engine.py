@@ -18,6 +18,7 @@ import torch
 
 from threefold.runtime import comm, mixed_precision, optimizers
 from threefold.runtime.boundary import Boundary
+from threefold.runtime.buffer_pool import BufferPool
 from threefold.runtime.collective_plan import CollectivePlan, with_collectives
 from threefold.runtime.comm import Groups
 from threefold.runtime.receives import ReceivePlan, receive_plan
@@ -115,6 +116,7 @@ class PipelineEngine:
         self.stats = StepStats()
         self._boundaries: dict = {}
         self._plan_cache: tuple | None = None   # (schedule, its ReceivePlan, loss position)
+        self.recv_pool = BufferPool()   # receive buffers, reused once their last reader is gone
         self.tracer = None      # a runtime/trace.Recorder while a step is traced (else no clock reads)
 
     # -- set-up ----------------------------------------------------------------------------
@@ -225,7 +227,7 @@ class PipelineEngine:
             b, what = self._boundary(a.chunk, "inputs"), f"activations of chunk {a.chunk - 1} microbatch {a.mb}"
         else:
             b, what = self._boundary(a.chunk, "outputs", grads=True), f"gradients of chunk {a.chunk} microbatch {a.mb}"
-        return comm.post_recv(b.recv_specs(), self._peer(a.peer), what, self.device)
+        return comm.post_recv(b.recv_specs(), self._peer(a.peer), what, self.device, self.recv_pool)
 
     def _land(self, st: "_StepState", a, pending: comm.PendingRecv) -> None:
         if a.kind is Kind.RECV_ACT:

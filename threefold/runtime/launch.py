@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from threefold.errors import Terminated
+from threefold.runtime.allocator import tune_malloc
 from threefold.runtime.comm import FAILURE_KEY, default_timeout, post_failure, use_failure_store
 from threefold.runtime.failure_report import failure_report, rank_traceback
 from threefold.runtime.job_store import SECRET_ENV, JobStore, new_secret
@@ -61,6 +62,7 @@ def init_from_env(backend: str | None = None) -> None:
     torchrun's store are namespaced and authenticated by it (runtime/job_store.py)."""
     if dist.is_initialized():
         return
+    tune_malloc()   # freed memory stays for the next microbatch (runtime/allocator.py)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and os.environ.get("THREEFOLD_BACKEND") != "gloo" else "gloo"
     if backend == "nccl":
@@ -143,6 +145,7 @@ def _worker(rank: int, world: int, port: int, secret: str, fn, args, queue, thre
     if os.path.isdir("/sys/class/net/lo"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # local job: gloo on loopback too
     torch.set_num_threads(threads)
+    tune_malloc()   # freed memory stays for the next microbatch (runtime/allocator.py)
     try:
         timeout = default_timeout()
         store = JobStore(dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout), secret)

@@ -17,15 +17,18 @@ statistics) and the output gradient. W (`run_deferred`) differentiates all stash
 graphs of one (chunk, microbatch) in one autograd call restricted to the parameters, which
 accumulates into their .grad exactly what the fused backward would have, and frees them.
 
-A linear on parameters (outside autocast) skips the local graph: `_LinearInputGradOnly`
-computes grad_x in B and leaves (input, grad_output) for W to compute the weight's and
-bias's gradients with one matmul and one sum.
+Linear, addmm, layer norm, embedding and a product with a parameter skip the local graph
+where the weight operands are the parameters themselves (runtime/weight_grad_ops.py): B
+runs the op's input-gradient kernel and leaves what W needs (input, output gradient,
+statistics) for W's weight-gradient kernels, with no autograd call of their own.
 
 With no stash (a fused schedule, inference, no grad) `deferred` is the op itself.
 """
 from __future__ import annotations
 
 import torch
+
+from threefold.runtime.weight_grad_ops import _Deferred, written_out
 
 
 class _Call:
@@ -76,67 +79,6 @@ class _InputGradOnly(torch.autograd.Function):
         return (None, *input_grads, *[None] * len(call.params))
 
 
-class _LinearW:
-    """W of one linear: dL/dweight = gy^T x and dL/dbias = sum(gy), written out."""
-    __slots__ = ("x", "gy", "weight", "bias")
-
-    def __init__(self, x, gy, weight, bias):
-        self.x, self.gy, self.weight, self.bias = x, gy, weight, bias
-
-    def run(self) -> None:
-        gy = self.gy.reshape(-1, self.gy.shape[-1])
-        _accumulate(self.weight, gy.t().mm(self.x.reshape(-1, self.x.shape[-1])))
-        if self.bias is not None:
-            _accumulate(self.bias, gy.sum(0))
-
-
-def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
-    if p.grad is None:
-        p.grad = g
-    else:
-        p.grad.add_(g)
-
-
-class _LinearInputGradOnly(torch.autograd.Function):
-    """aten.linear whose backward is written out rather than re-entering autograd: B is
-    grad_x = gy @ weight, W (`_LinearW`) the weight's and bias's. Most of a transformer's
-    weight-gradient FLOPs are linears, and one autograd call per op in B costs more than
-    the matmul at small sizes."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, stash, module):
-        # the input goes through autograd's saved-tensor hooks (memory counters, sequence
-        # shards); the parameters are held as they are: W accumulates into their .grad, and
-        # a hook's unpacked copy would be another tensor
-        ctx.save_for_backward(x)
-        ctx.weight, ctx.bias, ctx.stash, ctx.module = weight, bias, stash, module
-        return torch.ops.aten.linear.default(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, gy):
-        (x,) = ctx.saved_tensors
-        weight = ctx.weight
-        needs_whole = getattr(ctx.module, "needs_whole", None)   # zero=3: gathered again if freed
-        if needs_whole is not None:
-            needs_whole(weight)
-        ctx.stash.append(_LinearW(x, gy, weight, ctx.bias))
-        ctx.weight = ctx.bias = ctx.stash = ctx.module = None
-        grad_x = gy.matmul(weight) if ctx.needs_input_grad[0] else None
-        return grad_x, None, None, None, None
-
-
-def _plain_linear(op, args, kwargs, params) -> bool:
-    """aten.linear(x, weight[, bias]) on trainable parameters of x's dtype, outside autocast
-    (where the op's casts are part of its graph): the written-out backward applies."""
-    if op is not torch.ops.aten.linear.default or kwargs or torch.is_autocast_enabled():
-        return False
-    x, weight = args[0], args[1]
-    bias = args[2] if len(args) > 2 else None
-    expected = (weight,) if bias is None else (weight, bias)
-    return (len(params) == len(expected) and all(a is p for a, p in zip(expected, params))
-            and isinstance(x, torch.Tensor) and all(p.requires_grad and p.dtype == x.dtype for p in params))
-
-
 def deferred(module, op, args: tuple, kwargs: dict | None = None, *, weights: tuple[int, ...],
              params: tuple) -> object:
     """Run `op(*args, **kwargs)`; under a zero-bubble schedule its weight gradients wait for W.
@@ -147,8 +89,9 @@ def deferred(module, op, args: tuple, kwargs: dict | None = None, *, weights: tu
     stash = getattr(module, "weight_stash", None)
     if stash is None or not torch.is_grad_enabled() or not any(p.requires_grad for p in params):
         return op(*args, **kwargs)
-    if _plain_linear(op, args, kwargs, params):
-        return _LinearInputGradOnly.apply(args[0], args[1], args[2] if len(args) > 2 else None, stash, module)
+    out = written_out(op, args, kwargs, params, stash, module)   # runtime/weight_grad_ops.py
+    if out is not None:
+        return out
     act_pos = tuple(i for i, a in enumerate(args) if i not in weights and isinstance(a, torch.Tensor))
     call = _Call(op, args, kwargs, act_pos, tuple(p for p in params if p.requires_grad), stash)
     return _InputGradOnly.apply(call, *[args[i] for i in act_pos], *call.params)
@@ -163,7 +106,7 @@ def run_deferred(stash: list) -> None:
     entries = list(stash)
     stash.clear()
     for entry in entries:
-        if isinstance(entry, _LinearW):
+        if isinstance(entry, _Deferred):
             entry.run()
             continue
         outs, gs, ps = entry
