@@ -30,12 +30,16 @@ points at the user's cache, `$XDG_CACHE_HOME/threefold/inductor` (default
 """
 from __future__ import annotations
 
+import functools
+import math
 import os
 import sys
 import types
+from datetime import timedelta
 
 import torch
 
+from threefold.runtime.comm import MAX_TIMEOUT_S, default_timeout
 from threefold.runtime.module import ChunkModule
 
 # ChunkModule methods that communicate or read per-microbatch Python state: eager always.
@@ -162,3 +166,55 @@ def _first_line(exc: BaseException) -> str:
 
 def note(text: str) -> None:
     print(f"threefold: compile=inductor: {text}", file=sys.stderr, flush=True)
+
+
+def compile_timeout() -> timedelta:
+    """THREEFOLD_COMPILE_TIMEOUT seconds (default 1800): how long a rank waits for a peer
+    during a step that may compile (a first compile on a loaded CPU takes minutes)."""
+    text = os.environ.get("THREEFOLD_COMPILE_TIMEOUT", "1800")
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (0 < seconds <= MAX_TIMEOUT_S):
+        from threefold.errors import PlanError
+        raise PlanError(f"THREEFOLD_COMPILE_TIMEOUT={text!r} is invalid: give seconds above 0 and at most "
+                        f"{MAX_TIMEOUT_S:.0f}, e.g. 1800")
+    return max(timedelta(seconds=seconds), default_timeout())
+
+
+def with_compile_grace(step, groups):
+    """engine.step, where a step that may compile waits compile_timeout() for peers.
+
+    Compiling happens inside the first step of each kind (train or forward-only, and the
+    batch's shapes), while peers wait on receives and collectives bounded by the process
+    group timeout (THREEFOLD_TIMEOUT, 60 s): one rank compiling for longer would read as a
+    dead rank. So the first two steps of each kind (Dynamo may recompile once, marking a
+    size dynamic) run with every group's timeout raised, and later steps with the usual one."""
+    import torch.distributed as dist
+    seen: dict = {}
+    pgs = [None] + [g for g in list(groups.by_axes.values()) + list(groups.ties.values()) if g is not None]
+
+    def set_timeout(timeout: timedelta) -> None:
+        if not dist.is_initialized():
+            return
+        done = set()
+        for g in pgs:
+            pg = g if g is not None else dist.distributed_c10d._get_default_group()
+            if id(pg) not in done:
+                done.add(id(pg))
+                dist.distributed_c10d._set_pg_timeout(timeout, pg)
+
+    @functools.wraps(step)
+    def run(batch, train: bool = True, schedule=None, model_outputs: bool = False):
+        key = (train, model_outputs, schedule is None,
+               tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in batch))
+        seen[key] = seen.get(key, 0) + 1
+        if seen[key] > 2:
+            return step(batch, train, schedule, model_outputs)
+        set_timeout(compile_timeout())
+        try:
+            return step(batch, train, schedule, model_outputs)
+        finally:
+            set_timeout(default_timeout())
+    return run

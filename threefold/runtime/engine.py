@@ -96,6 +96,8 @@ class PipelineEngine:
         # plan compile=inductor (runtime/compiled.py): inside autocast's wrapper, so the
         # compiled code sees the autocast state as a guard
         compiled.install(modules, manifest.plan.compile)
+        if manifest.plan.compile != "none":   # peers wait longer while a step compiles
+            self.step = compiled.with_compile_grace(self.step, groups)
         # plan dtype / zero (runtime/mixed_precision.py, runtime/zero.py, runtime/optimizers.py)
         mixed_precision.install_autocast(modules, mixed_precision.compute_dtype(manifest), device)
         self.wire_dtype = mixed_precision.wire_dtype(manifest)   # boundary tensors on the wire
