@@ -39,7 +39,7 @@ from datetime import timedelta
 
 import torch
 
-from threefold.runtime.comm import MAX_TIMEOUT_S, default_timeout
+from threefold.runtime.comm import MAX_TIMEOUT_S, default_timeout, wait_grace
 from threefold.runtime.module import ChunkModule
 
 # ChunkModule methods that communicate or read per-microbatch Python state: eager always.
@@ -195,7 +195,9 @@ def with_compile_grace(step, groups):
     seen: dict = {}
     pgs = [None] + [g for g in list(groups.by_axes.values()) + list(groups.ties.values()) if g is not None]
 
-    def set_timeout(timeout: timedelta) -> None:
+    def set_timeout(timeout: timedelta | None) -> None:
+        wait_grace[:] = [timeout] if timeout is not None else []
+        timeout = timeout or default_timeout()
         if not dist.is_initialized():
             return
         done = set()
@@ -216,5 +218,5 @@ def with_compile_grace(step, groups):
         try:
             return step(batch, train, schedule, model_outputs)
         finally:
-            set_timeout(default_timeout())
+            set_timeout(None)
     return run
