@@ -19,7 +19,8 @@ DEFAULT_SAMPLE = [
     "tests/test_runtime_parity.py::test_hf_models_pipeline_parity[llama-kwargs1]",
     "tests/test_runtime_api.py::test_decorator_builds_a_parallel_module_and_evaluate_is_forward_only",
     "tests/test_runtime_api.py::test_train_main_job_runs_and_writes_its_loss_curve",
-    "tests/test_plan_defaults.py::test_parallelize_on_4_ranks_infers_dp_and_m",
+    # (test_plan_defaults' 4-rank dp/m inference left for compile=inductor: its rule is unit-tested)
+    "tests/test_compiled_backend.py::test_inductor_chunks_match_single_process_under_tp_and_pp",
     "tests/test_forward_outputs.py::test_call_on_a_loss_compiled_model_equals_eager[tp=2,pp=2,m=2-4]",
     "tests/test_zero_bubble_parity.py::test_zero_bubble_pp2_matches_single_process",
     "tests/test_plan_fuzz.py::test_random_plans_match_single_process[gpt]",

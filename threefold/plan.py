@@ -28,6 +28,10 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 # 1 = the optimizer state and update sharded; 2 = gradients too (reduce-scattered as
 # backward produces them); 3 = parameters too (FSDP: gathered per layer around its use).
 DTYPES = ("fp32", "bf16", "fp16")
+# How each rank runs its generated chunks (runtime/compiled.py): "none" = eager, op by op;
+# "inductor" = each chunk's forward (and so its backward) through torch.compile/Inductor,
+# with the runtime's collectives left eager between the compiled pieces.
+COMPILE_MODES = ("none", "inductor")
 ZERO_STAGES = (0, 1, 2, 3)
 
 # Short keys accepted by Plan.parse and used by str(plan).
@@ -70,6 +74,7 @@ class Plan:
     # context parallelism: ranks that split every sequence (inputs, activations) along its
     # positions; attention runs as a ring over them (passes/context_parallel.py, runtime/cp_ops.py)
     cp: int = 1
+    compile: str = "none"       # none | inductor: eager chunks, or torch.compile'd (runtime/compiled.py)
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp", "microbatches", "interleave", "ep", "cp"):
@@ -101,7 +106,7 @@ class Plan:
         if isinstance(self.recompute, bool):
             object.__setattr__(self, "recompute", "full" if self.recompute else "none")
         for name, allowed in (("loss", LOSS_MODES), ("batchnorm", BATCHNORM_MODES),
-                              ("recompute", RECOMPUTE_MODES)):
+                              ("recompute", RECOMPUTE_MODES), ("compile", COMPILE_MODES)):
             if getattr(self, name) not in allowed:
                 raise PlanError(f"plan {name}={getattr(self, name)!r} is unknown: use one of {', '.join(allowed)}")
         if self.dtype not in DTYPES:
@@ -204,7 +209,8 @@ class Plan:
             value = getattr(self, f.name)
             if value == getattr(default, f.name) and f.name in ("split_points", "fuse", "recompute",
                                                                  "scatter_gather", "sp", "loss", "batchnorm",
-                                                                 "strict", "dtype", "zero", "dp_shard", "ep", "cp"):
+                                                                 "strict", "dtype", "zero", "dp_shard", "ep", "cp",
+                                                                 "compile"):
                 continue
             key = _SHORT.get(f.name, f.name)
             if f.name == "split_points":
@@ -242,6 +248,12 @@ def _parse_value(name: str, value: str, previous):
         raise PlanError(f"plan {name}={value!r} is invalid: use true or false")
     if name in ("schedule", "loss", "batchnorm"):
         return value.lower()
+    if name == "compile":
+        low = value.lower()
+        if low not in COMPILE_MODES:
+            raise PlanError(f"plan compile={value!r} is invalid: use compile=none (eager, the default) "
+                            "or compile=inductor (torch.compile each chunk)")
+        return low
     if name == "dtype":
         low = value.lower()
         low = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32"}.get(low, low)

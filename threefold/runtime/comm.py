@@ -26,6 +26,20 @@ FAILURE_KEY = "threefold/failure"
 MAX_TIMEOUT_S = 1e6      # ~11.6 days: beyond it timedelta and gloo's milliseconds overflow
 
 
+# While a step may compile (plan compile=inductor, runtime/compiled.py), waits on peers are
+# bounded by this longer timeout instead of the process group's: [timedelta] or [] (none).
+# Gloo's point-to-point waits take their bound from the wait call, not the group's setting.
+wait_grace: list = []
+
+
+def wait_work(work) -> None:
+    """work.wait(), bounded by the compile grace where one is set."""
+    if wait_grace:
+        work.wait(wait_grace[0])
+    else:
+        work.wait()
+
+
 def default_timeout() -> timedelta:
     """THREEFOLD_TIMEOUT seconds (default 60): how long a collective or the rendezvous waits."""
     text = os.environ.get("THREEFOLD_TIMEOUT", "60")
@@ -201,7 +215,7 @@ class PendingSend:
     def wait(self) -> None:
         try:
             for w in self.works:
-                w.wait()
+                wait_work(w)
         except Exception as exc:
             raise _fail(f"sending {self.what} to", self.peer, exc) from None
         self.buffers = []
@@ -227,7 +241,7 @@ class PendingRecv:
     def wait(self) -> list[torch.Tensor]:
         try:
             for w in self.works:
-                w.wait()
+                wait_work(w)
         except Exception as exc:
             raise _fail(f"receiving {self.what} from", self.peer, exc) from None
         return self.tensors
@@ -293,6 +307,6 @@ _PEERS = object()   # a wait whose group the caller did not say
 @_recorded
 def wait(work, what: str, group=_PEERS) -> None:
     try:
-        work.wait()
+        wait_work(work)
     except Exception as exc:
         raise _fail(f"waiting for {what} with", group, exc) from None

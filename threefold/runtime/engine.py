@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from threefold.runtime import comm, mixed_precision, optimizers
+from threefold.runtime import comm, compiled, mixed_precision, optimizers
 from threefold.runtime.boundary import Boundary
 from threefold.runtime.buffer_pool import BufferPool
 from threefold.runtime.collective_plan import CollectivePlan, with_collectives
@@ -94,6 +94,11 @@ class PipelineEngine:
             mod.tp_group = groups.tp
             mod.ep_group = groups.of("ep")
             mod.cp_group = groups.of("cp")
+        # plan compile=inductor (runtime/compiled.py): inside autocast's wrapper, so the
+        # compiled code sees the autocast state as a guard
+        compiled.install(modules, manifest.plan.compile)
+        if manifest.plan.compile != "none":   # peers wait longer while a step compiles
+            self.step = compiled.with_compile_grace(self.step, groups)
         # plan dtype / zero (runtime/mixed_precision.py, runtime/zero.py, runtime/optimizers.py)
         mixed_precision.install_autocast(modules, mixed_precision.compute_dtype(manifest), device)
         self.wire_dtype = mixed_precision.wire_dtype(manifest)   # boundary tensors on the wire
@@ -284,7 +289,8 @@ class PipelineEngine:
         if not st.train:
             st.slots.pop((a.chunk, a.mb))
             st.inflight -= 1
-        else:
+        elif self.manifest.plan.compile == "none":
+            # (a compiled backward may save a forward output the eager one does not)
             _release_outputs(slot.outputs, self.chunk_meta[a.chunk].releasable)
 
     def _recv_grad(self, st: "_StepState", a, received: list[torch.Tensor]) -> None:
