@@ -128,3 +128,24 @@ def test_masks_and_all_gather_fallback_at_cp4():
             ref = sgd_losses(make(mode), 3)
             for rank in got:
                 assert max_rel_diff(rank[i], ref) < 1e-5, (mode, rank[i], ref)
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cp2_in_bf16_matches_single_process_autocast_within_rounding_noise():
+    """bf16 under cp: ring attention's online softmax in 16-bit stays within the rounding noise
+    of one process's autocast run (the criterion tests/test_precision.py uses for tp, pp, dp)."""
+    import math
+    from tests.test_precision import GPT as P_GPT, STEPS, parallel, reference, rounding_noise
+    import torch
+    ref = reference("gpt", P_GPT, STEPS, "sgd", torch.bfloat16)
+    fp32 = reference("gpt", P_GPT, STEPS, "sgd")
+    sigma = rounding_noise("gpt", P_GPT, STEPS, "sgd", torch.bfloat16, draws=6)
+    tol = [4 * math.sqrt(2) * s for s in sigma]
+    results = launch(parallel, 2, ["cp=2,dtype=bf16"], "gpt", P_GPT, STEPS, "sgd",
+                     timeout=500)
+    for r in results[0]:
+        diffs = [abs(a - b) for a, b in zip(r["losses"], ref)]
+        assert all(d <= t for d, t in zip(diffs, tol)), (r["plan"], diffs, tol)
+        assert r["losses"] != fp32, r["plan"]
