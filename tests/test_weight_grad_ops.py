@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from threefold.runtime.weight_grad import deferred, run_deferred
-from threefold.runtime.weight_grad_ops import _Deferred
+from threefold.runtime.weight_grad_ops import DeferredW
 
 aten = torch.ops.aten
 
@@ -61,7 +61,7 @@ def test_written_out_split_equals_the_fused_backward(case):
     for a, e in zip(acts, expected):
         torch.testing.assert_close(a.grad, e, rtol=1e-12, atol=1e-12)
     assert all(p.grad is None for p in params), name              # B leaves the weights alone
-    assert len(holder.weight_stash) == 1 and isinstance(holder.weight_stash[0], _Deferred), name
+    assert len(holder.weight_stash) == 1 and isinstance(holder.weight_stash[0], DeferredW), name
     run_deferred(holder.weight_stash)                             # W
     for p, e in zip(params, expected[len(acts):]):
         torch.testing.assert_close(p.grad, e, rtol=1e-12, atol=1e-12)
@@ -74,6 +74,6 @@ def test_a_weight_computed_from_parameters_takes_the_generic_path():
     holder.weight_stash = []
     y = deferred(holder, aten.mm.default, (x, w.t()), weights=(1,), params=(w,))
     y.sum().backward()
-    assert not isinstance(holder.weight_stash[0], _Deferred)
+    assert not isinstance(holder.weight_stash[0], DeferredW)
     run_deferred(holder.weight_stash)
     torch.testing.assert_close(w.grad, torch.ones(4, 5, dtype=torch.float64).t().mm(x.detach()))

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from threefold.runtime.weight_grad_ops import _Deferred, written_out
+from threefold.runtime.weight_grad_ops import DeferredW, written_out
 
 
 class _Call:
@@ -106,7 +106,7 @@ def run_deferred(stash: list) -> None:
     entries = list(stash)
     stash.clear()
     for entry in entries:
-        if isinstance(entry, _Deferred):
+        if isinstance(entry, DeferredW):
             entry.run()
             continue
         outs, gs, ps = entry

@@ -49,7 +49,7 @@ def _whole(module, weights) -> None:
                 needs_whole(w)
 
 
-class _Deferred:
+class DeferredW:
     """W of one written-out op: a closure over what B kept."""
     __slots__ = ("fn", "args")
 
@@ -81,7 +81,7 @@ class _Linear(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         weight, bias = ctx.weight, ctx.bias
         _whole(ctx.module, (weight,))
-        ctx.stash.append(_Deferred(_linear_w, x, gy, weight, bias))
+        ctx.stash.append(DeferredW(_linear_w, x, gy, weight, bias))
         ctx.weight = ctx.bias = ctx.stash = ctx.module = None
         return (gy.matmul(weight) if ctx.needs_input_grad[0] else None), None, None, None, None
 
@@ -103,7 +103,7 @@ class _Addmm(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         weight, bias = ctx.weight, ctx.bias
         _whole(ctx.module, (weight,))
-        ctx.stash.append(_Deferred(_addmm_w, x, gy, weight, bias))
+        ctx.stash.append(DeferredW(_addmm_w, x, gy, weight, bias))
         ctx.weight = ctx.bias = ctx.stash = ctx.module = None
         return (gy.mm(weight.t()) if ctx.needs_input_grad[0] else None), None, None, None, None
 
@@ -132,7 +132,7 @@ class _LayerNorm(torch.autograd.Function):
         x, mean, rstd = ctx.saved_tensors
         weight, bias, shape = ctx.weight, ctx.bias, ctx.shape
         _whole(ctx.module, (weight, bias))
-        ctx.stash.append(_Deferred(_layer_norm_w, ctx.module, gy, x, shape, mean, rstd, weight, bias))
+        ctx.stash.append(DeferredW(_layer_norm_w, ctx.module, gy, x, shape, mean, rstd, weight, bias))
         ctx.weight = ctx.bias = ctx.stash = ctx.module = None
         gx = None
         if ctx.needs_input_grad[0]:
@@ -158,7 +158,7 @@ class _Embedding(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         (ids,) = ctx.saved_tensors     # B reads no weight: nothing to gather
-        ctx.stash.append(_Deferred(_embedding_w, gy, ids, ctx.weight, ctx.padding_idx, ctx.scale))
+        ctx.stash.append(DeferredW(_embedding_w, gy, ids, ctx.weight, ctx.padding_idx, ctx.scale))
         ctx.weight = ctx.stash = ctx.module = None
         return None, None, None, None, None, None
 
@@ -181,7 +181,7 @@ class _Mul(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         weight = ctx.weight
         _whole(ctx.module, (weight,))
-        ctx.stash.append(_Deferred(_mul_w, gy, x, weight))
+        ctx.stash.append(DeferredW(_mul_w, gy, x, weight))
         ctx.weight = ctx.stash = ctx.module = None
         gx = (gy * weight).sum_to_size(x.shape) if ctx.needs_input_grad[0] else None
         return gx, None, None, None
