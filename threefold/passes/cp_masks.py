@@ -90,7 +90,12 @@ def split_mask(masks: list, is_causal: bool, stage, node: fx.Node, n: int):
     s = n * stage.plan.cp
     whole = _additive(fixed, is_causal, stage, where, n, s)
     local = _additive(fixed, is_causal, stage, where, n, n)
-    lead = torch.broadcast_shapes(whole.shape[:-2], local.shape[:-2])
+    try:
+        lead = torch.broadcast_shapes(whole.shape[:-2], local.shape[:-2])
+    except RuntimeError:
+        raise PlanError(f"cp: the mask of {where} changes its leading dims {tuple(local.shape[:-2])} with the "
+                        "sequence length (a length that equals another size by coincidence?); use cp=1 or "
+                        "another sequence length") from None
     whole, local = whole.expand(*lead, s, s), local.expand(*lead, n, n)
     if not _same(local, whole[..., :n, :n]):
         raise PlanError(f"cp: the mask of {where} over the first s/cp positions differs from its corner over "
@@ -158,7 +163,8 @@ def _additive(fixed: list, is_causal: bool, stage, where: str, n: int, length: i
                             "heads sharded); use tp=1 or cp=1") from None
         except Exception as exc:
             raise PlanError(f"cp: the mask of {where} cannot be evaluated at the whole sequence's length "
-                            f"({type(exc).__name__}); use cp=1") from None
+                            f"({type(exc).__name__}; does another size, e.g. the batch, equal the local length "
+                            f"{n}?); use a batch or sequence length that differs from s/cp, or cp=1") from None
         v = torch.as_tensor(v)
         if kind == "add":
             v = v.to(torch.float64).masked_fill(v <= _NEG, float("-inf"))
@@ -242,6 +248,11 @@ def evaluate(node: fx.Node, stage, lengths: dict | None = None):
                 env[x] = run(x)
             return env[x]
         if isinstance(x, (list, tuple)):
+            if x and all(isinstance(a, int) and not isinstance(a, bool) for a in x):
+                # a shape (view, expand, ones...): the length is one of its last two dims (the
+                # scores' query and key dims); a leading dim equal to n (heads, batch) is not it
+                keep = len(x) - 2
+                return type(x)(a if i < keep else lengths.get(a, a) for i, a in enumerate(x))
             return type(x)(value(a) for a in x)
         if isinstance(x, int) and not isinstance(x, bool):
             return lengths.get(x, x)
