@@ -69,21 +69,30 @@ def _linear_w(x, gy, weight, bias) -> None:
         accumulate(bias, gy2.sum(0))
 
 
-class _Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, stash, module):
+class _WeightOp(torch.autograd.Function):
+    """A GEMM with a weight and a bias: B returns the input's gradient now, W is stashed.
+    Subclasses name the forward op (`run`), the input gradient (`grad_input`) and W (`w`)."""
+
+    @classmethod
+    def forward(cls, ctx, x, weight, bias, stash, module):
         ctx.save_for_backward(x)
         ctx.weight, ctx.bias, ctx.stash, ctx.module = weight, bias, stash, module
-        return aten.linear.default(x, weight, bias)
+        return cls.run(x, weight, bias)
 
-    @staticmethod
-    def backward(ctx, gy):
+    @classmethod
+    def backward(cls, ctx, gy):
         (x,) = ctx.saved_tensors
         weight, bias = ctx.weight, ctx.bias
         _whole(ctx.module, (weight,))
-        ctx.stash.append(DeferredW(_linear_w, x, gy, weight, bias))
+        ctx.stash.append(DeferredW(cls.w, x, gy, weight, bias))
         ctx.weight = ctx.bias = ctx.stash = ctx.module = None
-        return (gy.matmul(weight) if ctx.needs_input_grad[0] else None), None, None, None, None
+        return (cls.grad_input(gy, weight) if ctx.needs_input_grad[0] else None), None, None, None, None
+
+
+class _Linear(_WeightOp):
+    run = staticmethod(lambda x, weight, bias: aten.linear.default(x, weight, bias))
+    grad_input = staticmethod(lambda gy, weight: gy.matmul(weight))
+    w = staticmethod(_linear_w)
 
 
 def _addmm_w(x, gy, weight, bias) -> None:
@@ -91,21 +100,10 @@ def _addmm_w(x, gy, weight, bias) -> None:
     accumulate(bias, gy.sum_to_size(bias.shape))
 
 
-class _Addmm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, stash, module):
-        ctx.save_for_backward(x)
-        ctx.weight, ctx.bias, ctx.stash, ctx.module = weight, bias, stash, module
-        return aten.addmm.default(bias, x, weight)
-
-    @staticmethod
-    def backward(ctx, gy):
-        (x,) = ctx.saved_tensors
-        weight, bias = ctx.weight, ctx.bias
-        _whole(ctx.module, (weight,))
-        ctx.stash.append(DeferredW(_addmm_w, x, gy, weight, bias))
-        ctx.weight = ctx.bias = ctx.stash = ctx.module = None
-        return (gy.mm(weight.t()) if ctx.needs_input_grad[0] else None), None, None, None, None
+class _Addmm(_WeightOp):
+    run = staticmethod(lambda x, weight, bias: aten.addmm.default(bias, x, weight))
+    grad_input = staticmethod(lambda gy, weight: gy.mm(weight.t()))
+    w = staticmethod(_addmm_w)
 
 
 # -- layer norm ---------------------------------------------------------------------------
