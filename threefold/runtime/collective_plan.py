@@ -6,7 +6,8 @@ stage's action list, so the verifier (runtime/simulate.py) checks it and the sim
 it like the compute and the point-to-point messages:
 
   dn      before anything, on the stage holding the loss: the loss's global denominator
-          (all-reduced over the batch axes when it is counted from the data)
+          (when it is counted from the data, every rank counts it over the whole global
+          batch it holds: no communication, so it is not a synchronisation point)
   ls      as soon as this stage's share of the loss is known: post the loss all-reduce
   ag c.0  zero=3, before chunk c's first forward: gather its unit 0 (parameters read by
           more than one layer, embeddings, the head), kept whole for the chunk's window
@@ -104,7 +105,7 @@ class CollectivePlan:
             return self.numel.get(self.ties[a.mb][0], 0) * GRAD_BYTES
         if a.kind is Kind.SP_SUM:
             return sum(self.numel.get(f, 0) for f in self.sp) * GRAD_BYTES
-        return 8 if a.kind in (Kind.LOSS, Kind.LOSS_DENOMINATOR) else 0
+        return 8 if a.kind is Kind.LOSS else 0   # dn counts the global batch locally
 
 
 def plan_collectives(manifest, schedule: Schedule) -> CollectivePlan:

@@ -61,7 +61,9 @@ class RankFailure(RuntimeError):
 # The groups every rank builds: one per mesh axis or alias that collectives run over.
 # (A name "axis#tag" asks for a second group over the same ranks, so that two streams of
 # collectives, ZeRO-3's all-gathers and its reduce-scatters, are ordered independently.)
-GROUP_AXES = ("tp", "dp", "pp", "dp_shard", "dp_replicate", "ep", "edp", "cp", "dp+cp")
+# "pp+tp": the ranks whose gradients differ when every batch rank holds the same ones (the
+# gradient norm's sum without ZeRO or ep: runtime/grad_norm.py)
+GROUP_AXES = ("tp", "dp", "pp", "dp_shard", "dp_replicate", "ep", "edp", "cp", "dp+cp", "pp+tp")
 
 
 @dataclass

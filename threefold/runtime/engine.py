@@ -41,6 +41,7 @@ class StepStats:
 class _StepState:
     """Everything one call of step() tracks while it walks the action list."""
     micro: list[tuple]                                   # this dp rank's microbatches
+    batch: tuple                                         # the global batch they were cut from
     m: int
     train: bool
     slots: dict = field(default_factory=dict)           # (chunk, mb) -> _Slot
@@ -171,7 +172,7 @@ class PipelineEngine:
         model's outputs instead of the loss (its `model_outputs` method), kept in last_outputs."""
         start = time.perf_counter()
         schedule = schedule or self.schedule
-        st = _StepState(micro=self._microbatches(batch, schedule.m), m=schedule.m, train=train, model_outputs=model_outputs,
+        st = _StepState(micro=self._microbatches(batch, schedule.m), batch=batch, m=schedule.m, train=train, model_outputs=model_outputs,
                         split=train and schedule.splits_backward)
         for mod in self.modules.values():
             mod.train(train)  # generated code reads self.training (dropout, batch norm)
@@ -350,8 +351,11 @@ class PipelineEngine:
         slot.input_grads = [x.grad if x.requires_grad else None for x in slot.inputs]
         slot.outputs, slot.output_grads = [], []
 
-    def _microbatches(self, batch: tuple, m: int) -> list[tuple]:
-        dp, d = self.mesh.dp, self.coord.dp
+    def _microbatches(self, batch: tuple, m: int, d: int | None = None, c: int | None = None) -> list[tuple]:
+        """The m microbatches of batch-rank (dp index d, cp index c) of the global `batch`:
+        this rank's by default (the denominator also cuts the other ranks' shares)."""
+        dp, d = self.mesh.dp, self.coord.dp if d is None else d
+        c = self.coord.cp if c is None else c
         out = [[] for _ in range(m)]
         dims = self.batch_dims
         for i, t in enumerate(batch):
@@ -360,7 +364,7 @@ class PipelineEngine:
             sd = self.seq_dims[i] if self.seq_dims and i < len(self.seq_dims) else None
             if isinstance(t, torch.Tensor) and sd is not None:
                 # cp: this rank's blocks r and 2cp-1-r of each sequence (runtime/cp_ops.py)
-                t = local_blocks(t, sd, self.mesh.cp, self.coord.cp)
+                t = local_blocks(t, sd, self.mesh.cp, c)
             if not isinstance(t, torch.Tensor) or t.dim() == 0 or bd is None:
                 for mb in out:
                     mb.append(t.to(self.device) if isinstance(t, torch.Tensor) else t)
@@ -475,8 +479,11 @@ class PipelineEngine:
         known before the first backward so every microbatch's backward is seeded with 1/D.
 
         A per-microbatch constant c gives c*m*(batch ranks); a sum-reduced loss gives 1; a
-        graph (the number of targets != ignore_index) is evaluated on every microbatch by the
-        last chunk's module and summed over the batch ranks."""
+        graph (the number of targets != ignore_index) is evaluated by the last chunk's module
+        on every microbatch of every batch rank: each rank holds the global batch, so it cuts
+        the other ranks' shares itself and sums them, with no collective. (An all-reduce here
+        was the step's first synchronisation: every rank waited at it for the slowest one
+        before its first forward.)"""
         den = self.loss_form
         if den.denominator == "one":
             return 1.0
@@ -487,10 +494,12 @@ class PipelineEngine:
             return float("nan")  # not the last stage: never seeds a loss backward
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         with torch.no_grad():
-            for mb in st.micro:
-                total += last.loss_denominator(*[mb[j] for j in last.DENOMINATOR_INPUTS])[0].double()
-        if self.batch_group is not None:
-            comm.all_reduce(total, self.batch_group, "the loss denominator")
+            for d in range(self.mesh.dp):
+                for c in range(self.mesh.cp):
+                    micro = st.micro if (d, c) == (self.coord.dp, self.coord.cp) else (
+                        self._microbatches(st.batch, st.m, d, c))
+                    for mb in micro:
+                        total += last.loss_denominator(*[mb[j] for j in last.DENOMINATOR_INPUTS])[0].double()
         return float(total)
 
     def _loss_share(self, losses: list[torch.Tensor], denominator: float) -> torch.Tensor:

@@ -3,7 +3,10 @@
 The norm is the one a single process would compute over the model's parameters: every
 element of every trainable parameter's gradient counted exactly once. Each rank adds the
 squares of the gradient elements it is the one owner of, and one all-reduce over the world
-sums them:
+sums them (without ZeRO and ep every batch rank, dp x cp, holds the same reduced gradients:
+each rank then counts as the batch rank 0 of its pipeline stage and tensor-parallel rank
+would, and the sum runs over pp x tp only, or not at all for plain data parallelism, so the
+clip is no extra synchronisation of the batch ranks):
 
   * data parallel: after the step's all-reduce every dp replica holds the same averaged
     gradients, so only dp rank 0 contributes; under ZeRO (plan zero>=1) the gradients are
@@ -36,11 +39,19 @@ from threefold.runtime import comm
 from threefold.runtime.shard import ShardSpec
 
 
-def owned_grad_pieces(engine) -> list[torch.Tensor]:
-    """The gradient pieces this rank contributes to the global norm (views, no copies)."""
+def _replicated_over_batch(engine) -> bool:
+    """Every batch rank (dp x cp) holds the same gradients after the step's reduction."""
+    return _plan(engine).zero == 0 and engine.mesh.ep == 1
+
+
+def owned_grad_pieces(engine, as_batch_rank_0: bool = False) -> list[torch.Tensor]:
+    """The gradient pieces this rank contributes to the global norm (views, no copies);
+    `as_batch_rank_0`: the pieces its dp=0, cp=0 replica contributes (equal gradients)."""
     from threefold.checkpoint.layout import pieces   # layout math only (no checkpoint I/O)
     from threefold.runtime.zero import row_range
     coord, manifest = engine.coord, engine.manifest
+    if as_batch_rank_0:
+        coord = engine.mesh.coord(engine.mesh.moved(engine.groups.rank, dp_replicate=0, dp_shard=0, cp=0))
     zero = _plan(engine).zero
     # zero=0: dp replicas hold equal gradients (dp rank 0 counts them); zero>=1: each
     # dp_shard rank owns its rows, and the replicas of a shard group (HSDP) are equal
@@ -128,9 +139,15 @@ def _unpadded_shape(local: torch.Tensor, spec: ShardSpec) -> list[int]:
 def global_grad_norm(engine) -> float:
     """The 2-norm of all trainable gradients of the whole model, the same on every rank."""
     total = torch.zeros((), dtype=torch.float64, device=engine.device)
-    for g in owned_grad_pieces(engine):
-        total += g.detach().double().pow(2).sum()
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    replicated = _replicated_over_batch(engine)
+    pieces = [g.detach() for g in owned_grad_pieces(engine, as_batch_rank_0=replicated)]
+    if pieces:   # one foreach kernel (each piece's norm in float64), not a loop of small ops
+        total += torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64)).pow(2).sum()
+    if replicated:
+        group = engine.groups.of("pp+tp")
+        if group is not None:
+            comm.all_reduce(total, group, "the gradient norm")
+    elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         comm.all_reduce(total, None, "the gradient norm")
     return math.sqrt(float(total)) / float(getattr(engine, "loss_scale", 1.0) or 1.0)
 
@@ -142,11 +159,10 @@ def clip_grad_norm_(engine, max_norm: float, eps: float = 1e-6) -> float:
     norm = global_grad_norm(engine)
     coef = max_norm / (norm + eps)
     if math.isfinite(norm) and coef < 1.0:
+        grads = [p.grad for p in engine.params.values() if p.requires_grad and p.grad is not None]
+        if engine.sharded is not None:   # zero>=2: the gradients are these row shards
+            grads += list(engine.sharded.grads.values())
         with torch.no_grad():
-            for p in engine.params.values():
-                if p.requires_grad and p.grad is not None:
-                    p.grad.mul_(coef)
-            if engine.sharded is not None:   # zero>=2: the gradients are these row shards
-                for g in engine.sharded.grads.values():
-                    g.mul_(coef)
+            if grads:
+                torch._foreach_mul_(grads, coef)
     return norm

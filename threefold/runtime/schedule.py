@@ -23,7 +23,8 @@ Collectives (inserted by runtime/collective_plan.py into a job's schedule, from 
 manifest: the communication a step needs is in the list, so the verifier checks it and the
 simulator costs it; the bare schedules of make_schedule have none):
 
-    dn        LOSS_DENOMINATOR            all-reduce the loss denominator over dp (the loss stage)
+    dn        LOSS_DENOMINATOR            the loss's global denominator (the loss stage; counted
+                                          locally over the global batch, no communication)
     ls        LOSS                        post the loss all-reduce (waited at the end of the step)
     ag3.0     UNSHARD(3, 0)               zero=3: all-gather chunk 3's parameters kept whole for
                                           all its microbatches (unit 0); per-layer units are
