@@ -1,6 +1,6 @@
 """The main job against a plain PyTorch loop: same model, data, optimizer and schedule.
 
-    python bench/train_vs_eager.py [train flags...] [--threads 1,2] [--compiled] [--skip-threefold]
+    python bench/train_vs_eager.py [train flags...] [--threads 1,2] [--compiled] [--fused-adamw] [--skip-threefold]
 
 Runs (1) a single-process eager loop written with nothing but torch (AdamW with decay on
 Linear matrices only, linear warmup + cosine, global-norm clipping, the same validation
@@ -11,7 +11,9 @@ prints tokens/s of each, threefold's ratio to each eager run (the worst last), t
 and validation losses at the start and the end, and the load average around each run.
 Settings are threefold's (embedded defaults < --config < flags). --compiled adds the same
 loop with the model under torch.compile (Inductor, torch's default threads; the first
-step, which compiles, is left out of tokens/s as every run's first step is).
+step, which compiles, is left out of tokens/s as every run's first step is). The loop's AdamW
+is torch's default (a loop over parameters on CPU); threefold train's is fused (one kernel):
+--fused-adamw adds the loop with fused AdamW too, so the optimizer's share of a ratio shows.
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def val_loss(model, batches) -> float:
     return out
 
 
-def eager(cfg, compiled: bool = False) -> dict:
+def eager(cfg, compiled: bool = False, fused: bool = False) -> dict:
     data = load_data(cfg)
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=cfg.seq, n_layer=cfg.n_layer,
@@ -60,7 +62,8 @@ def eager(cfg, compiled: bool = False) -> dict:
     decay = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and id(m.weight) not in tables]
     rest = [p for p in model.parameters() if all(p is not q for q in decay)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas)
+                             {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas,
+                            fused=fused or None)
     sampler, vals = data.sampler(cfg), data.val_batches(cfg)
     forward = torch.compile(model) if compiled else model   # validation stays eager (no recompile)
     losses, evals, seconds = [], [], []
@@ -110,6 +113,7 @@ def main() -> None:
                    "one thread, and torch's default)")
     p.add_argument("--skip-threefold", action="store_true", help="run the eager loop only")
     p.add_argument("--compiled", action="store_true", help="also the loop under torch.compile, default threads")
+    p.add_argument("--fused-adamw", action="store_true", help="also the loop with fused AdamW, default threads")
     args = p.parse_args()
     cfg = from_args(args)
     threads = sorted({int(n) for n in str(args.threads).split(",") if n.strip()})
@@ -117,18 +121,20 @@ def main() -> None:
           f"GPT {cfg.n_layer}x{cfg.n_embd} ({cfg.n_head} heads), lr {cfg.lr}, data {cfg.data or 'embedded'}; "
           f"{os.cpu_count()} cores, {_load()}")
     eagers = {}
-    runs = [(n, False) for n in threads] + ([(default_threads, True)] if args.compiled else [])
-    for n, compiled in runs:
+    runs = [(n, False, False) for n in threads] + ([(default_threads, True, False)] if args.compiled else []) + (
+        [(default_threads, False, True)] if args.fused_adamw else [])
+    for n, compiled, fused in runs:
         torch.set_num_threads(n)
         before = _load()
-        name = f"{n} thread{'s' if n > 1 else ''}" + (", torch.compile" if compiled else "")
-        e = eagers[name] = eager(cfg, compiled)
+        name = f"{n} thread{'s' if n > 1 else ''}" + (", torch.compile" if compiled else "") + (
+            ", fused AdamW" if fused else "")
+        e = eagers[name] = eager(cfg, compiled, fused)
         print(f"eager ({name}, {e['params']:,} params): {e['tokens_per_second']:,.0f} "
               f"tokens/s, {e['seconds']:.1f} s of steps; loss {e['first_loss']:.4f} -> {e['final_loss']:.4f}; "
               f"val {e['val'][0][1]:.4f} -> {e['val'][-1][1]:.4f} (step {e['val'][-1][0]}); {before} -> {_load()}")
     if args.skip_threefold:
         return
-    passthrough = [a for a in sys.argv[1:] if a not in ("--skip-threefold", "--compiled")]
+    passthrough = [a for a in sys.argv[1:] if a not in ("--skip-threefold", "--compiled", "--fused-adamw")]
     for flag in [a for a in passthrough if a.startswith("--threads")]:
         i = passthrough.index(flag)
         del passthrough[i:i + (1 if "=" in flag else 2)]

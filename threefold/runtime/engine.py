@@ -175,7 +175,8 @@ class PipelineEngine:
         st = _StepState(micro=self._microbatches(batch, schedule.m), batch=batch, m=schedule.m, train=train, model_outputs=model_outputs,
                         split=train and schedule.splits_backward)
         for mod in self.modules.values():
-            mod.train(train)  # generated code reads self.training (dropout, batch norm)
+            if mod.training != train:   # (a recursive walk over the submodules: not every step)
+                mod.train(train)  # generated code reads self.training (dropout, batch norm)
         if train and self._optimizer_needed and self.plan_optimizer is None:
             from threefold.errors import PlanError
             raise PlanError(self._optimizer_needed)

@@ -1,0 +1,30 @@
+"""The data-parallel step synchronises its ranks once: at the gradient reduction.
+
+The loss's denominator (the number of targets != ignore_index over the global batch) is
+counted by every rank over the global batch it holds, and the gradient norm of replicated
+gradients is computed where they are: neither is an all-reduce any more (each was a wait for
+the slowest rank). The workload ignores positions 4-10 of every row and one more in row 0,
+so dp ranks (rows) and cp ranks (positions) count different numbers of tokens: a
+denominator of this rank's share times the ranks would be off, and the losses, norms and
+clipped updates are compared with one process's.
+"""
+import pytest
+
+from tests.dp_sync_jobs import clipped_losses, reference
+from tests.parity import max_rel_diff
+from threefold.runtime.launch import launch
+
+STEPS = 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("plan", ["dp=2,m=2", "cp=2"])
+def test_masked_mean_and_norm_without_their_all_reduces(plan):
+    ref_losses, ref_norms = reference(STEPS)
+    for r in launch(clipped_losses, 2, plan, STEPS, timeout=280):
+        assert max_rel_diff(r["losses"], ref_losses) < 1e-5, (plan, r["losses"], ref_losses)
+        assert max_rel_diff(r["norms"], ref_norms) < 1e-5, (plan, r["norms"], ref_norms)
+        # per step: the gradients (one bucket) and the posted loss, nothing else
+        assert sorted(set(r["all_reduces"])) == ["gradients", "the loss"], r["all_reduces"]
+        assert len(r["all_reduces"]) == 2 * STEPS, r["all_reduces"]
