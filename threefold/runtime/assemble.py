@@ -30,6 +30,7 @@ from threefold.runtime.module import ChunkModule
 from threefold.runtime.schedule import make_schedule
 from threefold.runtime.simulate import verify
 from threefold.runtime.ties import tied_param_stages
+from threefold.runtime.zero import ROW_PEER_GROUPS
 
 
 class RankSource(Protocol):
@@ -57,7 +58,8 @@ def assemble_rank(manifest: Manifest, source: RankSource, rank: int | None = Non
             keep_local_experts(module, coord.ep, mesh.ep)
         modules[c] = module
     schedule, collectives = step_schedule(manifest)
-    axes = GROUP_AXES + (("dp_shard#rs",) if collectives.zero >= 2 else ())
+    axes = GROUP_AXES + (ROW_PEER_GROUPS if collectives.zero >= 1 else ()) + (
+        ("dp_shard#rs",) if collectives.zero >= 2 else ())
     groups = build_groups(mesh, rank, tie_stage_sets(manifest), axes)
     return PipelineEngine(manifest, modules, schedule, groups, dev, collectives)
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from threefold.runtime import comm, mixed_precision
-from threefold.runtime.zero import RowShard, all_gather_flat, reduce_scatter_flat, split_rows
+from threefold.runtime.zero import RowShard, all_gather_flat, reduce_scatter_flat, row_peer_groups, split_rows
 
 MAX_PENDING = 2      # reduce-scatters in flight before the oldest is waited for
 
@@ -65,15 +65,11 @@ class ShardedParams:
         self.scale = 1.0 / mesh.size(cplan.batch_axes)
         self.group = groups.of("dp_shard")          # all-gathers
         self.rs_group = groups.of("dp_shard#rs")    # reduce-scatters, in their own order
-        self.replicate_group = groups.of("dp_replicate")
-        # ep: dp_shard is inside edp (the ranks holding the same experts), so a dense row's
-        # other contributions sit on the ep ranks with the same dp_shard coordinate (same row
-        # range, other tokens): summed over `ep_group` after the reduce-scatter. Expert rows
-        # differ per ep rank and are complete once summed over dp_shard and the replicas.
+        # after the reduce-scatter a shard is summed over the ranks holding the same rows with
+        # other data (replicas, cp ranks, and ep ranks for dense rows: zero.DENSE_ROW_PEERS)
+        self.dense_peers, self.expert_peers = row_peer_groups(engine)
         ep = mesh.ep > 1
-        self.ep_group = groups.of("ep") if ep else None
         self.experts = frozenset(engine.manifest.get("experts") or {}) if ep else frozenset()
-        self.cp_group = groups.of("cp")   # cp ranks hold the same rows, grads of other tokens
         trainable = dict(engine.named_parameters())
         own = self.zero >= 3   # the shard keeps its own storage: the parameter's is freed
         self.rows: dict[str, RowShard] = {f: split_rows(f, p, self.d, coord.dp_shard, own=own)
@@ -291,17 +287,15 @@ class ShardedParams:
         """The schedule's `wg`: every reduction landed, summed over replicas, averaged."""
         while self._in_flight:
             self._land(*self._in_flight.pop(0))
-        for s in self.rows.values():
-            g = self.grads.get(s.fqn)
-            if g is None:
-                continue
-            if self.replicate_group is not None:
-                comm.all_reduce(g, self.replicate_group, f"gradient shard of {s.fqn} over replicas")
-            if self.ep_group is not None and s.fqn not in self.experts:
-                comm.all_reduce(g, self.ep_group, f"dense gradient shard of {s.fqn} over ep ranks")
-            if self.cp_group is not None:
-                comm.all_reduce(g, self.cp_group, f"gradient shard of {s.fqn} over cp ranks")
-            g.mul_(self.scale)
+        grads = [(s.fqn, self.grads[s.fqn]) for s in self.rows.values() if self.grads.get(s.fqn) is not None]
+        for peers, expert in ((self.dense_peers, False), (self.expert_peers, True)):
+            mine = [g for fqn, g in grads if (fqn in self.experts) == expert]
+            if peers is not None and mine:   # one flat all-reduce, not one per parameter
+                flat = torch.cat([g.reshape(-1) for g in mine])
+                comm.all_reduce(flat, peers, "gradient shards over the ranks holding the same rows")
+                torch._foreach_copy_(mine, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in mine]), mine)])
+        if grads:
+            torch._foreach_mul_([g for _, g in grads], self.scale)
 
     def end_step(self) -> None:
         """After every step: a gather prefetched for a layer that was not used again (a

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from threefold.runtime import comm
+from threefold.runtime.mesh import BATCH_AXES
 from threefold.runtime.wrapped_optimizer import WrappedOptimizer
 
 BUCKET_BYTES = 25 * 2**20   # like the engine's all-reduce buckets
@@ -107,28 +108,38 @@ def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, what: str, asyn
         raise comm._fail(f"all-gather of {what} with", group, exc) from None
 
 
+# After the reduce-scatter over dp_shard, a row shard still lacks the contributions of the
+# ranks that hold the same rows with other data: the replicas (HSDP), the cp ranks (other
+# tokens of the same rows) and, for a dense row under ep, the ep ranks (other tokens; an
+# expert's rows differ per ep rank). One all-reduce over their product group, not one per axis.
+DENSE_ROW_PEERS = "dp_replicate+ep+cp"
+EXPERT_ROW_PEERS = "dp_replicate+cp"
+ROW_PEER_GROUPS = (DENSE_ROW_PEERS, EXPERT_ROW_PEERS)   # built when the plan has zero >= 1
+
+
+def row_peer_groups(engine) -> tuple:
+    """(dense rows' group, expert rows' group) of the summation above; None: no other rank."""
+    return engine.groups.of(DENSE_ROW_PEERS), engine.groups.of(EXPERT_ROW_PEERS)
+
+
 class ZeroGradSync:
     """The engine's dp gradient hook under zero=1: `start(fqns)` right after the chunk's
     last backward (so it overlaps later backwards, as the all-reduce did), `finish(pending)`
     after the step's last action, before tied and sequence-parallel gradient sums (those
     all-reduce over other groups, which commutes with the dp mean)."""
 
-    def __init__(self, shards: dict[str, RowShard], group, d: int, replicate_group=None, dp: int | None = None,
-                 ep_group=None, experts: frozenset = frozenset(), cp_group=None, cp: int = 1):
+    def __init__(self, shards: dict[str, RowShard], group, d: int, row_peers: tuple = (None, None),
+                 batch_ranks: int | None = None, experts: frozenset = frozenset()):
         self.shards, self.group, self.d = shards, group, d
-        self.replicate_group = replicate_group   # HSDP: the shard's other replicas
-        # cp: the cp ranks of a dp_shard rank hold the same rows, with gradients from different
-        # tokens: the shard is summed over them too, and the mean is over dp x cp
-        self.cp_group = cp_group
-        self.scale = 1.0 / ((dp or d) * cp)      # the mean over every rank that splits the batch
-        # ep: dp_shard is inside edp, so a dense row's other contributions are on the ep
-        # ranks with the same dp_shard coordinate (same row range): summed over `ep_group`
-        # after the reduce-scatter. Expert rows differ per ep rank and are only edp-reduced.
-        self.ep_group, self.experts = ep_group, experts
+        # the rows' other contributions (DENSE_ROW_PEERS / EXPERT_ROW_PEERS), summed after
+        # the reduce-scatter; the mean is over every rank that splits the batch (dp x cp)
+        self.dense_peers, self.expert_peers = row_peers
+        self.scale = 1.0 / (batch_ranks or d)
+        self.experts = experts
 
     def start(self, fqns: list[str]) -> list:
         items = [self.shards[f] for f in fqns if f in self.shards and self.shards[f].param.grad is not None]
-        if not items or (self.group is None and self.ep_group is None and self.cp_group is None):
+        if not items or (self.group is None and self.dense_peers is None):
             return []
         pending = []
         dense = [s for s in items if s.fqn not in self.experts]
@@ -158,12 +169,9 @@ class ZeroGradSync:
         for work, recv, bucket in pending:
             if work is not None:
                 comm.wait(work, "data-parallel gradient reduce-scatter", self.group)
-            if self.replicate_group is not None:   # HSDP: sum the shard over its replicas
-                comm.all_reduce(recv, self.replicate_group, "gradient shards over replicas")
-            if self.ep_group is not None and bucket[0].fqn not in self.experts:
-                comm.all_reduce(recv, self.ep_group, "dense gradient shards over ep ranks")
-            if self.cp_group is not None:
-                comm.all_reduce(recv, self.cp_group, "gradient shards over cp ranks")
+            peers = self.expert_peers if bucket[0].fqn in self.experts else self.dense_peers
+            if peers is not None:   # buckets hold dense or expert rows, never both
+                comm.all_reduce(recv, peers, "gradient shards over the ranks holding the same rows")
             off = 0
             for s in bucket:
                 g = s.rows_of(s.param.grad)
@@ -229,11 +237,9 @@ class ZeroOptimizer(WrappedOptimizer):
             mapped.append({**g, "params": [by_id[id(p)].shard for p in ps]})
         self.inner = optimizer_cls(mapped, *args, **kwargs)
         ep = engine.mesh.ep > 1
-        self.sync = ZeroGradSync(self.shards, engine.groups.of("dp_shard"), d,
-                                 engine.groups.of("dp_replicate"), engine.mesh.size("dp"),
-                                 engine.groups.of("ep") if ep else None,
-                                 frozenset(engine.manifest.get("experts") or {}) if ep else frozenset(),
-                                 engine.groups.of("cp"), engine.mesh.size("cp"))
+        self.sync = ZeroGradSync(self.shards, engine.groups.of("dp_shard"), d, row_peer_groups(engine),
+                                 engine.mesh.size(BATCH_AXES),
+                                 frozenset(engine.manifest.get("experts") or {}) if ep else frozenset())
         if self.sharded is None:
             engine.dp_grad_hook = self.sync
 
