@@ -44,18 +44,16 @@ from threefold.compiler.program import tf
 from threefold.compiler.stages import Sharded, Traced
 from threefold import placement
 from threefold.errors import PlanError
-from threefold.passes.tp_placement import (P, R, Partial, Replicate, Shard, local_size, padded)
-from threefold.passes.tp_patterns import (_GROUPED, _TRANSPOSES, _coll, _feeds_cross_entropy, _head_count,
-                                          _is_param, _needs_grad, _param_weight, _replace, _split_blocks,
-                                          x_old_of)
+from threefold.passes.tp_collectives import CollectiveEmitter
+from threefold.passes.tp_placement import R, Partial, Replicate, Shard, to_meta
+from threefold.passes.tp_patterns import _is_param, _param_weight
 from threefold.passes.tp_einsum import einsum_matmul, einsum_param
 from threefold.passes.tp_fused_split import fused_cuts, split_fused_outputs
 from threefold.passes.tp_padding import padded_size, padding_ok
 from threefold.passes.tp_pieces import piece_matmul, weight_piece
 from threefold.passes.tp_redistribute import NoRule, fallback, replicated
-from threefold.runtime import tp_ops
+from threefold.passes.tp_weights import WeightRewrites
 from threefold.runtime.shard import ShardSpec
-from threefold.runtime.tp_ops import TP
 
 aten = torch.ops.aten
 
@@ -103,15 +101,11 @@ def tensor_parallel(stage: Traced) -> Sharded:
 _MAX_RETRIES = 8
 
 
-def _to_meta(v):
-    if isinstance(v, torch.Tensor):
-        return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="meta")
-    if isinstance(v, (list, tuple)):
-        return type(v)(_to_meta(x) for x in v)
-    return v
-
-
-class _Rewriter:
+class _Rewriter(CollectiveEmitter, WeightRewrites):
+    """One rewrite of the graph at local shapes: walks the nodes in order (run/_visit), emits
+    the new graph (emit/copy_node), decides parameter cuts (decide/param_arg); the
+    collectives it inserts are CollectiveEmitter's (tp_collectives.py), the weight matmuls
+    and embeddings WeightRewrites' (tp_weights.py), every other op a rule of tp_rules.py."""
     def __init__(self, prog, avoid: dict[str, str] | None = None):   # prog: a Draft of the Traced stage
         self.prog = prog
         self.avoid = dict(avoid or {})          # weights to keep replicated (see tensor_parallel)
@@ -155,7 +149,7 @@ class _Rewriter:
                 self.env[old] = new
                 self.old_of[new] = old
                 self.place[new] = R
-                self.val[new] = _to_meta(old.meta.get("val"))
+                self.val[new] = to_meta(old.meta.get("val"))
                 if tf(old).get("kind") == "param":
                     self.param_nodes[tf(old)["fqn"]] = new
                 if tf(old).get("kind") == "input":
@@ -235,7 +229,7 @@ class _Rewriter:
                 return torch.device("meta")
             return a
         try:
-            return _to_meta(target(*tree_map(conv, tuple(args)), **tree_map(conv, dict(kwargs))))
+            return to_meta(target(*tree_map(conv, tuple(args)), **tree_map(conv, dict(kwargs))))
         except PlanError:
             raise
         except Exception as exc:
@@ -255,137 +249,6 @@ class _Rewriter:
     def _map(self, a):
         return fx.node.map_arg(a, lambda n: self.env[n])
 
-    # ---- redistribution --------------------------------------------------------------
-    def f(self, x: fx.Node) -> fx.Node:
-        def make():
-            node = self.emit(tp_ops.f, (x, TP), place=Replicate(partial_grad=True), val=self.val[x],
-                             collective=_coll("all_reduce", "backward", self.val[x]))
-            self.f_source[node] = x
-            return node
-        return self._cached(("f", x), make)
-
-    def g(self, x: fx.Node) -> fx.Node:
-        return self.emit(tp_ops.g, (x, TP), place=R, val=self.val[x],
-                         collective=_coll("all_reduce", "forward", self.val[x]))
-
-    def reduce_scatter(self, x: fx.Node, dim: int) -> fx.Node:
-        v = self.val[x]
-        shape = list(v.shape)
-        shape[dim], extra = self.seq_shard(shape[dim])
-        out = torch.empty(shape, dtype=v.dtype, device="meta")
-        node = self.emit(tp_ops.reduce_scatter, (x, dim, TP, *extra), place=Shard(dim, seq=True), val=out,
-                         collective=_coll("reduce_scatter", "forward", v, back="all_gather"))
-        if extra:
-            self.padded_len[node] = extra[0]
-        return node
-
-    def seq_shard(self, size: int) -> tuple[int, tuple]:
-        """A sequence shard's local length, and the extra `size` argument of the collective
-        when tp does not divide the length: then every rank holds ceil(size/t) rows, the
-        last rank's tail padding (runtime/tp_ops._pad), and gathers cut it off."""
-        if size % self.t == 0:
-            return size // self.t, ()
-        note = f"sequence length {size} padded to {padded(size, self.t)} for tp={self.t} (sp)"
-        if note not in self.notes:
-            self.notes.append(note)
-        return padded(size, self.t) // self.t, (size,)
-
-    def seq_len(self, x: fx.Node, dim: int) -> int | None:
-        """The true length of sequence shard `x` along `dim` when its shards are padded."""
-        p = self.place.get(x)
-        if not (isinstance(p, Shard) and p.seq and p.dim == dim):
-            return None
-        old = self.old_of.get(x)
-        v = old.meta.get("val") if old is not None else None
-        if x in self.padded_len:
-            return self.padded_len[x]
-        if isinstance(v, torch.Tensor) and dim < v.dim() and v.shape[dim] % self.t:
-            return int(v.shape[dim])
-        return None
-
-    def gather_seq(self, x: fx.Node, dim: int) -> fx.Node:
-        def make():
-            v = self.val[x]
-            shape = list(v.shape)
-            size = self.seq_len(x, dim)
-            shape[dim] = size or shape[dim] * self.t
-            out = torch.empty(shape, dtype=v.dtype, device="meta")
-            extra = (size,) if size else ()
-            node = self.emit(tp_ops.all_gather_seq, (x, dim, TP, *extra), place=Replicate(gathered=True), val=out,
-                             collective=_coll("all_gather", "forward", out, back="reduce_scatter",
-                                              regathers=True))
-            self.gathered_from[node] = x
-            return node
-        return self._cached(("ag", x, dim), make)
-
-    def scatter(self, x: fx.Node, dim: int, seq: bool = False) -> fx.Node:
-        def make():
-            v = self.val[x]
-            shape = list(v.shape)
-            extra = ()
-            if seq:
-                shape[dim], extra = self.seq_shard(shape[dim])
-            else:
-                shape[dim] = local_size(shape[dim], self.t, f"{self._where()} (dim {dim} of {list(v.shape)})")
-            out = torch.empty(shape, dtype=v.dtype, device="meta")
-            node = self.emit(tp_ops.scatter, (x, dim, TP, *extra), place=Shard(dim, seq=seq), val=out,
-                             collective=_coll("all_gather", "backward", v) if _needs_grad(v) else None)
-            if extra:
-                self.padded_len[node] = extra[0]
-            return node
-        return self._cached(("scatter", x, dim), make)
-
-    def gather(self, x: fx.Node, dim: int, blocks: tuple[int, ...] = ()) -> fx.Node:
-        """All-gather a shard (block by block for a block-strided dim); backward slices."""
-        def make():
-            v = self.val[x]
-            shape = list(v.shape)
-            shape[dim] = sum(blocks) if blocks else shape[dim] * self.t
-            out = torch.empty(shape, dtype=v.dtype, device="meta")
-            target, args = (tp_ops.gather_blocks, (x, dim, list(blocks), TP)) if blocks else (tp_ops.gather, (x, dim, TP))
-            return self.emit(target, args, place=R, val=out, collective=_coll("all_gather", "forward", out))
-        return self._cached(("gather", x, dim, tuple(blocks)), make)
-
-    def scatter_blocks(self, x: fx.Node, dim: int, blocks: tuple[int, ...]) -> fx.Node:
-        def make():
-            v = self.val[x]
-            shape = list(v.shape)
-            shape[dim] = sum(local_size(b, self.t, f"{self._where()} (block of {b})") for b in blocks)
-            out = torch.empty(shape, dtype=v.dtype, device="meta")
-            return self.emit(tp_ops.scatter_blocks, (x, dim, list(blocks), TP), place=Shard(dim, tuple(blocks)),
-                             val=out, collective=_coll("all_gather", "backward", v) if _needs_grad(v) else None)
-        return self._cached(("scatter_blocks", x, dim, tuple(blocks)), make)
-
-    def scatter_like(self, x: fx.Node, dim: int, like: Shard) -> fx.Node:
-        """A replicated value cut on `dim` the way `like` is laid out (blocks included)."""
-        if like.blocks:
-            return self.scatter_blocks(x, dim, like.blocks)
-        return self.scatter(x, dim, like.seq)
-
-    def has_grad(self, old: fx.Node) -> bool:
-        """Whether a source value depends on a trainable parameter."""
-        memo = self._grad_memo
-        if old not in memo:
-            if old.op == "placeholder":
-                memo[old] = tf(old).get("kind") == "param" and not tf(old).get("frozen", False)
-            else:
-                memo[old] = any(self.has_grad(a) for a in old.all_input_nodes)
-        return memo[old]
-
-    def _cached(self, key, make):
-        if key not in self.cache:
-            self.cache[key] = make()
-        return self.cache[key]
-
-    def to_replicated(self, x: fx.Node) -> fx.Node:
-        p = self.place[x]
-        if isinstance(p, Replicate):
-            return x
-        if isinstance(p, Partial):
-            return self.g(x)
-        if isinstance(p, Shard) and p.seq:
-            return self.gather_seq(x, p.dim)
-        return replicated(self, x)[0]
 
     # ---- parameters ------------------------------------------------------------------
     def decide(self, fqn: str, dim: int, blocks: tuple[int, ...], pad: int) -> None:
@@ -448,7 +311,7 @@ class _Rewriter:
         if all(isinstance(self.place[i], Replicate) and not self.place[i].gathered
                and not self.place[i].partial_grad for i in inputs):
             self._note_param_uses(old, sharded=False)
-            return self.copy_node(old, val=_to_meta(old.meta.get("val")))
+            return self.copy_node(old, val=to_meta(old.meta.get("val")))
         padded_dims = {self.place[i].dim for i in inputs if self.seq_len(i, getattr(self.place[i], "dim", -1))}
         if padded_dims and not padding_safe(name, old, padded_dims):
             return fallback(self, old, f"{name} reads a sequence shard padded for tp={self.t} across its rows")
@@ -474,7 +337,7 @@ class _Rewriter:
             for fqn in set(self.decisions) - set(decided):
                 node = self.param_nodes[fqn]
                 self.place[node] = R
-                self.val[node] = _to_meta(self.prog.state[fqn])
+                self.val[node] = to_meta(self.prog.state[fqn])
             self.decisions = decided
         created = list(self.new.nodes)[mark:]
         gone = set(created)
@@ -516,162 +379,6 @@ class _Rewriter:
         memo[old] = out
         return out
 
-    def weight_matmul(self, old, name, x_old, w_old, b_old, out_dim):
-        x = self.env[x_old]
-        px = self.place[x]
-        fqn = tf(w_old)["fqn"]
-        w_shape = list(self.prog.state[fqn].shape)
-        in_dim = 1 - out_dim if len(w_shape) == 2 else 3 - out_dim   # [E, in, out] expert weights
-        if isinstance(px, Partial):
-            x, px = self.g(x), R
-        if isinstance(px, Replicate) and (px.partial_grad or px.gathered):
-            x, px = replicated(self, x)[0], R
-        whole_why, pad_to = None, None
-        if fqn not in self.decisions and (isinstance(px, Replicate) or (isinstance(px, Shard) and px.seq)):
-            heads = _head_count(old)
-            out = w_shape[out_dim]
-            plain = not _feeds_cross_entropy(old) and not _split_blocks(old, out)
-            strict = self.prog.plan.strict
-            if fqn in self.avoid:
-                why = self.avoid[fqn]
-                whole_why = why if why.startswith("its padded") else \
-                    f"its shards would reach {why}, which has no sharded rule"
-            elif heads is not None and heads % self.t and plain:
-                if strict and heads > self.t:
-                    local_size(heads, self.t, f"tp={self.t}: heads of {fqn}")  # raises
-                if heads > self.t and not strict:   # pad by whole heads (tp_padding.py)
-                    pad_to = -(-heads // self.t) * self.t * (out // heads)
-                    self.padded[fqn] = f"{heads} heads padded to {pad_to * heads // out} for tp={self.t}"
-                else:
-                    whole_why = f"its {heads} heads do not divide by tp"
-            elif out % self.t and plain:
-                if out > self.t and not strict:
-                    pad_to = padded(out, self.t)
-                    self.padded[fqn] = f"{out} output features padded to {pad_to} for tp={self.t}"
-                else:
-                    whole_why = f"its {out} output features do not divide by tp"
-        if whole_why is not None:
-            # GQA/MQA k/v projections whose heads tp does not divide, or projections whose
-            # shards would only be gathered again: every rank computes them whole
-            self.replicated_weights[fqn] = whole_why
-            self.replicated_uses.add(fqn)
-            if b_old is not None:
-                self.replicated_uses.add(tf(b_old)["fqn"])
-            whole = replicated(self, x, x_old.meta.get("val"))[0]
-            args = _replace(self._map(old.args), self.env[x_old], whole)
-            return self.copy_node(old, args=args, val=_to_meta(old.meta.get("val")))
-        if isinstance(px, Shard) and px.seq:
-            x, px = self.gather_seq(x, px.dim), Replicate(gathered=True)
-        if isinstance(px, Replicate):
-            return self.column(old, name, x, px, w_old, b_old, fqn, w_shape, out_dim, pad_to)
-        last = len(self.val[x].shape) - 1
-        if isinstance(px, Shard) and px.dim == last \
-                and self.decisions.get(fqn, (in_dim, px.blocks))[:2] == (in_dim, px.blocks):   # shared weights
-            return self.row(old, name, x, px, w_old, b_old, fqn, w_shape, in_dim)
-        # sharded on a batch dim (or the weight is already split another way): gather, then
-        # treat it as a replicated input
-        return fallback(self, old, f"multiplies weight {fqn} with an input sharded {px}")
-
-    def column(self, old, name, x, px, w_old, b_old, fqn, w_shape, out_dim, pad_to=None):
-        out = w_shape[out_dim]
-        blocks = () if pad_to else _split_blocks(old, out)
-        what = f"tp={self.t}: output features of {fqn}"
-        if pad_to:
-            pad = pad_to
-            self.notes.append(f"{fqn}: {self.padded[fqn]} (zero rows; its row-parallel partner gets zero columns)")
-        elif blocks:
-            for b in blocks:
-                local_size(b, self.t, what + f" (block of {b} of a fused projection)")
-            pad = out
-            if fqn in self.decisions and self.decisions[fqn][1] != blocks:
-                raise NoRule(f"tp={self.t}: {fqn} is already split as blocks {list(self.decisions[fqn][1])}")
-        elif out % self.t:
-            if not _feeds_cross_entropy(old):
-                local_size(out, self.t, what)  # raises
-            pad = padded(out, self.t)
-            self.notes.append(f"{fqn}: vocabulary {out} padded to {pad} for tp={self.t}")
-        else:
-            pad = out
-        self.decide(fqn, out_dim, blocks, pad)
-        if b_old is not None:
-            self.decide(tf(b_old)["fqn"], 0, blocks, pad)
-        xin = x if px.gathered else self.f(x)
-        args = self._map(old.args)
-        args = _replace(args, self.env[x_old_of(old, name)], xin)
-        w_new = self.param_arg(w_old)  # the weight's (and bias's) local shapes, for the shape check
-        if b_old is not None:
-            self.param_arg(b_old)
-        if name in ("mm", "matmul") or name in _GROUPED:
-            args = self._transposed_weight(old, args, w_new)
-        out_node = self.emit(old.target, args, self._map(old.kwargs), place=Shard(len(old.meta["val"].shape) - 1, blocks))
-        self.origin[out_node] = frozenset([fqn])
-        return out_node
-
-    def _transposed_weight(self, old, args, w_new):
-        """`x @ W.T`: the matmul reads a transpose of the parameter; re-emit it on the shard."""
-        arg = old.args[1] if len(old.args) > 1 else None
-        if isinstance(arg, fx.Node) and not _is_param(arg) and op_name(arg) in _TRANSPOSES:
-            self.maybe_dead.append(self.env[arg])
-            t_new = self.emit(arg.target, (w_new,) + tuple(arg.args[1:]), dict(arg.kwargs), place=R, src=arg)
-            return _replace(args, self.env[arg], t_new)
-        return args
-
-    def row(self, old, name, x, px, w_old, b_old, fqn, w_shape, in_dim):
-        true_in = w_shape[in_dim]
-        # an input padded for tp (tp_padding.py) meets zero columns, whose gradient is masked
-        pad = true_in if px.blocks else self.val[x].shape[-1] * self.t
-        self.decide(fqn, in_dim, px.blocks, pad)
-        w = self.param_arg(w_old)
-        if pad != true_in:
-            self.padded.setdefault(fqn, f"{true_in} input features padded to {pad} for tp={self.t}")
-            w = self.emit(tp_ops.mask_padding, (w, in_dim, true_in, TP), place=self.place[w], val=self.val[w])
-        target = {"linear": aten.linear.default, "addmm": aten.mm.default}.get(name, old.target)
-        if not _is_param(old.args[1]) and name != "addmm":   # x @ W.T
-            arg = old.args[1]
-            self.maybe_dead.append(self.env[arg])
-            w = self.emit(arg.target, (w,) + tuple(arg.args[1:]), dict(arg.kwargs), place=R, src=arg)
-        extra = tuple(self._map(old.args[2:])) if name in _GROUPED else ()   # group offsets
-        partial = self.emit(target, (x, w) + extra, place=P)
-        partial._rename(f"{old.name}_partial")
-        rank = len(self.val[partial].shape)
-        if self.sp and rank == 3:
-            out = self.reduce_scatter(partial, 1)
-        else:
-            out = self.g(partial)
-        if b_old is not None:
-            b = self.env[b_old]
-            self._note_param_uses(old, sharded=isinstance(self.place[out], Shard))
-            out = self.emit(aten.add.Tensor, (out, b), place=self.place[out])
-        return out
-
-    def embedding(self, old):
-        w_old, ids_old = old.args[0], old.args[1]
-        fqn = tf(w_old)["fqn"]
-        rows = self.prog.state[fqn].shape[0]
-        pad = padded(rows, self.t)
-        if pad != rows:
-            self.notes.append(f"{fqn}: vocabulary {rows} padded to {pad} for tp={self.t}")
-        self.decide(fqn, 0, (), pad)
-        padding_idx = old.args[2] if len(old.args) > 2 else old.kwargs.get("padding_idx", -1)
-        if (old.args[3] if len(old.args) > 3 else old.kwargs.get("scale_grad_by_freq", False)):
-            raise PlanError(f"tp={self.t}: embedding {fqn} uses scale_grad_by_freq, which the "
-                            "vocab-parallel embedding does not support; turn it off or use tp=1")
-        w = self.param_arg(w_old)
-        ids = self.env[ids_old]
-        full = _to_meta(old.meta["val"])
-        if self.sp and full.dim() == 3:
-            shape = list(full.shape)
-            shape[1], extra = self.seq_shard(shape[1])
-            val = torch.empty(shape, dtype=full.dtype, device="meta")
-            node = self.emit(tp_ops.vocab_parallel_embedding, (w, self.to_replicated(ids), TP, 1, padding_idx, *extra),
-                             place=Shard(1, seq=True), val=val,
-                             collective=_coll("reduce_scatter", "forward", full, back="all_gather"))
-            if extra:
-                self.padded_len[node] = extra[0]
-            return node
-        args = (w, self.to_replicated(ids), TP) + ((None, padding_idx) if padding_idx >= 0 else ())
-        return self.emit(tp_ops.vocab_parallel_embedding, args, place=R, val=full,
-                         collective=_coll("all_reduce", "forward", full))
 
     def _output(self, old: fx.Node) -> None:
         outs = []

@@ -62,3 +62,13 @@ def reshape_groups(src: list[int], dst: list[int]) -> list[tuple[list[int], list
 
 def padded(size: int, t: int) -> int:
     return int(math.ceil(size / t) * t)
+
+
+def to_meta(v):
+    """A value's shape, strides and dtype on the meta device (lists and tuples elementwise)."""
+    import torch
+    if isinstance(v, torch.Tensor):
+        return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="meta")
+    if isinstance(v, (list, tuple)):
+        return type(v)(to_meta(x) for x in v)
+    return v
