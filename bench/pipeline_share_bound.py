@@ -9,7 +9,7 @@ equal-priority busy processes), communication free, and prints the makespan and 
 over 1F1B, next to the one-device-per-rank figures. It is the bound the wall-time goals of
 issue 25 can be read against: a schedule cannot beat 1F1B by more than it gains here.
 
-    python bench/pipeline_share_bound.py [--m 8] [--pp 2,4] [--cores 2]
+    python bench/pipeline_share_bound.py [--m 8] [--pp 2,4] [--cores 2] [--contention 0.12]
 
 Costs are the generators' unit costs with the model cut into pp*v equal chunks: a fused
 backward is two forwards, split B and W one each, a chunk of a v=2 schedule half a v=1 one.
@@ -36,9 +36,12 @@ def unit_costs(kind: str, v: int) -> dict[str, float]:
     return {"F": f / v, "B": b / v, "W": w / v}
 
 
-def shared_makespan(schedule, costs: dict[str, float], cores: int) -> tuple[float, float]:
+def shared_makespan(schedule, costs: dict[str, float], cores: int,
+                    contention: float = 0.0) -> tuple[float, float]:
     """(makespan, core utilisation) of the schedule's compute orders on `cores` cores shared
-    equally by the ranks whose next compute has its inputs (each at most one core)."""
+    equally by the ranks whose next compute has its inputs (each at most one core).
+    `contention`: busy cores slow each other down (shared caches, memory bandwidth, SMT
+    siblings): with k cores busy each runs at 1 / (1 + contention * (k - 1)) of its speed."""
     pp, last = schedule.pp, schedule.num_chunks - 1
     orders = [[a for a in schedule.actions[r] if a.is_compute] for r in range(pp)]
 
@@ -61,10 +64,11 @@ def shared_makespan(schedule, costs: dict[str, float], cores: int) -> tuple[floa
         for r in ready:
             if left[r] is None:
                 left[r] = costs[orders[r][pos[r]].kind.value]
-        speed = min(1.0, cores / len(ready))
+        busy = min(cores, len(ready))
+        speed = min(1.0, cores / len(ready)) / (1 + contention * (busy - 1))
         dt = min(left[r] for r in ready) / speed
         t += dt
-        work += dt * speed * len(ready)
+        work += dt * min(cores, len(ready))
         for r in ready:
             left[r] -= dt * speed
             if left[r] <= 1e-9:
@@ -74,7 +78,7 @@ def shared_makespan(schedule, costs: dict[str, float], cores: int) -> tuple[floa
     return t, work / (min(cores, pp) * t)
 
 
-def table(m: int, pps: list[int], cores: int) -> list[dict]:
+def table(m: int, pps: list[int], cores: int, contention: float = 0.0) -> list[dict]:
     rows = []
     for pp in pps:
         base = {}
@@ -82,7 +86,7 @@ def table(m: int, pps: list[int], cores: int) -> list[dict]:
             sched = make_schedule(kind, pp, m, v)
             costs = unit_costs(kind, v)
             for c in sorted({pp, cores}):
-                span, util = shared_makespan(sched, costs, c)
+                span, util = shared_makespan(sched, costs, c, contention)
                 base.setdefault(c, span)   # 1f1b comes first
                 rows.append({"pp": pp, "cores": c, "schedule": kind, "makespan": span,
                              "utilisation": util, "gain_vs_1f1b": 1 - span / base[c]})
@@ -94,10 +98,14 @@ def main(argv=None) -> int:
     ap.add_argument("--m", type=int, default=8)
     ap.add_argument("--pp", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
     ap.add_argument("--cores", type=int, default=2)
+    ap.add_argument("--contention", type=float, default=0.0,
+                    help="slowdown of each busy core per other busy core (this machine: about 0.12, "
+                         "bench/pipeline_bubbles.py's floor / limit over the microbatching cost)")
     args = ap.parse_args(argv)
-    print(f"m={args.m}; unit costs; cores = pp is runtime/simulate.py's one device per rank")
+    print(f"m={args.m}; unit costs; contention {args.contention}; cores = pp is runtime/simulate.py's "
+          f"one device per rank")
     print(f"{'pp':>3} {'cores':>5} {'schedule':<12} {'makespan':>9} {'utilisation':>11} {'gain vs 1f1b':>12}")
-    for r in table(args.m, args.pp, args.cores):
+    for r in table(args.m, args.pp, args.cores, args.contention):
         print(f"{r['pp']:>3} {r['cores']:>5} {r['schedule']:<12} {r['makespan']:>9.2f} {r['utilisation']:>11.3f} "
               f"{r['gain_vs_1f1b']:>12.3f}")
     return 0
