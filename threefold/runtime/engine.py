@@ -121,6 +121,8 @@ class PipelineEngine:
         self.stats = StepStats()
         self._boundaries: dict = {}
         self._peers: dict[int, int] = {}   # pp stage -> the rank this rank exchanges with there
+        # this rank's index among the ranks that split the batch (random ops' microbatch key)
+        self._batch_rank = self.coord.dp * self.mesh.cp + self.coord.cp
         self._plan_cache: tuple | None = None   # (schedule, its ReceivePlan, loss position)
         self.recv_pool = BufferPool()   # receive buffers, reused once their last reader is gone
         self.tracer = None      # a runtime/trace.Recorder while a step is traced (else no clock reads)
@@ -259,7 +261,7 @@ class PipelineEngine:
                      else (mod, mod.USER_INPUTS))
         user = [st.micro[a.mb][j] for j in reads]
         # random ops seed from (step, global microbatch): independent across dp ranks too
-        mod.rng_key = (self._rng_base, self._step_count, (self.coord.dp * self.mesh.cp + self.coord.cp) * st.m + a.mb)
+        mod.rng_key = (self._rng_base, self._step_count, self._batch_rank * st.m + a.mb)
         mod.microbatch = a.mb   # buffers updated once per step restart from the step's value
         # zero bubble: the module's deferred ops keep what W needs here (runtime/weight_grad.py)
         mod.weight_stash = st.deferred.setdefault(key, []) if st.split else None
