@@ -121,6 +121,9 @@ class PipelineEngine:
         self._forward_schedule = None
         self.stats = StepStats()
         self._boundaries: dict = {}
+        self._peers: dict[int, int] = {}   # pp stage -> the rank this rank exchanges with there
+        # this rank's index among the ranks that split the batch (random ops' microbatch key)
+        self._batch_rank = self.coord.dp * self.mesh.cp + self.coord.cp
         self._plan_cache: tuple | None = None   # (schedule, its ReceivePlan, loss position)
         self.recv_pool = BufferPool()   # receive buffers, reused once their last reader is gone
         self.tracer = None      # a runtime/trace.Recorder while a step is traced (else no clock reads)
@@ -175,7 +178,7 @@ class PipelineEngine:
         st = _StepState(micro=self._microbatches(batch, schedule.m), batch=batch, m=schedule.m, train=train, model_outputs=model_outputs,
                         split=train and schedule.splits_backward)
         for mod in self.modules.values():
-            if mod.training != train:   # (a recursive walk over the submodules: not every step)
+            if mod.training != train:   # (train() walks every submodule: only on a change)
                 mod.train(train)  # generated code reads self.training (dropout, batch norm)
         if train and self._optimizer_needed and self.plan_optimizer is None:
             from threefold.errors import PlanError
@@ -206,7 +209,7 @@ class PipelineEngine:
                 if not a.is_recv:
                     handlers[a.kind](st, a)
                 if st.sends and a.is_compute:  # drop finished sends so their buffers can be freed
-                    st.sends = [s for s in st.sends if not s.done()]
+                    _drop_finished(st.sends)
             for j in rx.land_before.get(len(actions), ()):
                 land(st, actions[j], st.posted.pop(j))
             for s in st.sends:
@@ -259,7 +262,7 @@ class PipelineEngine:
                      else (mod, mod.USER_INPUTS))
         user = [st.micro[a.mb][j] for j in reads]
         # random ops seed from (step, global microbatch): independent across dp ranks too
-        mod.rng_key = (self._rng_base, self._step_count, (self.coord.dp * self.mesh.cp + self.coord.cp) * st.m + a.mb)
+        mod.rng_key = (self._rng_base, self._step_count, self._batch_rank * st.m + a.mb)
         mod.microbatch = a.mb   # buffers updated once per step restart from the step's value
         # zero bubble: the module's deferred ops keep what W needs here (runtime/weight_grad.py)
         mod.weight_stash = st.deferred.setdefault(key, []) if st.split else None
@@ -386,7 +389,11 @@ class PipelineEngine:
         return self._boundaries[key]
 
     def _peer(self, stage: int) -> int:
-        return self.mesh.moved(self.groups.rank, pp=stage)
+        # cached: the mesh arithmetic costs more than a dict lookup, once per message
+        peer = self._peers.get(stage)
+        if peer is None:
+            peer = self._peers[stage] = self.mesh.moved(self.groups.rank, pp=stage)
+        return peer
 
     # -- collectives (the schedule's; runtime/collective_plan.py) ---------------------------
     def _denominator_action(self, st: "_StepState", a) -> None:
@@ -542,6 +549,17 @@ def _unflatten_into(flat: torch.Tensor, grads: list[torch.Tensor], scale: float)
         n = g.numel()
         g.copy_(flat[offset:offset + n].view_as(g)).mul_(scale)
         offset += n
+
+
+def _drop_finished(sends: list) -> None:
+    """Remove the completed sends from the front of `sends` (posting order). Sends to one
+    peer complete in order, so checking from the oldest and stopping at the first pending one
+    frees nearly as much as checking all, at a fraction of the calls."""
+    k = 0
+    while k < len(sends) and sends[k].done():
+        k += 1
+    if k:
+        del sends[:k]
 
 
 def _handed_over(outs: list[torch.Tensor], train: bool) -> list[torch.Tensor]:
