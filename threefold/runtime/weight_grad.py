@@ -89,7 +89,7 @@ def deferred(module, op, args: tuple, kwargs: dict | None = None, *, weights: tu
     stash = getattr(module, "weight_stash", None)
     if stash is None or not torch.is_grad_enabled() or not any(p.requires_grad for p in params):
         return op(*args, **kwargs)
-    out = written_out(op, args, kwargs, params, stash, module)   # runtime/weight_grad_ops.py
+    out = written_out(op, args, kwargs, params, stash, module, weights)   # runtime/weight_grad_ops.py
     if out is not None:
         return out
     act_pos = tuple(i for i, a in enumerate(args) if i not in weights and isinstance(a, torch.Tensor))
@@ -105,9 +105,14 @@ def run_deferred(stash: list) -> None:
     tensors, grads, params = [], [], {}
     entries = list(stash)
     stash.clear()
-    for entry in entries:
-        if isinstance(entry, DeferredW):
-            entry.run()
+    # Written-out W's read activations that have an autograd history: under no_grad their
+    # kernels build no graph (and the gradients they leave need none). One whose weight
+    # operand was computed from parameters hands back (that value, its gradient, the
+    # parameters), walked with the generic entries in one autograd call below.
+    with torch.no_grad():
+        later = [e.run() if isinstance(e, DeferredW) else e for e in entries]
+    for entry in later:
+        if entry is None:
             continue
         outs, gs, ps = entry
         tensors.extend(outs)
