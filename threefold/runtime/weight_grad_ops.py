@@ -254,14 +254,14 @@ class _Elementwise(torch.autograd.Function):
 
 class _Hooked(DeferredW):
     """A W queued in the forward; its output gradient arrives from B through the hook."""
-    __slots__ = ("gy",)
+    __slots__ = ("gy", "nr")
 
     def __init__(self, fn, *args):
         super().__init__(fn, *args)
-        self.gy = None
+        self.gy = self.nr = None
 
-    def __call__(self, gy):         # the tensor hook: keep the gradient, leave it unchanged
-        self.gy = gy
+    def __call__(self, grads):      # pre-hook of the output's node: keep, change nothing
+        self.gy = grads[self.nr]
 
     def run(self):
         gy, self.gy = self.gy, None
@@ -271,8 +271,12 @@ class _Hooked(DeferredW):
 
 
 def _hooked(stash: list, out: torch.Tensor, fn, *args) -> torch.Tensor:
+    # A pre-hook on the node that made `out` (half the cost of a tensor hook), taken now:
+    # an in-place op on `out` later gives the tensor another node, the gradient W needs is
+    # still this one's.
     entry = _Hooked(fn, *args)
-    out.register_hook(entry)
+    entry.nr = out.output_nr
+    out.grad_fn.register_prehook(entry)
     stash.append(entry)
     return out
 
