@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from threefold.runtime.weight_grad import deferred, run_deferred
-from threefold.runtime.weight_grad_ops import DeferredW
+from threefold.runtime.weight_grad_ops import DeferredW, _Hooked
 
 aten = torch.ops.aten
 
@@ -98,6 +98,9 @@ def _fused_and_split(op, args, weights, params, seeds, hooks=False):
         with (torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t) if hooks
               else contextlib.nullcontext()):
             y = deferred(holder, op, args, weights=weights, params=params)
+        # the hooked path (no Function of ours) wherever an activation needs a gradient
+        hooked = bool(holder.weight_stash) and isinstance(holder.weight_stash[0], _Hooked)
+        assert hooked == (bool(acts) and not hooks)
         y.backward(seed)                                          # B
         run_deferred(holder.weight_stash)                         # W
     return acts, params, expected
