@@ -17,10 +17,11 @@ statistics) and the output gradient. W (`run_deferred`) differentiates all stash
 graphs of one (chunk, microbatch) in one autograd call restricted to the parameters, which
 accumulates into their .grad exactly what the fused backward would have, and frees them.
 
-Linear, addmm, layer norm, embedding and a product with a parameter skip the local graph
-where the weight operands are the parameters themselves (runtime/weight_grad_ops.py): B
-runs the op's input-gradient kernel and leaves what W needs (input, output gradient,
-statistics) for W's weight-gradient kernels, with no autograd call of their own.
+Linear, addmm, layer norm, embedding, and add/sub/mul with a parameter (or a value computed
+from parameters only) skip the local graph (runtime/weight_grad_ops.py): B runs the op's
+input-gradient kernel (mostly autograd's own node, on detached weights) and leaves what W
+needs (input, output gradient, statistics) for W's weight-gradient kernels, with no
+autograd call of their own.
 
 With no stash (a fused schedule, inference, no grad) `deferred` is the op itself.
 """

@@ -2,27 +2,40 @@
 backward kernel, W the weight gradients, and neither re-enters autograd.
 
 runtime/weight_grad.deferred tries these first; an op none of them matches takes the
-generic path (its local autograd graph, differentiated twice). The generic path costs
-1.6-1.9x the fused backward on a layer norm or an embedding (two autograd calls per op,
-a graph built in the forward; bench/zero_bubble_split.py), which on a small model is a few
-percent of a chunk's backward. Each rule below applies only where its written-out gradient
-is exactly the fused one:
+generic path (its local autograd graph, differentiated twice: 1.5-3.8x the fused backward
+on a small op). Each rule applies only where its written-out gradient is exactly the fused
+one:
 
-  * the weight operands are trainable parameters themselves (not values computed from
-    them: W would have to walk that computation), of the activation's dtype (no promotion),
+  * the weight operands are trainable parameters themselves, of the activation's dtype (no
+    promotion); add/sub/mul also take a value computed from parameters only (a position
+    embedding's rows, a 1 + w scale), whose gradient W walks back through its own graph,
   * outside autocast (whose casts belong to the op's graph), no keyword arguments.
 
-The parameters are held as themselves, not through saved-tensor hooks (a hook's unpacked
-copy would be another tensor, and W's .grad would land on it); activations and statistics
-go through save_for_backward, so memory counters and sequence-parallel shards see them.
-Each Function takes the weights as inputs (their gradient None in B) so that B reaches the
-op even when no activation operand needs a gradient (an embedding's ids).
+Two paths (issue 25 item 3: B + W no dearer than the fused backward):
+
+  * hooked (where an activation operand needs a gradient and no saved-tensor hooks are
+    active): the op runs as itself on *detached* weights, so autograd's own node is B and
+    computes only the input gradient (its kernels skip the outputs nobody needs); a
+    pre-hook on that node hands W the output gradient. No Python in B but the hook, no
+    Function in the forward.
+  * one autograd.Function per op (an embedding's ids need no gradient, so no node of
+    autograd's would reach B; and under saved-tensor hooks: sequence-parallel shards, zero=3
+    gathers and the memory counters see what the op keeps only through save_for_backward).
+    The parameters are held as themselves, not through saved-tensor hooks (a hook's unpacked
+    copy would be another tensor, and W's .grad would land on it). Each Function takes the
+    weights as inputs (their gradient None in B) so that B reaches the op even when no
+    activation operand needs a gradient.
+
+W runs under no_grad (runtime/weight_grad.run_deferred) and adds into an existing .grad in
+place where it can (addmm_ with beta 1, index_add_): the fused backward's AccumulateGrad
+pays a temporary and an add_ over the whole gradient for every microbatch after the first.
 
     rule               B (input gradient)                 W (weight gradients)
-    linear(x, w, b)    gy @ w                             gy^T x, sum(gy)
-    addmm(b, x, w)     gy @ w^T                           x^T gy, sum(gy)
+    linear(x, w, b)    gy @ w                             .grad += gy^T x (addmm_), sum(gy)
+    addmm(b, x, w)     gy @ w^T                           .grad += x^T gy (addmm_), sum(gy)
     layer_norm         native_layer_norm_backward [1,0,0] the same kernel, mask [0,1,1]
-    embedding(w, ids)  (none)                             embedding_dense_backward
+    embedding(w, ids)  (none)                             .grad.index_add_(ids, gy)
+    add/sub(x, w)      sum_to(+-gy)                       sum_to(+-gy)
     mul(x, w)          sum_to(gy * w)                     sum_to(gy * x)
 """
 from __future__ import annotations
@@ -301,14 +314,32 @@ def _d(t):
 
 def _params_are(operands, params) -> bool:
     """The weight operands (None: absent) are exactly the trainable parameters `params`."""
-    present = [o for o in operands if o is not None]
-    return (len(present) == len(params) and all(any(o is p for p in params) for o in present)
-            and all(p.requires_grad for p in params))
+    # (plain loops: this runs once per op per forward)
+    n = 0
+    for o in operands:
+        if o is not None:
+            n += 1
+            for p in params:
+                if o is p:
+                    break
+            else:
+                return False
+    if n != len(params):
+        return False
+    for p in params:
+        if not p.requires_grad:
+            return False
+    return True
 
 
 def _act(x, *weights) -> bool:
-    return isinstance(x, torch.Tensor) and x.is_floating_point() and all(
-        w is None or w.dtype == x.dtype for w in weights)
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return False
+    dtype = x.dtype
+    for w in weights:
+        if w is not None and w.dtype != dtype:
+            return False
+    return True
 
 
 _ELEMENTWISE = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor)
