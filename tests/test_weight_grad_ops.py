@@ -190,3 +190,18 @@ def test_an_output_that_reaches_no_loss_leaves_no_gradient():
     (x * 2).sum().backward()
     run_deferred(holder.weight_stash)
     assert w.grad is None and not holder.weight_stash
+
+
+def test_an_input_changed_in_place_after_the_forward_is_an_error_not_a_wrong_gradient():
+    """autograd refuses a saved tensor modified in place; W (which keeps the input itself on
+    the hooked path) must refuse too, not compute the weight gradient from the new values."""
+    x, w = _act(4, 6), _param(5, 6)
+    a = x * 1.0
+    holder = _Holder()
+    holder.weight_stash = []
+    y = deferred(holder, aten.linear.default, (a, w), weights=(1,), params=(w,))
+    y.sum().backward()
+    with torch.no_grad():
+        a.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        run_deferred(holder.weight_stash)

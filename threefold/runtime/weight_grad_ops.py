@@ -268,11 +268,11 @@ class _Elementwise(torch.autograd.Function):
 
 class _Hooked(DeferredW):
     """A W queued in the forward; its output gradient arrives from B through the hook."""
-    __slots__ = ("gy", "nr")
+    __slots__ = ("gy", "nr", "kept", "version")
 
     def __init__(self, fn, *args):
         super().__init__(fn, *args)
-        self.gy = self.nr = None
+        self.gy = self.nr = self.kept = self.version = None
 
     def __call__(self, grads):      # pre-hook of the output's node: keep, change nothing
         self.gy = grads[self.nr]
@@ -281,15 +281,21 @@ class _Hooked(DeferredW):
         gy, self.gy = self.gy, None
         if gy is None:              # the output reached no loss: no weight gradient, as fused
             return None
+        if self.kept is not None and self.kept._version != self.version:
+            # what autograd's saved-tensor check would say; W would read the new values
+            raise RuntimeError("zero-bubble W: an activation a deferred op kept for its weight "
+                               "gradient was modified in place after the forward")
         return self.fn(gy, *self.args)
 
 
-def _hooked(stash: list, out: torch.Tensor, fn, *args) -> torch.Tensor:
+def _hooked(stash: list, out: torch.Tensor, kept, fn, *args) -> torch.Tensor:
     # A pre-hook on the node that made `out` (half the cost of a tensor hook), taken now:
     # an in-place op on `out` later gives the tensor another node, the gradient W needs is
-    # still this one's.
+    # still this one's. `kept`: the activation W reads (None: none), version-checked in W.
     entry = _Hooked(fn, *args)
     entry.nr = out.output_nr
+    if kept is not None:
+        entry.kept, entry.version = kept, kept._version
     out.grad_fn.register_prehook(entry)
     stash.append(entry)
     return out
@@ -348,13 +354,13 @@ def written_out(op, args: tuple, kwargs: dict, params: tuple, stash: list, modul
         x, w, b = args[0], args[1], args[2] if n == 3 else None
         if _params_are((w, b), params) and _act(x, w, b):
             if x.requires_grad and _hooks_free():
-                return _hooked(stash, aten.linear.default(x, w.detach(), _d(b)), _linear_w, x, w, b)
+                return _hooked(stash, aten.linear.default(x, w.detach(), _d(b)), x, _linear_w, x, w, b)
             return _Linear.apply(x, w, b, stash, module)
     elif op is aten.addmm.default and n == 3:
         b, x, w = args
         if _params_are((w, b), params) and _act(x, w, b) and x.dim() == 2:
             if x.requires_grad and _hooks_free():
-                return _hooked(stash, aten.addmm.default(b.detach(), x, w.detach()), _addmm_w, x, w, b)
+                return _hooked(stash, aten.addmm.default(b.detach(), x, w.detach()), x, _addmm_w, x, w, b)
             return _Addmm.apply(x, w, b, stash, module)
     elif op is aten.layer_norm.default and 3 <= n <= 6:
         x, shape = args[0], args[1]
@@ -380,6 +386,6 @@ def written_out(op, args: tuple, kwargs: dict, params: tuple, stash: list, modul
             if x.requires_grad and _hooks_free():
                 out = op(w.detach(), x) if i == 0 else op(x, w.detach())
                 x_w = x if op is aten.mul.Tensor else None    # W of a sum needs no input
-                return _hooked(stash, out, _elementwise_w_hooked, op, x_w, w, i == 0, params)
+                return _hooked(stash, out, x_w, _elementwise_w_hooked, op, x_w, w, i == 0, params)
             return _Elementwise.apply(x, op, (w,), i == 0, stash, module, *params)
     return None
