@@ -49,7 +49,9 @@ def _cases():
 
 def _hooks_if(on: bool):
     # active saved-tensor hooks (sp shards, zero=3, memory counters) take the Function path
-    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t) if on else contextlib.nullcontext()
+    if on:
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    return contextlib.nullcontext()
 
 
 def _norm_in_b(op, acts, hooks) -> bool:
@@ -144,7 +146,8 @@ def _computed_cases():
     wpe = aten.embedding.default(e, pos)                    # a position embedding's rows
     yield "add embedding rows", aten.add.Tensor, (x, wpe), (1,), (e,)
     e = _param(5, 6)
-    yield "sub embedding rows, weight first", aten.sub.Tensor, (aten.embedding.default(e, pos), _act(2, 3, 6)), (0,), (e,)
+    rows = aten.embedding.default(e, pos)
+    yield "sub embedding rows, weight first", aten.sub.Tensor, (rows, _act(2, 3, 6)), (0,), (e,)
     g = _param(6)
     yield "mul by 1 + w", aten.mul.Tensor, (_act(2, 3, 6), aten.add.Tensor(g, 1.0)), (1,), (g,)
     g = _param(6)

@@ -180,7 +180,8 @@ def _embedding_w(gy, ids, weight, padding_idx, scale) -> None:
         # the kernel's own scatter-add, into the gradient: no zeroed vocab x h temporary
         g.index_add_(0, ids.reshape(-1), gy.reshape(-1, gy.shape[-1]))
     else:
-        accumulate(weight, aten.embedding_dense_backward.default(gy, ids, weight.shape[0], padding_idx, scale))
+        accumulate(weight, aten.embedding_dense_backward.default(gy, ids, weight.shape[0],
+                                                                 padding_idx, scale))
 
 
 class _Embedding(torch.autograd.Function):
