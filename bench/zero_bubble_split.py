@@ -1,16 +1,20 @@
 """What the zero-bubble B/W split costs against the fused backward (issue 25 item 3).
 
-    python bench/zero_bubble_split.py [--iters N] [--layers L] [--json]
+    python bench/zero_bubble_split.py [--iters N] [--layers L] [--embd H ...] [--json]
 
 One process, one thread, CPU time of this thread (time.thread_time: steadier than wall time
 on a shared machine). Two tables, each side by side in one run, the contenders alternating:
 
-  * per op (256 rows x 256 features, fp32): forward and backward of the op fused, split
-    with the written-out rules (runtime/weight_grad_ops.py) and split on the generic path
-    (the op's local autograd graph differentiated twice, as every op but linear was before);
-  * per chunk: the bench model of bench/pipeline_bubbles.py (GPT, n_embd 256, seq 128,
-    global batch 16, m=8) as one chunk, per microbatch: F, B, W and B+W / fused backward,
-    for 1f1b (fused), zb-h1 (written out) and zb-h1 with only linear written out (before).
+  * per op (256 rows x H features, fp32, two microbatches so W also adds into an existing
+    .grad): forward and backward of the op fused; split on the hooked path (autograd's own
+    node on detached weights computes B, a pre-hook hands W the output gradient:
+    runtime/weight_grad_ops.py); split with one autograd.Function per op (the path taken
+    under saved-tensor hooks: sp, zero=3, memory counters); split on the generic path (the
+    op's local autograd graph differentiated twice);
+  * per chunk: the bench model of bench/pipeline_bubbles.py (GPT, n_embd H, seq 128, global
+    batch 16, m=8) as one chunk, per microbatch: F, B, W and B+W / fused backward, for 1f1b
+    (fused), zb-h1 (hooked path) and zb-h1 with a Function per op; the ratio is the median
+    over rounds of each round's (B+W) / fused B (paired), and the ratio of the medians.
 
 Goal: B + W no more than the fused backward.
 """
@@ -32,22 +36,26 @@ for p in (ROOT, HERE):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from threefold.runtime import weight_grad  # noqa: E402
+from threefold.runtime import weight_grad, weight_grad_ops  # noqa: E402
 
 aten = torch.ops.aten
-ROWS, H, V = 256, 256, 256
+ROWS, V = 256, 256
+H = 256
 
 
 @contextlib.contextmanager
-def written_out_only(ops):
-    """Restrict the written-out rules to `ops` (None: all); the rest take the generic path."""
-    real = weight_grad.written_out
-    if ops is not None:
-        weight_grad.written_out = lambda op, *a: real(op, *a) if op in ops else None
+def path(kind):
+    """'hooked' (the default), 'function' (one autograd.Function per op, as under saved-tensor
+    hooks), 'generic' (no written-out rule: the op's local graph differentiated twice)."""
+    real_w, real_h = weight_grad.written_out, weight_grad_ops._hooks_free
+    if kind == "generic":
+        weight_grad.written_out = lambda *a: None
+    elif kind == "function":
+        weight_grad_ops._hooks_free = lambda: False
     try:
         yield
     finally:
-        weight_grad.written_out = real
+        weight_grad.written_out, weight_grad_ops._hooks_free = real_w, real_h
 
 
 class _Holder:
@@ -55,54 +63,70 @@ class _Holder:
 
 
 def _op_cases():
-    def ln():
+    """name -> make(params): the op, its args for one microbatch, weight positions, params;
+    `params` (a dict) keeps the parameters across a case's microbatches."""
+    def P(params, key, make):
+        if key not in params:
+            params[key] = torch.nn.Parameter(make())
+        return params[key]
+
+    def ln(ps):
         x = torch.randn(ROWS, H, requires_grad=True)
-        w, b = torch.nn.Parameter(torch.ones(H)), torch.nn.Parameter(torch.zeros(H))
+        w, b = P(ps, "w", lambda: torch.ones(H)), P(ps, "b", lambda: torch.zeros(H))
         return aten.layer_norm.default, (x, [H], w, b, 1e-5), (2, 3), (w, b)
 
-    def emb():
-        w = torch.nn.Parameter(torch.randn(V, H))
+    def emb(ps):
+        w = P(ps, "w", lambda: torch.randn(V, H))
         return aten.embedding.default, (w, torch.randint(0, V, (ROWS,))), (0,), (w,)
 
-    def mul():
-        w = torch.nn.Parameter(torch.randn(H))
+    def mul(ps):
+        w = P(ps, "w", lambda: torch.randn(H))
         return aten.mul.Tensor, (w, torch.randn(ROWS, H, requires_grad=True)), (0,), (w,)
 
-    def lin():
+    def pos_add(ps):     # GPT's wte + wpe: the weight operand is computed from a parameter
+        e = P(ps, "e", lambda: torch.randn(ROWS, H))
+        wpe = aten.embedding.default(e, torch.arange(ROWS))
+        return aten.add.Tensor, (torch.randn(2, ROWS, H, requires_grad=True), wpe), (1,), (e,)
+
+    def lin(ps):
         x = torch.randn(ROWS, H, requires_grad=True)
-        w, b = torch.nn.Parameter(torch.randn(4 * H, H)), torch.nn.Parameter(torch.zeros(4 * H))
+        w, b = P(ps, "w", lambda: torch.randn(4 * H, H)), P(ps, "b", lambda: torch.zeros(4 * H))
         return aten.linear.default, (x, w, b), (1, 2), (w, b)
 
-    def addmm():
+    def addmm(ps):
         x = torch.randn(ROWS, H, requires_grad=True)
-        w, b = torch.nn.Parameter(torch.randn(H, 4 * H)), torch.nn.Parameter(torch.zeros(4 * H))
+        w, b = P(ps, "w", lambda: torch.randn(H, 4 * H)), P(ps, "b", lambda: torch.zeros(4 * H))
         return aten.addmm.default, (b, x, w), (0, 2), (b, w)
-    return {"layer_norm": ln, "embedding": emb, "mul": mul, "linear": lin, "addmm": addmm}
+    return {"layer_norm": ln, "embedding": emb, "mul": mul, "add (wpe)": pos_add, "linear": lin, "addmm": addmm}
 
 
 def op_table(iters: int) -> dict:
-    modes = {"fused": ("fused", None), "written out": ("split", None), "generic": ("split", ())}
+    modes = {"fused": None, "hooked": "hooked", "function": "function", "generic": "generic"}
     out = {}
     for name, make in _op_cases().items():
         res = {m: [] for m in modes}
         for it in range(iters + 5):
-            for mode, (kind, ops) in (modes.items() if it % 2 else reversed(modes.items())):
-                op, args, weights, params = make()
-                h = _Holder()
-                h.weight_stash = [] if kind == "split" else None
-                with written_out_only(ops):
-                    t0 = time.thread_time()
-                    y = weight_grad.deferred(h, op, args, weights=weights, params=params)
-                    t1 = time.thread_time()
-                    y.backward(torch.ones_like(y))
-                    if h.weight_stash is not None:
-                        weight_grad.run_deferred(h.weight_stash)
-                    t2 = time.thread_time()
+            for mode, kind in (modes.items() if it % 2 else reversed(modes.items())):
+                fwd = bwd = 0.0
+                ps = {}
+                for _ in range(2):             # two microbatches: the second W accumulates
+                    op, args, weights, params = make(ps)
+                    h = _Holder()
+                    h.weight_stash = [] if kind else None
+                    with path(kind or "hooked"):
+                        t0 = time.thread_time()
+                        y = weight_grad.deferred(h, op, args, weights=weights, params=params)
+                        t1 = time.thread_time()
+                        y.backward(torch.ones_like(y))
+                        if h.weight_stash is not None:
+                            weight_grad.run_deferred(h.weight_stash)
+                        t2 = time.thread_time()
+                    fwd, bwd = fwd + t1 - t0, bwd + t2 - t1
                 if it >= 5:
-                    res[mode].append((t1 - t0, t2 - t1))
+                    res[mode].append((fwd / 2, bwd / 2))
         row = {m: {"fwd_us": statistics.median(v[0] for v in r) * 1e6, "bwd_us": statistics.median(v[1] for v in r) * 1e6}
                for m, r in res.items()}
-        for m in ("written out", "generic"):
+        for m in ("hooked", "function", "generic"):
             row[m]["bwd_vs_fused"] = row[m]["bwd_us"] / row["fused"]["bwd_us"]
         out[name] = row
     return out
@@ -112,10 +136,10 @@ def chunk_table(iters: int, layers: int) -> dict:
     import threefold
     from pipeline_bubbles import Config
     from pipeline_vs_torch import build_workload
-    cfg = Config(n_layer=layers, n_embd=256, seq=128, batch=16)
+    cfg = Config(n_layer=layers, n_embd=H, seq=128, batch=16)
     m = 8
-    contenders = {"fused (1f1b)": ("1f1b", None), "split, written out (zb-h1)": ("zb-h1", None),
-                  "split, linear only written out (before)": ("zb-h1", (aten.linear.default,))}
+    contenders = {"fused (1f1b)": ("1f1b", "hooked"), "split, hooked (zb-h1)": ("zb-h1", "hooked"),
+                  "split, a Function per op (zb-h1)": ("zb-h1", "function")}
     pms = {}
     for name, (sched, _) in contenders.items():
         w = build_workload(cfg)
@@ -139,7 +163,7 @@ def chunk_table(iters: int, layers: int) -> dict:
                     return r
                 setattr(eng, attr, timed)
             try:
-                with written_out_only(contenders[name][1]):
+                with path(contenders[name][1]):
                     pm.zero_grad()
                     pm.step(*w["inputs"], target=w["target"])
             finally:
@@ -150,9 +174,11 @@ def chunk_table(iters: int, layers: int) -> dict:
                     res[name][lab].append(sum(s for l, s in spans if l == lab) / m)
     out = {n: {k: statistics.median(v) * 1e3 if v else 0.0 for k, v in r.items()} for n, r in res.items()}
     fused = out["fused (1f1b)"]["B"]
+    fused_rounds = res["fused (1f1b)"]["B"]
     for n, row in out.items():
         row["B+W / fused"] = (row["B"] + row["W"]) / fused
-    return {"config": f"GPT {layers} layers x 256, seq 128, microbatch 2 (batch 16, m=8), one chunk", "rows": out}
+        row["paired"] = statistics.median((b + w) / f for b, w, f in zip(res[n]["B"], res[n]["W"], fused_rounds))
+    return {"config": f"GPT {layers} layers x {H}, seq 128, microbatch 2 (batch 16, m=8), one chunk", "rows": out}
 
 
 def main(argv=None) -> int:
@@ -160,28 +186,39 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--embd", type=int, nargs="+", default=[256], help="hidden sizes H (one table each)")
+    ap.add_argument("--chunk-iters", type=int, default=None, help="rounds per chunk table (default iters/2)")
     ap.add_argument("--skip-chunk", action="store_true")
+    ap.add_argument("--skip-ops", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    global H
     load0 = os.getloadavg()[0]
-    res = {"ops": op_table(args.iters)}
-    if not args.skip_chunk:
-        res["chunk"] = chunk_table(max(3, args.iters // 5), args.layers)
+    res = {"ops": {}, "chunk": {}}
+    for h in args.embd:
+        H = h
+        if not args.skip_ops:
+            res["ops"][h] = op_table(args.iters)
+        if not args.skip_chunk:
+            res["chunk"][h] = chunk_table(args.chunk_iters or max(3, args.iters // 2), args.layers)
     res["loadavg"] = [load0, os.getloadavg()[0]]
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
     print(f"CPU time of one thread, medians; load average {load0:.1f} -> {res['loadavg'][1]:.1f}")
-    print(f"{'op':<12} {'fused fwd':>9} {'bwd':>7} | {'written out fwd':>15} {'B+W':>7} {'/fused':>6} | "
-          f"{'generic fwd':>11} {'B+W':>7} {'/fused':>6}   (us)")
-    for name, r in res["ops"].items():
-        f, w, g = r["fused"], r["written out"], r["generic"]
-        print(f"{name:<12} {f['fwd_us']:>9.0f} {f['bwd_us']:>7.0f} | {w['fwd_us']:>15.0f} {w['bwd_us']:>7.0f} "
-              f"{w['bwd_vs_fused']:>6.2f} | {g['fwd_us']:>11.0f} {g['bwd_us']:>7.0f} {g['bwd_vs_fused']:>6.2f}")
-    if "chunk" in res:
-        print(f"\nper microbatch, ms: {res['chunk']['config']}")
-        for n, r in res["chunk"]["rows"].items():
-            print(f"  {n:<42} F {r['F']:6.2f}  B {r['B']:6.2f}  W {r['W']:6.2f}  B+W / fused {r['B+W / fused']:.3f}")
+    for h, ops in res["ops"].items():
+        print(f"\nper op, {ROWS} rows x {h}, us per microbatch (fwd, B+W, B+W / fused backward)")
+        print(f"{'op':<12} {'fused':>12} | {'hooked':>19} | {'Function per op':>19} | {'generic':>19}")
+        for name, r in ops.items():
+            cells = [f"{r['fused']['fwd_us']:>5.0f} {r['fused']['bwd_us']:>6.0f}"]
+            for m in ("hooked", "function", "generic"):
+                cells.append(f"{r[m]['fwd_us']:>5.0f} {r[m]['bwd_us']:>6.0f} {r[m]['bwd_vs_fused']:>6.2f}")
+            print(f"{name:<12} " + " | ".join(cells))
+    for h, chunk in res["chunk"].items():
+        print(f"\nper microbatch, ms: {chunk['config']}")
+        for n, r in chunk["rows"].items():
+            print(f"  {n:<34} F {r['F']:7.2f}  B {r['B']:7.2f}  W {r['W']:7.2f}  "
+                  f"B+W / fused {r['B+W / fused']:.3f} (paired {r['paired']:.3f})")
     return 0
 
 

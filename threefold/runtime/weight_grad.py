@@ -17,10 +17,11 @@ statistics) and the output gradient. W (`run_deferred`) differentiates all stash
 graphs of one (chunk, microbatch) in one autograd call restricted to the parameters, which
 accumulates into their .grad exactly what the fused backward would have, and frees them.
 
-Linear, addmm, layer norm, embedding and a product with a parameter skip the local graph
-where the weight operands are the parameters themselves (runtime/weight_grad_ops.py): B
-runs the op's input-gradient kernel and leaves what W needs (input, output gradient,
-statistics) for W's weight-gradient kernels, with no autograd call of their own.
+Linear, addmm, layer norm, embedding, and add/sub/mul with a parameter (or a value computed
+from parameters only) skip the local graph (runtime/weight_grad_ops.py): B runs the op's
+input-gradient kernel (mostly autograd's own node, on detached weights) and leaves what W
+needs (input, output gradient, statistics) for W's weight-gradient kernels, with no
+autograd call of their own.
 
 With no stash (a fused schedule, inference, no grad) `deferred` is the op itself.
 """
@@ -89,7 +90,7 @@ def deferred(module, op, args: tuple, kwargs: dict | None = None, *, weights: tu
     stash = getattr(module, "weight_stash", None)
     if stash is None or not torch.is_grad_enabled() or not any(p.requires_grad for p in params):
         return op(*args, **kwargs)
-    out = written_out(op, args, kwargs, params, stash, module)   # runtime/weight_grad_ops.py
+    out = written_out(op, args, kwargs, params, stash, module, weights)   # runtime/weight_grad_ops.py
     if out is not None:
         return out
     act_pos = tuple(i for i, a in enumerate(args) if i not in weights and isinstance(a, torch.Tensor))
@@ -105,9 +106,14 @@ def run_deferred(stash: list) -> None:
     tensors, grads, params = [], [], {}
     entries = list(stash)
     stash.clear()
-    for entry in entries:
-        if isinstance(entry, DeferredW):
-            entry.run()
+    # Written-out W's read activations that have an autograd history: under no_grad their
+    # kernels build no graph (and the gradients they leave need none). One whose weight
+    # operand was computed from parameters hands back (that value, its gradient, the
+    # parameters), walked with the generic entries in one autograd call below.
+    with torch.no_grad():
+        later = [e.run() if isinstance(e, DeferredW) else e for e in entries]
+    for entry in later:
+        if entry is None:
             continue
         outs, gs, ps = entry
         tensors.extend(outs)
