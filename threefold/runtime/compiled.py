@@ -152,11 +152,23 @@ def _inductor_or_eager(label: str):
     def backend(gm: torch.fx.GraphModule, example_inputs):
         from torch._inductor.compile_fx import compile_fx
         try:
-            return compile_fx(gm, example_inputs)
+            return compile_fx(gm, example_inputs, config_patches=config_patches(example_inputs))
         except Exception as exc:   # any lowering failure: keep the graph, eager
             note(f"{label}: a graph runs eagerly: Inductor cannot compile it ({_first_line(exc)})")
             return gm.forward
     return backend
+
+
+def config_patches(example_inputs) -> dict:
+    """Inductor settings for one graph. On CPU: the C++ wrapper (`cpp_wrapper`), which calls
+    the graph's kernels and extern BLAS ops from one compiled C++ function instead of a
+    Python wrapper issuing them one by one; at our sizes that Python was a tenth of the step
+    (default model, 1 thread: CPU ms/step 38.5 -> 35.4; BENCHMARKS.md "Wave 8"). GPU graphs
+    keep Inductor's defaults."""
+    devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
+    if devices and devices <= {"cpu"}:
+        return {"cpp_wrapper": True}
+    return {}
 
 
 def _first_line(exc: BaseException) -> str:
