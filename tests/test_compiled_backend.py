@@ -101,3 +101,11 @@ def test_bf16_compiled_matches_single_process_autocast_within_rounding_noise():
         diffs = [abs(a - b) for a, b in zip(r["losses"], ref)]
         assert all(d <= t for d, t in zip(diffs, tol)), (r["plan"], diffs, tol)
         assert r["losses"] != fp32, r["plan"]   # it really computed in bf16
+
+
+def test_cpu_graphs_compile_with_the_cpp_wrapper_and_others_with_inductors_defaults():
+    """The C++ wrapper (runtime/compiled.py config_patches) is for CPU graphs only."""
+    from threefold.runtime.compiled import config_patches
+    assert config_patches([torch.ones(2), 3]) == {"cpp_wrapper": True}
+    assert config_patches([torch.ones(2, device="meta")]) == {}
+    assert config_patches([torch.ones(2), torch.ones(2, device="meta")]) == {}
