@@ -15,6 +15,10 @@ issue exactly the collectives, in exactly the order, of the eager run. The wrapp
 on copies of the generated functions (their globals swapped), so eager chunks in the same
 process and the `compile=none` path are untouched and never import torch._dynamo.
 
+Inductor's settings: CPU graphs are compiled with its C++ wrapper (`config_patches`), GPU
+graphs with its defaults. The optimizer step is the other half of the plan key, built by
+pm.optimizer (runtime/fused_optimizer.py).
+
 Recomputed regions (plan recompute=...) are compiled too: `recompute` stays an eager
 torch.utils.checkpoint call and the region function it reruns is itself compiled.
 
