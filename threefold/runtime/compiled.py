@@ -112,13 +112,22 @@ def _eager_helpers(globals_: dict) -> dict:
 
 
 class _EagerNamespace:
-    """Attribute access to a module, each callable wrapped so Dynamo leaves it eager."""
+    """Attribute access to a module, each callable wrapped so Dynamo leaves it eager.
+
+    The wrappers are made here, before any tracing: a torch.compiler.disable call made
+    while Dynamo traces the chunk is itself a graph break Dynamo cannot resume from, and the
+    chunk's frame then ran uncompiled (tp chunks, whose first helper call is a collective,
+    compiled no graph at all: Dynamo's counters, 0 unique graphs)."""
 
     def __init__(self, module: types.ModuleType):
         self._module = module
         self._wrapped: dict = {}
+        for name, value in vars(module).items():
+            if callable(value) and not isinstance(value, type) and not name.startswith("__"):
+                self._wrapped[name] = torch.compiler.disable(value, recursive=True)
+                setattr(self, name, self._wrapped[name])
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str):   # only names the module gained after install
         value = getattr(self._module, name)
         if not callable(value) or isinstance(value, type):
             return value
