@@ -175,9 +175,10 @@ def _inductor_or_eager(label: str):
 def config_patches(example_inputs) -> dict:
     """Inductor settings for one graph. On CPU: the C++ wrapper (`cpp_wrapper`), which calls
     the graph's kernels and extern BLAS ops from one compiled C++ function instead of a
-    Python wrapper issuing them one by one; at our sizes that Python was a tenth of the step
-    (default model, 1 thread: CPU ms/step 38.5 -> 35.4; BENCHMARKS.md "Wave 8"). GPU graphs
-    keep Inductor's defaults."""
+    Python wrapper issuing them one by one; at our sizes that Python cost ~1.7 ms per
+    microbatch (forward + backward call, profiled; default model, 1 thread: median CPU
+    ms/step 40.9 -> 39.8, best block 36.5 -> 32.8; BENCHMARKS.md "Wave 8"). GPU graphs keep
+    Inductor's defaults."""
     devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
     if devices and devices <= {"cpu"}:
         return {"cpp_wrapper": True}
