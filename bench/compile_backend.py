@@ -12,6 +12,11 @@ tokens/s per mode, the ratio inductor/none per round, the ratio of the per-mode 
 the worst round's ratio, and tokens per CPU-second of both ranks (median block), which
 hardly moves with other jobs' load (a rank waiting on its peer sleeps).
 
+The optimizer is built by `pm.optimizer`, so under compile=inductor it is torch's fused
+AdamW (runtime/fused_optimizer.py) and under compile=none the foreach default: the ratio
+covers the whole training step as `threefold train` runs it. For where the time goes, one
+process: bench/compile_breakdown.py.
+
 Setups:
   default      the main job's model (`threefold train`'s embedded GPT: 4 layers, h=64,
                4 heads, 256 byte tokens), batch 16 x seq 64 (threefold/configs/default.toml)

@@ -57,11 +57,42 @@ def _check(world, plans, workload, tol=1e-5):
         assert len({tuple(rr[i]["losses"]) for rr in results}) == 1
 
 
+def _losses_and_graphs(plans: list[str]):
+    """Each plan's losses and the graphs Dynamo compiled for it (its counters' growth)."""
+    import torch._dynamo.utils as dynamo_utils
+    from tests.parity import parallel_sgd_losses
+    torch.set_num_threads(1)
+    factory, kwargs = GPT
+    out = []
+    for plan in plans:
+        before = dynamo_utils.counters["stats"]["unique_graphs"]
+        w = load_workload(factory, **kwargs)
+        pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
+        losses = parallel_sgd_losses(pm, w, STEPS)
+        out.append({"plan": plan, "losses": losses, "graphs": dynamo_utils.counters["stats"]["unique_graphs"] - before})
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1600)
 def test_inductor_chunks_match_single_process_under_tp_and_pp():
-    """tp=2 (collectives inside the chunk: graph breaks) and pp=2 1F1B (boundaries)."""
-    _check(2, ["tp=2,compile=inductor", "pp=2,m=2,compile=inductor"], GPT)
+    """tp=2 (collectives inside the chunk: graph breaks) and pp=2 1F1B (boundaries).
+
+    Each chunk really compiles: a tp chunk's first helper call is a collective, and the
+    helpers' eager wrappers are made before tracing (made lazily, Dynamo met a
+    torch.compiler.disable call while tracing, gave up on the frame and the tp chunk ran
+    wholly eagerly: 0 graphs, same losses)."""
+    factory, kwargs = GPT
+    ref = reference_losses(factory, kwargs, STEPS)
+    results = launch(_losses_and_graphs, 2, ["tp=2,compile=inductor", "pp=2,m=2,compile=inductor"], timeout=1500)
+    for rank_result in results:
+        for r in rank_result:
+            assert max_rel_diff(r["losses"], ref) < 1e-5, (r["plan"], r["losses"], ref)
+        tp, pp = rank_result
+        assert tp["graphs"] >= 4, tp   # measured: 11 graphs between the collectives of 2 layers
+        assert pp["graphs"] >= 1, pp   # one graph per chunk
+    for i in range(2):   # the loss is the same on every rank
+        assert len({tuple(rr[i]["losses"]) for rr in results}) == 1
 
 
 # every plan family with compile=inductor, 2 ranks each (tp, pp 1F1B are the default run's)
@@ -101,3 +132,12 @@ def test_bf16_compiled_matches_single_process_autocast_within_rounding_noise():
         diffs = [abs(a - b) for a, b in zip(r["losses"], ref)]
         assert all(d <= t for d, t in zip(diffs, tol)), (r["plan"], diffs, tol)
         assert r["losses"] != fp32, r["plan"]   # it really computed in bf16
+
+
+def test_cpu_graphs_compile_with_the_cpp_wrapper_and_others_with_inductors_defaults():
+    """The C++ wrapper (runtime/compiled.py config_patches) is for CPU graphs only."""
+    from threefold.runtime.compiled import config_patches
+    assert config_patches([torch.ones(2), 3]) == {"cpp_wrapper": True}
+    assert config_patches([torch.ones(2, device="meta")]) == {}
+    assert config_patches([torch.ones(2), torch.ones(2, device="meta")]) == {}
+

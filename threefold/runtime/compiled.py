@@ -15,6 +15,10 @@ issue exactly the collectives, in exactly the order, of the eager run. The wrapp
 on copies of the generated functions (their globals swapped), so eager chunks in the same
 process and the `compile=none` path are untouched and never import torch._dynamo.
 
+Inductor's settings: CPU graphs are compiled with its C++ wrapper (`config_patches`), GPU
+graphs with its defaults. The optimizer step is the other half of the plan key, built by
+pm.optimizer (runtime/fused_optimizer.py).
+
 Recomputed regions (plan recompute=...) are compiled too: `recompute` stays an eager
 torch.utils.checkpoint call and the region function it reruns is itself compiled.
 
@@ -108,13 +112,22 @@ def _eager_helpers(globals_: dict) -> dict:
 
 
 class _EagerNamespace:
-    """Attribute access to a module, each callable wrapped so Dynamo leaves it eager."""
+    """Attribute access to a module, each callable wrapped so Dynamo leaves it eager.
+
+    The wrappers are made here, before any tracing: a torch.compiler.disable call made
+    while Dynamo traces the chunk is itself a graph break Dynamo cannot resume from, and the
+    chunk's frame then ran uncompiled (tp chunks, whose first helper call is a collective,
+    compiled no graph at all: Dynamo's counters, 0 unique graphs)."""
 
     def __init__(self, module: types.ModuleType):
         self._module = module
         self._wrapped: dict = {}
+        for name, value in vars(module).items():
+            if callable(value) and not isinstance(value, type) and not name.startswith("__"):
+                self._wrapped[name] = torch.compiler.disable(value, recursive=True)
+                setattr(self, name, self._wrapped[name])
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str):   # only names the module gained after install
         value = getattr(self._module, name)
         if not callable(value) or isinstance(value, type):
             return value
@@ -152,11 +165,24 @@ def _inductor_or_eager(label: str):
     def backend(gm: torch.fx.GraphModule, example_inputs):
         from torch._inductor.compile_fx import compile_fx
         try:
-            return compile_fx(gm, example_inputs)
+            return compile_fx(gm, example_inputs, config_patches=config_patches(example_inputs))
         except Exception as exc:   # any lowering failure: keep the graph, eager
             note(f"{label}: a graph runs eagerly: Inductor cannot compile it ({_first_line(exc)})")
             return gm.forward
     return backend
+
+
+def config_patches(example_inputs) -> dict:
+    """Inductor settings for one graph. On CPU: the C++ wrapper (`cpp_wrapper`), which calls
+    the graph's kernels and extern BLAS ops from one compiled C++ function instead of a
+    Python wrapper issuing them one by one; at our sizes that Python cost ~1.7 ms per
+    microbatch (forward + backward call, profiled; default model, 1 thread: median CPU
+    ms/step 40.9 -> 39.8, best block 36.5 -> 32.8; BENCHMARKS.md "Wave 8"). GPU graphs keep
+    Inductor's defaults."""
+    devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
+    if devices and devices <= {"cpu"}:
+        return {"cpp_wrapper": True}
+    return {}
 
 
 def _first_line(exc: BaseException) -> str:

@@ -4,7 +4,9 @@
   hand, `torch.optim.AdamW(pm.parameters())`, is the same thing);
 * zero>=1: a `zero.ZeroOptimizer` (its state and update sharded over dp_shard; zero>=2 reads
   the gradient row shards runtime/fsdp.py reduces, zero=3 updates the parameter shards);
-* fp16: either of those inside a `LossScaledOptimizer` (dynamic loss scaling).
+* fp16: either of those inside a `LossScaledOptimizer` (dynamic loss scaling);
+* compile=inductor: the torch optimizer built with fused=True where it offers it
+  (runtime/fused_optimizer.py: the optimizer step's part of the compiled backend).
 ZeRO and fp16 change how gradients arrive (reduce-scattered rows, scaled values), so a
 plain optimizer would silently be wrong under them: the engine refuses to train until one
 built here is attached (`requirement`).
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from threefold.errors import PlanError
+from threefold.runtime import fused_optimizer
 from threefold.runtime.mixed_precision import LossScaler, plan_of
 from threefold.runtime.wrapped_optimizer import WrappedOptimizer
 
@@ -37,11 +40,19 @@ def make_optimizer(engine, optimizer_cls, params=None, *args, loss_scaler: LossS
         raise PlanError(f"pm.optimizer needs a torch.optim.Optimizer class (got {optimizer_cls!r}): "
                         "e.g. pm.optimizer(torch.optim.AdamW, lr=1e-3)")
     plan = _plan(engine)
+    if params is not None:
+        params = list(params)   # a generator would be empty if a refused fused build retries
     if plan.zero >= 1:
         from threefold.runtime.zero import ZeroOptimizer
-        opt = ZeroOptimizer(engine, optimizer_cls, params, *args, **kwargs)
+
+        def make(**kw):
+            return ZeroOptimizer(engine, optimizer_cls, params, *args, **kw)
     else:
-        opt = optimizer_cls(engine.parameters() if params is None else params, *args, **kwargs)
+        params = list(engine.parameters()) if params is None else params
+
+        def make(**kw):
+            return optimizer_cls(params, *args, **kw)
+    opt = fused_optimizer.build(make, optimizer_cls, kwargs, plan.compile)
     if plan.dtype == "fp16":
         opt = LossScaledOptimizer(engine, opt, loss_scaler or LossScaler())
     elif loss_scaler is not None:

@@ -1,0 +1,50 @@
+"""Plan key compile=inductor also covers the optimizer step: torch's fused implementation.
+
+What a compiler would do to the optimizer step is fuse each parameter's update (AdamW: the
+moment updates, bias correction, the parameter write) into one pass over memory; torch
+already ships that kernel for its own optimizers (`fused=True`: AdamW, Adam, SGD, Adagrad
+on CPU and CUDA), with the same arithmetic as the default foreach path (bench: 2e-7 relative
+on the default model's weights after a step), so `pm.optimizer(cls, ...)` under
+compile=inductor builds `cls(..., fused=True)` rather than torch.compile'ing `opt.step`
+(measured on the default model, 1 thread: foreach 1.04 ms/step, torch.compile'd step
+0.54 ms after a 15 s compile, fused 0.33 ms with no compile).
+
+The user's word wins: a `fused=` or `foreach=` they pass is kept, an optimizer class
+without a `fused` argument is built as given, and one that refuses fused for these
+parameters (a dtype or device its kernel lacks) is built as given with a one-line note.
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+
+
+def fused_kwargs(optimizer_cls, compile_mode: str, kwargs: dict) -> dict:
+    """kwargs with fused=True added where compile_mode compiles and the class offers it."""
+    if compile_mode == "none" or "fused" in kwargs or "foreach" in kwargs:
+        return kwargs
+    try:
+        params = inspect.signature(optimizer_cls.__init__).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    if "fused" not in params:
+        return kwargs
+    return {**kwargs, "fused": True}
+
+
+def build(make, optimizer_cls, kwargs: dict, compile_mode: str):
+    """make(**kwargs) (the optimizer, or the ZeRO optimizer around it), with fused=True
+    added where compile_mode asks and the class offers it; as given if torch refuses."""
+    fused = fused_kwargs(optimizer_cls, compile_mode, kwargs)
+    if fused is kwargs:
+        return make(**kwargs)
+    from threefold.errors import PlanError
+    try:
+        return make(**fused)
+    except PlanError:
+        raise
+    except (RuntimeError, ValueError) as exc:   # torch's "fused=True requires ..." refusals
+        text = str(exc).strip().splitlines()
+        print(f"threefold: compile={compile_mode}: {optimizer_cls.__name__} runs unfused "
+              f"({text[0] if text else type(exc).__name__})", file=sys.stderr, flush=True)
+        return make(**kwargs)
