@@ -9,7 +9,8 @@ compile=inductor builds `cls(..., fused=True)` rather than torch.compile'ing `op
 (measured on the default model, 1 thread: foreach 1.04 ms/step, torch.compile'd step
 0.54 ms after a 15 s compile, fused 0.33 ms with no compile).
 
-The user's word wins: a `fused=` or `foreach=` they pass is kept, an optimizer class
+A caller may also prefer it whatever the compile mode (`prefer`: `threefold train`'s AdamW,
+train/optim.py). The user's word wins: a `fused=` or `foreach=` they pass is kept, an optimizer class
 without a `fused` argument is built as given, and one that refuses fused for these
 parameters (a dtype or device its kernel lacks) is built as given with a one-line note.
 """
@@ -19,9 +20,10 @@ import inspect
 import sys
 
 
-def fused_kwargs(optimizer_cls, compile_mode: str, kwargs: dict) -> dict:
-    """kwargs with fused=True added where compile_mode compiles and the class offers it."""
-    if compile_mode == "none" or "fused" in kwargs or "foreach" in kwargs:
+def fused_kwargs(optimizer_cls, compile_mode: str, kwargs: dict, prefer: bool = False) -> dict:
+    """kwargs with fused=True added where compile_mode compiles (or the caller prefers it)
+    and the class offers it."""
+    if (compile_mode == "none" and not prefer) or "fused" in kwargs or "foreach" in kwargs:
         return kwargs
     try:
         params = inspect.signature(optimizer_cls.__init__).parameters
@@ -32,10 +34,11 @@ def fused_kwargs(optimizer_cls, compile_mode: str, kwargs: dict) -> dict:
     return {**kwargs, "fused": True}
 
 
-def build(make, optimizer_cls, kwargs: dict, compile_mode: str):
+def build(make, optimizer_cls, kwargs: dict, compile_mode: str, prefer: bool = False):
     """make(**kwargs) (the optimizer, or the ZeRO optimizer around it), with fused=True
-    added where compile_mode asks and the class offers it; as given if torch refuses."""
-    fused = fused_kwargs(optimizer_cls, compile_mode, kwargs)
+    added where compile_mode asks (or `prefer`) and the class offers it; as given if torch
+    refuses."""
+    fused = fused_kwargs(optimizer_cls, compile_mode, kwargs, prefer)
     if fused is kwargs:
         return make(**kwargs)
     from threefold.errors import PlanError
@@ -45,6 +48,7 @@ def build(make, optimizer_cls, kwargs: dict, compile_mode: str):
         raise
     except (RuntimeError, ValueError) as exc:   # torch's "fused=True requires ..." refusals
         text = str(exc).strip().splitlines()
-        print(f"threefold: compile={compile_mode}: {optimizer_cls.__name__} runs unfused "
+        why = f"compile={compile_mode}" if compile_mode != "none" else "fused optimizer"
+        print(f"threefold: {why}: {optimizer_cls.__name__} runs unfused "
               f"({text[0] if text else type(exc).__name__})", file=sys.stderr, flush=True)
         return make(**kwargs)

@@ -35,7 +35,8 @@ def requirement(manifest) -> str | None:
             "opt = pm.optimizer(torch.optim.AdamW, lr=...) instead of torch.optim.AdamW(pm.parameters(), ...)")
 
 
-def make_optimizer(engine, optimizer_cls, params=None, *args, loss_scaler: LossScaler | None = None, **kwargs):
+def make_optimizer(engine, optimizer_cls, params=None, *args, loss_scaler: LossScaler | None = None,
+                   prefer_fused: bool = False, **kwargs):
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise PlanError(f"pm.optimizer needs a torch.optim.Optimizer class (got {optimizer_cls!r}): "
                         "e.g. pm.optimizer(torch.optim.AdamW, lr=1e-3)")
@@ -52,7 +53,7 @@ def make_optimizer(engine, optimizer_cls, params=None, *args, loss_scaler: LossS
 
         def make(**kw):
             return optimizer_cls(params, *args, **kw)
-    opt = fused_optimizer.build(make, optimizer_cls, kwargs, plan.compile)
+    opt = fused_optimizer.build(make, optimizer_cls, kwargs, plan.compile, prefer=prefer_fused)
     if plan.dtype == "fp16":
         opt = LossScaledOptimizer(engine, opt, loss_scaler or LossScaler())
     elif loss_scaler is not None:
