@@ -53,6 +53,16 @@ def test_the_same_groups_in_another_order_get_their_own_hyperparameters(saved):
     assert torch.equal(opt.state[pm.engine.params[name]]["exp_avg"], exp_avg)
 
 
+def test_a_loaded_optimizer_keeps_how_it_runs_its_step(saved):
+    root, exp_avg, name, pm = saved     # saved by a fused AdamW (threefold train's)
+    decayed, kept = decay_split(pm.named_parameters(), param_roles(pm))
+    opt = torch.optim.AdamW([{"params": decayed}, {"params": kept}], lr=1, fused=False, foreach=True)
+    assert threefold.load(pm, opt, root)["optimizer_groups"] == "restored"
+    assert all(g["lr"] == 3e-3 for g in opt.param_groups)                # hyperparameters: the checkpoint's
+    assert all(g["fused"] is False and g["foreach"] is True for g in opt.param_groups)   # how it runs: its own
+    assert torch.equal(opt.state[pm.engine.params[name]]["exp_avg"], exp_avg)
+
+
 def test_groups_that_mix_the_saved_ones_are_one_line(saved):
     root, _, _, pm = saved
     decayed, kept = decay_split(pm.named_parameters(), param_roles(pm))

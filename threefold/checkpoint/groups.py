@@ -23,6 +23,10 @@ from threefold.checkpoint.collective import gather_all, rank_world
 from threefold.errors import PlanError
 
 FQNS = "fqns"     # the key in a saved group that lists its parameters
+# How the optimizer being loaded into runs its step, not hyperparameters of the run: they stay
+# as it was built (a checkpoint saved unfused resumes fused where this machine allows it, and
+# one saved fused on a CPU does not force fused onto parameters it cannot fuse).
+HOW_IT_RUNS = frozenset({"fused", "foreach", "capturable", "differentiable"})
 
 
 def group_fqns(pm, optimizer) -> list[list[str]]:
@@ -59,7 +63,7 @@ def restore_groups(pm, optimizer, saved: list[dict] | None) -> str:
                           "hyperparameters (lr, weight_decay, ...)", stacklevel=3)
         return "kept"
     for group, home in zip(optimizer.param_groups, homes):
-        group.update({k: v for k, v in saved[home].items() if k not in ("params", FQNS)})
+        group.update({k: v for k, v in saved[home].items() if k not in ("params", FQNS) and k not in HOW_IT_RUNS})
     return "restored"
 
 
