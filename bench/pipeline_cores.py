@@ -1,6 +1,7 @@
 """Why interleaved and ZB-V lose to 1F1B at pp=4 on 2 cores: context switches and core placement.
 
-4 gloo ranks x 1 thread on 2 cores, the model of bench/pipeline_bubbles.py, m=8. One launched
+pp gloo ranks x 1 thread (4 by default) on this machine's cores, the model of
+bench/pipeline_bubbles.py, m=8. One launched
 job; threefold's 1f1b, interleaved (v=2) and zbv (v=2) in a rotation (paired rounds, a
 barrier on the default group before and after every timed step), each under one or more
 core placements set for the step only (os.sched_setaffinity, restored after it):
@@ -9,14 +10,15 @@ core placements set for the step only (os.sched_setaffinity, restored after it):
   pair   ranks 0,1 on core 0 and 2,3 on core 1: neighbours share a core
   alt    ranks 0,2 on core 0 and 1,3 on core 1: neighbours on different cores
 
-Per contender: rank 0's wall time (barrier to barrier), paired ratio to `1f1b free`, CPU per
+Per contender: rank 0's wall time (barrier to barrier), paired ratios to `1f1b free` and to
+1f1b under the same placement, CPU per
 step summed over the ranks (all threads; of it in the kernel; the main thread's), and per step summed over the ranks the voluntary (a thread
 blocked: a wait on a receive, a send, a barrier) and involuntary (preempted while runnable)
 context switches of every thread of the rank (getrusage RUSAGE_SELF: the main thread and
 gloo's transport threads).
 
-    python bench/pipeline_pp4_cores.py [--iters N] [--warmup N] [--placements free,pair,alt]
-                                       [--schedules 1f1b,interleaved,zbv] [--m 8]
+    python bench/pipeline_cores.py [--pp 4] [--iters N] [--warmup N] [--placements free,pair,alt]
+                                   [--schedules 1f1b,interleaved,zbv] [--m 8]
 """
 from __future__ import annotations
 
@@ -53,6 +55,8 @@ def cores_for(placement: str, rank: int, ncores: int) -> set[int] | None:
 
 
 def rank_job(args) -> dict:
+    global PP
+    PP = args["pp"]
     torch.set_num_threads(1)
     pb.PP = PP
     rank = dist.get_rank()
@@ -114,10 +118,13 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--m", type=int, default=8)
+    ap.add_argument("--pp", type=int, default=4)
     ap.add_argument("--placements", default="free,pair,alt")
     ap.add_argument("--schedules", default="1f1b,interleaved,zbv")
     a = ap.parse_args(argv)
-    args = {"iters": a.iters, "warmup": a.warmup, "m": a.m, "placements": a.placements.split(","),
+    global PP
+    PP = a.pp
+    args = {"pp": a.pp, "iters": a.iters, "warmup": a.warmup, "m": a.m, "placements": a.placements.split(","),
             "schedules": a.schedules.split(",")}
     from threefold.runtime.launch import launch
     load0 = os.getloadavg()[0]
@@ -127,14 +134,17 @@ def main(argv=None) -> int:
     base = names[0]
     print(f"pp={PP}, m={a.m}, {os.cpu_count()} cores, {a.iters} rounds; load {load0:.1f} -> "
           f"{os.getloadavg()[0]:.1f}; per step: wall = rank 0 median, cpu/switches = summed over ranks, median")
-    print(f"{'contender':<20} {'wall ms':>8} {'/' + base:>16} {'cpu ms':>8} {'of it sys':>9} {'main thr':>8} "
+    print(f"{'contender':<20} {'wall ms':>8} {'/' + base:>16} {'/1f1b same':>10} {'cpu ms':>8} {'of it sys':>9} {'main thr':>8} "
           f"{'vol csw':>8} {'invol csw':>9}   vol per rank")
     for n in names:
         w = ranks[0]["wall"][n]
         paired = statistics.median(x / y for x, y in zip(w, ranks[0]["wall"][base]))
+        same = "1f1b " + n.split(" ", 1)[1]     # 1f1b under the same placement, paired per round
+        to_same = statistics.median(x / y for x, y in zip(w, ranks[0]["wall"][same])) if (
+            same in ranks[0]["wall"]) else float("nan")
         tot = lambda key: statistics.median(sum(c) for c in zip(*(r[key][n] for r in ranks)))  # noqa: E731
         per = [statistics.median(r["vol"][n]) for r in ranks]
-        print(f"{n:<20} {statistics.median(w)*1e3:>8.0f} {paired:>16.3f} {tot('cpu')*1e3:>8.0f} "
+        print(f"{n:<20} {statistics.median(w)*1e3:>8.0f} {paired:>16.3f} {to_same:>10.3f} {tot('cpu')*1e3:>8.0f} "
               f"{tot('sys')*1e3:>9.0f} {tot('main')*1e3:>8.0f} "
               f"{tot('vol'):>8.0f} {tot('invol'):>9.0f}   {per}")
     print(f"(bench wall {time.perf_counter() - t0:.0f} s)")
