@@ -18,7 +18,11 @@ context switches of every thread of the rank (getrusage RUSAGE_SELF: the main th
 gloo's transport threads).
 
     python bench/pipeline_cores.py [--pp 4] [--iters N] [--warmup N] [--placements free,pair,alt]
-                                   [--schedules 1f1b,interleaved,zbv] [--m 8]
+                                   [--schedules 1f1b,interleaved,zbv] [--m 8] [--lookaheads 8,1]
+
+--lookaheads adds a variant of every contender per value: receives posted that many computes
+ahead of their reader (runtime/receives.py; 8 is the engine's), to see whether posting late
+(fewer wake-ups of a computing rank by its transport thread, more waiting) pays on shared cores.
 """
 from __future__ import annotations
 
@@ -65,11 +69,15 @@ def rank_job(args) -> dict:
     ncores = len(everywhere)
     contenders = []
     for kind in args["schedules"]:
-        step, _ = pb.threefold_contender(cfg, kind, V[kind], args["m"])
-        for placement in args["placements"]:
+        step, _, pm = pb.threefold_contender(cfg, kind, V[kind], args["m"], with_pm=True)
+        for placement, lookahead in [(p, la) for p in args["placements"] for la in args["lookaheads"]]:
             cores = cores_for(placement, rank, ncores)
 
-            def run(step=step, cores=cores):
+            def run(step=step, cores=cores, pm=pm, lookahead=lookahead):
+                if lookahead is not None:   # receives posted this many computes ahead
+                    from threefold.runtime.receives import receive_plan
+                    eng = pm.engine
+                    eng._plan_cache = (eng.schedule, receive_plan(eng.schedule.actions[eng.stage], lookahead))
                 if cores is not None:
                     os.sched_setaffinity(0, cores)     # the main thread; gloo's threads follow below
                     for tid in os.listdir("/proc/self/task"):
@@ -80,7 +88,8 @@ def rank_job(args) -> dict:
                     if cores is not None:
                         for tid in os.listdir("/proc/self/task"):
                             os.sched_setaffinity(int(tid), everywhere)
-            contenders.append((f"{kind} {placement}", run))
+            la = "" if lookahead is None else f" la{lookahead}"
+            contenders.append((f"{kind} {placement}{la}", run))
     names = [n for n, _ in contenders]
     wall = {n: [] for n in names}
     cpu = {n: [] for n in names}
@@ -119,13 +128,17 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--m", type=int, default=8)
     ap.add_argument("--pp", type=int, default=4)
+    ap.add_argument("--lookaheads", default="",
+                    help="e.g. 8,1: each schedule also with receives posted that many computes ahead "
+                         "(runtime/receives.py; default: the engine's own)")
     ap.add_argument("--placements", default="free,pair,alt")
     ap.add_argument("--schedules", default="1f1b,interleaved,zbv")
     a = ap.parse_args(argv)
     global PP
     PP = a.pp
     args = {"pp": a.pp, "iters": a.iters, "warmup": a.warmup, "m": a.m, "placements": a.placements.split(","),
-            "schedules": a.schedules.split(",")}
+            "schedules": a.schedules.split(","),
+            "lookaheads": [int(x) for x in a.lookaheads.split(",")] if a.lookaheads else [None]}
     from threefold.runtime.launch import launch
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -139,7 +152,7 @@ def main(argv=None) -> int:
     for n in names:
         w = ranks[0]["wall"][n]
         paired = statistics.median(x / y for x, y in zip(w, ranks[0]["wall"][base]))
-        same = "1f1b " + n.split(" ", 1)[1]     # 1f1b under the same placement, paired per round
+        same = "1f1b " + n.split(" ", 1)[1]     # 1f1b under the same placement (and lookahead), paired
         to_same = statistics.median(x / y for x, y in zip(w, ranks[0]["wall"][same])) if (
             same in ranks[0]["wall"]) else float("nan")
         tot = lambda key: statistics.median(sum(c) for c in zip(*(r[key][n] for r in ranks)))  # noqa: E731
