@@ -27,6 +27,11 @@ iteration, the same barrier for all). Reported:
                                                     # stage in one process; microbatching cost
     python bench/pipeline_vs_torch.py --ablations   # + threefold with blocking receives (the
                                                     # engine before issue 13)
+    python bench/pipeline_vs_torch.py --compile inductor
+        # threefold with plan compile=inductor against torch's stages eager ("torch") and
+        # torch.compile'd ("torch compiled": each stage module compiled with threefold's
+        # Inductor settings before PipelineStage wraps it), all in one rotation; the first
+        # iterations compile (every group's timeout is raised to THREEFOLD_TIMEOUT=1800)
 
 Both systems split at the same block boundaries: threefold through `split=h.k+...` in the
 plan, torch through hand-built `PipelineStage`s holding the same blocks (the first stage
