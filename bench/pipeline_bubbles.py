@@ -137,7 +137,7 @@ class ComputeClock:
         self.saved = []
 
 
-def threefold_contender(cfg: Config, kind: str, v: int, m: int):
+def threefold_contender(cfg: Config, kind: str, v: int, m: int, with_pm: bool = False):
     import threefold
     w = build_workload(cfg)
     pm = threefold.parallelize(w["model"], threefold_plan(cfg, kind, v, m), w["inputs"], w["loss_fn"],
@@ -152,7 +152,7 @@ def threefold_contender(cfg: Config, kind: str, v: int, m: int):
         for attr, label in (("_forward", "F"), ("_backward_action", "B"), ("_weight_action", "W")):
             if hasattr(eng, attr):
                 clock.wrap(eng, attr, label, lambda args: args[1].chunk)
-    return step, instrument
+    return (step, instrument, pm) if with_pm else (step, instrument)
 
 
 def torch_contender(cfg: Config, name: str, m: int, rank: int, group):

@@ -27,6 +27,11 @@ iteration, the same barrier for all). Reported:
                                                     # stage in one process; microbatching cost
     python bench/pipeline_vs_torch.py --ablations   # + threefold with blocking receives (the
                                                     # engine before issue 13)
+    python bench/pipeline_vs_torch.py --compile inductor
+        # threefold with plan compile=inductor against torch's stages eager ("torch") and
+        # torch.compile'd ("torch compiled": each stage module compiled with threefold's
+        # Inductor settings before PipelineStage wraps it), all in one rotation; the first
+        # iterations compile (every group's timeout is raised to THREEFOLD_TIMEOUT=1800)
 
 Both systems split at the same block boundaries: threefold through `split=h.k+...` in the
 plan, torch through hand-built `PipelineStage`s holding the same blocks (the first stage
@@ -74,6 +79,8 @@ class Config:
     profile: bool = False
     ablations: bool = False     # also time threefold with blocking receives (before issue 13)
     only: str = ""              # "1f1b" or "interleaved": run just that schedule
+    compile: str = "none"       # "inductor": threefold with compile=inductor against torch's
+                                # stages eager and torch.compile'd (both in the same rotation)
 
     @property
     def schedules(self) -> list[tuple[str, int]]:
@@ -108,6 +115,7 @@ def layer_splits(cfg: Config, v: int) -> list[int]:
 def threefold_plan(cfg: Config, kind: str, v: int) -> str:
     split = "+".join(f"h.{i}" for i in layer_splits(cfg, v))
     extra = f",v={v}" if v > 1 else ""
+    extra += f",compile={cfg.compile}" if cfg.compile != "none" else ""
     return f"pp={PP},m={cfg.microbatches},schedule={kind}{extra},split={split}"
 
 
@@ -134,7 +142,11 @@ class TorchStage(nn.Module):
         return x
 
 
-def torch_schedule(cfg: Config, w: dict, kind: str, v: int, rank: int, group):
+def torch_schedule(cfg: Config, w: dict, kind: str, v: int, rank: int, group, compiled: bool = False):
+    """torch's schedule over this rank's stages; `compiled`: each stage module goes through
+    torch.compile (Inductor, with the same settings as threefold's compile=inductor: the C++
+    wrapper on CPU) before PipelineStage wraps it, so torch's schedule runs compiled forwards
+    and their AOTAutograd backwards."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
     bounds = [0] + layer_splits(cfg, v) + [cfg.n_layer]
     k = PP * v
@@ -142,6 +154,10 @@ def torch_schedule(cfg: Config, w: dict, kind: str, v: int, rank: int, group):
     for s in range(rank, k, PP):          # loop placement: stage s on rank s % pp (as threefold)
         mod = TorchStage(w["model"], bounds[s], bounds[s + 1], s == 0, s == k - 1)
         mods.append(mod)
+        if compiled:
+            from threefold.runtime.compiled import cache_dir, config_patches
+            cache_dir()
+            mod = torch.compile(mod, options=config_patches([torch.zeros(1)]))
         stages.append(PipelineStage(mod, s, k, torch.device("cpu"), group=group))
     if kind == "1f1b":
         sched = Schedule1F1B(stages[0], cfg.microbatches, loss_fn=w["loss_fn"])
@@ -197,6 +213,10 @@ def rank_job(cfg: Config) -> dict:
     torch.set_num_threads(1)
     rank = dist.get_rank()
     torch_group = dist.new_group(list(range(PP)))   # torch's p2p on its own gloo context
+    compiled_group = dist.new_group(list(range(PP))) if cfg.compile != "none" else None
+    if compiled_group is not None:
+        import torch._inductor.config as inductor_config
+        inductor_config.compile_threads = 1     # as threefold's compile=inductor: no worker pool
     out = {"rank": rank, "schedules": {}}
     for kind, v in cfg.schedules:
         plan = threefold_plan(cfg, kind, v)
@@ -214,13 +234,16 @@ def rank_job(cfg: Config) -> dict:
             pm.zero_grad()
             return pm.step(*w["inputs"], target=w["target"])
 
-        def theirs():
-            for m in mods:
-                m.zero_grad(set_to_none=True)
-            losses = [] if last else None
-            args = (idx,) if first else ()
-            sched.step(*args, target=target if last else None, losses=losses, return_outputs=False)
-            return float(torch.stack(losses).detach().mean()) if last else None
+        def torch_step(sched, mods):
+            def theirs():
+                for m in mods:
+                    m.zero_grad(set_to_none=True)
+                losses = [] if last else None
+                args = (idx,) if first else ()
+                sched.step(*args, target=target if last else None, losses=losses, return_outputs=False)
+                return float(torch.stack(losses).detach().mean()) if last else None
+            return theirs
+        theirs = torch_step(sched, mods)
 
         ew = build_workload(cfg) if rank == 0 else None
 
@@ -233,6 +256,10 @@ def rank_job(cfg: Config) -> dict:
             return float(loss.detach())
 
         contenders = [("threefold", ours), ("torch", theirs), ("eager", eager)]
+        if compiled_group is not None:
+            cw = build_workload(cfg)
+            csched, _, cmods = torch_schedule(cfg, cw, kind, v, rank, compiled_group, compiled=True)
+            contenders[2:2] = [("torch compiled", torch_step(csched, cmods))]
         if cfg.ablations:
             bw = build_workload(cfg)
             old = threefold.parallelize(bw["model"], plan, bw["inputs"], bw["loss_fn"], target=bw["target"])
@@ -425,7 +452,15 @@ def summarize(cfg: Config, ranks: list[dict], sim: dict) -> dict:
         for n in names:
             pairs = sorted(x / y for x, y in zip(wall[n], wall["torch"]))
             q1, _, q3 = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else (pairs[0],) * 3
+            if "torch compiled" in wall:
+                cpairs = sorted(x / y for x, y in zip(wall[n], wall["torch compiled"]))
+                extra = {"vs_torch_compiled": med[n] / med["torch compiled"],
+                         "vs_torch_compiled_paired": statistics.median(cpairs),
+                         "cpu_vs_torch_compiled": cpu_med[n] / cpu_med["torch compiled"]}
+            else:
+                extra = {}
             contenders[n] = {
+                **extra,
                 "wall_s": med[n], "wall_min_s": min(wall[n]), "cpu_s": cpu_med[n],
                 "vs_torch": med[n] / med["torch"],
                 "vs_torch_paired": statistics.median(pairs), "vs_torch_paired_iqr": [q1, q3],
@@ -453,7 +488,7 @@ def summarize(cfg: Config, ranks: list[dict], sim: dict) -> dict:
 def report(s: dict) -> str:
     c = s["config"]
     lines = [f"GPT n_layer={c['n_layer']} n_embd={c['n_embd']} n_head={c['n_head']} vocab={c['vocab_size']} "
-             f"seq={c['seq']} batch={c['batch']} m={c['microbatches']}; {s['ranks']} gloo ranks x 1 thread on "
+             f"seq={c['seq']} batch={c['batch']} m={c['microbatches']} compile={c['compile']}; {s['ranks']} gloo ranks x 1 thread on "
              f"{s['cores']} cores; medians of {c['iters']} rotating iterations after {c['warmup']} warm-up; "
              f"load average before/after {s['loadavg'][0]:.1f}/{s['loadavg'][1]:.1f}",
              "wall = rank 0, barrier to barrier; cpu = process CPU time summed over the 4 ranks; "
@@ -467,6 +502,10 @@ def report(s: dict) -> str:
             lines.append(f"{kind + ' v=' + str(r['v']):<16} {n:<22} {x['wall_s']*1e3:>8.0f} {x['cpu_s']*1e3:>8.0f} "
                          f"{x['vs_torch']:>7.3f} {x['vs_torch_paired']:>7.3f} ({x['vs_torch_paired_iqr'][0]:.2f}-{x['vs_torch_paired_iqr'][1]:.2f}) {x['vs_eager']:>7.3f} "
                          f"{x['cpu_vs_eager']:>9.3f} {loss:>9}")
+            if "vs_torch_compiled" in x:
+                lines.append(f"{'':<16} {'':<22} {'/ torch compiled:':>17} {x['vs_torch_compiled']:>7.3f} "
+                             f"{x['vs_torch_compiled_paired']:>7.3f} paired, cpu "
+                             f"{x['cpu_vs_torch_compiled']:.3f}")
     lines += ["", f"{'schedule':<16} {'sim bubble':>10} {'(p-1)/(vm)':>10}   peak live activations per stage "
               "(engine counter | saved-tensor count threefold | torch | bound)"]
     for kind, r in s["schedules"].items():
@@ -503,6 +542,9 @@ def main(argv=None) -> int:
                     help="also time threefold with blocking receives at their place in the list "
                          "(the engine before issue 13)")
     ap.add_argument("--only", choices=["1f1b", "interleaved"], default="", help="run just one schedule")
+    ap.add_argument("--compile", choices=["none", "inductor"], default="none",
+                    help="inductor: threefold with compile=inductor, against torch's stages eager "
+                         "('torch') and torch.compile'd ('torch compiled') in the same rotation")
     for f in ("n_layer", "n_embd", "n_head", "vocab_size", "seq", "batch", "microbatches", "warmup", "iters"):
         ap.add_argument("--" + f.replace("_", "-"), type=int, dest=f)
     args = ap.parse_args(argv)
@@ -512,11 +554,16 @@ def main(argv=None) -> int:
     over["profile"] = args.profile
     over["ablations"] = args.ablations
     over["only"] = args.only
+    over["compile"] = args.compile
     cfg = Config(**over)
     if cfg.batch % cfg.microbatches:
         raise SystemExit(f"batch={cfg.batch} must be a multiple of m={cfg.microbatches}")
 
     from threefold.runtime.launch import launch
+    if cfg.compile != "none":
+        # the first iterations compile (minutes on a loaded machine) while peers wait in
+        # torch's receives and the barriers: every group's timeout must outlast that
+        os.environ.setdefault("THREEFOLD_TIMEOUT", "1800")
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]
     ranks = launch(rank_job, PP, cfg, threads=1, timeout=1800)

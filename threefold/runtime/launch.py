@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from threefold.errors import Terminated
+from threefold.runtime import affinity
 from threefold.runtime.allocator import tune_malloc
 from threefold.runtime.comm import FAILURE_KEY, default_timeout, post_failure, use_failure_store
 from threefold.runtime.failure_report import failure_report, rank_traceback
@@ -63,6 +64,7 @@ def init_from_env(backend: str | None = None) -> None:
     if dist.is_initialized():
         return
     tune_malloc()   # freed memory stays for the next microbatch (runtime/allocator.py)
+    affinity.pin_rank(int(os.environ.get("LOCAL_RANK", "0")), torch.get_num_threads())  # THREEFOLD_PIN
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and os.environ.get("THREEFOLD_BACKEND") != "gloo" else "gloo"
     if backend == "nccl":
@@ -147,6 +149,7 @@ def _worker(rank: int, world: int, port: int, secret: str, fn, args, queue, thre
     torch.set_num_threads(threads)
     tune_malloc()   # freed memory stays for the next microbatch (runtime/allocator.py)
     try:
+        affinity.pin_rank(rank, threads)   # THREEFOLD_PIN=cores (runtime/affinity.py)
         timeout = default_timeout()
         store = JobStore(dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout), secret)
         use_failure_store(store)
@@ -204,6 +207,7 @@ def launch(fn, nprocs: int, *args, threads: int = 1, timeout: float | None = Non
     """Run fn(*args) on nprocs local gloo ranks; results in rank order."""
     if nprocs == 1 and dist.is_initialized():
         return [fn(*args)]
+    affinity.mode()     # a bad THREEFOLD_PIN is a PlanError here, before any rank starts
     ctx = mp.get_context("spawn")
     queue = _Reports(ctx, nprocs)
     secret = new_secret()                   # the job's own store (runtime/job_store.py)
