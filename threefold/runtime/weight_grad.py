@@ -86,13 +86,18 @@ def deferred(module, op, args: tuple, kwargs: dict | None = None, *, weights: tu
 
     `weights`: positions in args of the weight operands (parameters, or values computed from
     parameters only); `params`: the trainable parameters behind them."""
-    kwargs = kwargs or {}
+    # (the common case first and cheapest: this runs once per deferred op per forward)
     stash = getattr(module, "weight_stash", None)
-    if stash is None or not torch.is_grad_enabled() or not any(p.requires_grad for p in params):
+    if stash is None or not torch.is_grad_enabled():
+        return op(*args, **(kwargs or {}))
+    if not kwargs:
+        # runtime/weight_grad_ops.py; it checks the parameters need gradients itself
+        out = written_out(op, args, None, params, stash, module, weights)
+        if out is not None:
+            return out
+    kwargs = kwargs or {}
+    if not any(p.requires_grad for p in params):
         return op(*args, **kwargs)
-    out = written_out(op, args, kwargs, params, stash, module, weights)   # runtime/weight_grad_ops.py
-    if out is not None:
-        return out
     act_pos = tuple(i for i, a in enumerate(args) if i not in weights and isinstance(a, torch.Tensor))
     call = _Call(op, args, kwargs, act_pos, tuple(p for p in params if p.requires_grad), stash)
     return _InputGradOnly.apply(call, *[args[i] for i in act_pos], *call.params)
@@ -104,17 +109,23 @@ def run_deferred(stash: list) -> None:
     if not stash:
         return
     tensors, grads, params = [], [], {}
-    entries = list(stash)
+    entries = stash[:]
     stash.clear()
     # Written-out W's read activations that have an autograd history: under no_grad their
     # kernels build no graph (and the gradients they leave need none). One whose weight
     # operand was computed from parameters hands back (that value, its gradient, the
-    # parameters), walked with the generic entries in one autograd call below.
+    # parameters), walked with the generic entries in one autograd call below. Each entry
+    # is dropped as soon as it has run: what it kept (an input, an output gradient) goes
+    # back to the allocator while W goes on, not all at once at the end.
+    later = []
     with torch.no_grad():
-        later = [e.run() if isinstance(e, DeferredW) else e for e in entries]
+        for i, e in enumerate(entries):
+            entries[i] = None
+            r = e.run() if isinstance(e, DeferredW) else e
+            del e
+            if r is not None:
+                later.append(r)
     for entry in later:
-        if entry is None:
-            continue
         outs, gs, ps = entry
         tensors.extend(outs)
         grads.extend(gs)
