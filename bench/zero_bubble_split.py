@@ -16,7 +16,8 @@ on a shared machine). Two tables, each side by side in one run, the contenders a
     (fused), zb-h1 (hooked path) and zb-h1 with a Function per op; the ratio is the median
     over rounds of each round's (B+W) / fused B (paired), and the ratio of the medians.
 
-Goal: B + W no more than the fused backward.
+Goal: B + W no more than the fused backward, and the split's forward no slower than the fused
+schedule's (F / fused F, also paired per round).
 """
 from __future__ import annotations
 
@@ -173,11 +174,14 @@ def chunk_table(iters: int, layers: int) -> dict:
                 for lab in "FBW":
                     res[name][lab].append(sum(s for l, s in spans if l == lab) / m)
     out = {n: {k: statistics.median(v) * 1e3 if v else 0.0 for k, v in r.items()} for n, r in res.items()}
-    fused = out["fused (1f1b)"]["B"]
-    fused_rounds = res["fused (1f1b)"]["B"]
+    fused, fused_f = out["fused (1f1b)"]["B"], out["fused (1f1b)"]["F"]
+    fused_rounds, fused_f_rounds = res["fused (1f1b)"]["B"], res["fused (1f1b)"]["F"]
     for n, row in out.items():
         row["B+W / fused"] = (row["B"] + row["W"]) / fused
         row["paired"] = statistics.median((b + w) / f for b, w, f in zip(res[n]["B"], res[n]["W"], fused_rounds))
+        # the split's forward (matching, detached weights, the pre-hooks) against the fused one's
+        row["F / fused F"] = row["F"] / fused_f
+        row["F paired"] = statistics.median(f / g for f, g in zip(res[n]["F"], fused_f_rounds))
     return {"config": f"GPT {layers} layers x {H}, seq 128, microbatch 2 (batch 16, m=8), one chunk", "rows": out}
 
 
@@ -218,7 +222,8 @@ def main(argv=None) -> int:
         print(f"\nper microbatch, ms: {chunk['config']}")
         for n, r in chunk["rows"].items():
             print(f"  {n:<34} F {r['F']:7.2f}  B {r['B']:7.2f}  W {r['W']:7.2f}  "
-                  f"B+W / fused {r['B+W / fused']:.3f} (paired {r['paired']:.3f})")
+                  f"B+W / fused {r['B+W / fused']:.3f} (paired {r['paired']:.3f})  "
+                  f"F / fused F {r['F / fused F']:.3f} (paired {r['F paired']:.3f})")
     return 0
 
 
