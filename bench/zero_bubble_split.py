@@ -14,7 +14,9 @@ on a shared machine). Two tables, each side by side in one run, the contenders a
   * per chunk: the bench model of bench/pipeline_bubbles.py (GPT, n_embd H, seq 128, global
     batch 16, m=8) as one chunk, per microbatch: F, B, W and B+W / fused backward, for 1f1b
     (fused), zb-h1 (hooked path) and zb-h1 with a Function per op; the ratio is the median
-    over rounds of each round's (B+W) / fused B (paired), and the ratio of the medians.
+    over rounds of each round's (B+W) / fused B (paired), and the ratio of the medians; the
+    same for F; and the ratio of the fastest microbatch's B+W (F) over all rounds to the
+    fused schedule's fastest (the least disturbed sample on a shared machine).
 
 Goal: B + W no more than the fused backward, and the split's forward no slower than the fused
 schedule's (F / fused F, also paired per round).
@@ -147,6 +149,7 @@ def chunk_table(iters: int, layers: int) -> dict:
         pms[name] = (threefold.parallelize(w["model"], f"m={m},schedule={sched}", w["inputs"], w["loss_fn"],
                                            target=w["target"]), w)
     res = {n: {"F": [], "B": [], "W": []} for n in contenders}
+    per_mb = {n: {"F": [], "BW": []} for n in contenders}   # one sample per microbatch
     names = list(contenders)
     for it in range(iters + 2):
         order = names[it % len(names):] + names[:it % len(names)]
@@ -173,6 +176,10 @@ def chunk_table(iters: int, layers: int) -> dict:
             if it >= 2:
                 for lab in "FBW":
                     res[name][lab].append(sum(s for l, s in spans if l == lab) / m)
+                # the k-th B and the k-th W are microbatch k's (one stage: W follows its B)
+                bs, ws = [s for l, s in spans if l == "B"], [s for l, s in spans if l == "W"]
+                per_mb[name]["F"] += [s for l, s in spans if l == "F"]
+                per_mb[name]["BW"] += [b + w for b, w in zip(bs, ws + [0.0] * (len(bs) - len(ws)))]
     out = {n: {k: statistics.median(v) * 1e3 if v else 0.0 for k, v in r.items()} for n, r in res.items()}
     fused, fused_f = out["fused (1f1b)"]["B"], out["fused (1f1b)"]["F"]
     fused_rounds, fused_f_rounds = res["fused (1f1b)"]["B"], res["fused (1f1b)"]["F"]
@@ -182,6 +189,10 @@ def chunk_table(iters: int, layers: int) -> dict:
         # the split's forward (matching, detached weights, the pre-hooks) against the fused one's
         row["F / fused F"] = row["F"] / fused_f
         row["F paired"] = statistics.median(f / g for f, g in zip(res[n]["F"], fused_f_rounds))
+        # the least disturbed microbatch of each (other sessions share the cores and caches):
+        # min over all microbatches of all rounds
+        row["B+W min / fused min"] = min(per_mb[n]["BW"]) / min(per_mb["fused (1f1b)"]["BW"])
+        row["F min / fused min"] = min(per_mb[n]["F"]) / min(per_mb["fused (1f1b)"]["F"])
     return {"config": f"GPT {layers} layers x {H}, seq 128, microbatch 2 (batch 16, m=8), one chunk", "rows": out}
 
 
@@ -223,7 +234,8 @@ def main(argv=None) -> int:
         for n, r in chunk["rows"].items():
             print(f"  {n:<34} F {r['F']:7.2f}  B {r['B']:7.2f}  W {r['W']:7.2f}  "
                   f"B+W / fused {r['B+W / fused']:.3f} (paired {r['paired']:.3f})  "
-                  f"F / fused F {r['F / fused F']:.3f} (paired {r['F paired']:.3f})")
+                  f"F / fused F {r['F / fused F']:.3f} (paired {r['F paired']:.3f})  "
+                  f"min per microbatch: B+W {r['B+W min / fused min']:.3f}, F {r['F min / fused min']:.3f}")
     return 0
 
 
