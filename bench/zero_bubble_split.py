@@ -13,7 +13,8 @@ on a shared machine). Two tables, each side by side in one run, the contenders a
     op's local autograd graph differentiated twice);
   * per chunk: the bench model of bench/pipeline_bubbles.py (GPT, n_embd H, seq 128, global
     batch 16, m=8) as one chunk, per microbatch: F, B, W and B+W / fused backward, for 1f1b
-    (fused), zb-h1 (hooked path) and zb-h1 with a Function per op; the ratio is the median
+    (fused), a second fused instance (the control: the noise floor), zb-h1 (hooked path) and
+    zb-h1 with a Function per op; the ratio is the median
     over rounds of each round's (B+W) / fused B (paired), and the ratio of the medians; the
     same for F; and the ratio of the fastest microbatch's B+W (F) over all rounds to the
     fused schedule's fastest (the least disturbed sample on a shared machine).
@@ -50,15 +51,17 @@ H = 256
 def path(kind):
     """'hooked' (the default), 'function' (one autograd.Function per op, as under saved-tensor
     hooks), 'generic' (no written-out rule: the op's local graph differentiated twice)."""
-    real_w, real_h = weight_grad.written_out, weight_grad_ops._hooks_free
+    real_w, real_h, real_d = weight_grad.written_out, weight_grad_ops._hooks_free, weight_grad._hooks_default
     if kind == "generic":
         weight_grad.written_out = lambda *a: None
+        weight_grad._hooks_default = lambda _: object()    # the straight-line entries defer too
     elif kind == "function":
         weight_grad_ops._hooks_free = lambda: False
+        weight_grad._hooks_default = lambda _: object()    # as if saved-tensor hooks were active
     try:
         yield
     finally:
-        weight_grad.written_out, weight_grad_ops._hooks_free = real_w, real_h
+        weight_grad.written_out, weight_grad_ops._hooks_free, weight_grad._hooks_default = real_w, real_h, real_d
 
 
 class _Holder:
@@ -141,7 +144,11 @@ def chunk_table(iters: int, layers: int) -> dict:
     from pipeline_vs_torch import build_workload
     cfg = Config(n_layer=layers, n_embd=H, seq=128, batch=16)
     m = 8
-    contenders = {"fused (1f1b)": ("1f1b", "hooked"), "split, hooked (zb-h1)": ("zb-h1", "hooked"),
+    # the control: a second, identical fused instance (its own parameters and buffers at
+    # other addresses); how far it lands from the first is what placement and the machine
+    # do to two identical runs, the noise floor of every other row
+    contenders = {"fused (1f1b)": ("1f1b", "hooked"), "fused again (control)": ("1f1b", "hooked"),
+                  "split, hooked (zb-h1)": ("zb-h1", "hooked"),
                   "split, a Function per op (zb-h1)": ("zb-h1", "function")}
     pms = {}
     for name, (sched, _) in contenders.items():
