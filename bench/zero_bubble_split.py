@@ -138,7 +138,30 @@ def op_table(iters: int) -> dict:
     return out
 
 
-def chunk_table(iters: int, layers: int) -> dict:
+def _timed_step(pm, w, kind: str) -> list:
+    """One training step of `pm` on the given path; (phase, thread CPU seconds) per action."""
+    spans = []
+    eng = pm.engine
+    for attr, label in (("_forward", "F"), ("_backward_action", "B"), ("_weight_action", "W")):
+        fn = getattr(eng, attr)
+
+        def timed(*a, fn=fn, label=label):
+            t = time.thread_time()
+            r = fn(*a)
+            spans.append((label, time.thread_time() - t))
+            return r
+        setattr(eng, attr, timed)
+    try:
+        with path(kind):
+            pm.zero_grad()
+            pm.step(*w["inputs"], target=w["target"])
+    finally:
+        for attr in ("_forward", "_backward_action", "_weight_action"):
+            eng.__dict__.pop(attr, None)
+    return spans
+
+
+def chunk_table(iters: int, layers: int, instances: int = 1) -> dict:
     import threefold
     from pipeline_bubbles import Config
     from pipeline_vs_torch import build_workload
@@ -150,43 +173,33 @@ def chunk_table(iters: int, layers: int) -> dict:
     contenders = {"fused (1f1b)": ("1f1b", "hooked"), "fused again (control)": ("1f1b", "hooked"),
                   "split, hooked (zb-h1)": ("zb-h1", "hooked"),
                   "split, a Function per op (zb-h1)": ("zb-h1", "function")}
-    pms = {}
-    for name, (sched, _) in contenders.items():
-        w = build_workload(cfg)
-        pms[name] = (threefold.parallelize(w["model"], f"m={m},schedule={sched}", w["inputs"], w["loss_fn"],
-                                           target=w["target"]), w)
+    # `instances` copies of each contender, built interleaved so that no contender gets all
+    # the lucky (or unlucky) addresses; each round runs every copy, a row is their mean
+    pms = {name: [] for name in contenders}
+    for _ in range(instances):
+        for name, (sched, _) in contenders.items():
+            w = build_workload(cfg)
+            pms[name].append((threefold.parallelize(w["model"], f"m={m},schedule={sched}", w["inputs"],
+                                                    w["loss_fn"], target=w["target"]), w))
     res = {n: {"F": [], "B": [], "W": []} for n in contenders}
     per_mb = {n: {"F": [], "BW": []} for n in contenders}   # one sample per microbatch
     names = list(contenders)
     for it in range(iters + 2):
         order = names[it % len(names):] + names[:it % len(names)]
         for name in order:
-            pm, w = pms[name]
-            spans = []
-            eng = pm.engine
-            for attr, label in (("_forward", "F"), ("_backward_action", "B"), ("_weight_action", "W")):
-                fn = getattr(eng, attr)
-
-                def timed(*a, fn=fn, label=label):
-                    t = time.thread_time()
-                    r = fn(*a)
-                    spans.append((label, time.thread_time() - t))
-                    return r
-                setattr(eng, attr, timed)
-            try:
-                with path(contenders[name][1]):
-                    pm.zero_grad()
-                    pm.step(*w["inputs"], target=w["target"])
-            finally:
-                for attr in ("_forward", "_backward_action", "_weight_action"):
-                    eng.__dict__.pop(attr, None)
+            step_means = {lab: [] for lab in "FBW"}
+            for pm, w in pms[name]:
+                spans = _timed_step(pm, w, contenders[name][1])
+                for lab in "FBW":
+                    step_means[lab].append(sum(s for l, s in spans if l == lab) / m)
+                if it >= 2:
+                    # the k-th B and the k-th W are microbatch k's (one stage: W follows its B)
+                    bs, ws = [s for l, s in spans if l == "B"], [s for l, s in spans if l == "W"]
+                    per_mb[name]["F"] += [s for l, s in spans if l == "F"]
+                    per_mb[name]["BW"] += [b + w for b, w in zip(bs, ws + [0.0] * (len(bs) - len(ws)))]
             if it >= 2:
                 for lab in "FBW":
-                    res[name][lab].append(sum(s for l, s in spans if l == lab) / m)
-                # the k-th B and the k-th W are microbatch k's (one stage: W follows its B)
-                bs, ws = [s for l, s in spans if l == "B"], [s for l, s in spans if l == "W"]
-                per_mb[name]["F"] += [s for l, s in spans if l == "F"]
-                per_mb[name]["BW"] += [b + w for b, w in zip(bs, ws + [0.0] * (len(bs) - len(ws)))]
+                    res[name][lab].append(statistics.fmean(step_means[lab]))
     out = {n: {k: statistics.median(v) * 1e3 if v else 0.0 for k, v in r.items()} for n, r in res.items()}
     fused, fused_f = out["fused (1f1b)"]["B"], out["fused (1f1b)"]["F"]
     fused_rounds, fused_f_rounds = res["fused (1f1b)"]["B"], res["fused (1f1b)"]["F"]
@@ -200,7 +213,8 @@ def chunk_table(iters: int, layers: int) -> dict:
         # min over all microbatches of all rounds
         row["B+W min / fused min"] = min(per_mb[n]["BW"]) / min(per_mb["fused (1f1b)"]["BW"])
         row["F min / fused min"] = min(per_mb[n]["F"]) / min(per_mb["fused (1f1b)"]["F"])
-    return {"config": f"GPT {layers} layers x {H}, seq 128, microbatch 2 (batch 16, m=8), one chunk", "rows": out}
+    return {"config": f"GPT {layers} layers x {H}, seq 128, microbatch 2 (batch 16, m=8), one chunk"
+                      + (f", {instances} instances per row" if instances > 1 else ""), "rows": out}
 
 
 def main(argv=None) -> int:
@@ -210,6 +224,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--embd", type=int, nargs="+", default=[256], help="hidden sizes H (one table each)")
     ap.add_argument("--chunk-iters", type=int, default=None, help="rounds per chunk table (default iters/2)")
+    ap.add_argument("--instances", type=int, default=1,
+                    help="copies of each chunk-table contender, their mean per round (placement noise)")
     ap.add_argument("--skip-chunk", action="store_true")
     ap.add_argument("--skip-ops", action="store_true")
     args = ap.parse_args(argv)
@@ -222,7 +238,7 @@ def main(argv=None) -> int:
         if not args.skip_ops:
             res["ops"][h] = op_table(args.iters)
         if not args.skip_chunk:
-            res["chunk"][h] = chunk_table(args.chunk_iters or max(3, args.iters // 2), args.layers)
+            res["chunk"][h] = chunk_table(args.chunk_iters or max(3, args.iters // 2), args.layers, args.instances)
     res["loadavg"] = [load0, os.getloadavg()[0]]
     if args.json:
         print(json.dumps(res, indent=2))
