@@ -13,10 +13,14 @@ on a shared machine). Two tables, each side by side in one run, the contenders a
     op's local autograd graph differentiated twice);
   * per chunk: the bench model of bench/pipeline_bubbles.py (GPT, n_embd H, seq 128, global
     batch 16, m=8) as one chunk, per microbatch: F, B, W and B+W / fused backward, for 1f1b
-    (fused), zb-h1 (hooked path) and zb-h1 with a Function per op; the ratio is the median
-    over rounds of each round's (B+W) / fused B (paired), and the ratio of the medians.
+    (fused), a second fused instance (the control: the noise floor), zb-h1 (hooked path) and
+    zb-h1 with a Function per op; the ratio is the median
+    over rounds of each round's (B+W) / fused B (paired), and the ratio of the medians; the
+    same for F; and the ratio of the fastest microbatch's B+W (F) over all rounds to the
+    fused schedule's fastest (the least disturbed sample on a shared machine).
 
-Goal: B + W no more than the fused backward.
+Goal: B + W no more than the fused backward, and the split's forward no slower than the fused
+schedule's (F / fused F, also paired per round).
 """
 from __future__ import annotations
 
@@ -47,15 +51,17 @@ H = 256
 def path(kind):
     """'hooked' (the default), 'function' (one autograd.Function per op, as under saved-tensor
     hooks), 'generic' (no written-out rule: the op's local graph differentiated twice)."""
-    real_w, real_h = weight_grad.written_out, weight_grad_ops._hooks_free
+    real_w, real_h, real_d = weight_grad.written_out, weight_grad_ops._hooks_free, weight_grad._hooks_default
     if kind == "generic":
         weight_grad.written_out = lambda *a: None
+        weight_grad._hooks_default = lambda _: object()    # the straight-line entries defer too
     elif kind == "function":
         weight_grad_ops._hooks_free = lambda: False
+        weight_grad._hooks_default = lambda _: object()    # as if saved-tensor hooks were active
     try:
         yield
     finally:
-        weight_grad.written_out, weight_grad_ops._hooks_free = real_w, real_h
+        weight_grad.written_out, weight_grad_ops._hooks_free, weight_grad._hooks_default = real_w, real_h, real_d
 
 
 class _Holder:
@@ -132,53 +138,83 @@ def op_table(iters: int) -> dict:
     return out
 
 
-def chunk_table(iters: int, layers: int) -> dict:
+def _timed_step(pm, w, kind: str) -> list:
+    """One training step of `pm` on the given path; (phase, thread CPU seconds) per action."""
+    spans = []
+    eng = pm.engine
+    for attr, label in (("_forward", "F"), ("_backward_action", "B"), ("_weight_action", "W")):
+        fn = getattr(eng, attr)
+
+        def timed(*a, fn=fn, label=label):
+            t = time.thread_time()
+            r = fn(*a)
+            spans.append((label, time.thread_time() - t))
+            return r
+        setattr(eng, attr, timed)
+    try:
+        with path(kind):
+            pm.zero_grad()
+            pm.step(*w["inputs"], target=w["target"])
+    finally:
+        for attr in ("_forward", "_backward_action", "_weight_action"):
+            eng.__dict__.pop(attr, None)
+    return spans
+
+
+def chunk_table(iters: int, layers: int, instances: int = 1) -> dict:
     import threefold
     from pipeline_bubbles import Config
     from pipeline_vs_torch import build_workload
     cfg = Config(n_layer=layers, n_embd=H, seq=128, batch=16)
     m = 8
-    contenders = {"fused (1f1b)": ("1f1b", "hooked"), "split, hooked (zb-h1)": ("zb-h1", "hooked"),
+    # the control: a second, identical fused instance (its own parameters and buffers at
+    # other addresses); how far it lands from the first is what placement and the machine
+    # do to two identical runs, the noise floor of every other row
+    contenders = {"fused (1f1b)": ("1f1b", "hooked"), "fused again (control)": ("1f1b", "hooked"),
+                  "split, hooked (zb-h1)": ("zb-h1", "hooked"),
                   "split, a Function per op (zb-h1)": ("zb-h1", "function")}
-    pms = {}
-    for name, (sched, _) in contenders.items():
-        w = build_workload(cfg)
-        pms[name] = (threefold.parallelize(w["model"], f"m={m},schedule={sched}", w["inputs"], w["loss_fn"],
-                                           target=w["target"]), w)
+    # `instances` copies of each contender, built interleaved so that no contender gets all
+    # the lucky (or unlucky) addresses; each round runs every copy, a row is their mean
+    pms = {name: [] for name in contenders}
+    for _ in range(instances):
+        for name, (sched, _) in contenders.items():
+            w = build_workload(cfg)
+            pms[name].append((threefold.parallelize(w["model"], f"m={m},schedule={sched}", w["inputs"],
+                                                    w["loss_fn"], target=w["target"]), w))
     res = {n: {"F": [], "B": [], "W": []} for n in contenders}
+    per_mb = {n: {"F": [], "BW": []} for n in contenders}   # one sample per microbatch
     names = list(contenders)
     for it in range(iters + 2):
         order = names[it % len(names):] + names[:it % len(names)]
         for name in order:
-            pm, w = pms[name]
-            spans = []
-            eng = pm.engine
-            for attr, label in (("_forward", "F"), ("_backward_action", "B"), ("_weight_action", "W")):
-                fn = getattr(eng, attr)
-
-                def timed(*a, fn=fn, label=label):
-                    t = time.thread_time()
-                    r = fn(*a)
-                    spans.append((label, time.thread_time() - t))
-                    return r
-                setattr(eng, attr, timed)
-            try:
-                with path(contenders[name][1]):
-                    pm.zero_grad()
-                    pm.step(*w["inputs"], target=w["target"])
-            finally:
-                for attr in ("_forward", "_backward_action", "_weight_action"):
-                    eng.__dict__.pop(attr, None)
+            step_means = {lab: [] for lab in "FBW"}
+            for pm, w in pms[name]:
+                spans = _timed_step(pm, w, contenders[name][1])
+                for lab in "FBW":
+                    step_means[lab].append(sum(s for l, s in spans if l == lab) / m)
+                if it >= 2:
+                    # the k-th B and the k-th W are microbatch k's (one stage: W follows its B)
+                    bs, ws = [s for l, s in spans if l == "B"], [s for l, s in spans if l == "W"]
+                    per_mb[name]["F"] += [s for l, s in spans if l == "F"]
+                    per_mb[name]["BW"] += [b + w for b, w in zip(bs, ws + [0.0] * (len(bs) - len(ws)))]
             if it >= 2:
                 for lab in "FBW":
-                    res[name][lab].append(sum(s for l, s in spans if l == lab) / m)
+                    res[name][lab].append(statistics.fmean(step_means[lab]))
     out = {n: {k: statistics.median(v) * 1e3 if v else 0.0 for k, v in r.items()} for n, r in res.items()}
-    fused = out["fused (1f1b)"]["B"]
-    fused_rounds = res["fused (1f1b)"]["B"]
+    fused, fused_f = out["fused (1f1b)"]["B"], out["fused (1f1b)"]["F"]
+    fused_rounds, fused_f_rounds = res["fused (1f1b)"]["B"], res["fused (1f1b)"]["F"]
     for n, row in out.items():
         row["B+W / fused"] = (row["B"] + row["W"]) / fused
         row["paired"] = statistics.median((b + w) / f for b, w, f in zip(res[n]["B"], res[n]["W"], fused_rounds))
-    return {"config": f"GPT {layers} layers x {H}, seq 128, microbatch 2 (batch 16, m=8), one chunk", "rows": out}
+        # the split's forward (matching, detached weights, the pre-hooks) against the fused one's
+        row["F / fused F"] = row["F"] / fused_f
+        row["F paired"] = statistics.median(f / g for f, g in zip(res[n]["F"], fused_f_rounds))
+        # the least disturbed microbatch of each (other sessions share the cores and caches):
+        # min over all microbatches of all rounds
+        row["B+W min / fused min"] = min(per_mb[n]["BW"]) / min(per_mb["fused (1f1b)"]["BW"])
+        row["F min / fused min"] = min(per_mb[n]["F"]) / min(per_mb["fused (1f1b)"]["F"])
+    return {"config": f"GPT {layers} layers x {H}, seq 128, microbatch 2 (batch 16, m=8), one chunk"
+                      + (f", {instances} instances per row" if instances > 1 else ""), "rows": out}
 
 
 def main(argv=None) -> int:
@@ -188,6 +224,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--embd", type=int, nargs="+", default=[256], help="hidden sizes H (one table each)")
     ap.add_argument("--chunk-iters", type=int, default=None, help="rounds per chunk table (default iters/2)")
+    ap.add_argument("--instances", type=int, default=1,
+                    help="copies of each chunk-table contender, their mean per round (placement noise)")
     ap.add_argument("--skip-chunk", action="store_true")
     ap.add_argument("--skip-ops", action="store_true")
     args = ap.parse_args(argv)
@@ -200,7 +238,7 @@ def main(argv=None) -> int:
         if not args.skip_ops:
             res["ops"][h] = op_table(args.iters)
         if not args.skip_chunk:
-            res["chunk"][h] = chunk_table(args.chunk_iters or max(3, args.iters // 2), args.layers)
+            res["chunk"][h] = chunk_table(args.chunk_iters or max(3, args.iters // 2), args.layers, args.instances)
     res["loadavg"] = [load0, os.getloadavg()[0]]
     if args.json:
         print(json.dumps(res, indent=2))
@@ -218,7 +256,9 @@ def main(argv=None) -> int:
         print(f"\nper microbatch, ms: {chunk['config']}")
         for n, r in chunk["rows"].items():
             print(f"  {n:<34} F {r['F']:7.2f}  B {r['B']:7.2f}  W {r['W']:7.2f}  "
-                  f"B+W / fused {r['B+W / fused']:.3f} (paired {r['paired']:.3f})")
+                  f"B+W / fused {r['B+W / fused']:.3f} (paired {r['paired']:.3f})  "
+                  f"F / fused F {r['F / fused F']:.3f} (paired {r['F paired']:.3f})  "
+                  f"min per microbatch: B+W {r['B+W min / fused min']:.3f}, F {r['F min / fused min']:.3f}")
     return 0
 
 

@@ -208,3 +208,84 @@ def test_an_input_changed_in_place_after_the_forward_is_an_error_not_a_wrong_gra
         a.mul_(2.0)
     with pytest.raises(RuntimeError, match="modified in place"):
         run_deferred(holder.weight_stash)
+
+
+# -- the straight-line entry points the generated code calls (weight_grad.linear, layer_norm)
+
+def _entry_cases():
+    from threefold.runtime import weight_grad
+    w, b = _param(5, 6), _param(5)
+    yield "linear", weight_grad.linear, aten.linear.default, lambda x, w=w, b=b: (x, w, b), (w, b)
+    w = _param(5, 6)
+    yield "linear no bias", weight_grad.linear, aten.linear.default, lambda x, w=w: (x, w), (w,)
+    g, b = _param(6), _param(6)
+    yield ("layer_norm", weight_grad.layer_norm, aten.layer_norm.default,
+           lambda x, g=g, b=b: (x, [6], g, b, 1e-5, False), (g, b))
+    g = _param(6)
+    yield ("layer_norm no bias", weight_grad.layer_norm, aten.layer_norm.default,
+           lambda x, g=g: (x, [6], g), (g,))
+
+
+@pytest.mark.parametrize("x_grad", [True, False], ids=["activation needs a gradient", "it does not"])
+@pytest.mark.parametrize("hooks", [False, True], ids=["hooked path", "under saved-tensor hooks"])
+@pytest.mark.parametrize("case", list(_entry_cases()), ids=lambda c: c[0])
+def test_straight_line_entry_points_equal_autograd(case, hooks, x_grad):
+    """weight_grad.linear / layer_norm (what codegen writes in place of `deferred` where the
+    weights are parameters themselves): two microbatches of B then W equal two fused
+    backwards in float64, on whichever path their conditions pick."""
+    name, entry, op, make_args, params = case
+    for p in params:
+        p.grad = None
+    xs = [torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=x_grad) for _ in range(2)]
+    seeds = [torch.randn(2, 3, params[0].shape[0] if "linear" in name else 6, dtype=torch.float64)
+             for _ in range(2)]
+    expected_x, expected_p = [], [torch.zeros_like(p) for p in params]
+    for x, seed in zip(xs, seeds):
+        got = torch.autograd.grad(op(*make_args(x)), [*([x] if x_grad else []), *params], seed)
+        expected_x += got[:1] if x_grad else []
+        expected_p = [e + g for e, g in zip(expected_p, got[1 if x_grad else 0:])]
+    holder = _Holder()
+    for x, seed in zip(xs, seeds):
+        holder.weight_stash = []
+        with _hooks_if(hooks):
+            y = entry(holder, *make_args(x))
+        torch.testing.assert_close(y, op(*make_args(x)).detach(), rtol=0, atol=0)
+        y.backward(seed)                                          # B
+        if x_grad and not hooks:     # the hooked path, inline: no Function of ours
+            assert (isinstance(holder.weight_stash[0], _Hooked) if "linear" in name
+                    else not holder.weight_stash), name
+        else:                        # the rules of `deferred`: one Function per op
+            assert len(holder.weight_stash) == 1 and not isinstance(holder.weight_stash[0], _Hooked)
+        run_deferred(holder.weight_stash)                         # W
+    for t, e in zip([*(xs if x_grad else []), *params], [*expected_x, *expected_p]):
+        torch.testing.assert_close(t.grad, e, rtol=1e-12, atol=1e-12)
+
+
+def test_straight_line_entry_points_without_a_stash_or_grad_are_the_op():
+    from threefold.runtime import weight_grad
+    w, b, x = _param(5, 6), _param(5), _act(2, 3, 6)
+    holder = _Holder()                                            # weight_stash None: fused
+    y = weight_grad.linear(holder, x, w, b)
+    y.sum().backward()
+    assert w.grad is not None and b.grad is not None and x.grad is not None
+    holder.weight_stash = []
+    with torch.no_grad():
+        y = weight_grad.linear(holder, x, w, b)
+        z = weight_grad.layer_norm(holder, x, [6], _param(6), None, 1e-5, False)
+    assert not y.requires_grad and not z.requires_grad and not holder.weight_stash
+
+
+def test_straight_line_linear_with_a_frozen_weight_leaves_it_alone():
+    """A parameter frozen after the code was generated: no weight gradient anywhere, the
+    bias's still deferred to W (the generic rules decide, as `deferred` would)."""
+    from threefold.runtime import weight_grad
+    w, b, x = _param(5, 6), _param(5), _act(4, 6)
+    w.requires_grad_(False)
+    holder = _Holder()
+    holder.weight_stash = []
+    y = weight_grad.linear(holder, x, w, b)
+    y.sum().backward()
+    assert b.grad is None and x.grad is not None
+    run_deferred(holder.weight_stash)
+    torch.testing.assert_close(b.grad, torch.full((5,), 4.0, dtype=torch.float64))
+    assert w.grad is None

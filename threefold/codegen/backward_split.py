@@ -115,12 +115,40 @@ def splits_backward(plan) -> bool:
     return plan.schedule in SPLIT_KINDS
 
 
+def _straight_line(node: fx.Node, op: DeferredOp) -> str | None:
+    """The runtime/weight_grad entry point written for this op without the generic
+    dispatch (`linear`, `layer_norm`), or None: only where the weight operands are the
+    parameters themselves, at the positions the entry point takes them, no kwargs."""
+    if node.kwargs:
+        return None
+    n = len(node.args)
+    if node.target is torch.ops.aten.linear.default and n in (2, 3):
+        name, first = "linear", 1
+    elif node.target is torch.ops.aten.layer_norm.default and 3 <= n <= 6 and node.args[2] is not None:
+        name, first = "layer_norm", 2
+    else:
+        return None
+    operands = [a for a in node.args[first:first + 2] if a is not None]
+    positions = tuple(range(first, first + len(operands)))
+    if op.weights != positions or set(operands) != set(op.params) or len(operands) != len(op.params):
+        return None
+    return name
+
+
 def deferred_line(writer, node: fx.Node, op: DeferredOp, indent: str = "        ") -> list[str]:
     """`y = weight_grad.deferred(self, OP, (args...), weights=(i, ...), params=(p, ...))`,
-    annotated like any other line plus the parameters whose gradients W computes."""
+    or `y = weight_grad.linear(self, x, w, b)` / `layer_norm(...)` where the op allows
+    (_straight_line), annotated like any other line plus the parameters whose gradients W
+    computes."""
     from threefold.codegen.python import annotation, wrap_call
     writer.imports.add("import threefold.runtime.weight_grad as weight_grad")
     positional = [writer._arg(a) for a in node.args]
+    fqns = ", ".join(tf(p)["fqn"] for p in op.params)
+    comment = f"  # {annotation(node)}  weight grads in W: {fqns}"
+    entry = _straight_line(node, op)
+    if entry is not None:
+        return wrap_call(f"{indent}{writer.names[node]} = weight_grad.{entry}(", ["self", *positional],
+                         comment, indent)
     pieces = ["self", writer._target(node.target),
               "(" + ", ".join(positional) + ("," if len(positional) == 1 else "") + ")"]
     if node.kwargs:
@@ -128,6 +156,4 @@ def deferred_line(writer, node: fx.Node, op: DeferredOp, indent: str = "        
     params = [writer.names[p] for p in op.params]
     pieces += [f"weights={op.weights!r}",
                "params=(" + ", ".join(params) + ("," if len(params) == 1 else "") + ")"]
-    fqns = ", ".join(tf(p)["fqn"] for p in op.params)
-    comment = f"  # {annotation(node)}  weight grads in W: {fqns}"
     return wrap_call(f"{indent}{writer.names[node]} = weight_grad.deferred(", pieces, comment, indent)
