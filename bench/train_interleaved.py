@@ -158,8 +158,8 @@ def main() -> None:
                     raise SystemExit(f"{name}: ranks stopped: {out}")
             done.clear()
         if b >= 0:
-            print(f"block {b}: " + ", ".join(f"{n} {v[-1]:,.0f}" for n, v in per_block.items())
-                  + f" tokens/s; load {os.getloadavg()[0]:.1f}", flush=True)
+            print(f"block {b}: " + ", ".join(f"{n} {per_block[n][-1]:,.0f}" for n in sides)
+                  + f" tokens/s (threefold's at the end); load {os.getloadavg()[0]:.1f}", flush=True)
     for name, (go, done, out, t) in ranks.items():
         t.join()
         secs = out["result"][0]      # rank 0's steps (threefold train reports rank 0's)
