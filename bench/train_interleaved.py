@@ -9,7 +9,8 @@ side runs `--steps` steps, then the next side, `--blocks` times round, and while
 runs the others sleep (the loop in this process; threefold's ranks on a multiprocessing
 Event), so each block of each side saw about the same machine. Reported per side: tokens/s
 over all its blocks (each step timed alone, as `threefold train` times them, data excluded),
-and threefold / peer per block, the worst block's ratio last.
+threefold / peer per block (median and worst), and the ratio at each side's 10th-percentile
+step (its steps that nothing else on the machine slowed: the quiet machine's figure).
 
 Sides (the same GPT, data and batch; every side's warm-up, compiles included, done first):
   * eager:      the model as is, torch's default threads (all cores), AdamW's default
@@ -142,6 +143,7 @@ def main() -> None:
         time.sleep(2)        # the ranks copied the environment at spawn
     os.environ.pop("THREEFOLD_LOCAL_REDUCE", None)
     per_block: dict[str, list[float]] = {n: [] for n in list(sides) + list(ranks)}
+    steps_of: dict[str, list[float]] = {n: [] for n in list(sides) + list(ranks)}
     tokens = a.batch * a.seq
     print(f"plan {a.plan}, {a.blocks} blocks x {a.steps} steps per side, batch {a.batch} x {a.seq}, "
           f"GPT {a.n_layer}x{a.n_embd}; {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, "
@@ -151,6 +153,7 @@ def main() -> None:
             times = [fn() for _ in range(a.warmup if b < 0 else a.steps)]
             if b >= 0:
                 per_block[name].append(tokens * len(times) / sum(times))
+                steps_of[name].extend(times)
         for name, (go, done, out, t) in ranks.items():
             go.set()
             while not done.wait(1.0):
@@ -164,14 +167,19 @@ def main() -> None:
         t.join()
         secs = out["result"][0]      # rank 0's steps (threefold train reports rank 0's)
         per_block[name] = [tokens * a.steps / sum(secs[i:i + a.steps]) for i in range(0, len(secs), a.steps)]
-    print("tokens/s (median over blocks; min-max):")
+        steps_of[name] = secs
+    # the quiet moments: a step that nothing else on the machine slowed is one of the fast
+    # ones, whichever side it is (10th percentile of all its steps)
+    quiet = {n: tokens / sorted(v)[len(v) // 10] for n, v in steps_of.items()}
+    print("tokens/s (median over blocks; min-max; at the 10th-percentile step):")
     for n, v in per_block.items():
-        print(f"  {n:18s} {statistics.median(v):9,.0f}  ({min(v):,.0f}-{max(v):,.0f})")
+        print(f"  {n:18s} {statistics.median(v):9,.0f}  ({min(v):,.0f}-{max(v):,.0f}; p10 step {quiet[n]:,.0f})")
     for tf in ranks:
         for peer in sides:
             r = sorted(x / y for x, y in zip(per_block[tf], per_block[peer]))
             print(f"ratio {tf} / {peer}: per block median {statistics.median(r):.3f}, worst {r[0]:.3f}; "
-                  f"overall {statistics.median(per_block[tf]) / statistics.median(per_block[peer]):.3f}")
+                  f"overall {statistics.median(per_block[tf]) / statistics.median(per_block[peer]):.3f}; "
+                  f"p10 steps {quiet[tf] / quiet[peer]:.3f}")
 
 
 def threefold_world(plan: str) -> int:
