@@ -477,9 +477,10 @@ class PipelineEngine:
     def _local_exchange(self):
         """This step's shared-memory gradient exchange (runtime/local_reduce.py), or None:
         plain data parallelism over CPU ranks of one host (no pipeline: the loss's group is
-        the batch group; no ZeRO: the buckets are all-reduced whole). Set up once, by every
-        rank at the same step (the conditions are the plan's, the same on every rank)."""
-        if (self.mesh.pp > 1 or self.collectives.zero or self.batch_group is None
+        the batch group; no ZeRO: the buckets are all-reduced whole; a GPU job's collectives
+        are NCCL's). Set up once, by every rank at the same step (the conditions are the
+        plan's and the job's, the same on every rank)."""
+        if (self.mesh.pp > 1 or self.collectives.zero or self.batch_group is None or self.device.type != "cpu"
                 or self.dp_grad_hook is not None or self.sharded is not None):
             return None
         if self._local is None:
@@ -491,8 +492,7 @@ class PipelineEngine:
                     buckets[(b.chunk, b.index)] = sum(p.numel() for p in ps)
                     for p in ps:
                         dtype = p.dtype if dtype is None else torch.promote_types(dtype, p.dtype)
-            self._local = (local_reduce.open_exchange(self.batch_group, buckets, dtype or torch.float32,
-                                                      self.device.type == "cpu"),)
+            self._local = (local_reduce.open_exchange(self.batch_group, buckets, dtype or torch.float32, True),)
         return self._local[0]
 
     def _grad_tensor(self, fqn: str) -> torch.Tensor:

@@ -18,6 +18,9 @@ Two buffers alternate, so the next exchange never overwrites what a slower peer 
 reads: a rank writes buffer k % 2 at exchange k only after exchange k-1's barrier, which
 its peers enter only after they summed buffer (k-2) % 2 = k % 2.
 
+Memory: 2 x (group size) x the buckets' elements, shared by the group's ranks (twice a
+rank's gradients at two ranks), reserved when the segment is made.
+
 Set-up is collective and agreed: rank 0 names the segment, each group's first rank creates
 it, every rank tries to map it, and all keep the shared path only if every rank could (ranks
 on other hosts, no /dev/shm, THREEFOLD_LOCAL_REDUCE=0 anywhere: gloo for everyone).
@@ -93,11 +96,17 @@ def open_exchange(group, buckets: dict, dtype: torch.dtype, wanted: bool) -> Loc
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                os.ftruncate(fd, count * torch.empty((), dtype=dtype).element_size())
+                # reserve the pages now: a tmpfs that fills up later would kill a rank with
+                # SIGBUS at its first write; here it is ENOSPC, and gloo for everyone
+                os.posix_fallocate(fd, 0, count * torch.empty((), dtype=dtype).element_size())
             finally:
                 os.close(fd)
         except OSError:
             ok = False
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
     ok = _agree(ok)
     segment = None
     if ok:
