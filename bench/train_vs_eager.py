@@ -1,6 +1,6 @@
 """The main job against a plain PyTorch loop: same model, data, optimizer and schedule.
 
-    python bench/train_vs_eager.py [train flags...] [--threads 1,2] [--compiled] [--fused-adamw] [--skip-threefold]
+    python bench/train_vs_eager.py [train flags...] [--threads 1,2] [--compiled] [--compiled-fused] [--fused-adamw] [--skip-threefold]
 
 Runs (1) a single-process eager loop written with nothing but torch (AdamW with decay on
 Linear matrices only, linear warmup + cosine, global-norm clipping, the same validation
@@ -13,7 +13,11 @@ Settings are threefold's (embedded defaults < --config < flags). --compiled adds
 loop with the model under torch.compile (Inductor, torch's default threads; the first
 step, which compiles, is left out of tokens/s as every run's first step is). The loop's AdamW
 is torch's default (a loop over parameters on CPU); threefold train's is fused (one kernel):
---fused-adamw adds the loop with fused AdamW too, so the optimizer's share of a ratio shows.
+--fused-adamw adds the loop with fused AdamW too, so the optimizer's share of a ratio shows;
+--compiled-fused the torch.compile'd loop with fused AdamW and for-each clipping (threefold
+train's optimizer and clip: only the parallel step differs). The runs here are back to back;
+bench/train_interleaved.py alternates the sides in blocks of one run (a fairer ratio on a
+machine whose load changes).
 """
 from __future__ import annotations
 
@@ -77,7 +81,8 @@ def eager(cfg, compiled: bool = False, fused: bool = False) -> dict:
         loss = lm_loss(forward(x), y)
         loss.backward()
         if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip,
+                                           foreach=True if fused and compiled else None)
         opt.step()
         seconds.append(time.perf_counter() - t0)
         losses.append(loss.item())
@@ -114,6 +119,8 @@ def main() -> None:
     p.add_argument("--skip-threefold", action="store_true", help="run the eager loop only")
     p.add_argument("--compiled", action="store_true", help="also the loop under torch.compile, default threads")
     p.add_argument("--fused-adamw", action="store_true", help="also the loop with fused AdamW, default threads")
+    p.add_argument("--compiled-fused", action="store_true",
+                   help="also the loop under torch.compile with fused AdamW and for-each clipping, default threads")
     args = p.parse_args()
     cfg = from_args(args)
     threads = sorted({int(n) for n in str(args.threads).split(",") if n.strip()})
@@ -122,19 +129,21 @@ def main() -> None:
           f"{os.cpu_count()} cores, {_load()}")
     eagers = {}
     runs = [(n, False, False) for n in threads] + ([(default_threads, True, False)] if args.compiled else []) + (
-        [(default_threads, False, True)] if args.fused_adamw else [])
+        [(default_threads, False, True)] if args.fused_adamw else []) + (
+        [(default_threads, True, True)] if args.compiled_fused else [])
     for n, compiled, fused in runs:
         torch.set_num_threads(n)
         before = _load()
         name = f"{n} thread{'s' if n > 1 else ''}" + (", torch.compile" if compiled else "") + (
-            ", fused AdamW" if fused else "")
+            ", fused AdamW" + (", for-each clip" if compiled else "") if fused else "")
         e = eagers[name] = eager(cfg, compiled, fused)
         print(f"eager ({name}, {e['params']:,} params): {e['tokens_per_second']:,.0f} "
               f"tokens/s, {e['seconds']:.1f} s of steps; loss {e['first_loss']:.4f} -> {e['final_loss']:.4f}; "
               f"val {e['val'][0][1]:.4f} -> {e['val'][-1][1]:.4f} (step {e['val'][-1][0]}); {before} -> {_load()}")
     if args.skip_threefold:
         return
-    passthrough = [a for a in sys.argv[1:] if a not in ("--skip-threefold", "--compiled", "--fused-adamw")]
+    passthrough = [a for a in sys.argv[1:] if a not in ("--skip-threefold", "--compiled", "--fused-adamw",
+                                                         "--compiled-fused")]
     for flag in [a for a in passthrough if a.startswith("--threads")]:
         i = passthrough.index(flag)
         del passthrough[i:i + (1 if "=" in flag else 2)]

@@ -48,6 +48,8 @@ class _StepState:
     sends: list = field(default_factory=list)           # comm.PendingSend not yet complete
     posted: dict = field(default_factory=dict)          # receive position -> comm.PendingRecv
     loss_posted: tuple | None = None                    # (this rank's share, its all-reduce)
+    loss_deferred: bool = False                         # the share rides on the gradient exchange
+    local: object = None                                # runtime/local_reduce.LocalExchange, this step's
     reductions: list = field(default_factory=list)      # (work, flat, grads) dp all-reduces
     gathered: set = field(default_factory=set)          # zero=3: chunks whose unit 0 this step holds
     losses: list = field(default_factory=list)
@@ -127,6 +129,7 @@ class PipelineEngine:
         self._plan_cache: tuple | None = None   # (schedule, its ReceivePlan, loss position)
         self.recv_pool = BufferPool()   # receive buffers, reused once their last reader is gone
         self.tracer = None      # a runtime/trace.Recorder while a step is traced (else no clock reads)
+        self._local: tuple | None = None   # (LocalExchange or None,) once set up (runtime/local_reduce.py)
 
     # -- set-up ----------------------------------------------------------------------------
     def _share_local_ties(self) -> None:
@@ -185,6 +188,7 @@ class PipelineEngine:
             raise PlanError(self._optimizer_needed)
         with_loss = self.has_loss and not model_outputs
         st.with_loss = with_loss
+        st.local = self._local_exchange() if train else None
         self._step_count += 1
         self._casts.hold()   # bf16/fp16: one weight copy per step, not per microbatch
         handlers = {Kind.FORWARD: self._forward, Kind.SEND_ACT: self._send_act,
@@ -406,6 +410,9 @@ class PipelineEngine:
         if not st.with_loss:
             return
         total = self._loss_share(st.losses, st.denominator)
+        if st.local is not None:   # summed by the gradient exchange's barrier (_wait_grads)
+            st.loss_posted, st.loss_deferred = (total, None), True
+            return
         group = None if self.mesh.pp > 1 else self.batch_group
         work = comm.all_reduce(total, group, "the loss", async_op=True) if (
             self.mesh.pp > 1 or self.batch_group is not None) else None
@@ -427,8 +434,14 @@ class PipelineEngine:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
+        bucket = self.collectives.bucket(self.stage, a)
+        if st.local is not None and bucket.axes == BATCH_AXES:   # shared memory: straight into our slot
+            key = (bucket.chunk, bucket.index)
+            torch.cat([g.reshape(-1) for g in grads], out=st.local.slot(key))
+            st.reductions.append((_LOCAL, key, grads))
+            return
         flat = torch.cat([g.reshape(-1) for g in grads])
-        axes = self.collectives.bucket(self.stage, a).axes
+        axes = bucket.axes
         group = self.batch_group if axes == BATCH_AXES else self.groups.of(axes)
         if group is None:   # experts under ep = dp: no other rank holds them; average only
             st.reductions.append((None, flat, grads))
@@ -441,11 +454,46 @@ class PipelineEngine:
         elif self.dp_grad_hook is not None:
             self.dp_grad_hook.finish(st.reductions)
         else:
+            if st.local is not None and (st.loss_deferred or any(r[0] is _LOCAL for r in st.reductions)):
+                self._exchange(st)
             for work, flat, grads in st.reductions:
-                if work is not None:
+                if work is _LOCAL:
+                    flat = st.local.summed(flat)
+                elif work is not None:
                     comm.wait(work, "data-parallel gradient all-reduce", self.batch_group)
                 _unflatten_into(flat, grads, scale=1.0 / self.batch_ranks)
         st.reductions = []
+
+    def _exchange(self, st: "_StepState") -> None:
+        """The shared-memory exchange's one collective: every slot is written; it sums the
+        loss share on the way (the step's only all-reduce)."""
+        if st.loss_deferred:
+            carried, what = st.loss_posted[0], "gradients and the loss"
+            st.loss_deferred = False
+        else:
+            carried, what = torch.zeros((), dtype=torch.float64), "gradients"
+        st.local.barrier(carried, what)
+
+    def _local_exchange(self):
+        """This step's shared-memory gradient exchange (runtime/local_reduce.py), or None:
+        plain data parallelism over CPU ranks of one host (no pipeline: the loss's group is
+        the batch group; no ZeRO: the buckets are all-reduced whole; a GPU job's collectives
+        are NCCL's). Set up once, by every rank at the same step (the conditions are the
+        plan's and the job's, the same on every rank)."""
+        if (self.mesh.pp > 1 or self.collectives.zero or self.batch_group is None or self.device.type != "cpu"
+                or self.dp_grad_hook is not None or self.sharded is not None):
+            return None
+        if self._local is None:
+            from threefold.runtime import local_reduce
+            buckets, dtype = {}, None
+            for b in self.collectives.buckets[self.stage]:
+                if b.axes == BATCH_AXES:
+                    ps = [self.params[f] for f in b.fqns]
+                    buckets[(b.chunk, b.index)] = sum(p.numel() for p in ps)
+                    for p in ps:
+                        dtype = p.dtype if dtype is None else torch.promote_types(dtype, p.dtype)
+            self._local = (local_reduce.open_exchange(self.batch_group, buckets, dtype or torch.float32, True),)
+        return self._local[0]
 
     def _grad_tensor(self, fqn: str) -> torch.Tensor:
         """The gradient this rank holds for a parameter: whole, or its zero>=2 row shard."""
@@ -527,6 +575,9 @@ class PipelineEngine:
         stages too, counting each tp rank's copy."""
         total, work = st.loss_posted if st.loss_posted is not None else (
             self._loss_share(st.losses, st.denominator), None)
+        if st.loss_deferred:   # a step whose gradients were not exchanged (none to reduce)
+            comm.all_reduce(total, self.batch_group, "the loss")
+            st.loss_deferred = False
         if work is not None:
             comm.wait(work, "the loss all-reduce", None)
         return float(total) / (self.mesh.tp if self.mesh.pp > 1 else 1)
@@ -543,7 +594,18 @@ def _shared_seed() -> int:
     return int(seed.item())
 
 
+_LOCAL = object()   # a reduction's marker: summed through shared memory (runtime/local_reduce.py)
+
+
 def _unflatten_into(flat: torch.Tensor, grads: list[torch.Tensor], scale: float) -> None:
+    """grads[i] = flat's piece i * scale. `flat` is the engine's own (a fresh concatenation or
+    the exchange's sum buffer), so it is scaled in place: one multiply and one foreach copy
+    instead of two ops per tensor (0.27 vs 0.67 ms for the embedded GPT's 52)."""
+    if all(g.dtype == flat.dtype and g.device == flat.device for g in grads):
+        if scale != 1.0:
+            flat.mul_(scale)
+        torch._foreach_copy_(grads, torch._utils._unflatten_dense_tensors(flat, grads))
+        return
     offset = 0
     for g in grads:
         n = g.numel()

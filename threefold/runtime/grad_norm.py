@@ -46,13 +46,36 @@ def _replicated_over_batch(engine) -> bool:
 
 def owned_grad_pieces(engine, as_batch_rank_0: bool = False) -> list[torch.Tensor]:
     """The gradient pieces this rank contributes to the global norm (views, no copies);
-    `as_batch_rank_0`: the pieces its dp=0, cp=0 replica contributes (equal gradients)."""
+    `as_batch_rank_0`: the pieces its dp=0, cp=0 replica contributes (equal gradients).
+
+    Without ZeRO which pieces count is fixed for the engine's life (its parameters, plan and
+    coordinates): worked out once, then each call only cuts this step's gradients (the walk
+    over the manifest cost as much as the norm itself, 0.1-0.4 ms a step)."""
+    zero = _plan(engine).zero
+    if zero == 0:
+        cache = engine.__dict__.setdefault("_owned_cuts", {})
+        if as_batch_rank_0 not in cache:
+            cache[as_batch_rank_0] = _owned_cuts(engine, as_batch_rank_0, zero)
+        cuts = cache[as_batch_rank_0]
+    else:
+        cuts = _owned_cuts(engine, as_batch_rank_0, zero)
+    out = []
+    for p, g, cut in cuts:
+        g = p.grad if g is None else g   # zero=0: this step's gradient
+        if g is None:
+            continue
+        out.append(g if cut is None else g.narrow(*cut))
+    return out
+
+
+def _owned_cuts(engine, as_batch_rank_0: bool, zero: int) -> list[tuple]:
+    """[(parameter, its gradient part or None for p.grad itself at zero=0, None: whole |
+    (dim, start, length): a narrow of it)] this rank counts in the norm."""
     from threefold.checkpoint.layout import pieces   # layout math only (no checkpoint I/O)
     from threefold.runtime.zero import row_range
     coord, manifest = engine.coord, engine.manifest
     if as_batch_rank_0:
         coord = engine.mesh.coord(engine.mesh.moved(engine.groups.rank, dp_replicate=0, dp_shard=0, cp=0))
-    zero = _plan(engine).zero
     # zero=0: dp replicas hold equal gradients (dp rank 0 counts them); zero>=1: each
     # dp_shard rank owns its rows, and the replicas of a shard group (HSDP) are equal
     # ep: an expert's gradient is equal over the ranks holding it (edp) and each ep rank holds
@@ -77,23 +100,27 @@ def owned_grad_pieces(engine, as_batch_rank_0: bool = False) -> list[torch.Tenso
             continue
         if (fqn in experts and not counts_experts) or (fqn not in experts and not counts_dense):
             continue
-        g, start, count = _rows(engine, fqn, p, zero, d, r, row_range)
-        if g is None:
-            continue
+        if zero == 0:   # the whole gradient, whichever tensor it is at call time
+            g, start, count, scalar = None, 0, p.shape[0] if p.dim() else 1, p.dim() == 0
+        else:
+            g, start, count = _rows(engine, fqn, p, zero, d, r, row_range)
+            if g is None:
+                continue
+            scalar = g.dim() == 0
         if fqn not in shards:
             if coord.tp == 0:
-                out.append(g)
+                out.append((p, g, None))
             continue
         spec = ShardSpec.from_json(shards[fqn])
         full_shape = shapes[fqn][0] if fqn in shapes else _unpadded_shape(p, spec)
         dim, parts = pieces(spec, full_shape, coord.tp, owned=True)
         for piece in parts:
-            if dim != 0 or g.dim() == 0:
-                out.append(g.narrow(dim, piece.local, piece.length) if g.dim() else g)
+            if dim != 0 or scalar:
+                out.append((p, g, (dim, piece.local, piece.length) if not scalar else None))
                 continue
             lo, hi = max(piece.local, start), min(piece.local + piece.length, start + count)
             if hi > lo:   # tp and ZeRO both split rows: their intersection
-                out.append(g.narrow(0, lo - start, hi - lo))
+                out.append((p, g, (0, lo - start, hi - lo)))
     return out
 
 
@@ -140,7 +167,7 @@ def global_grad_norm(engine) -> float:
     """The 2-norm of all trainable gradients of the whole model, the same on every rank."""
     total = torch.zeros((), dtype=torch.float64, device=engine.device)
     replicated = _replicated_over_batch(engine)
-    pieces = [g.detach() for g in owned_grad_pieces(engine, as_batch_rank_0=replicated)]
+    pieces = [g.detach() if g.requires_grad else g for g in owned_grad_pieces(engine, as_batch_rank_0=replicated)]
     if pieces:   # one foreach kernel (each piece's norm in float64), not a loop of small ops
         total += torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64)).pow(2).sum()
     if replicated:
