@@ -8,12 +8,18 @@ from tests.cp_jobs import ignore_index_workload
 LR, MAX_NORM = 0.1, 0.5
 
 
-def clipped_losses(plan: str, steps: int) -> dict:
+def clipped_losses(plan: str, steps: int, own_shm_dir: str | None = None) -> dict:
     """(losses, norms, the `what` of every all-reduce issued during the steps) under `plan`
-    for the ignore-index GPT (its dp and cp ranks count different numbers of tokens)."""
+    for the ignore-index GPT (its dp and cp ranks count different numbers of tokens).
+    `own_shm_dir`: rank 1 looks for shared memory there, as a rank on another host would
+    (runtime/local_reduce.py must then fall back to gloo for every rank)."""
+    import torch.distributed as dist
+
     import threefold
-    from threefold.runtime import comm
+    from threefold.runtime import comm, local_reduce
     torch.set_num_threads(1)
+    if own_shm_dir is not None and dist.get_rank() == 1:
+        local_reduce.SHM_DIR = own_shm_dir
     w = ignore_index_workload()
     pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
     opt = pm.optimizer(torch.optim.SGD, lr=LR)

@@ -22,8 +22,9 @@ Memory: 2 x (group size) x the buckets' elements, shared by the group's ranks (t
 rank's gradients at two ranks), reserved when the segment is made.
 
 Set-up is collective and agreed: rank 0 names the segment, each group's first rank creates
-it, every rank tries to map it, and all keep the shared path only if every rank could (ranks
-on other hosts, no /dev/shm, THREEFOLD_LOCAL_REDUCE=0 anywhere: gloo for everyone).
+it, every rank maps it if it exists, each writes a mark into its slot, and all keep the shared
+path only if every rank sees every mark (ranks on other hosts, no /dev/shm,
+THREEFOLD_LOCAL_REDUCE=0 anywhere: gloo for everyone).
 """
 from __future__ import annotations
 
@@ -107,19 +108,26 @@ def open_exchange(group, buckets: dict, dtype: torch.dtype, wanted: bool) -> Loc
                 os.unlink(path)
             except OSError:
                 pass
-    ok = _agree(ok)
-    segment = None
-    if ok:
-        try:
-            segment = torch.from_file(path, shared=True, size=count, dtype=dtype).view(2, len(ranks), total)
-        except (OSError, RuntimeError):
-            ok = False
-    ok = _agree(ok)
-    if creator:
-        try:
-            os.unlink(path)    # every rank has it mapped (or gave up): the name is not needed
-        except OSError:
-            pass
+    try:
+        ok = _agree(ok)
+        segment = None
+        if ok and os.path.exists(path):   # from_file would create a missing file: another host's
+            try:
+                segment = torch.from_file(path, shared=True, size=count, dtype=dtype).view(2, len(ranks), total)
+            except (OSError, RuntimeError):
+                segment = None
+        ok = _agree(segment is not None)
+        if ok:   # proof the ranks share the pages: each rank's mark is seen by every rank
+            index = ranks.index(dist.get_rank())
+            segment[0, index, 0] = index + 1
+            ok = _agree(True)
+            ok = ok and _agree(bool((segment[0, :, 0] == torch.arange(1, len(ranks) + 1, dtype=dtype)).all()))
+    finally:
+        if creator:
+            try:
+                os.unlink(path)    # every rank has it mapped, gave up or failed: the name is not needed
+            except OSError:
+                pass
     if not ok:
         return None
     return LocalExchange(segment, ranks.index(dist.get_rank()), group, offsets)
