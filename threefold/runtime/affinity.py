@@ -5,10 +5,10 @@ Why: a pipeline rank sleeps in a receive and is woken by its neighbour's send. L
 Linux tends to wake a task on or near the core of the task that woke it, so on a small
 machine neighbouring ranks pile up on one core while another core runs something else, and
 every wake-up may move a rank (and its cache) to another core. On this project's 2-core
-machine with 4 pipeline ranks (bench/pipeline_pp4_cores.py, paired per step) pinning rank r
+machine with 4 pipeline ranks (bench/pipeline_cores.py, paired per step) pinning rank r
 to core r mod 2, so that neighbours sit on different cores, cut the step's wall time by
-about a fifth for 1F1B, interleaved and ZB-V alike, and the CPU it took by ~5%
-(BENCHMARKS.md, "Wave 9").
+7-32% for 1F1B, interleaved and ZB-V alike, and the CPU it took by 4-6%, while other jobs
+loaded the machine; on the quiet machine it did not help (BENCHMARKS.md, "Wave 9").
 
 Which cores: the rank's share of the cores this process may use (os.sched_getaffinity,
 which respects taskset / cgroup cpusets), in order. With enough cores for every rank's
