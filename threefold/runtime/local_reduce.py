@@ -78,10 +78,24 @@ class LocalExchange:
         return out
 
 
-def open_exchange(group, buckets: dict, dtype: torch.dtype, wanted: bool) -> LocalExchange | None:
-    """Collective over every rank (each calls it at the same point, `wanted` or not): the
-    shared segment for `group`'s buckets (key -> numel), or None where any rank cannot
-    share memory with its group (then every rank uses gloo)."""
+def batch_buckets(buckets, params: dict) -> tuple[dict, torch.dtype]:
+    """({(chunk, index): numel} of the buckets summed over the batch axes, their common
+    dtype) from a stage's gradient buckets (runtime/collective_plan)."""
+    from threefold.runtime.mesh import BATCH_AXES
+    sizes, dtype = {}, None
+    for b in buckets:
+        if b.axes == BATCH_AXES:
+            ps = [params[f] for f in b.fqns]
+            sizes[(b.chunk, b.index)] = sum(p.numel() for p in ps)
+            for p in ps:
+                dtype = p.dtype if dtype is None else torch.promote_types(dtype, p.dtype)
+    return sizes, dtype or torch.float32
+
+
+def open_exchange(group, buckets: dict, dtype: torch.dtype) -> LocalExchange | None:
+    """Collective over every rank (each calls it at the same point): the shared segment for
+    `group`'s buckets (key -> numel), or None where any rank cannot share memory with its
+    group (then every rank uses gloo)."""
     token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(token, src=0)
     ranks = sorted(dist.get_process_group_ranks(group)) if group is not None else []
@@ -89,7 +103,7 @@ def open_exchange(group, buckets: dict, dtype: torch.dtype, wanted: bool) -> Loc
     for key, n in buckets.items():
         offsets[key] = (total, n)
         total += n
-    ok = wanted and os.environ.get(ENV, "1") != "0" and bool(ranks) and total > 0 and os.path.isdir(SHM_DIR)
+    ok = os.environ.get(ENV, "1") != "0" and bool(ranks) and total > 0 and os.path.isdir(SHM_DIR)
     path = os.path.join(SHM_DIR, f"threefold-{token[0]}-{ranks[0] if ranks else 0}")
     count = 2 * len(ranks) * total
     creator = ok and dist.get_rank() == ranks[0]
