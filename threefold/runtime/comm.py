@@ -223,9 +223,14 @@ class PendingSend:
         self.buffers = []
 
 
-def send(tensors: list[torch.Tensor], peer: int, what: str) -> PendingSend:
+def send(tensors: list[torch.Tensor], peer: int, what: str, local=None) -> PendingSend:
     """Post the sends without waiting (verified schedules stay deadlock-free either way;
-    not blocking keeps the interleaved schedule at its simulated makespan)."""
+    not blocking keeps the interleaved schedule at its simulated makespan). `local`
+    (runtime/local_p2p.Links): through shared memory where a channel to `peer` takes it."""
+    if local is not None:
+        sent = local.send(tensors, peer, what)
+        if sent is not None:
+            return sent
     buffers = [t.detach().contiguous() for t in tensors]
     try:
         works = [dist.isend(b, dst=peer) for b in buffers]
@@ -250,9 +255,14 @@ class PendingRecv:
 
 
 def post_recv(specs: list[tuple[tuple[int, ...], torch.dtype]], peer: int, what: str,
-              device: torch.device, pool=None) -> PendingRecv:
+              device: torch.device, pool=None, local=None) -> PendingRecv:
     """Post the receives without waiting; the bytes land while this rank computes.
-    `pool` (runtime/buffer_pool.BufferPool): receive into buffers kept across microbatches."""
+    `pool` (runtime/buffer_pool.BufferPool): receive into buffers kept across microbatches.
+    `local` (runtime/local_p2p.Links): through shared memory where a channel from `peer` takes it."""
+    if local is not None:
+        posted = local.post_recv(specs, peer, what, device, pool)
+        if posted is not None:
+            return posted
     tensors = [pool.take(shape, dtype, device) if pool is not None else torch.empty(shape, dtype=dtype, device=device)
                for shape, dtype in specs]
     try:

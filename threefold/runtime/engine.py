@@ -51,6 +51,7 @@ class _StepState:
     loss_posted: tuple | None = None                    # (this rank's share, its all-reduce)
     loss_deferred: bool = False                         # the share rides on the gradient exchange
     local: object = None                                # runtime/local_reduce.LocalExchange, this step's
+    links: object = None                                # runtime/local_p2p.Links: pipeline messages via /dev/shm
     reductions: list = field(default_factory=list)      # (work, flat, grads) dp all-reduces
     gathered: set = field(default_factory=set)          # zero=3: chunks whose unit 0 this step holds
     losses: list = field(default_factory=list)
@@ -131,6 +132,7 @@ class PipelineEngine:
         self.recv_pool = BufferPool()   # receive buffers, reused once their last reader is gone
         self.tracer = None      # a runtime/trace.Recorder while a step is traced (else no clock reads)
         self._local: tuple | None = None   # (LocalExchange or None,) once set up (runtime/local_reduce.py)
+        self._links: tuple | None = None   # (local_p2p.Links or None,) once set up (runtime/local_p2p.py)
 
     # -- set-up ----------------------------------------------------------------------------
     def _share_local_ties(self) -> None:
@@ -190,6 +192,7 @@ class PipelineEngine:
         with_loss = self.has_loss and not model_outputs
         st.with_loss = with_loss
         st.local = self._local_exchange() if train else None
+        st.links = self._p2p_links()
         self._step_count += 1
         self._casts.hold()   # bf16/fp16: one weight copy per step, not per microbatch
         handlers = {Kind.FORWARD: self._forward, Kind.SEND_ACT: self._send_act,
@@ -242,7 +245,7 @@ class PipelineEngine:
             b, what = self._boundary(a.chunk, "inputs"), f"activations of chunk {a.chunk - 1} microbatch {a.mb}"
         else:
             b, what = self._boundary(a.chunk, "outputs", grads=True), f"gradients of chunk {a.chunk} microbatch {a.mb}"
-        return comm.post_recv(b.recv_specs(), self._peer(a.peer), what, self.device, self.recv_pool)
+        return comm.post_recv(b.recv_specs(), self._peer(a.peer), what, self.device, self.recv_pool, st.links)
 
     def _land(self, st: "_StepState", a, pending: comm.PendingRecv) -> None:
         if a.kind is Kind.RECV_ACT:
@@ -295,7 +298,7 @@ class PipelineEngine:
     def _send_act(self, st: "_StepState", a) -> None:
         slot = st.slots[(a.chunk, a.mb)]
         st.sends.append(comm.send(self._boundary(a.chunk, "outputs").pack(slot.outputs), self._peer(a.peer),
-                                  f"activations of chunk {a.chunk} microbatch {a.mb}"))
+                                  f"activations of chunk {a.chunk} microbatch {a.mb}", st.links))
         if not st.train:
             st.slots.pop((a.chunk, a.mb))
             st.inflight -= 1
@@ -340,7 +343,7 @@ class PipelineEngine:
         grads = [g if g is not None else torch.zeros_like(x)
                  for x, g in zip(slot.inputs, slot.input_grads) if x.is_floating_point()]
         st.sends.append(comm.send(self._boundary(a.chunk, "inputs", grads=True).pack(grads), self._peer(a.peer),
-                                  f"gradients of chunk {a.chunk - 1} microbatch {a.mb}"))
+                                  f"gradients of chunk {a.chunk - 1} microbatch {a.mb}", st.links))
 
     def _backward(self, slot: _Slot, is_last: bool, denominator: float) -> None:
         if is_last and self.has_loss:
@@ -489,6 +492,27 @@ class PipelineEngine:
             sizes, dtype = local_reduce.batch_buckets(self.collectives.buckets[self.stage], self.params)
             self._local = (local_reduce.open_exchange(self.batch_group, sizes, dtype),)
         return self._local[0]
+
+    def _p2p_links(self):
+        """The pipeline channels through shared memory (runtime/local_p2p.py), or None: CPU
+        pipelines only. Set up once, by every rank at its first step, sized from the plan's
+        schedule: per directed pair of ranks, the bytes of each message of a step."""
+        if self.mesh.pp == 1 or self.device.type != "cpu":
+            return None
+        if self._links is None:
+            from threefold.runtime import local_p2p
+            me, messages = self.groups.rank, {}
+            sides = {Kind.SEND_ACT: ("outputs", False), Kind.SEND_GRAD: ("inputs", True),
+                     Kind.RECV_ACT: ("inputs", False), Kind.RECV_GRAD: ("outputs", True)}
+            for a in self.schedule.actions[self.stage]:
+                if a.kind in sides:
+                    side, grads = sides[a.kind]
+                    peer = self._peer(a.peer)
+                    pair = (me, peer) if a.is_send else (peer, me)
+                    specs = self._boundary(a.chunk, side, grads=grads).recv_specs()
+                    messages.setdefault(pair, []).append(local_p2p.layout(specs)[1])
+            self._links = (local_p2p.open_links(messages),)
+        return self._links[0]
 
     def _grad_tensor(self, fqn: str) -> torch.Tensor:
         """The gradient this rank holds for a parameter: whole, or its zero>=2 row shard."""

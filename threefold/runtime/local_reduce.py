@@ -29,12 +29,11 @@ THREEFOLD_LOCAL_REDUCE=0 anywhere: gloo for everyone).
 from __future__ import annotations
 
 import os
-import uuid
 
 import torch
 import torch.distributed as dist
 
-from threefold.runtime import comm
+from threefold.runtime import comm, shm
 
 SHM_DIR = "/dev/shm"
 ENV = "THREEFOLD_LOCAL_REDUCE"   # "0": always gloo (what the bench compares against)
@@ -95,59 +94,32 @@ def batch_buckets(buckets, params: dict) -> tuple[dict, torch.dtype]:
 def open_exchange(group, buckets: dict, dtype: torch.dtype) -> LocalExchange | None:
     """Collective over every rank (each calls it at the same point): the shared segment for
     `group`'s buckets (key -> numel), or None where any rank cannot share memory with its
-    group (then every rank uses gloo)."""
-    token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(token, src=0)
+    group (then every rank uses gloo). Set-up steps: runtime/shm.py."""
+    token = shm.job_token()
     ranks = sorted(dist.get_process_group_ranks(group)) if group is not None else []
     offsets, total = {}, 0
     for key, n in buckets.items():
         offsets[key] = (total, n)
         total += n
     ok = os.environ.get(ENV, "1") != "0" and bool(ranks) and total > 0 and os.path.isdir(SHM_DIR)
-    path = os.path.join(SHM_DIR, f"threefold-{token[0]}-{ranks[0] if ranks else 0}")
+    path = os.path.join(SHM_DIR, f"threefold-{token}-{ranks[0] if ranks else 0}")
     count = 2 * len(ranks) * total
     creator = ok and dist.get_rank() == ranks[0]
     if creator:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                # reserve the pages now: a tmpfs that fills up later would kill a rank with
-                # SIGBUS at its first write; here it is ENOSPC, and gloo for everyone
-                os.posix_fallocate(fd, 0, count * torch.empty((), dtype=dtype).element_size())
-            finally:
-                os.close(fd)
-        except OSError:
-            ok = False
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        ok = shm.create(path, count * torch.empty((), dtype=dtype).element_size())
     try:
-        ok = _agree(ok)
-        segment = None
-        if ok and os.path.exists(path):   # from_file would create a missing file: another host's
-            try:
-                segment = torch.from_file(path, shared=True, size=count, dtype=dtype).view(2, len(ranks), total)
-            except (OSError, RuntimeError):
-                segment = None
-        ok = _agree(segment is not None)
+        ok = shm.agree(ok)
+        segment = shm.map_existing(path, count, dtype) if ok else None
+        ok = shm.agree(segment is not None)
         if ok:   # proof the ranks share the pages: each rank's mark is seen by every rank
+            segment = segment.view(2, len(ranks), total)
             index = ranks.index(dist.get_rank())
             segment[0, index, 0] = index + 1
-            ok = _agree(True)
-            ok = ok and _agree(bool((segment[0, :, 0] == torch.arange(1, len(ranks) + 1, dtype=dtype)).all()))
+            ok = shm.agree(True)
+            ok = ok and shm.agree(bool((segment[0, :, 0] == torch.arange(1, len(ranks) + 1, dtype=dtype)).all()))
     finally:
         if creator:
-            try:
-                os.unlink(path)    # every rank has it mapped, gave up or failed: the name is not needed
-            except OSError:
-                pass
+            shm.unlink(path)    # every rank has it mapped, gave up or failed: the name is not needed
     if not ok:
         return None
     return LocalExchange(segment, ranks.index(dist.get_rank()), group, offsets)
-
-
-def _agree(ok: bool) -> bool:
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-    comm.all_reduce(flag, None, "shared-memory set-up", op=dist.ReduceOp.MIN)
-    return bool(flag.item())
