@@ -34,6 +34,9 @@ the pipeline adds (bubble, communication, runtime).
 --pp 4 runs the same on 4 ranks (two per core: bubbles then cost less, an idle rank lends
 its core); the limit stays eager / 2 (two cores). Each threefold schedule is also reported
 against threefold's 1f1b, paired per round (issue 25), with minor page faults per step.
+--p2p-gloo adds each threefold schedule again with THREEFOLD_LOCAL_P2P=0 ("... gloo": its
+pipeline messages through gloo instead of shared memory, runtime/local_p2p.py), reported
+against the 1f1b of the same transport; --no-torch leaves torch's schedules out.
 """
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ for p in (ROOT, HERE):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from pipeline_vs_torch import TorchStage, build_workload, run_rotation  # noqa: E402
+from pipeline_vs_torch import TorchStage, build_workload, run_rotation, with_gloo_p2p  # noqa: E402
 
 PP = 2
 THREEFOLD = [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2)]
@@ -77,6 +80,7 @@ class Config:
     iters: int = 10
     threefold: tuple = field(default_factory=tuple)   # filled in: the schedules this tree has
     torch: tuple = field(default_factory=tuple)
+    p2p_gloo: bool = False     # each threefold schedule also with its messages through gloo
 
 
 QUICK = dict(n_layer=4, n_embd=64, seq=32, batch=8, ms=(2, 4), warmup=1, iters=3)
@@ -221,6 +225,11 @@ def rank_job(cfg: Config) -> dict:
             step, inst = threefold_contender(cfg, kind, v, m)
             contenders.append((f"threefold {kind}", step))
             instruments[f"threefold {kind}"] = (step, inst)
+            if cfg.p2p_gloo:
+                step, inst = threefold_contender(cfg, kind, v, m)
+                with_gloo_p2p(step)
+                contenders.append((f"threefold {kind} gloo", step))
+                instruments[f"threefold {kind} gloo"] = (step, inst)
         for name in cfg.torch:
             group = dist.new_group(list(range(PP)))   # torch's p2p on a gloo context of its own
             step, inst = torch_contender(cfg, name, m, rank, group)
@@ -300,8 +309,9 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
                 [x / (e / 2) for x, e in zip(t, times["eager"])])}
             # minor page faults per step, the median over iterations, the larger of the two ranks
             row["faults_per_step"] = max(statistics.median(rk[m]["faults"][n]) for rk in ranks)
-            if n.startswith("threefold ") and "threefold 1f1b" in times:
-                row["vs_1f1b_paired"] = statistics.median([x / y for x, y in zip(t, times["threefold 1f1b"])])
+            base = "threefold 1f1b" + (" gloo" if n.endswith(" gloo") else "")
+            if n.startswith("threefold ") and base in times:
+                row["vs_1f1b_paired"] = statistics.median([x / y for x, y in zip(t, times[base])])
             if "floor" in times:
                 row["vs_floor_paired"] = statistics.median([x / f for x, f in zip(t, times["floor"])])
             if best:
@@ -326,7 +336,7 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
 
 def _threefold_kind(name: str) -> tuple:
     if name.startswith("threefold "):
-        kind = name.split(" ", 1)[1]
+        kind = name.split(" ")[1]
         return kind, dict(THREEFOLD)[kind]
     v, _, kind = TORCH[name.split(" ", 1)[1]]
     return kind, v
@@ -366,13 +376,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny model, m in {2, 4}, few rounds")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
+    ap.add_argument("--p2p-gloo", action="store_true",
+                    help="each threefold schedule also with THREEFOLD_LOCAL_P2P=0 (messages through gloo)")
+    ap.add_argument("--no-torch", action="store_true", help="leave torch's schedules out")
     ap.add_argument("--ms", type=lambda t: tuple(int(x) for x in t.split(",")), help="microbatch counts, e.g. 2,4,8")
     for f in ("n_layer", "n_embd", "n_head", "vocab_size", "seq", "batch", "warmup", "iters", "pp"):
         ap.add_argument("--" + f.replace("_", "-"), type=int, dest=f)
     args = ap.parse_args(argv)
     over = dict(QUICK) if args.quick else {}
     over.update({k: v for k, v in vars(args).items() if k in Config.__dataclass_fields__ and v is not None})
-    cfg = Config(**over, threefold=available_threefold(), torch=available_torch())
+    cfg = Config(**over, threefold=available_threefold(), torch=() if args.no_torch else available_torch(),
+                 p2p_gloo=args.p2p_gloo)
     global PP
     PP = cfg.pp
     for m in cfg.ms:

@@ -27,6 +27,9 @@ iteration, the same barrier for all). Reported:
                                                     # stage in one process; microbatching cost
     python bench/pipeline_vs_torch.py --ablations   # + threefold with blocking receives (the
                                                     # engine before issue 13)
+    python bench/pipeline_vs_torch.py --p2p-gloo     # + threefold with THREEFOLD_LOCAL_P2P=0:
+                                                    # its pipeline messages through gloo, not
+                                                    # shared memory (runtime/local_p2p.py)
     python bench/pipeline_vs_torch.py --compile inductor
         # threefold with plan compile=inductor against torch's stages eager ("torch") and
         # torch.compile'd ("torch compiled": each stage module compiled with threefold's
@@ -79,6 +82,7 @@ class Config:
     profile: bool = False
     ablations: bool = False     # also time threefold with blocking receives (before issue 13)
     only: str = ""              # "1f1b" or "interleaved": run just that schedule
+    p2p_gloo: bool = False      # also time threefold with its pipeline messages through gloo
     compile: str = "none"       # "inductor": threefold with compile=inductor against torch's
                                 # stages eager and torch.compile'd (both in the same rotation)
 
@@ -176,6 +180,21 @@ def blocking_receives(pm) -> None:
     eng._plan_cache = (eng.schedule, blocking_plan(eng.schedule.actions[eng.stage]), None)
 
 
+def with_gloo_p2p(step) -> None:
+    """Run `step` (a threefold contender's first step: it sets up the pipeline channels,
+    collectively) with THREEFOLD_LOCAL_P2P=0, so that contender's messages go through gloo."""
+    from threefold.runtime.local_p2p import ENV
+    old = os.environ.get(ENV)
+    os.environ[ENV] = "0"
+    try:
+        step()
+    finally:
+        if old is None:
+            os.environ.pop(ENV)
+        else:
+            os.environ[ENV] = old
+
+
 def run_rotation(contenders, warmup: int, iters: int, faults: dict | None = None):
     """Time each contender `iters` times after `warmup` rounds, interleaved: every contender
     takes every position equally often, forwards and backwards. Per contender: wall times
@@ -265,6 +284,11 @@ def rank_job(cfg: Config) -> dict:
             old = threefold.parallelize(bw["model"], plan, bw["inputs"], bw["loss_fn"], target=bw["target"])
             blocking_receives(old)
             contenders[1:1] = [("threefold blocking recv", lambda: ours(old, bw))]
+        if cfg.p2p_gloo:
+            gw = build_workload(cfg)
+            gpm = threefold.parallelize(gw["model"], plan, gw["inputs"], gw["loss_fn"], target=gw["target"])
+            with_gloo_p2p(lambda: ours(gpm, gw))
+            contenders[1:1] = [("threefold gloo p2p", lambda: ours(gpm, gw))]
         times, cpu, losses = run_rotation(contenders, cfg.warmup, cfg.iters)
         # Activations: one extra, untimed, instrumented iteration of each.
         ours_mods = [pm.engine.modules[c] for c in sorted(pm.engine.modules)]
@@ -541,6 +565,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ablations", action="store_true",
                     help="also time threefold with blocking receives at their place in the list "
                          "(the engine before issue 13)")
+    ap.add_argument("--p2p-gloo", action="store_true",
+                    help="also time threefold with THREEFOLD_LOCAL_P2P=0 (pipeline messages through gloo)")
     ap.add_argument("--only", choices=["1f1b", "interleaved"], default="", help="run just one schedule")
     ap.add_argument("--compile", choices=["none", "inductor"], default="none",
                     help="inductor: threefold with compile=inductor, against torch's stages eager "
@@ -553,6 +579,7 @@ def main(argv=None) -> int:
                  if k in Config.__dataclass_fields__ and v is not None})
     over["profile"] = args.profile
     over["ablations"] = args.ablations
+    over["p2p_gloo"] = args.p2p_gloo
     over["only"] = args.only
     over["compile"] = args.compile
     cfg = Config(**over)

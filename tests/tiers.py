@@ -58,6 +58,10 @@ DEFAULT_SAMPLE = [
     # faults and safety
     "tests/test_failure_report.py::test_the_launcher_reports_the_failing_ranks_traceback_once",
     "tests/test_rank_failure.py::test_dead_rank_makes_the_others_fail_naming_it",
+    # pipeline messages through shared memory: the channel, pp=4 and dp on vs off, the fallback
+    "tests/test_local_p2p.py::test_channel_order_wraparound_and_timeout",
+    "tests/test_local_p2p.py::test_pp4_interleaved_and_dp_on_off_and_one_process",
+    "tests/test_local_p2p.py::test_other_host_and_oversized_messages_fall_back_to_gloo",
     "tests/test_safety_api.py::test_parallelize_joins_a_torchrun_job_by_itself",
     "tests/test_safety_bad_input.py::test_bad_weights_found_on_the_ranks_are_still_one_line_and_quick",
     "tests/test_safety_faults.py::test_a_dead_or_stopped_rank_ends_the_job_in_bounded_time[SIGKILL-0]",
