@@ -385,8 +385,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     over = dict(QUICK) if args.quick else {}
     over.update({k: v for k, v in vars(args).items() if k in Config.__dataclass_fields__ and v is not None})
-    cfg = Config(**over, threefold=available_threefold(), torch=() if args.no_torch else available_torch(),
-                 p2p_gloo=args.p2p_gloo)
+    cfg = Config(**over, threefold=available_threefold(), torch=() if args.no_torch else available_torch())
     global PP
     PP = cfg.pp
     for m in cfg.ms:
