@@ -312,6 +312,8 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
             base = "threefold 1f1b" + (" gloo" if n.endswith(" gloo") else "")
             if n.startswith("threefold ") and base in times:
                 row["vs_1f1b_paired"] = statistics.median([x / y for x, y in zip(t, times[base])])
+            if n + " gloo" in times:     # --p2p-gloo: shared-memory messages against gloo's, paired
+                row["vs_gloo_paired"] = statistics.median([x / y for x, y in zip(t, times[n + " gloo"])])
             if "floor" in times:
                 row["vs_floor_paired"] = statistics.median([x / f for x, f in zip(t, times["floor"])])
             if best:
@@ -368,6 +370,10 @@ def report(s: dict) -> str:
                          f"{x.get('vs_torch_best_paired', float('nan')):>11.3f} "
                          f"{x['vs_limit_paired']:>7.3f} {x.get('vs_floor_paired', float('nan')):>7.3f} "
                          f"{x['bubble_measured']:>11.3f} {sim_u:>8} {sim_m:>8} {x['faults_per_step']:>7.0f} {loss:>9}")
+        gloo = {n: x["vs_gloo_paired"] for n, x in r["contenders"].items() if "vs_gloo_paired" in x}
+        if gloo:
+            lines.append("  shared-memory messages / gloo, paired: " + ", ".join(
+                f"{n.split(' ', 1)[1]} {x:.3f}" for n, x in gloo.items()))
         lines.append("")
     return "\n".join(lines)
 

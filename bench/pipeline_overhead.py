@@ -65,6 +65,7 @@ def instrumented_step(pm, step) -> dict:
     """One step with F/B/W, sends and receive waits timed; wall clocks are perf_counter
     (system-wide monotonic on Linux, so ranks on one host compare)."""
     from threefold.runtime import comm
+    from threefold.runtime.local_p2p import ChannelRecv
     eng = pm.engine
     out = {"compute": 0.0, "send": 0.0, "sends": {}, "waits": []}
 
@@ -75,33 +76,36 @@ def instrumented_step(pm, step) -> dict:
             out["compute"] += time.thread_time() - c
         return run
 
-    send, wait = comm.send, comm.PendingRecv.wait
+    send, wait, channel_wait = comm.send, comm.PendingRecv.wait, ChannelRecv.wait
 
-    def timed_send(tensors, peer, what):
+    def timed_send(tensors, peer, what, *rest):
         out["sends"][what] = time.perf_counter()
         c = time.thread_time()
         try:
-            return send(tensors, peer, what)
+            return send(tensors, peer, what, *rest)
         finally:
             out["send"] += time.thread_time() - c
 
-    def timed_wait(self):
-        t = time.perf_counter()
-        try:
-            return wait(self)
-        finally:
-            out["waits"].append((self.what, t, time.perf_counter()))
+    def timing(wait):
+        def timed_wait(self):
+            t = time.perf_counter()
+            try:
+                return wait(self)
+            finally:
+                out["waits"].append((self.what, t, time.perf_counter()))
+        return timed_wait
 
     for attr in ("_forward", "_backward_action", "_weight_action"):
         setattr(eng, attr, timed(getattr(eng, attr)))
-    comm.send, comm.PendingRecv.wait = timed_send, timed_wait
+    # (receives through shared memory, runtime/local_p2p.py, wait in ChannelRecv.wait)
+    comm.send, comm.PendingRecv.wait, ChannelRecv.wait = timed_send, timing(wait), timing(channel_wait)
     try:
         dist.barrier()
         c, p = time.thread_time(), time.process_time()
         step()
         out["main"], out["process"] = time.thread_time() - c, time.process_time() - p
     finally:
-        comm.send, comm.PendingRecv.wait = send, wait
+        comm.send, comm.PendingRecv.wait, ChannelRecv.wait = send, wait, channel_wait
         for attr in ("_forward", "_backward_action", "_weight_action"):
             del eng.__dict__[attr]
     return out
