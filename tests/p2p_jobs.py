@@ -60,7 +60,7 @@ def reference(steps: int = 3) -> list[float]:
 
 
 def channel_unit(shm_dir: str, ring_mb: str) -> dict:
-    """Rank 0 sends rank 1 many messages through one channel (a ring of a few slots, so it
+    """Rank 0 sends rank 1 many messages through one channel (a ring of 4 slots, so it
     wraps many times; every 7th message is larger than the slot and goes through gloo);
     rank 1 receives them, checks every byte, then waits for one that never comes."""
     import torch.distributed as dist
@@ -71,8 +71,9 @@ def channel_unit(shm_dir: str, ring_mb: str) -> dict:
     os.environ["THREEFOLD_LOCAL_P2P_MB"] = ring_mb
     small, big = (3, 5), (40, 40)                     # 64 B (one aligned tensor) vs 6400 B
     n = 60
-    sizes = [local_p2p.layout([(big if i % 7 == 6 else small, torch.float32)])[1] for i in range(n)]
-    links = local_p2p.open_links({(0, 1): sizes})
+    # sized for "steps" of 3 small messages and a big one: 4 slots of 64 B within the budget
+    # (the big one is over it: gloo); 60 messages wrap the ring, consumed in order
+    links = local_p2p.open_links({(0, 1): [64, 64, 64, 6400]})
     assert links is not None
     me = dist.get_rank()
     result: dict = {}

@@ -17,9 +17,11 @@ A channel per directed pair of ranks that exchange pipeline messages (sender -> 
     grace); a peer that dies closes its ends, which poll reports as a hang-up and write as
     EPIPE, so the survivor fails at once naming it.
 
-A send copies the message into the next slot and returns (it waits only when all K slots
-are full; blocking sends are safe for every verified schedule, and K is as many messages as
-that direction carries per step, up to RING_BYTES, so within a step it does not wait). A
+A send copies the message into the next slot and returns. K is as many messages as that
+direction carries per step, so within a step a send never waits for a slot (a ring smaller
+than that can deadlock: a receiver may land a message only after it waited for something
+the blocked sender would have sent next); across steps it may wait for the receiver to
+finish the previous step, which needs nothing from the sender. A
 receive is posted in list order and copies its slot out into the pool buffer when waited
 for; waiting for a later message first copies out the earlier ones of that channel, so the
 ring is consumed in order however the receives land. A message larger than the slot goes
@@ -44,7 +46,8 @@ import torch.distributed as dist
 from threefold.runtime import comm, shm
 
 ENV = "THREEFOLD_LOCAL_P2P"          # "0": every message through gloo (the bench's baseline)
-RING_ENV = "THREEFOLD_LOCAL_P2P_MB"  # a channel's ring size cap, MiB (default 256)
+RING_ENV = "THREEFOLD_LOCAL_P2P_MB"  # a channel's ring size cap, MiB (default 256): a step's
+                                     # messages over it go through gloo
 SHM_DIR = "/dev/shm"
 ALIGN = 64                           # every tensor of a message starts on a cache line
 
@@ -250,12 +253,15 @@ def open_links(messages: dict[tuple[int, int], list[int]]) -> Links | None:
         for pair, sizes in theirs.items():
             if me in pair and len(sizes) >= len(reported.get(pair, [])):
                 reported[pair] = sizes
+    # A slot for every message of a step (a send that waited for a free slot could deadlock
+    # a schedule whose receiver lands that message after it blocks on the sender: measured,
+    # pp=2 zbv with one slot), each as large as the largest message that keeps the ring
+    # within the budget; larger messages go through gloo.
     shapes: dict[tuple[int, int], tuple[int, int]] = {}     # pair -> (slots, slot bytes)
     for pair, sizes in sorted(reported.items()):
-        fits = [n for n in sizes if n <= budget]
+        fits = [n for n in sizes if max(n, ALIGN) * len(sizes) <= budget]
         if fits:
-            slot = max(max(fits), ALIGN)
-            shapes[pair] = (max(1, min(len(sizes), budget // slot)), slot)
+            shapes[pair] = (len(sizes), max(max(fits), ALIGN))
     ok = os.environ.get(ENV, "1") != "0" and os.path.isdir(SHM_DIR)
     base = {pair: os.path.join(SHM_DIR, f"threefold-{token}-p2p-{pair[0]}-{pair[1]}") for pair in shapes}
     made: list[str] = []
