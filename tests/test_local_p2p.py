@@ -27,6 +27,15 @@ def _check(results: list[list[dict]], ref: list[float], local: bool) -> None:
             assert (on["local"] > 0) == local, (on["plan"], on["local"])
 
 
+def test_a_slot_for_every_message_of_a_step_within_the_budget():
+    from threefold.runtime.local_p2p import ring_shapes
+    step = {(0, 1): [1024] * 8, (1, 0): [64, 64, 4096]}
+    assert ring_shapes(step, 2**20) == {(0, 1): (8, 1024), (1, 0): (3, 4096)}
+    # the budget holds 3 slots of 64 B, not of 4096: the 4096 B message goes through gloo
+    assert ring_shapes(step, 3 * 64) == {(1, 0): (3, 64)}
+    assert ring_shapes(step, 100) == {}       # no ring of fewer slots than messages: gloo
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_channel_order_wraparound_and_timeout(tmp_path):

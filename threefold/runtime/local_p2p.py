@@ -128,10 +128,12 @@ class _End:
 
     def close(self) -> None:
         for fd in (self.wait_fd, self.signal_fd):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.wait_fd = self.signal_fd = -1     # never close a number the process reused since
 
 
 def _nbytes(shape, dtype) -> int:
@@ -237,6 +239,23 @@ class Links:
             end.close()
         self.senders, self.receivers = {}, {}
 
+    def __del__(self):      # a dropped ParallelModule's pipes (its segments unmap with their tensors)
+        self.close()
+
+
+def ring_shapes(messages: dict, budget: int) -> dict[tuple[int, int], tuple[int, int]]:
+    """pair -> (slots, slot bytes) for the pairs whose step messages (byte sizes) get a ring.
+    A slot for every message of a step (a send that waited for a free slot can deadlock a
+    schedule whose receiver lands that message only after it blocked on the sender:
+    measured, pp=2 zbv with one slot), each as large as the largest message that keeps the
+    ring within `budget`; larger messages go through gloo."""
+    shapes = {}
+    for pair, sizes in sorted(messages.items()):
+        fits = [n for n in sizes if max(n, ALIGN) * len(sizes) <= budget]
+        if fits:
+            shapes[pair] = (len(sizes), max(max(fits), ALIGN))
+    return shapes
+
 
 def open_links(messages: dict[tuple[int, int], list[int]]) -> Links | None:
     """Collective over every rank (each calls it at the same point). `messages`: for every
@@ -253,15 +272,7 @@ def open_links(messages: dict[tuple[int, int], list[int]]) -> Links | None:
         for pair, sizes in theirs.items():
             if me in pair and len(sizes) >= len(reported.get(pair, [])):
                 reported[pair] = sizes
-    # A slot for every message of a step (a send that waited for a free slot could deadlock
-    # a schedule whose receiver lands that message after it blocks on the sender: measured,
-    # pp=2 zbv with one slot), each as large as the largest message that keeps the ring
-    # within the budget; larger messages go through gloo.
-    shapes: dict[tuple[int, int], tuple[int, int]] = {}     # pair -> (slots, slot bytes)
-    for pair, sizes in sorted(reported.items()):
-        fits = [n for n in sizes if max(n, ALIGN) * len(sizes) <= budget]
-        if fits:
-            shapes[pair] = (len(sizes), max(max(fits), ALIGN))
+    shapes = ring_shapes(reported, budget)
     ok = os.environ.get(ENV, "1") != "0" and os.path.isdir(SHM_DIR)
     base = {pair: os.path.join(SHM_DIR, f"threefold-{token}-p2p-{pair[0]}-{pair[1]}") for pair in shapes}
     made: list[str] = []
