@@ -6,6 +6,8 @@ One process, one thread, no communication (what a pipeline rank's compute is mad
 
   gpt256    bench/pipeline_vs_torch.py's middle chunk at --n-embd 256 (GPT blocks h.2-h.3,
             microbatch 2 x 128 tokens: pp=4, m=8 of batch 16)
+  gpt256:S  the same chunk at sequence length S > 128, one sequence per microbatch (pp=4,
+            m=8 of batch 8): where attention's T x T work grows
   llama512  bench/compile_backend.py's llama512 as one chunk (4 layers, h=512, loss
             included), one microbatch of its m=4 (2 x 128 tokens)
 
@@ -53,12 +55,13 @@ def build_chunk(setup: str):
     from threefold.plan import Plan
     from threefold.runtime.loader import import_file
     from threefold.workload import Workload
-    if setup == "gpt256":
+    if setup.split(":")[0] == "gpt256":
         from pipeline_vs_torch import Config, build_workload, threefold_plan
-        cfg = Config(n_embd=256)
+        seq = int(setup.split(":")[1]) if ":" in setup else 128
+        cfg = Config(n_embd=256, seq=seq, batch=16 if seq <= 128 else 8)   # longer: 1 sequence a microbatch
         w = build_workload(cfg)
         plan, index = threefold_plan(cfg, "1f1b", 1), 1
-        x = torch.randn(2, 128, 256, generator=torch.Generator().manual_seed(0))
+        x = torch.randn(cfg.batch // cfg.microbatches, seq, 256, generator=torch.Generator().manual_seed(0))
         inputs = lambda: (x.clone().requires_grad_(True),)   # noqa: E731
     elif setup == "llama512":
         from compile_backend import build
@@ -67,7 +70,7 @@ def build_chunk(setup: str):
         plan, index = "m=4", 0
         inputs = lambda: (batch[0][:2], target[:2])   # noqa: E731
     else:
-        raise SystemExit(f"unknown setup {setup!r}: gpt256 or llama512")
+        raise SystemExit(f"unknown setup {setup!r}: gpt256, gpt256:SEQ or llama512")
     prog = compile_workload(Workload(w["model"], w["inputs"], w["target"], w["loss_fn"]), Plan.parse(plan))
     root = tempfile.mkdtemp(prefix="threefold-chunk-")
     for name, text in build_sources(prog).items():

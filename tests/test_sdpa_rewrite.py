@@ -130,3 +130,26 @@ def test_a_learned_additive_bias_is_left_as_written():
     out, grads, n = _captured(hf_eager, q, k, v, bias, grad_args=4)
     ref, ref_grads = _run(hf_eager, q, k, v, bias, grad_args=4)
     assert n == 0 and len(grads) == 4 and all(_close(g, r) for g, r in zip(grads, ref_grads))
+
+
+@pytest.mark.slow   # one Inductor compile of a tiny chunk (~20 s on the loaded 2-core machine)
+@pytest.mark.timeout(600)
+def test_compiled_gpt_chunks_use_sdpa_and_match_one_process(monkeypatch):
+    """End to end: under compile=inductor the generated chunk's attention (threefold's GPT,
+    one chain per layer) reaches Inductor rewritten, and SGD losses equal one process's."""
+    import threefold
+    from tests.parity import load_workload, max_rel_diff, parallel_sgd_losses, reference_losses
+    counts = []
+    real = sdpa_rewrite.rewrite
+    monkeypatch.setattr(sdpa_rewrite, "rewrite", lambda gm: counts.append(real(gm)) or counts[-1])
+    torch._dynamo.reset()
+    kwargs = {"n_layer": 2, "n_embd": 32, "n_head": 2, "seq": 8, "batch": 8}
+    ref = reference_losses("gpt", kwargs, 3)
+    w = load_workload("gpt", **kwargs)
+    pm = threefold.parallelize(w["model"], "compile=inductor", w["inputs"], w["loss_fn"], target=w["target"])
+    try:
+        got = parallel_sgd_losses(pm, w, 3)
+    finally:
+        torch._dynamo.reset()
+    assert sum(counts) == kwargs["n_layer"]
+    assert max_rel_diff(got, ref) < 1e-5, (got, ref)
