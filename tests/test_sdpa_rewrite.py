@@ -153,3 +153,16 @@ def test_compiled_gpt_chunks_use_sdpa_and_match_one_process(monkeypatch):
         torch._dynamo.reset()
     assert sum(counts) == kwargs["n_layer"]
     assert max_rel_diff(got, ref) < 1e-5, (got, ref)
+
+
+def scaled_mask(q, k, v, additive):   # add(s, A, alpha=2) adds 2A: not SDPA's mask
+    att = aten.add.Tensor(aten.matmul.default(q, aten.transpose.int(k, -2, -1)), additive, alpha=2)
+    return aten.matmul.default(aten.softmax.int(att, -1), v)
+
+
+def test_an_additive_mask_with_alpha_is_left_as_written():
+    q, k, v = _qkv(4)
+    mask = torch.randn(1, 1, T, T)
+    out, grads, n = _captured(scaled_mask, q, k, v, mask)
+    ref, _ = _run(scaled_mask, q, k, v, mask)
+    assert n == 0 and _close(out, ref)

@@ -110,14 +110,16 @@ def _match(pv: fx.Node):
         return None
     chain.append(p)
     mask, fill_nan = None, False
-    if isinstance(s, fx.Node) and s.target in (aten.masked_fill.Scalar, aten.add.Tensor) and _only_user(s, chain[-1]):
+    if isinstance(s, fx.Node) and s.target in (aten.masked_fill.Scalar, aten.add.Tensor) and not s.kwargs \
+            and _only_user(s, chain[-1]):   # (add's alpha= would scale the mask)
         found = _mask(s)
         if found is not None:
             mask, fill_nan = found
             chain.append(s)
             s = s.args[0]
     scale = 1.0
-    if isinstance(s, fx.Node) and s.target in (aten.mul.Tensor, aten.div.Tensor) and _only_user(s, chain[-1]):
+    if isinstance(s, fx.Node) and s.target in (aten.mul.Tensor, aten.div.Tensor) and not s.kwargs \
+            and _only_user(s, chain[-1]):
         c = s.args[1]
         if isinstance(c, (int, float)) and not isinstance(c, bool) and c != 0 and math.isfinite(c):
             scale = float(c) if s.target is aten.mul.Tensor else 1.0 / float(c)
