@@ -199,7 +199,8 @@ def run(setup: str, reps: int, profiling: bool) -> None:
     print("  profiled (ms per F+B; Inductor's Python wrapper here, so its rest is larger than shipped):")
     for v, r in rows.items():
         parts = ", ".join(f"{k} {ms:.1f}" for k, ms in r["parts"].items())
-        print(f"  {v:32s} total {r['total']:6.1f}: {parts}; GEMM rate {r['gflop'] / r['parts']['gemm'] * 1e3:.0f} GFLOP/s")
+        print(f"  {v:32s} total {r['total']:6.1f} (process CPU {r['cpu']:6.1f}: far below the total = preempted, "
+              f"rerun): {parts}; GEMM rate {r['gflop'] / r['parts']['gemm'] * 1e3:.0f} GFLOP/s")
     lone = lone_gemm_rate(eager["gemms"])
     print(f"  eager's GEMMs: {eager['parts']['gemm'] / eager['total']:.0%} of its F+B: bound with the GEMMs kept "
           f"{eager['total'] / eager['parts']['gemm']:.2f}x; the same GEMMs alone run at {lone:.0f} GFLOP/s "
