@@ -104,7 +104,7 @@ def _match(pv: fx.Node):
         return None
     s = p.args[0]
     sval, pval = _val(s), _val(p)
-    if sval is None or pval is None or sval.dim() != 4 or not _last_dim(p.args[1], 4):
+    if sval is None or pval is None or sval.dim() != 4 or not _last_dim(_arg(p, 1, "dim"), 4):
         return None
     if pval.dtype != sval.dtype:   # softmax(x, dtype=...) upcasting: not eager's arithmetic
         return None
