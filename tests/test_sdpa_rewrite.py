@@ -132,8 +132,7 @@ def test_a_learned_additive_bias_is_left_as_written():
     assert n == 0 and len(grads) == 4 and all(_close(g, r) for g, r in zip(grads, ref_grads))
 
 
-@pytest.mark.slow   # one Inductor compile of a tiny chunk (~20 s on the loaded 2-core machine)
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(600)   # one process; one Inductor compile of a tiny chunk (5 s cached, ~20 s cold)
 def test_compiled_gpt_chunks_use_sdpa_and_match_one_process(monkeypatch):
     """End to end: under compile=inductor the generated chunk's attention (threefold's GPT,
     one chain per layer) reaches Inductor rewritten, and SGD losses equal one process's."""
