@@ -22,7 +22,7 @@ def _captured(fn, *args, grad_args=3):
     counts = []
 
     def backend(gm, example_inputs):
-        counts.append(sdpa_rewrite.rewrite(gm))
+        counts.append(sdpa_rewrite.rewrite(gm, min_keys=1))
         assert all(n.target is not aten.softmax.int for n in gm.graph.nodes) or not counts[-1]
         return gm.forward
     torch._dynamo.reset()
@@ -140,6 +140,7 @@ def test_compiled_gpt_chunks_use_sdpa_and_match_one_process(monkeypatch):
     from tests.parity import load_workload, max_rel_diff, parallel_sgd_losses, reference_losses
     counts = []
     real = sdpa_rewrite.rewrite
+    monkeypatch.setattr(sdpa_rewrite, "MIN_KEYS", 1)   # the tiny model's 8 keys
     monkeypatch.setattr(sdpa_rewrite, "rewrite", lambda gm: counts.append(real(gm)) or counts[-1])
     torch._dynamo.reset()
     kwargs = {"n_layer": 2, "n_embd": 32, "n_head": 2, "seq": 8, "batch": 8}
@@ -165,3 +166,21 @@ def test_an_additive_mask_with_alpha_is_left_as_written():
     out, grads, n = _captured(scaled_mask, q, k, v, mask)
     ref, _ = _run(scaled_mask, q, k, v, mask)
     assert n == 0 and _close(out, ref)
+
+
+def test_short_sequences_stay_as_written():
+    """Below MIN_KEYS keys the flash kernels cost what they replace: no rewrite; from
+    MIN_KEYS on, the default rewrites."""
+    counts = []
+
+    def backend(gm, example_inputs):
+        counts.append(sdpa_rewrite.rewrite(gm))
+        return gm.forward
+    for t in (T, sdpa_rewrite.MIN_KEYS):
+        q, k, v = (torch.randn(1, 1, t, D) for _ in range(3))
+        torch._dynamo.reset()
+        try:
+            torch.compile(nanogpt, backend=backend, fullgraph=True)(q, k, v, causal(t))
+        finally:
+            torch._dynamo.reset()
+    assert T < sdpa_rewrite.MIN_KEYS and counts == [0, 1]

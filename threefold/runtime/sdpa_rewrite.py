@@ -27,6 +27,9 @@ probability tensor read elsewhere (returned attention weights), masks that need 
 mask fill other than -inf (a finite fill changes fully masked rows differently), and any
 dtype but float32 (bf16 upcasts its softmax: the chain does not match, by design).
 
+Only chains with at least MIN_KEYS (256) keys: at 128 the flash kernels cost what they
+replace (measured below MIN_KEYS), so shorter sequences stay as written.
+
 Same numbers, one difference handled: softmax over a row whose every key is masked is NaN in
 eager, while SDPA returns 0 there; the rewrite keeps eager's NaN (a `where` on the output
 over the mask's all-masked rows; Inductor fuses it into the transpose that follows).
@@ -46,12 +49,20 @@ _SOFTMAX = {aten.softmax.int, aten._softmax.default}
 _ASSERT = {aten._assert_tensor_metadata.default}
 
 
-def rewrite(gm: fx.GraphModule) -> int:
-    """Replace every matching attention chain of gm in place; the number replaced."""
+# Keys per query from which the rewrite pays (one thread, Zen 4, compiled both ways, F+B):
+# attention alone at 128 keys 4.16 -> 4.00 ms ([2,8,128,64]) but whole chunks at 128 keys
+# 0.3-1.1% slower (llama512) or level (gpt256); at 256 keys 1.10-1.13x, 512 1.17x, 1024 1.31x.
+MIN_KEYS = 256
+
+
+def rewrite(gm: fx.GraphModule, min_keys: int | None = None) -> int:
+    """Replace every matching attention chain of gm with at least min_keys keys (default
+    MIN_KEYS) in place; the number replaced."""
+    min_keys = MIN_KEYS if min_keys is None else min_keys
     count = 0
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is aten.matmul.default:
-            match = _match(node)
+            match = _match(node, min_keys)
             if match is not None:
                 _replace(gm.graph, node, match)
                 count += 1
@@ -88,7 +99,7 @@ def _last_dim(dim, ndim: int) -> bool:
     return isinstance(dim, int) and dim % ndim == ndim - 1
 
 
-def _match(pv: fx.Node):
+def _match(pv: fx.Node, min_keys: int):
     """The pieces of an attention chain ending at matmul node pv, or None."""
     p, v = pv.args[0], pv.args[1]
     chain = [pv]
@@ -134,7 +145,7 @@ def _match(pv: fx.Node):
     qv, kv, vv, ov = _val(q), _val(k), _val(v), _val(pv)
     if any(t is None or t.dim() != 4 or not all(isinstance(d, int) for d in t.shape) for t in (qv, kv, vv, ov)):
         return None   # symbolic sizes (a dynamic recompile) are left alone: static shapes only
-    if {kt.args[1] % 4, kt.args[2] % 4} != {2, 3}:
+    if {kt.args[1] % 4, kt.args[2] % 4} != {2, 3} or kv.shape[2] < min_keys:
         return None
     if {t.dtype for t in (qv, kv, vv, sval)} != {torch.float32} or len({t.device for t in (qv, kv, vv)}) != 1:
         return None
