@@ -14,9 +14,9 @@ One process, one thread, no communication (what a pipeline rank's compute is mad
 Contenders, built in one process and timed in alternating order (`--reps` rounds, CPU ms
 per forward + backward; median, best and worst): `compile=none`, `compile=inductor` as
 shipped, and `compile=inductor` without the attention rewrite (THREEFOLD_SDPA_REWRITE=0,
-runtime/sdpa_rewrite.py; the same as shipped below its 256 keys, e.g. at T=128). Then one profiled block of each compiled variant (Inductor's
-Python wrapper and kernel profiling on, so extern GEMMs and generated kernels show as
-events) split into: GEMMs (aten mm / addmm / bmm, with their FLOP rate from the recorded
+runtime/sdpa_rewrite.py; the same as shipped below its 512 keys, e.g. at T=128). Then
+one profiled block of each compiled variant (Inductor's Python wrapper and kernel
+profiling on, so extern GEMMs and generated kernels show as events) split into: GEMMs (aten mm / addmm / bmm, with their FLOP rate from the recorded
 shapes), attention (the flash kernels), Inductor's generated kernels, other aten ops, and
 the rest (autograd, Dynamo's guards, the wrappers); and eager's GEMM share, which bounds
 any compiler that keeps the GEMMs: eager F+B / eager GEMM time. Last, the same GEMM shapes

@@ -17,7 +17,7 @@ process and the `compile=none` path are untouched and never import torch._dynamo
 
 Inductor's settings: CPU graphs are compiled with its C++ wrapper (`config_patches`), GPU
 graphs with its defaults. Before Inductor sees a CPU graph, materialised attention
-(softmax(mask(Q K^T)) V) over 256 keys or more becomes one scaled_dot_product_attention
+(softmax(mask(Q K^T)) V) over 512 keys or more becomes one scaled_dot_product_attention
 call (runtime/sdpa_rewrite.py), which Inductor runs as torch's flash kernels. The optimizer
 step is the other half of the plan key, built by pm.optimizer (runtime/fused_optimizer.py).
 
@@ -179,9 +179,10 @@ def _attention_as_sdpa(gm: torch.fx.GraphModule, example_inputs, label: str) -> 
     """gm with its materialised attention chains as SDPA calls (runtime/sdpa_rewrite.py), on
     CPU graphs: there torch's flash kernel (forward and backward) replaces the two bmm's,
     the [B, H, T, S] scores Inductor writes and saves, and its softmax kernels. Measured
-    (one thread, causal mask, F+B of the attention alone, BENCHMARKS.md "Wave 10"): 1.10-1.13x
-    at 256 keys, 1.17x at 512, 1.31x at 1024, and no T x T tensor kept for backward; at 128
-    keys level, so chains with fewer than sdpa_rewrite.MIN_KEYS (256) keys stay as written.
+    (one thread, causal mask, BENCHMARKS.md "Wave 10"): the h=256 chunk's F+B 1.02x at 512
+    keys, 1.05x at 1024 (the attention alone 1.17x, 1.31x), and no T x T tensor kept for
+    backward; at 128 and 256 keys level or slower, so chains with fewer than
+    sdpa_rewrite.MIN_KEYS (512) keys stay as written.
     GPU graphs: not measured, left as captured.
     `THREEFOLD_SDPA_REWRITE=0` turns it off (to measure one against the other). The
     rewrite edits a copy of the graph, so a failure leaves the captured graph whole."""

@@ -27,8 +27,8 @@ probability tensor read elsewhere (returned attention weights), masks that need 
 mask fill other than -inf (a finite fill changes fully masked rows differently), and any
 dtype but float32 (bf16 upcasts its softmax: the chain does not match, by design).
 
-Only chains with at least MIN_KEYS (256) keys: at 128 the flash kernels cost what they
-replace (measured below MIN_KEYS), so shorter sequences stay as written.
+Only chains with at least MIN_KEYS (512) keys: below, the flash kernels cost what they
+replace or more (measured below MIN_KEYS), so shorter sequences stay as written.
 
 Same numbers, one difference handled: softmax over a row whose every key is masked is NaN in
 eager, while SDPA returns 0 there; the rewrite keeps eager's NaN (a `where` on the output
@@ -49,10 +49,11 @@ _SOFTMAX = {aten.softmax.int, aten._softmax.default}
 _ASSERT = {aten._assert_tensor_metadata.default}
 
 
-# Keys per query from which the rewrite pays (one thread, Zen 4, compiled both ways, F+B):
-# attention alone at 128 keys 4.16 -> 4.00 ms ([2,8,128,64]) but whole chunks at 128 keys
-# 0.3-1.1% slower (llama512) or level (gpt256); at 256 keys 1.10-1.13x, 512 1.17x, 1024 1.31x.
-MIN_KEYS = 256
+# Keys per query from which the rewrite pays (one thread, Zen 4, compiled both ways, F+B of
+# a whole chunk, bench/compile_chunk.py): 128 keys level (h=256) or 0.3-1.1% slower
+# (llama512), 256 keys 0.6-2.3% slower, 512 keys 1.02x, 1024 keys 1.05x (h=256). The attention
+# alone gains sooner (1.10-1.13x at 256 keys) than the chunk around it shows.
+MIN_KEYS = 512
 
 
 def rewrite(gm: fx.GraphModule, min_keys: int | None = None) -> int:
