@@ -16,8 +16,10 @@ on copies of the generated functions (their globals swapped), so eager chunks in
 process and the `compile=none` path are untouched and never import torch._dynamo.
 
 Inductor's settings: CPU graphs are compiled with its C++ wrapper (`config_patches`), GPU
-graphs with its defaults. The optimizer step is the other half of the plan key, built by
-pm.optimizer (runtime/fused_optimizer.py).
+graphs with its defaults. Before Inductor sees a CPU graph, materialised attention
+(softmax(mask(Q K^T)) V) over 512 keys or more becomes one scaled_dot_product_attention
+call (runtime/sdpa_rewrite.py), which Inductor runs as torch's flash kernels. The optimizer
+step is the other half of the plan key, built by pm.optimizer (runtime/fused_optimizer.py).
 
 Recomputed regions (plan recompute=...) are compiled too: `recompute` stays an eager
 torch.utils.checkpoint call and the region function it reruns is itself compiled.
@@ -164,12 +166,41 @@ def _inductor_or_eager(label: str):
     """A Dynamo backend: Inductor, or the captured FX graph as is where Inductor fails."""
     def backend(gm: torch.fx.GraphModule, example_inputs):
         from torch._inductor.compile_fx import compile_fx
+        gm = _attention_as_sdpa(gm, example_inputs, label)
         try:
             return compile_fx(gm, example_inputs, config_patches=config_patches(example_inputs))
         except Exception as exc:   # any lowering failure: keep the graph, eager
             note(f"{label}: a graph runs eagerly: Inductor cannot compile it ({_first_line(exc)})")
             return gm.forward
     return backend
+
+
+def _attention_as_sdpa(gm: torch.fx.GraphModule, example_inputs, label: str) -> torch.fx.GraphModule:
+    """gm with its materialised attention chains as SDPA calls (runtime/sdpa_rewrite.py), on
+    CPU graphs: there torch's flash kernel (forward and backward) replaces the two bmm's,
+    the [B, H, T, S] scores Inductor writes and saves, and its softmax kernels. Measured
+    (one thread, causal mask, BENCHMARKS.md "Wave 10"): the h=256 chunk's F+B 1.02x at 512
+    keys, 1.05x at 1024 (the attention alone 1.17x, 1.31x), and no T x T tensor kept for
+    backward; at 128 and 256 keys level or slower, so chains with fewer than
+    sdpa_rewrite.MIN_KEYS (512) keys stay as written.
+    GPU graphs: not measured, left as captured.
+    `THREEFOLD_SDPA_REWRITE=0` turns it off (to measure one against the other). The
+    rewrite edits a copy of the graph, so a failure leaves the captured graph whole."""
+    if not _on_cpu(example_inputs) or os.environ.get("THREEFOLD_SDPA_REWRITE", "1") == "0":
+        return gm
+    import copy
+    from threefold.runtime import sdpa_rewrite
+    try:
+        out = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        return out if sdpa_rewrite.rewrite(out) else gm
+    except Exception as exc:   # a chain the rule misread: the graph as captured, with a note
+        note(f"{label}: attention left as written: rewriting it to SDPA failed ({_first_line(exc)})")
+        return gm
+
+
+def _on_cpu(example_inputs) -> bool:
+    devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
+    return bool(devices) and devices <= {"cpu"}
 
 
 def config_patches(example_inputs) -> dict:
@@ -179,8 +210,7 @@ def config_patches(example_inputs) -> dict:
     microbatch (forward + backward call, profiled; default model, 1 thread: median CPU
     ms/step 40.9 -> 39.8, best block 36.5 -> 32.8; BENCHMARKS.md "Wave 8"). GPU graphs keep
     Inductor's defaults."""
-    devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
-    if devices and devices <= {"cpu"}:
+    if _on_cpu(example_inputs):
         return {"cpp_wrapper": True}
     return {}
 
