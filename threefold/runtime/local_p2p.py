@@ -120,10 +120,16 @@ class _End:
             raise comm._fail(what, self.peer, ConnectionError("the peer closed its shared-memory channel"))
         self.known += len(got)
 
-    def signal(self, what: str) -> None:
+    def signal(self, what: str, peer_may_be_done: bool = False) -> None:
         try:
             os.write(self.signal_fd, b"\1")
-        except OSError as exc:          # EPIPE: the peer is gone
+        except BrokenPipeError:
+            # the peer closed its end. A receiver's "slot free" after the peer's last
+            # message is expected (the sender finished its step and exited or dropped the
+            # module); anything else means the peer is gone with work outstanding
+            if not peer_may_be_done:
+                raise comm._fail(what, self.peer, ConnectionError("the peer closed its shared-memory channel")) from None
+        except OSError as exc:
             raise comm._fail(what, self.peer, exc) from None
 
     def close(self) -> None:
@@ -195,7 +201,7 @@ class _Receiver(_End):
         self.count += 1
         self.known -= 1
         rec.landed = True
-        self.signal(what)
+        self.signal(what, peer_may_be_done=True)   # the message is already copied out
 
 
 class Links:
