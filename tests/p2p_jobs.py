@@ -110,9 +110,8 @@ def channel_unit(shm_dir: str, ring_mb: str) -> dict:
 
 def die_mid_step(victim: int, shm_dir: str):
     """pp=4: one healthy step, then `victim` is killed (SIGKILL) in its third forward."""
-    import signal
-
     import threefold
+    from tests.dying import kill_in_forward
     from tests.parity import load_workload
     torch.set_num_threads(1)
     _use_dir(shm_dir, None)
@@ -121,15 +120,7 @@ def die_mid_step(victim: int, shm_dir: str):
     pm.step(*w["inputs"], target=w["target"])
     assert pm.engine._links[0] is not None and pm.engine._links[0].local_messages > 0
     if torch.distributed.get_rank() == victim:
-        for mod in pm.engine.modules.values():
-            original, calls = mod.forward, {"n": 0}
-
-            def dying_forward(*args, _orig=original, _calls=calls):
-                _calls["n"] += 1
-                if _calls["n"] == 3:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                return _orig(*args)
-            mod.forward = dying_forward
+        kill_in_forward(pm)   # during the forward of microbatch 2 of the next step
     start = time.monotonic()
     try:
         pm.step(*w["inputs"], target=w["target"])

@@ -1,5 +1,4 @@
 """A rank that dies mid-step makes every other rank fail loudly, naming it, within 60 s."""
-import os
 import time
 
 import pytest
@@ -10,27 +9,16 @@ VICTIM = 2
 
 
 def _train_then_die(victim: int):
-    import signal
-
     import torch
 
     import threefold
+    from tests.dying import kill_in_forward
     from tests.parity import load_workload
     w = load_workload("gpt", n_layer=4, n_embd=16, n_head=2, seq=8, batch=8)
     pm = threefold.parallelize(w["model"], "pp=4,m=4", w["inputs"], w["loss_fn"], target=w["target"])
     pm.step(*w["inputs"], target=w["target"])          # one healthy step
     if torch.distributed.get_rank() == victim:
-        # die in the middle of the next step: during the forward of microbatch 2
-        for mod in pm.engine.modules.values():
-            original = mod.forward
-            calls = {"n": 0}
-
-            def dying_forward(*args, _orig=original, _calls=calls):
-                _calls["n"] += 1
-                if _calls["n"] == 3:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                return _orig(*args)
-            mod.forward = dying_forward
+        kill_in_forward(pm)   # during the forward of microbatch 2 of the next step
     start = time.monotonic()
     try:
         pm.step(*w["inputs"], target=w["target"])

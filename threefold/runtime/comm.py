@@ -223,6 +223,17 @@ class PendingSend:
         self.buffers = []
 
 
+def drop_finished(sends: list[PendingSend]) -> None:
+    """Remove the completed sends from the front of `sends` (posting order). Sends to one
+    peer complete in order, so checking from the oldest and stopping at the first pending one
+    frees nearly as much as checking all, at a fraction of the calls."""
+    k = 0
+    while k < len(sends) and sends[k].done():
+        k += 1
+    if k:
+        del sends[:k]
+
+
 def send(tensors: list[torch.Tensor], peer: int, what: str, local=None) -> PendingSend:
     """Post the sends without waiting (verified schedules stay deadlock-free either way;
     not blocking keeps the interleaved schedule at its simulated makespan). `local`

@@ -27,8 +27,13 @@ from threefold.runtime.cp_ops import local_blocks
 from threefold.runtime.flat_grads import unflatten_into
 from threefold.runtime.mesh import BATCH_AXES, chunk_layout
 from threefold.runtime.module import ChunkModule
+from threefold.runtime.random_ops import shared_seed
 from threefold.runtime.schedule import Kind, Schedule, forward_only
+from threefold.runtime.slot import Slot, handed_over, input_grads, release_outputs
 from threefold.runtime import weight_grad   # zero bubble: W runs what B deferred
+
+
+_LOCAL = object()   # a reduction's marker: summed through shared memory (runtime/local_reduce.py)
 
 
 @dataclass
@@ -45,7 +50,7 @@ class _StepState:
     batch: tuple                                         # the global batch they were cut from
     m: int
     train: bool
-    slots: dict = field(default_factory=dict)           # (chunk, mb) -> _Slot
+    slots: dict = field(default_factory=dict)           # (chunk, mb) -> Slot
     sends: list = field(default_factory=list)           # comm.PendingSend not yet complete
     posted: dict = field(default_factory=dict)          # receive position -> comm.PendingRecv
     loss_posted: tuple | None = None                    # (this rank's share, its all-reduce)
@@ -63,15 +68,6 @@ class _StepState:
     peak: int = 0
     split: bool = False                                 # zero bubble: B and W run apart
     deferred: dict = field(default_factory=dict)        # (chunk, mb) -> what W needs (weight_grad)
-
-
-@dataclass
-class _Slot:
-    """What one (chunk, microbatch) keeps between its forward and its backward."""
-    inputs: list[torch.Tensor]
-    outputs: list[torch.Tensor] = field(default_factory=list)
-    input_grads: list[torch.Tensor | None] = field(default_factory=list)
-    output_grads: list[torch.Tensor] = field(default_factory=list)
 
 
 class PipelineEngine:
@@ -94,7 +90,7 @@ class PipelineEngine:
         self.batch_dims = manifest.batch_dims
         self.seq_dims = manifest.seq_dims
         self._step_count = 0
-        self._rng_base = _shared_seed()
+        self._rng_base = shared_seed()
         for mod in modules.values():
             mod.tp_group = groups.tp
             mod.ep_group = groups.of("ep")
@@ -217,7 +213,7 @@ class PipelineEngine:
                 if not a.is_recv:
                     handlers[a.kind](st, a)
                 if st.sends and a.is_compute:  # drop finished sends so their buffers can be freed
-                    _drop_finished(st.sends)
+                    comm.drop_finished(st.sends)
             for j in rx.land_before.get(len(actions), ()):
                 land(st, actions[j], st.posted.pop(j))
             for s in st.sends:
@@ -258,11 +254,11 @@ class PipelineEngine:
         for t in tensors:
             if st.train and t.is_floating_point():
                 t.requires_grad_(True)
-        st.slots[(a.chunk, a.mb)] = _Slot(inputs=tensors)
+        st.slots[(a.chunk, a.mb)] = Slot(inputs=tensors)
 
     def _forward(self, st: "_StepState", a) -> None:
         key = (a.chunk, a.mb)
-        slot = st.slots.setdefault(key, _Slot(inputs=[]))
+        slot = st.slots.setdefault(key, Slot(inputs=[]))
         mod = self.modules[a.chunk]
         is_last = a.chunk == self.num_chunks - 1
         # pm(x) with a loss: the last chunk's model_outputs method (codegen/model_outputs.py)
@@ -288,7 +284,7 @@ class PipelineEngine:
         slot.outputs = outs
         local_next = not is_last and a.chunk + 1 in self.modules   # ZB-V's turn: no message
         if local_next:
-            st.slots[(a.chunk + 1, a.mb)] = _Slot(inputs=_handed_over(outs, st.train))
+            st.slots[(a.chunk + 1, a.mb)] = Slot(inputs=handed_over(outs, st.train))
         if not st.train:
             slot.inputs = []
             if is_last or local_next:
@@ -304,7 +300,7 @@ class PipelineEngine:
             st.inflight -= 1
         elif self.manifest.plan.compile == "none":
             # (a compiled backward may save a forward output the eager one does not)
-            _release_outputs(slot.outputs, self.chunk_meta[a.chunk].releasable)
+            release_outputs(slot.outputs, self.chunk_meta[a.chunk].releasable)
 
     def _recv_grad(self, st: "_StepState", a, received: list[torch.Tensor]) -> None:
         slot = st.slots[(a.chunk, a.mb)]
@@ -328,7 +324,7 @@ class PipelineEngine:
             st.slots.pop((a.chunk, a.mb))
         elif a.chunk - 1 in self.modules:   # ZB-V's turn: the previous chunk is on this rank
             st.slots.pop((a.chunk, a.mb))
-            st.slots[(a.chunk - 1, a.mb)].output_grads = _input_grads(slot)
+            st.slots[(a.chunk - 1, a.mb)].output_grads = input_grads(slot)
 
     def _weight_action(self, st: "_StepState", a) -> None:
         """W (zero bubble): the weight gradients chunk a.chunk's B deferred for microbatch a.mb."""
@@ -345,7 +341,7 @@ class PipelineEngine:
         st.sends.append(comm.send(self._boundary(a.chunk, "inputs", grads=True).pack(grads), self._peer(a.peer),
                                   f"gradients of chunk {a.chunk - 1} microbatch {a.mb}", st.links))
 
-    def _backward(self, slot: _Slot, is_last: bool, denominator: float) -> None:
+    def _backward(self, slot: Slot, is_last: bool, denominator: float) -> None:
         if is_last and self.has_loss:
             # d(global loss)/d(numerator) = 1/D; times the batch ranks because the gradient
             # reduction averages over them
@@ -357,7 +353,7 @@ class PipelineEngine:
             tensors, grads = [p[0] for p in pairs], [p[1] for p in pairs]
         if tensors:
             # The engine call skips autograd's shape check, so outputs whose storage was
-            # released after sending (see _release_outputs) still backpropagate.
+            # released after sending (runtime/slot.py) still backpropagate.
             torch.autograd.Variable._execution_engine.run_backward(
                 tuple(tensors), tuple(grads), False, False, (), True, True)
         slot.input_grads = [x.grad if x.requires_grad else None for x in slot.inputs]
@@ -600,57 +596,3 @@ class PipelineEngine:
         if work is not None:
             comm.wait(work, "the loss all-reduce", None)
         return float(total) / (self.mesh.tp if self.mesh.pp > 1 else 1)
-
-
-def _shared_seed() -> int:
-    """The base seed of random ops: rank 0's torch.initial_seed(), the same on every rank."""
-    import torch.distributed as dist
-    seed = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.int64)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        if dist.get_backend() == "nccl":
-            seed = seed.cuda()
-        dist.broadcast(seed, src=0)
-    return int(seed.item())
-
-
-_LOCAL = object()   # a reduction's marker: summed through shared memory (runtime/local_reduce.py)
-
-
-def _drop_finished(sends: list) -> None:
-    """Remove the completed sends from the front of `sends` (posting order). Sends to one
-    peer complete in order, so checking from the oldest and stopping at the first pending one
-    frees nearly as much as checking all, at a fraction of the calls."""
-    k = 0
-    while k < len(sends) and sends[k].done():
-        k += 1
-    if k:
-        del sends[:k]
-
-
-def _handed_over(outs: list[torch.Tensor], train: bool) -> list[torch.Tensor]:
-    """A chunk's outputs as the next chunk's inputs on the same rank, as a receive gives
-    them: autograd leaves, so each chunk's backward stops at its own inputs."""
-    inputs = [o.detach() for o in outs]
-    for t in inputs:
-        if train and t.is_floating_point():
-            t.requires_grad_(True)
-    return inputs
-
-
-def _input_grads(slot: "_Slot") -> list[torch.Tensor]:
-    """The gradients of a chunk's floating inputs (zeros where autograd gave none)."""
-    return [g if g is not None else torch.zeros_like(x)
-            for x, g in zip(slot.inputs, slot.input_grads) if x.is_floating_point()]
-
-
-def _release_outputs(outputs: list[torch.Tensor], releasable: list[bool]) -> None:
-    """Free the storage of sent outputs that backward does not read (Megatron does the same).
-
-    Only outputs no op of the chunk reads (the manifest's `releasable`), that are not views,
-    and whose grad_fn did not save the result itself (softmax, tanh, ...) are freed.
-    """
-    for o, ok in zip(outputs, releasable):
-        fn = o.grad_fn
-        if not ok or fn is None or o._base is not None or hasattr(fn, "_saved_result"):
-            continue
-        o.data = torch.empty((0,), dtype=o.dtype, device=o.device)

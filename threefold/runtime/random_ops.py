@@ -71,3 +71,14 @@ def seeded(seed: int, fn, *args, **kwargs):
     with torch.random.fork_rng(devices=devices, device_type="cuda"):
         torch.manual_seed(seed)
         return fn(*args, **kwargs)
+
+
+def shared_seed() -> int:
+    """The base seed of random ops: rank 0's torch.initial_seed(), the same on every rank."""
+    import torch.distributed as dist
+    seed = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.int64)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.get_backend() == "nccl":
+            seed = seed.cuda()
+        dist.broadcast(seed, src=0)
+    return int(seed.item())
