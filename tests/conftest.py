@@ -19,7 +19,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if is_long_single_process(item.nodeid):
             item.add_marker(pytest.mark.slow)
-        if "slow" in item.keywords and "zoo" not in item.keywords and not in_default_sample(item.nodeid):
+        # markers, not keywords: keywords hold the names of parent folders too (a checkout
+        # in a folder named "zoo" would otherwise move every test out of the tiers)
+        if (item.get_closest_marker("slow") and not item.get_closest_marker("zoo")
+                and not in_default_sample(item.nodeid)):
             item.add_marker(pytest.mark.extended)
     # (only when whole files were collected: naming single tests collects part of a file)
     missing = [] if any("::" in a for a in config.args) else unmatched([item.nodeid for item in items])
@@ -29,7 +32,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu"):
             item.add_marker(skip)
 
 
