@@ -11,6 +11,8 @@ after warm-up steps, instrumented steps are run on every rank and report (per st
   * send: the CPU of the send calls within it (with receives posted ahead, gloo writes the
     bytes into the socket from this thread);
   * process: the process's CPU (adds gloo's transport threads);
+  * F / B / W: compute by action kind; preempt: involuntary context switches inside
+    compute (another process took the core mid-action); faults: minor page faults in it;
   * wait: wall time waiting for receives, and hop: the part of those waits that came after
     the matching send was posted (what one message costs on the critical path).
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -67,13 +70,20 @@ def instrumented_step(pm, step) -> dict:
     from threefold.runtime import comm
     from threefold.runtime.local_p2p import ChannelRecv
     eng = pm.engine
-    out = {"compute": 0.0, "send": 0.0, "sends": {}, "waits": []}
+    out = {"compute": 0.0, "send": 0.0, "sends": {}, "waits": [], "F": 0.0, "B": 0.0, "W": 0.0,
+           "preempted": 0, "faults": 0}
 
     def timed(fn):
         def run(st, a):
-            c = time.thread_time()
+            # (involuntary context switches inside compute: another process took the core
+            # mid-action, and the action's cache lines with it)
+            r0, c = resource.getrusage(resource.RUSAGE_THREAD), time.thread_time()
             fn(st, a)
-            out["compute"] += time.thread_time() - c
+            dt, r1 = time.thread_time() - c, resource.getrusage(resource.RUSAGE_THREAD)
+            out["compute"] += dt
+            out[a.kind.value] += dt
+            out["preempted"] += r1.ru_nivcsw - r0.ru_nivcsw
+            out["faults"] += r1.ru_minflt - r0.ru_minflt
         return run
 
     send, wait, channel_wait = comm.send, comm.PendingRecv.wait, ChannelRecv.wait
@@ -155,7 +165,10 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
                              "send_ms": med("send"), "process_ms": med("process"),
                              "wait_ms": sum(waits) / len(steps) * 1e3,
                              "hop_median_ms": statistics.median(hops) * 1e3 if hops else 0.0,
-                             "messages": len(waits) // len(steps)})
+                             "messages": len(waits) // len(steps),
+                             **{k + "_ms": med(k) for k in "FBW"},
+                             "preempted": statistics.median(s["preempted"] for s in steps),
+                             "faults": statistics.median(s["faults"] for s in steps)})
         rows[kind] = per_rank
     return rows
 
@@ -174,12 +187,16 @@ def main(argv=None) -> int:
     print(f"GPT {cfg.n_layer} x {cfg.n_embd}, seq {cfg.seq}, batch {cfg.batch}, pp={cfg.pp}, m={cfg.m}; "
           f"medians of {cfg.steps} steps after {cfg.warmup}; load {load0:.1f} -> {os.getloadavg()[0]:.1f}; ms per step")
     print(f"{'schedule':<12} {'rank':>4} {'main':>7} {'compute':>8} {'outside':>8} {'send':>6} {'process':>8} "
-          f"{'recv wait':>9} {'hop med':>8} {'msgs':>5}")
+          f"{'recv wait':>9} {'hop med':>8} {'msgs':>5} {'F':>6} {'B':>6} {'W':>6} {'preempt':>7} {'faults':>6}")
     for kind, per_rank in rows.items():
         for r, x in enumerate(per_rank):
             print(f"{kind:<12} {r:>4} {x['main_ms']:>7.1f} {x['compute_ms']:>8.1f} {x['outside_ms']:>8.1f} "
                   f"{x['send_ms']:>6.1f} {x['process_ms']:>8.1f} {x['wait_ms']:>9.1f} {x['hop_median_ms']:>8.2f} "
-                  f"{x['messages']:>5}")
+                  f"{x['messages']:>5} {x['F_ms']:>6.1f} {x['B_ms']:>6.1f} {x['W_ms']:>6.1f} "
+                  f"{x['preempted']:>7.0f} {x['faults']:>6.0f}")
+        tot = {k: sum(x[k] for x in per_rank) for k in ("compute_ms", "F_ms", "B_ms", "W_ms", "preempted")}
+        print(f"{kind:<12}  sum: compute {tot['compute_ms']:.1f} (F {tot['F_ms']:.1f}, B {tot['B_ms']:.1f}, "
+              f"W {tot['W_ms']:.1f}); preempted inside compute {tot['preempted']:.0f} times")
     return 0
 
 
