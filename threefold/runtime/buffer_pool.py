@@ -28,9 +28,12 @@ class BufferPool:
 
     def take(self, shape, dtype: torch.dtype, device) -> torch.Tensor:
         """A tensor of `shape` and `dtype` whose contents are garbage, like torch.empty."""
-        key = (tuple(shape), dtype, torch.device(device))
-        held = self._buffers.setdefault(key, [])
-        for buf, idle in held:
+        key = (shape if type(shape) is tuple else tuple(shape), dtype,
+               device if isinstance(device, torch.device) else torch.device(device))
+        held = self._buffers.get(key)
+        if held is None:
+            held = self._buffers[key] = []
+        for buf, idle in held:      # the first free one, oldest first
             if _storage_refs(buf) == idle:
                 self.reused += 1
                 return buf.detach()
