@@ -47,15 +47,20 @@ class Boundary:
         # and are cast back to their declared dtype on arrival (runtime/mixed_precision.py)
         self.wire = [(wire or _DTYPES[e.dtype]) if _DTYPES[e.dtype].is_floating_point else None
                      for e in entries]
+        # the same every message: one hashable tuple (runtime/local_p2p keys its layouts by it)
+        self._specs = tuple(((e.numel // self.t,) if s else tuple(e.shape), w or _DTYPES[e.dtype])
+                            for e, s, w in zip(self.entries, self.split, self.wire))
+        self._whole = not any(self.split)
 
     def pack(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """What this rank sends: its 1/t piece of each split tensor, others whole."""
-        out = [t.reshape(-1).chunk(self.t)[self.r] if s else t for t, s in zip(tensors, self.split)]
-        return [t if w is None else t.to(w) for t, w in zip(out, self.wire)]
+        out = tensors if self._whole else [t.reshape(-1).chunk(self.t)[self.r] if s else t
+                                           for t, s in zip(tensors, self.split)]
+        # (t.to(w) is t itself where the dtype is already w: skip the call, ~1 us per tensor)
+        return [t if w is None or t.dtype is w else t.to(w) for t, w in zip(out, self.wire)]
 
-    def recv_specs(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        return [((e.numel // self.t,) if s else tuple(e.shape), w or _DTYPES[e.dtype])
-                for e, s, w in zip(self.entries, self.split, self.wire)]
+    def recv_specs(self) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+        return self._specs
 
     def unpack(self, received: list[torch.Tensor]) -> list[torch.Tensor]:
         out = []

@@ -20,25 +20,34 @@ def _storage_refs(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
+_use_count = torch._C._storage_Use_Count
+
+
 class BufferPool:
     def __init__(self):
-        self._buffers: dict[tuple, list[tuple[torch.Tensor, int]]] = {}   # key -> (buffer, idle refs)
+        # key -> (buffer, idle refs, its storage's address). The address is read once: the
+        # pool's own tensor keeps that storage (aliases are handed out, never the buffer),
+        # and a take checks every busy buffer before a free one (~9 per message, interleaved)
+        self._buffers: dict[tuple, list[tuple[torch.Tensor, int, int]]] = {}
         self.allocated = 0      # buffers made (for tests and benches)
         self.reused = 0         # handed out again
 
     def take(self, shape, dtype: torch.dtype, device) -> torch.Tensor:
         """A tensor of `shape` and `dtype` whose contents are garbage, like torch.empty."""
-        key = (tuple(shape), dtype, torch.device(device))
-        held = self._buffers.setdefault(key, [])
-        for buf, idle in held:
-            if _storage_refs(buf) == idle:
+        key = (shape if type(shape) is tuple else tuple(shape), dtype,
+               device if isinstance(device, torch.device) else torch.device(device))
+        held = self._buffers.get(key)
+        if held is None:
+            held = self._buffers[key] = []
+        for buf, idle, storage in held:      # the first free one, oldest first
+            if _use_count(storage) == idle:
                 self.reused += 1
                 return buf.detach()
         buf = torch.empty(key[0], dtype=dtype, device=key[2])
-        held.append((buf, _storage_refs(buf)))
+        held.append((buf, _storage_refs(buf), buf.untyped_storage()._cdata))
         self.allocated += 1
         return buf.detach()
 
     def nbytes(self) -> int:
         """Bytes the pool holds (its buffers live as long as the pool)."""
-        return sum(b.numel() * b.element_size() for held in self._buffers.values() for b, _ in held)
+        return sum(b.numel() * b.element_size() for held in self._buffers.values() for b, _, _ in held)

@@ -40,9 +40,14 @@ def wait_work(work) -> None:
         work.wait()
 
 
+_parsed_timeout: list = [None, None]   # (THREEFOLD_TIMEOUT's text, its timedelta): read per wait
+
+
 def default_timeout() -> timedelta:
     """THREEFOLD_TIMEOUT seconds (default 60): how long a collective or the rendezvous waits."""
     text = os.environ.get("THREEFOLD_TIMEOUT", "60")
+    if text == _parsed_timeout[0]:     # a shared-memory wait asks per message: parse once per value
+        return _parsed_timeout[1]
     try:
         seconds = float(text)
     except ValueError:
@@ -51,7 +56,8 @@ def default_timeout() -> timedelta:
         from threefold.errors import PlanError
         raise PlanError(f"THREEFOLD_TIMEOUT={text!r} is invalid: give seconds above 0 and at most "
                         f"{MAX_TIMEOUT_S:.0f}, e.g. 60")
-    return timedelta(seconds=seconds)
+    _parsed_timeout[:] = [text, timedelta(seconds=seconds)]
+    return _parsed_timeout[1]
 
 
 class RankFailure(RuntimeError):
@@ -221,6 +227,11 @@ class PendingSend:
         except Exception as exc:
             raise _fail(f"sending {self.what} to", self.peer, exc) from None
         self.buffers = []
+
+
+# A send already complete when posted (shared memory copies it into the ring at once): one
+# object for all of them, which the engine need not keep (PendingSend.wait does nothing).
+SENT = PendingSend([], [], -1, "a message already copied out")
 
 
 def drop_finished(sends: list[PendingSend]) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from threefold.runtime import comm, compiled, mixed_precision, optimizers
+from threefold.runtime import comm, compiled, dispatch, mixed_precision, optimizers
 from threefold.runtime.boundary import Boundary
 from threefold.runtime.buffer_pool import BufferPool
 from threefold.runtime.collective_plan import CollectivePlan, with_collectives
@@ -68,6 +68,7 @@ class _StepState:
     peak: int = 0
     split: bool = False                                 # zero bubble: B and W run apart
     deferred: dict = field(default_factory=dict)        # (chunk, mb) -> what W needs (weight_grad)
+    messages: dict = field(default_factory=dict)        # id(send or receive action) -> dispatch.Message
 
 
 class PipelineEngine:
@@ -125,6 +126,7 @@ class PipelineEngine:
         # this rank's index among the ranks that split the batch (random ops' microbatch key)
         self._batch_rank = self.coord.dp * self.mesh.cp + self.coord.cp
         self._plan_cache: tuple | None = None   # (schedule, its ReceivePlan, loss position)
+        self._programs: dict = {}       # id(schedule) -> its runtime/dispatch.Program
         self.recv_pool = BufferPool()   # receive buffers, reused once their last reader is gone
         self.tracer = None      # a runtime/trace.Recorder while a step is traced (else no clock reads)
         self._local: tuple | None = None   # (LocalExchange or None,) once set up (runtime/local_reduce.py)
@@ -201,22 +203,23 @@ class PipelineEngine:
         post, land = self._post_recv, self._land
         if self.tracer is not None:   # --trace: each action timed (runtime/trace.py)
             handlers, post, land = self.tracer.wrap(handlers, post, land)
-        actions = schedule.actions[self.stage]
-        rx = self._step_plan(schedule)
+        prog = dispatch.program(self, schedule, self._step_plan(schedule))
+        st.messages = prog.messages
+        posted, sends = st.posted, st.sends
         try:
-            for i, a in enumerate(actions):
+            for posts, lands, kind, a, compute in prog.steps:
                 # receives are posted ahead and land just before the compute that reads them
-                for j in rx.post_before.get(i, ()):
-                    st.posted[j] = post(st, actions[j])
-                for j in rx.land_before.get(i, ()):
-                    land(st, actions[j], st.posted.pop(j))
-                if not a.is_recv:
-                    handlers[a.kind](st, a)
-                if st.sends and a.is_compute:  # drop finished sends so their buffers can be freed
-                    comm.drop_finished(st.sends)
-            for j in rx.land_before.get(len(actions), ()):
-                land(st, actions[j], st.posted.pop(j))
-            for s in st.sends:
+                for j, r in posts:
+                    posted[j] = post(st, r)
+                for j, r in lands:
+                    land(st, r, posted.pop(j))
+                if kind is not None:   # (a receive runs as its landing)
+                    handlers[kind](st, a)
+                if sends and compute:  # drop finished sends so their buffers can be freed
+                    comm.drop_finished(sends)
+            for j, r in prog.tail:
+                land(st, r, posted.pop(j))
+            for s in sends:
                 s.wait()
             loss = self._global_loss(st) if with_loss else float("nan")
         finally:
@@ -237,11 +240,8 @@ class PipelineEngine:
         return self._plan_cache[1]
 
     def _post_recv(self, st: "_StepState", a) -> comm.PendingRecv:
-        if a.kind is Kind.RECV_ACT:
-            b, what = self._boundary(a.chunk, "inputs"), f"activations of chunk {a.chunk - 1} microbatch {a.mb}"
-        else:
-            b, what = self._boundary(a.chunk, "outputs", grads=True), f"gradients of chunk {a.chunk} microbatch {a.mb}"
-        return comm.post_recv(b.recv_specs(), self._peer(a.peer), what, self.device, self.recv_pool, st.links)
+        m = st.messages[id(a)]
+        return comm.post_recv(m.specs, m.peer, m.what, self.device, self.recv_pool, st.links)
 
     def _land(self, st: "_StepState", a, pending: comm.PendingRecv) -> None:
         if a.kind is Kind.RECV_ACT:
@@ -250,10 +250,11 @@ class PipelineEngine:
             self._recv_grad(st, a, pending.wait())
 
     def _recv_act(self, st: "_StepState", a, received: list[torch.Tensor]) -> None:
-        tensors = self._boundary(a.chunk, "inputs").unpack(received)
-        for t in tensors:
-            if st.train and t.is_floating_point():
-                t.requires_grad_(True)
+        tensors = st.messages[id(a)].boundary.unpack(received)
+        if st.train:
+            for t in tensors:
+                if t.is_floating_point():
+                    t.requires_grad_(True)
         st.slots[(a.chunk, a.mb)] = Slot(inputs=tensors)
 
     def _forward(self, st: "_StepState", a) -> None:
@@ -293,8 +294,10 @@ class PipelineEngine:
 
     def _send_act(self, st: "_StepState", a) -> None:
         slot = st.slots[(a.chunk, a.mb)]
-        st.sends.append(comm.send(self._boundary(a.chunk, "outputs").pack(slot.outputs), self._peer(a.peer),
-                                  f"activations of chunk {a.chunk} microbatch {a.mb}", st.links))
+        m = st.messages[id(a)]
+        sent = comm.send(m.boundary.pack(slot.outputs), m.peer, m.what, st.links)
+        if sent is not comm.SENT:   # (through shared memory: complete already, nothing to keep)
+            st.sends.append(sent)
         if not st.train:
             st.slots.pop((a.chunk, a.mb))
             st.inflight -= 1
@@ -304,7 +307,7 @@ class PipelineEngine:
 
     def _recv_grad(self, st: "_StepState", a, received: list[torch.Tensor]) -> None:
         slot = st.slots[(a.chunk, a.mb)]
-        slot.output_grads = self._boundary(a.chunk, "outputs", grads=True).unpack(received)
+        slot.output_grads = st.messages[id(a)].boundary.unpack(received)
 
     def _saving(self, chunk: int):
         """zero=3: the forward saves parameter references whose unpack gathers them again."""
@@ -336,10 +339,10 @@ class PipelineEngine:
 
     def _send_grad(self, st: "_StepState", a) -> None:
         slot = st.slots.pop((a.chunk, a.mb))
-        grads = [g if g is not None else torch.zeros_like(x)
-                 for x, g in zip(slot.inputs, slot.input_grads) if x.is_floating_point()]
-        st.sends.append(comm.send(self._boundary(a.chunk, "inputs", grads=True).pack(grads), self._peer(a.peer),
-                                  f"gradients of chunk {a.chunk - 1} microbatch {a.mb}", st.links))
+        m = st.messages[id(a)]
+        sent = comm.send(m.boundary.pack(input_grads(slot)), m.peer, m.what, st.links)
+        if sent is not comm.SENT:
+            st.sends.append(sent)
 
     def _backward(self, slot: Slot, is_last: bool, denominator: float) -> None:
         if is_last and self.has_loss:
@@ -497,17 +500,7 @@ class PipelineEngine:
             return None
         if self._links is None:
             from threefold.runtime import local_p2p
-            me, messages = self.groups.rank, {}
-            sides = {Kind.SEND_ACT: ("outputs", False), Kind.SEND_GRAD: ("inputs", True),
-                     Kind.RECV_ACT: ("inputs", False), Kind.RECV_GRAD: ("outputs", True)}
-            for a in self.schedule.actions[self.stage]:
-                if a.kind in sides:
-                    side, grads = sides[a.kind]
-                    peer = self._peer(a.peer)
-                    pair = (me, peer) if a.is_send else (peer, me)
-                    specs = self._boundary(a.chunk, side, grads=grads).recv_specs()
-                    messages.setdefault(pair, []).append(local_p2p.layout(specs)[1])
-            self._links = (local_p2p.open_links(messages),)
+            self._links = (local_p2p.open_links(dispatch.p2p_messages(self)),)
         return self._links[0]
 
     def _grad_tensor(self, fqn: str) -> torch.Tensor:

@@ -56,15 +56,20 @@ def _round(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+_layouts: dict = {}    # specs -> layout: a rank sends and receives a few message shapes, per message
+
+
 def layout(specs) -> tuple[list[int], int]:
     """Byte offsets of a message's tensors ((shape, dtype) each) in a slot, and its size."""
+    key = specs if type(specs) is tuple else tuple((tuple(shape), dtype) for shape, dtype in specs)
+    known = _layouts.get(key)
+    if known is not None:
+        return known
     offsets, total = [], 0
-    for shape, dtype in specs:
+    for shape, dtype in key:
         offsets.append(total)
-        numel = 1
-        for s in shape:
-            numel *= int(s)
-        total += _round(numel * torch.empty((), dtype=dtype).element_size())
+        total += _round(_nbytes(shape, dtype))
+    _layouts[key] = (offsets, total)
     return offsets, total
 
 
@@ -88,13 +93,17 @@ class _End:
     def __init__(self, segment: torch.Tensor, slots: int, slot_bytes: int, peer: int,
                  wait_fd: int, signal_fd: int):
         head = _round((2 + 2 * slots) * 8)
-        self.header = segment[:head].view(torch.int64)      # [mark s, mark r, seq[K], bytes[K]]
+        # [mark s, mark r, seq[K], bytes[K]], read and written per message: through numpy, an
+        # element costs ~0.1 us where a tensor's item costs ~2 (same shared pages)
+        self.header = _fast(segment[:head].view(torch.int64))
         self.ring = segment[head:head + slots * slot_bytes].view(slots, slot_bytes)
         self.slots, self.slot_bytes, self.peer = slots, slot_bytes, peer
         self.wait_fd, self.signal_fd = wait_fd, signal_fd
         self.count = 0        # messages put (sender) or taken (receiver)
         self.known = 0        # slots known free (sender) or messages known ready (receiver)
         self._views: dict = {}
+        self._poller = select.poll()    # registered once: a wait is one poll() call
+        self._poller.register(wait_fd, select.POLLIN)
 
     def views(self, slot: int, specs) -> list[torch.Tensor]:
         key = (slot, specs)
@@ -106,18 +115,24 @@ class _End:
                 for off, (shape, dtype) in zip(offsets, specs)]
         return v
 
+    # `what` ("activations of chunk 1 microbatch 2") becomes "sending ... to" or "receiving
+    # ... from" only when a wait fails: a message's path builds no text.
+    def _doing(self, what: str) -> str:
+        return f"sending {what} to" if isinstance(self, _Sender) else f"receiving {what} from"
+
     def wait_bytes(self, what: str) -> None:
         """Sleep until the peer wrote to this side's pipe; count the bytes in `known`."""
         timeout = comm.wait_grace[0] if comm.wait_grace else comm.default_timeout()
-        poller = select.poll()
-        poller.register(self.wait_fd, select.POLLIN)
-        events = poller.poll(timeout.total_seconds() * 1000)
+        if self.wait_fd < 0:      # closed (the module was dropped): as the peer's hang-up
+            raise comm._fail(self._doing(what), self.peer, ConnectionError("the shared-memory channel is closed"))
+        events = self._poller.poll(timeout.total_seconds() * 1000)
         if not events:
-            raise comm._fail(what, self.peer, TimeoutError(
+            raise comm._fail(self._doing(what), self.peer, TimeoutError(
                 f"nothing through shared memory within {timeout.total_seconds():g} s"))
         got = os.read(self.wait_fd, 4096) if events[0][1] & select.POLLIN else b""
         if not got:        # end of file or hang-up: the peer closed its end (it exited or died)
-            raise comm._fail(what, self.peer, ConnectionError("the peer closed its shared-memory channel"))
+            raise comm._fail(self._doing(what), self.peer,
+                             ConnectionError("the peer closed its shared-memory channel"))
         self.known += len(got)
 
     def signal(self, what: str, peer_may_be_done: bool = False) -> None:
@@ -128,11 +143,17 @@ class _End:
             # message is expected (the sender finished its step and exited or dropped the
             # module); anything else means the peer is gone with work outstanding
             if not peer_may_be_done:
-                raise comm._fail(what, self.peer, ConnectionError("the peer closed its shared-memory channel")) from None
+                raise comm._fail(self._doing(what), self.peer,
+                                 ConnectionError("the peer closed its shared-memory channel")) from None
         except OSError as exc:
-            raise comm._fail(what, self.peer, exc) from None
+            raise comm._fail(self._doing(what), self.peer, exc) from None
 
     def close(self) -> None:
+        if self.wait_fd >= 0:
+            try:
+                self._poller.unregister(self.wait_fd)
+            except (KeyError, ValueError, OSError):
+                pass
         for fd in (self.wait_fd, self.signal_fd):
             if fd >= 0:
                 try:
@@ -143,25 +164,33 @@ class _End:
 
 
 def _nbytes(shape, dtype) -> int:
-    n = torch.empty((), dtype=dtype).element_size()
+    n = dtype.itemsize
     for s in shape:
         n *= int(s)
     return n
 
 
+def _fast(header: torch.Tensor):
+    """The header as a numpy array on the same memory (a torch tensor without numpy)."""
+    try:
+        return header.numpy()
+    except (RuntimeError, ImportError):
+        return header
+
+
 class _Sender(_End):
     def put(self, tensors: list[torch.Tensor], specs, nbytes: int, what: str) -> None:
         if self.known == 0:
-            self.wait_bytes(f"sending {what} to")
+            self.wait_bytes(what)
         slot = self.count % self.slots
-        with torch.no_grad():
-            for v, t in zip(self.views(slot, specs), tensors):
-                v.copy_(t.detach())
-        self.header[2 + slot] = self.count
-        self.header[2 + self.slots + slot] = nbytes
+        for v, t in zip(self.views(slot, specs), tensors):
+            v.copy_(t.detach())       # detached: autograd records nothing (no no_grad block needed)
+        header = self.header
+        header[2 + slot] = self.count
+        header[2 + self.slots + slot] = nbytes
         self.count += 1
         self.known -= 1
-        self.signal(f"sending {what} to")
+        self.signal(what)
 
 
 class ChannelRecv(comm.PendingRecv):
@@ -186,22 +215,20 @@ class _Receiver(_End):
     def take(self) -> None:
         """Copy the oldest posted receive's message out of its slot and free the slot."""
         rec = self.posted.popleft()
-        what = f"receiving {rec.what} from"
         if self.known == 0:
-            self.wait_bytes(what)
+            self.wait_bytes(rec.what)
         slot = self.count % self.slots
         seq, nbytes = int(self.header[2 + slot]), int(self.header[2 + self.slots + slot])
         if seq != self.count or nbytes != rec.nbytes:
-            raise comm._fail(what, self.peer, RuntimeError(
+            raise comm._fail(f"receiving {rec.what} from", self.peer, RuntimeError(
                 f"message {seq} of {nbytes} bytes in shared memory where message {self.count} of "
                 f"{rec.nbytes} bytes was expected: the ranks' schedules disagree"))
-        with torch.no_grad():
-            for t, v in zip(rec.tensors, self.views(slot, rec.specs)):
-                t.copy_(v)
+        for t, v in zip(rec.tensors, self.views(slot, rec.specs)):
+            t.copy_(v)      # neither side requires grad: autograd records nothing
         self.count += 1
         self.known -= 1
         rec.landed = True
-        self.signal(what, peer_may_be_done=True)   # the message is already copied out
+        self.signal(rec.what, peer_may_be_done=True)   # already copied out
 
 
 class Links:
@@ -224,13 +251,14 @@ class Links:
             return None
         end.put(tensors, specs, nbytes, what)
         self.local_messages += 1
-        return comm.PendingSend([], [], peer, what)
+        return comm.SENT
 
     def post_recv(self, specs, peer: int, what: str, device, pool=None) -> ChannelRecv | None:
         end = self.receivers.get(peer)
-        specs = tuple((tuple(s), d) for s, d in specs)
-        if end is None or torch.device(device).type != "cpu":
+        if end is None or (device.type if isinstance(device, torch.device) else torch.device(device).type) != "cpu":
             return None
+        if type(specs) is not tuple:    # (the engine's are: runtime/boundary.recv_specs)
+            specs = tuple((tuple(s), d) for s, d in specs)
         nbytes = layout(specs)[1]
         if nbytes > end.slot_bytes:
             return None
