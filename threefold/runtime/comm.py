@@ -40,14 +40,13 @@ def wait_work(work) -> None:
         work.wait()
 
 
-_parsed_timeout: list = [None, None]   # (THREEFOLD_TIMEOUT's text, its timedelta): read per wait
-
-
 def default_timeout() -> timedelta:
     """THREEFOLD_TIMEOUT seconds (default 60): how long a collective or the rendezvous waits."""
-    text = os.environ.get("THREEFOLD_TIMEOUT", "60")
-    if text == _parsed_timeout[0]:     # a shared-memory wait asks per message: parse once per value
-        return _parsed_timeout[1]
+    return _timeout_of(os.environ.get("THREEFOLD_TIMEOUT", "60"))
+
+
+@functools.lru_cache(maxsize=8)    # a shared-memory wait asks per message: parse once per value
+def _timeout_of(text: str) -> timedelta:
     try:
         seconds = float(text)
     except ValueError:
@@ -56,8 +55,7 @@ def default_timeout() -> timedelta:
         from threefold.errors import PlanError
         raise PlanError(f"THREEFOLD_TIMEOUT={text!r} is invalid: give seconds above 0 and at most "
                         f"{MAX_TIMEOUT_S:.0f}, e.g. 60")
-    _parsed_timeout[:] = [text, timedelta(seconds=seconds)]
-    return _parsed_timeout[1]
+    return timedelta(seconds=seconds)
 
 
 class RankFailure(RuntimeError):
