@@ -10,6 +10,7 @@ add typed annotations under `node.meta["tf"]` (the keys: compiler/annotations.py
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,10 +25,7 @@ class TensorMeta:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= int(s)
-        return n
+        return math.prod(int(s) for s in self.shape)
 
     @property
     def nbytes(self) -> int:

@@ -18,6 +18,7 @@ touched it. Stages save to and load from directories (compiler/stage_io.py).
 """
 from __future__ import annotations
 
+import math
 import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -42,10 +43,7 @@ class BoundarySpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= int(s)
-        return n
+        return math.prod(int(s) for s in self.shape)
 
     @property
     def nbytes(self) -> int:

@@ -47,10 +47,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= int(s)
-        return n
+        return math.prod(int(s) for s in self.shape)
 
     @property
     def on_mesh(self) -> placements.OnMesh:

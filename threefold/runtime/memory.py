@@ -17,10 +17,25 @@ from __future__ import annotations
 
 import torch
 
-_ACTIVE: list["SavedTensorCounter"] = []
+_ACTIVE: list["_Counting"] = []
 
 
-class SavedTensorCounter:
+class _Counting:
+    """A counter live inside `with`: its saved-tensor hooks installed and itself on _ACTIVE
+    (where tensors held outside the hooks find it)."""
+    _hooks: torch.autograd.graph.saved_tensors_hooks
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _ACTIVE.remove(self)
+        self._hooks.__exit__(*exc)
+
+
+class SavedTensorCounter(_Counting):
     """with SavedTensorCounter(exclude=model.parameters()) as c: loss = f(x)  ->  c.bytes"""
 
     def __init__(self, exclude=()):
@@ -44,15 +59,6 @@ class SavedTensorCounter:
         self.count(t)
         return t
 
-    def __enter__(self) -> "SavedTensorCounter":
-        self._hooks.__enter__()
-        _ACTIVE.append(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _ACTIVE.remove(self)
-        self._hooks.__exit__(*exc)
-
 
 def note_held(values) -> None:
     """Tensors kept for backward outside the saved-tensor hooks (a checkpoint's inputs)."""
@@ -73,7 +79,7 @@ class _Saved:
         self.counter._release(self.key)
 
 
-class PeakSavedCounter:
+class PeakSavedCounter(_Counting):
     """with PeakSavedCounter(exclude=state) as c: pm.step(...)  ->  c.peak_bytes
 
     The most bytes of unique storages saved for backward that are alive at one time, over
@@ -123,15 +129,6 @@ class PeakSavedCounter:
         key = self._acquire(t)
         if key is not None:
             weakref.finalize(t, self._release, key)
-
-    def __enter__(self) -> "PeakSavedCounter":
-        self._hooks.__enter__()
-        _ACTIVE.append(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _ACTIVE.remove(self)
-        self._hooks.__exit__(*exc)
 
 
 def state_bytes(module_params, optimizer=None) -> dict:
