@@ -101,7 +101,7 @@ def prepared(make, inputs, variant: str, profiling: bool = False):
         os.environ["THREEFOLD_SDPA_REWRITE"] = sdpa
         saved = compiled.config_patches
         if profiling:   # extern calls and kernels visible to the profiler
-            compiled.config_patches = lambda ex: {"cpp_wrapper": False, "cpp.enable_kernel_profile": True}
+            compiled.config_patches = lambda ex, gm=None: {"cpp_wrapper": False, "cpp.enable_kernel_profile": True}
         compiled.install({0: mod}, "inductor")
         for _ in range(2):
             forward_backward(mod, inputs)   # compiles here, under this variant's settings

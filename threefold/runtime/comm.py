@@ -193,6 +193,18 @@ def _fail(what: str, peer, exc: Exception) -> RankFailure:
     return RankFailure(msg)
 
 
+def in_graph_failure(exc: BaseException, what: str) -> RankFailure | None:
+    """A collective inside a compiled graph that failed (tp_ops' collectives, traced as
+    functional ones under compile=inductor: no comm call to name the peer), as comm's own
+    failures read: what, with whom, and what a failed rank posted. None for any other error."""
+    text = str(exc)
+    if isinstance(exc, RankFailure) or not (isinstance(exc, dist.DistError) or "c10d_functional" in text):
+        return None
+    if "API call failed" in text:   # the C++ wrapper's shim: the cause stayed in the collective
+        exc = RuntimeError("its wait failed")
+    return _fail(f"a collective in {what} (a compiled graph) with", None, exc)
+
+
 # runtime/trace.py's Recorder while a step is traced. Empty, the functions marked
 # @_recorded are plain calls: no clock is read.
 _recorders: list = []

@@ -6,12 +6,17 @@ instance's `forward` (and `model_outputs`) with a torch.compile'd copy, so Dynam
 chunk's aten ops, AOTAutograd derives the backward graph and Inductor generates C++ (CPU) or
 Triton (GPU) for both; the engine's backward call then runs the compiled backward.
 
-Collectives stay correct by staying eager: every runtime helper the generated code calls
-(tp_ops, cp_ops, weight_grad, random_ops, the artifact's fused `kernels` module...) and every
-ChunkModule method that talks to other ranks or reads per-microbatch state (rng_seed,
-step_start, unit, needs_whole, recompute, experts) is wrapped in torch.compiler.disable, so
-Dynamo breaks the graph there and compiles the pieces between them. The ranks therefore
-issue exactly the collectives, in exactly the order, of the eager run. The wrapping is done
+Collectives stay correct in one of two ways. Tensor parallelism's (runtime/tp_ops.py's
+TRACEABLE functions: f, g, scatter, gather, the vocab-parallel embedding and loss...) are
+traced into the graph as functional collectives, so a tp chunk is one graph rather than a
+piece between every two collectives (a default GPT at tp=2: 38 graph breaks per forward
+before). Every other runtime helper the generated code calls (cp_ops, weight_grad,
+random_ops, all_gather_seq, the artifact's fused `kernels` module...) and every ChunkModule
+method that talks to other ranks or reads per-microbatch state (rng_seed, step_start, unit,
+needs_whole, recompute, experts) is wrapped in torch.compiler.disable, so Dynamo breaks the
+graph there and compiles the pieces between them. Either way every rank issues the same
+collectives in the same order (the graphs are the same on every rank, and Inductor keeps a
+graph's collectives in program order). The wrapping is done
 on copies of the generated functions (their globals swapped), so eager chunks in the same
 process and the `compile=none` path are untouched and never import torch._dynamo.
 
@@ -45,7 +50,7 @@ from datetime import timedelta
 
 import torch
 
-from threefold.runtime.comm import MAX_TIMEOUT_S, default_timeout, wait_grace
+from threefold.runtime.comm import MAX_TIMEOUT_S, default_timeout, in_graph_failure, wait_grace
 from threefold.runtime.module import ChunkModule
 
 # ChunkModule methods that communicate or read per-microbatch Python state: eager always.
@@ -114,7 +119,8 @@ def _eager_helpers(globals_: dict) -> dict:
 
 
 class _EagerNamespace:
-    """Attribute access to a module, each callable wrapped so Dynamo leaves it eager.
+    """Attribute access to a module, each callable wrapped so Dynamo leaves it eager, but
+    the names in the module's TRACEABLE (tp_ops: collectives Dynamo traces as functional ones).
 
     The wrappers are made here, before any tracing: a torch.compiler.disable call made
     while Dynamo traces the chunk is itself a graph break Dynamo cannot resume from, and the
@@ -124,9 +130,10 @@ class _EagerNamespace:
     def __init__(self, module: types.ModuleType):
         self._module = module
         self._wrapped: dict = {}
+        traceable = set(getattr(module, "TRACEABLE", ()))
         for name, value in vars(module).items():
             if callable(value) and not isinstance(value, type) and not name.startswith("__"):
-                self._wrapped[name] = torch.compiler.disable(value, recursive=True)
+                self._wrapped[name] = value if name in traceable else torch.compiler.disable(value, recursive=True)
                 setattr(self, name, self._wrapped[name])
 
     def __getattr__(self, name: str):   # only names the module gained after install
@@ -160,6 +167,11 @@ class CompiledFn:
             note(f"{self.label} runs eagerly: torch.compile failed on it ({_first_line(exc)})")
             self.failed = True
             return self.eager(*args)
+        except RuntimeError as exc:
+            failure = in_graph_failure(exc, self.label)
+            if failure is None:
+                raise
+            raise failure from None
 
 
 def _inductor_or_eager(label: str):
@@ -168,7 +180,7 @@ def _inductor_or_eager(label: str):
         from torch._inductor.compile_fx import compile_fx
         gm = _attention_as_sdpa(gm, example_inputs, label)
         try:
-            return compile_fx(gm, example_inputs, config_patches=config_patches(example_inputs))
+            return compile_fx(gm, example_inputs, config_patches=config_patches(example_inputs, gm))
         except Exception as exc:   # any lowering failure: keep the graph, eager
             note(f"{label}: a graph runs eagerly: Inductor cannot compile it ({_first_line(exc)})")
             return gm.forward
@@ -203,16 +215,35 @@ def _on_cpu(example_inputs) -> bool:
     return bool(devices) and devices <= {"cpu"}
 
 
-def config_patches(example_inputs) -> dict:
+def config_patches(example_inputs, gm: torch.fx.GraphModule | None = None) -> dict:
     """Inductor settings for one graph. On CPU: the C++ wrapper (`cpp_wrapper`), which calls
     the graph's kernels and extern BLAS ops from one compiled C++ function instead of a
     Python wrapper issuing them one by one; at our sizes that Python cost ~1.7 ms per
     microbatch (forward + backward call, profiled; default model, 1 thread: median CPU
-    ms/step 40.9 -> 39.8, best block 36.5 -> 32.8; BENCHMARKS.md "Wave 8"). GPU graphs keep
+    ms/step 40.9 -> 39.8, best block 36.5 -> 32.8; BENCHMARKS.md "Wave 8"), unless the
+    graph holds a functional collective the C++ wrapper cannot call. GPU graphs keep
     Inductor's defaults."""
-    if _on_cpu(example_inputs):
+    if _on_cpu(example_inputs) and (gm is None or _cpp_wrapper_calls_its_collectives(gm)):
         return {"cpp_wrapper": True}
     return {}
+
+
+# The functional collectives Inductor's C++ wrapper calls (torch 2.13, tried): a tp chunk's
+# all-reduces. Any other one (all_gather_into_tensor: "arg type Any is not yet supported by
+# custom_op_wrapper") keeps its graph on the Python wrapper.
+_CPP_WRAPPER_COLLECTIVES = {"all_reduce", "wait_tensor"}
+
+
+def _cpp_wrapper_calls_its_collectives(gm: torch.fx.GraphModule) -> bool:
+    """No functional collective outside _CPP_WRAPPER_COLLECTIVES in gm or its subgraphs
+    (an autograd.Function's forward and backward are subgraphs of Dynamo's graph)."""
+    for mod in gm.modules():
+        graph = getattr(mod, "graph", None)
+        for node in graph.nodes if isinstance(graph, torch.fx.Graph) else ():
+            ns, _, rest = str(node.target).partition(".") if node.op == "call_function" else ("", "", "")
+            if ns == "_c10d_functional" and rest.split(".")[0] not in _CPP_WRAPPER_COLLECTIVES:
+                return False
+    return True
 
 
 def _first_line(exc: BaseException) -> str:

@@ -357,8 +357,14 @@ class PipelineEngine:
         if tensors:
             # The engine call skips autograd's shape check, so outputs whose storage was
             # released after sending (runtime/slot.py) still backpropagate.
-            torch.autograd.Variable._execution_engine.run_backward(
-                tuple(tensors), tuple(grads), False, False, (), True, True)
+            try:
+                torch.autograd.Variable._execution_engine.run_backward(
+                    tuple(tensors), tuple(grads), False, False, (), True, True)
+            except RuntimeError as exc:   # a compiled backward's collective: name it as comm would
+                failure = comm.in_graph_failure(exc, "a chunk's backward")
+                if failure is None:
+                    raise
+                raise failure from None
         slot.input_grads = [x.grad if x.requires_grad else None for x in slot.inputs]
         slot.outputs, slot.output_grads = [], []
 

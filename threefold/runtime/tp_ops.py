@@ -13,11 +13,19 @@ backward is the matching collective, so the compiled graph stays differentiable.
                  saved for backward as the shard: runtime/saved_shards.py)
   vocab_parallel_embedding / vocab_parallel_cross_entropy: the vocabulary split over ranks
   tp_dropout     dropout whose mask differs per tp rank (sharded regions; see DESIGN notes)
+
+Under compile=inductor (runtime/compiled.py) Dynamo traces the functions in TRACEABLE into
+the chunk's graph instead of breaking the graph at each: while tracing, their collectives
+are functional collectives (torch.distributed._functional_collectives), which AOTAutograd
+and Inductor keep in the graph in program order, on every rank alike. Eager, they go
+through comm (bounded waits that name the group and what failed). A default GPT at tp=2
+had 38 graph breaks per forward (every f and g); now none.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from threefold.runtime import comm   # every collective goes through comm: bounded, names its group
 from threefold.runtime import saved_shards
@@ -35,6 +43,15 @@ class GroupRef:
 
 TP = GroupRef("tp")
 
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+# What a compiled chunk traces rather than runs eagerly (runtime/compiled.py): the functions
+# whose only communication is _all_reduce / _all_gather and whose Python state is the
+# arguments. all_gather_seq (saved_shards' hooks) and tp_dropout (a per-rank generator) stay eager.
+TRACEABLE = ("f", "g", "scatter", "gather", "reduce_scatter", "scatter_blocks", "gather_blocks",
+             "mask_padding", "vocab_parallel_embedding", "vocab_parallel_cross_entropy",
+             "vocab_parallel_cross_entropy_full")
+
 
 def _size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -44,17 +61,21 @@ def _rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group, op: str = "sum", what: str = "a tensor-parallel partial sum") -> torch.Tensor:
     if group is None:
         return x
+    if torch.compiler.is_compiling():    # traced into a compiled chunk's graph
+        return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), op, group))
     x = x.contiguous().clone()
-    comm.all_reduce(x, group, "a tensor-parallel partial sum")
+    comm.all_reduce(x, group, what, op=_REDUCE_OPS[op])
     return x
 
 
 def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if group is None:
         return x
+    if torch.compiler.is_compiling():
+        return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), dim, group))
     parts = [torch.empty_like(x.contiguous()) for _ in range(_size(group))]
     comm.all_gather(parts, x.contiguous(), group, "a tensor-parallel shard")
     return torch.cat(parts, dim=dim)
@@ -327,7 +348,7 @@ class _VocabParallelCEFull(torch.autograd.Function):
         masked = logits.masked_fill(~valid_cols, float("-inf"))
         row_max = masked.max(dim=-1).values
         if group is not None:
-            comm.all_reduce(row_max, group, "the vocab-parallel row max", op=dist.ReduceOp.MAX)
+            row_max = _all_reduce(row_max, group, "max", "the vocab-parallel row max")
         shifted = masked - row_max.unsqueeze(-1)
         local_t = target - start
         in_range = (local_t >= 0) & (local_t < n_local)
