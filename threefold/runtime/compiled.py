@@ -9,7 +9,7 @@ Triton (GPU) for both; the engine's backward call then runs the compiled backwar
 Collectives stay correct in one of two ways. Tensor parallelism's (runtime/tp_ops.py's
 TRACEABLE functions: f, g, scatter, gather, the vocab-parallel embedding and loss...) are
 traced into the graph as functional collectives, so a tp chunk is one graph rather than a
-piece between every two collectives (a default GPT at tp=2: 38 graph breaks per forward
+piece between every two collectives (a default GPT at tp=2: 19 graph breaks per forward
 before). Every other runtime helper the generated code calls (cp_ops, weight_grad,
 random_ops, all_gather_seq, the artifact's fused `kernels` module...) and every ChunkModule
 method that talks to other ranks or reads per-microbatch state (rng_seed, step_start, unit,
