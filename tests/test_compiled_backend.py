@@ -46,6 +46,34 @@ def test_a_graph_inductor_cannot_compile_runs_eagerly_with_a_note(monkeypatch, c
     assert notes and "Inductor cannot compile it (NotImplementedError: no lowering for aten.fancy_op)" in notes[0]
 
 
+def test_a_backward_graph_inductor_cannot_compile_runs_eagerly_with_a_note(monkeypatch, capsys):
+    """The backward graph compiles with the forward (not lazily at the first backward, where
+    a failure would raise inside the engine's backward call): Inductor failing on it alone
+    is the same one-line note and eager graph as a forward's."""
+    import torch._inductor.compile_fx as compile_fx
+    real = compile_fx.compile_fx
+
+    def refuse_backward(gm, example_inputs, *args, **kwargs):
+        compile_inner = kwargs.pop("inner_compile", compile_fx.compile_fx_inner)   # (compile_fx recurses)
+
+        def inner(g, ex, *a, **kw):
+            if kw.get("is_backward"):
+                raise NotImplementedError("no lowering for aten.fancy_backward")
+            return compile_inner(g, ex, *a, **kw)
+        return real(gm, example_inputs, *args, inner_compile=inner, **kwargs)
+    monkeypatch.setattr(compile_fx, "compile_fx", refuse_backward)
+    torch._dynamo.reset()
+    factory, kwargs = GPT
+    ref = reference_losses(factory, kwargs, STEPS)
+    w = load_workload(factory, **kwargs)
+    pm = threefold.parallelize(w["model"], "compile=inductor", w["inputs"], w["loss_fn"], target=w["target"])
+    got = parallel_sgd_losses(pm, w, STEPS)
+    torch._dynamo.reset()
+    assert max_rel_diff(got, ref) < 1e-5, (got, ref)
+    notes = [line for line in capsys.readouterr().err.splitlines() if "compile=inductor" in line]
+    assert notes and "Inductor cannot compile it (NotImplementedError: no lowering for aten.fancy_backward)" in notes[0]
+
+
 def _check(world, plans, workload, tol=1e-5):
     factory, kwargs = workload
     ref = reference_losses(factory, kwargs, STEPS)

@@ -29,8 +29,8 @@ step is the other half of the plan key, built by pm.optimizer (runtime/fused_opt
 Recomputed regions (plan recompute=...) are compiled too: `recompute` stays an eager
 torch.utils.checkpoint call and the region function it reruns is itself compiled.
 
-Falling back: if Inductor cannot compile a graph (an op it does not lower), that graph runs
-as the eager FX graph Dynamo captured, with a one-line note; if Dynamo itself fails on a
+Falling back: if Inductor cannot compile a graph, forward or backward (an op it does not
+lower), that graph runs as the eager FX graph Dynamo captured, with a one-line note; if Dynamo itself fails on a
 chunk, the chunk runs eagerly from then on, with a one-line note. Never a crash.
 
 Caching across steps and runs: within a run Dynamo keeps the compiled code per chunk (the
@@ -175,13 +175,20 @@ class CompiledFn:
 
 
 def _inductor_or_eager(label: str):
-    """A Dynamo backend: Inductor, or the captured FX graph as is where Inductor fails."""
+    """A Dynamo backend: Inductor, or the captured FX graph as is where Inductor fails.
+
+    The backward graph is compiled here too, not lazily at the first backward as
+    AOTAutograd would (`force_non_lazy_backward_lowering`): a backward Inductor cannot
+    compile then falls back like a forward, where lazily it raised inside the engine's
+    backward call, past any fallback (the tp=2+sp graphs' all-gathers under the C++ wrapper did)."""
     def backend(gm: torch.fx.GraphModule, example_inputs):
+        import torch._functorch.config as functorch_config
         from torch._inductor.compile_fx import compile_fx
         gm = _attention_as_sdpa(gm, example_inputs, label)
         try:
-            return compile_fx(gm, example_inputs, config_patches=config_patches(example_inputs, gm))
-        except Exception as exc:   # any lowering failure: keep the graph, eager
+            with functorch_config.patch(force_non_lazy_backward_lowering=True):
+                return compile_fx(gm, example_inputs, config_patches=config_patches(example_inputs, gm))
+        except Exception as exc:   # any lowering failure, forward or backward: keep the graph, eager
             note(f"{label}: a graph runs eagerly: Inductor cannot compile it ({_first_line(exc)})")
             return gm.forward
     return backend
