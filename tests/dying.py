@@ -1,6 +1,7 @@
 """Make a rank die (SIGKILL) in the middle of a step, for the failure tests."""
 import os
 import signal
+import time
 
 
 def kill_in_forward(pm, call: int = 3) -> None:
@@ -14,3 +15,14 @@ def kill_in_forward(pm, call: int = 3) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             return _orig(*args)
         mod.forward = dying_forward
+
+
+def step_timing_failure(pm, w) -> str:
+    """One step; a failure re-raised with how long after the step began it came
+    ("... [after 0.1 s]", which the tests bound)."""
+    start = time.monotonic()
+    try:
+        pm.step(*w["inputs"], target=w["target"])
+    except Exception as exc:
+        raise RuntimeError(f"{exc} [after {time.monotonic() - start:.1f} s]") from None
+    return "finished"

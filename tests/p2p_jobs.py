@@ -111,7 +111,7 @@ def channel_unit(shm_dir: str, ring_mb: str) -> dict:
 def die_mid_step(victim: int, shm_dir: str):
     """pp=4: one healthy step, then `victim` is killed (SIGKILL) in its third forward."""
     import threefold
-    from tests.dying import kill_in_forward
+    from tests.dying import kill_in_forward, step_timing_failure
     from tests.parity import load_workload
     torch.set_num_threads(1)
     _use_dir(shm_dir, None)
@@ -121,9 +121,4 @@ def die_mid_step(victim: int, shm_dir: str):
     assert pm.engine._links[0] is not None and pm.engine._links[0].local_messages > 0
     if torch.distributed.get_rank() == victim:
         kill_in_forward(pm)   # during the forward of microbatch 2 of the next step
-    start = time.monotonic()
-    try:
-        pm.step(*w["inputs"], target=w["target"])
-    except Exception as exc:
-        raise RuntimeError(f"{exc} [after {time.monotonic() - start:.1f} s]") from None
-    return "finished"
+    return step_timing_failure(pm, w)

@@ -26,14 +26,11 @@ def test_compile_key_round_trips_and_bad_values_are_one_line_plan_errors():
         Plan.parse("compile=xla")
 
 
-def test_a_graph_inductor_cannot_compile_runs_eagerly_with_a_note(monkeypatch, capsys):
-    """Inductor failing on a graph (an op it cannot lower) is a one-line note and the eager
-    FX graph, never a crash; the losses are still the single-process ones."""
+def _falls_back_with_a_note(monkeypatch, capsys, compile_fx_instead, error: str) -> None:
+    """compile=inductor with Inductor's compile_fx replaced: the losses are still the
+    single-process ones, and the first compile=inductor note says Inductor failed with `error`."""
     import torch._inductor.compile_fx as compile_fx
-
-    def refuse(gm, example_inputs, *args, **kwargs):
-        raise NotImplementedError("no lowering for aten.fancy_op")
-    monkeypatch.setattr(compile_fx, "compile_fx", refuse)
+    monkeypatch.setattr(compile_fx, "compile_fx", compile_fx_instead)
     torch._dynamo.reset()
     factory, kwargs = GPT
     ref = reference_losses(factory, kwargs, STEPS)
@@ -43,7 +40,15 @@ def test_a_graph_inductor_cannot_compile_runs_eagerly_with_a_note(monkeypatch, c
     torch._dynamo.reset()
     assert max_rel_diff(got, ref) < 1e-5, (got, ref)
     notes = [line for line in capsys.readouterr().err.splitlines() if "compile=inductor" in line]
-    assert notes and "Inductor cannot compile it (NotImplementedError: no lowering for aten.fancy_op)" in notes[0]
+    assert notes and f"Inductor cannot compile it ({error})" in notes[0], notes
+
+
+def test_a_graph_inductor_cannot_compile_runs_eagerly_with_a_note(monkeypatch, capsys):
+    """Inductor failing on a graph (an op it cannot lower) is a one-line note and the eager
+    FX graph, never a crash; the losses are still the single-process ones."""
+    def refuse(gm, example_inputs, *args, **kwargs):
+        raise NotImplementedError("no lowering for aten.fancy_op")
+    _falls_back_with_a_note(monkeypatch, capsys, refuse, "NotImplementedError: no lowering for aten.fancy_op")
 
 
 def test_a_backward_graph_inductor_cannot_compile_runs_eagerly_with_a_note(monkeypatch, capsys):
@@ -61,17 +66,8 @@ def test_a_backward_graph_inductor_cannot_compile_runs_eagerly_with_a_note(monke
                 raise NotImplementedError("no lowering for aten.fancy_backward")
             return compile_inner(g, ex, *a, **kw)
         return real(gm, example_inputs, *args, inner_compile=inner, **kwargs)
-    monkeypatch.setattr(compile_fx, "compile_fx", refuse_backward)
-    torch._dynamo.reset()
-    factory, kwargs = GPT
-    ref = reference_losses(factory, kwargs, STEPS)
-    w = load_workload(factory, **kwargs)
-    pm = threefold.parallelize(w["model"], "compile=inductor", w["inputs"], w["loss_fn"], target=w["target"])
-    got = parallel_sgd_losses(pm, w, STEPS)
-    torch._dynamo.reset()
-    assert max_rel_diff(got, ref) < 1e-5, (got, ref)
-    notes = [line for line in capsys.readouterr().err.splitlines() if "compile=inductor" in line]
-    assert notes and "Inductor cannot compile it (NotImplementedError: no lowering for aten.fancy_backward)" in notes[0]
+    _falls_back_with_a_note(monkeypatch, capsys, refuse_backward,
+                            "NotImplementedError: no lowering for aten.fancy_backward")
 
 
 def _check(world, plans, workload, tol=1e-5):

@@ -1,5 +1,4 @@
 """A rank that dies mid-step makes every other rank fail loudly, naming it, within 60 s."""
-import time
 
 import pytest
 
@@ -12,19 +11,14 @@ def _train_then_die(victim: int):
     import torch
 
     import threefold
-    from tests.dying import kill_in_forward
+    from tests.dying import kill_in_forward, step_timing_failure
     from tests.parity import load_workload
     w = load_workload("gpt", n_layer=4, n_embd=16, n_head=2, seq=8, batch=8)
     pm = threefold.parallelize(w["model"], "pp=4,m=4", w["inputs"], w["loss_fn"], target=w["target"])
     pm.step(*w["inputs"], target=w["target"])          # one healthy step
     if torch.distributed.get_rank() == victim:
         kill_in_forward(pm)   # during the forward of microbatch 2 of the next step
-    start = time.monotonic()
-    try:
-        pm.step(*w["inputs"], target=w["target"])
-    except Exception as exc:
-        raise RuntimeError(f"{exc} [after {time.monotonic() - start:.1f} s]") from None
-    return "finished"
+    return step_timing_failure(pm, w)
 
 
 @pytest.mark.slow
@@ -50,7 +44,7 @@ def _compiled_tp_then_die(victim: int):
     import torch
 
     import threefold
-    from tests.dying import kill_in_forward
+    from tests.dying import kill_in_forward, step_timing_failure
     from tests.parity import load_workload
     torch.set_num_threads(1)
     w = load_workload("gpt", n_layer=2, n_embd=32, n_head=2, seq=8, batch=8)
@@ -60,12 +54,7 @@ def _compiled_tp_then_die(victim: int):
         pm.step(*w["inputs"], target=w["target"])
     if torch.distributed.get_rank() == victim:
         kill_in_forward(pm)
-    start = time.monotonic()
-    try:
-        pm.step(*w["inputs"], target=w["target"])
-    except Exception as exc:
-        raise RuntimeError(f"{exc} [after {time.monotonic() - start:.1f} s]") from None
-    return "finished"
+    return step_timing_failure(pm, w)
 
 
 @pytest.mark.slow
