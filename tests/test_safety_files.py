@@ -301,13 +301,16 @@ def test_a_foreign_process_writing_the_store_at_start_up_is_ignored(monkeypatch)
 
 
 _TORCHRUN_JOB = """
+import os
 import torch, torch.distributed as dist
 from threefold.runtime import comm
 from threefold.runtime.launch import init_from_env
 init_from_env("gloo")
 t = torch.ones(1) * (dist.get_rank() + 1)
 dist.all_reduce(t, group=dist.new_group([0, 1]))
-print(dist.get_rank(), t.item(), type(comm._store()).__name__, flush=True)
+# one write per line: print writes its fields (and the newline) one by one, and the two
+# ranks share torchrun's stdout, so their lines could interleave ("01 3.0 JobStore, 3.0 ...")
+os.write(1, f"{dist.get_rank()} {t.item()} {type(comm._store()).__name__}\\n".encode())
 dist.destroy_process_group()
 """
 
