@@ -18,8 +18,8 @@ touched it. Stages save to and load from directories (compiler/stage_io.py).
 """
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 

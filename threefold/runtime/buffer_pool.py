@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 
 
+_use_count = torch._C._storage_Use_Count     # of a storage's address (_cdata)
+
+
 def _storage_refs(t: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
-_use_count = torch._C._storage_Use_Count
+    return _use_count(t.untyped_storage()._cdata)
 
 
 class BufferPool:

@@ -16,9 +16,9 @@ method that talks to other ranks or reads per-microbatch state (rng_seed, step_s
 needs_whole, recompute, experts) is wrapped in torch.compiler.disable, so Dynamo breaks the
 graph there and compiles the pieces between them. Either way every rank issues the same
 collectives in the same order (the graphs are the same on every rank, and Inductor keeps a
-graph's collectives in program order). The wrapping is done
-on copies of the generated functions (their globals swapped), so eager chunks in the same
-process and the `compile=none` path are untouched and never import torch._dynamo.
+graph's collectives in program order). The wrapping is done on copies of the generated
+functions (their globals swapped), so eager chunks in the same process and the
+`compile=none` path are untouched and never import torch._dynamo.
 
 Inductor's settings: CPU graphs are compiled with its C++ wrapper (`config_patches`), GPU
 graphs with its defaults. Before Inductor sees a CPU graph, materialised attention
@@ -30,8 +30,9 @@ Recomputed regions (plan recompute=...) are compiled too: `recompute` stays an e
 torch.utils.checkpoint call and the region function it reruns is itself compiled.
 
 Falling back: if Inductor cannot compile a graph, forward or backward (an op it does not
-lower), that graph runs as the eager FX graph Dynamo captured, with a one-line note; if Dynamo itself fails on a
-chunk, the chunk runs eagerly from then on, with a one-line note. Never a crash.
+lower), that graph runs as the eager FX graph Dynamo captured, with a one-line note; if
+Dynamo itself fails on a chunk, the chunk runs eagerly from then on, with a one-line note.
+Never a crash.
 
 Caching across steps and runs: within a run Dynamo keeps the compiled code per chunk (the
 guards hold across microbatches and steps); across runs Inductor's FX graph cache and
@@ -133,7 +134,8 @@ class _EagerNamespace:
         traceable = set(getattr(module, "TRACEABLE", ()))
         for name, value in vars(module).items():
             if callable(value) and not isinstance(value, type) and not name.startswith("__"):
-                self._wrapped[name] = value if name in traceable else torch.compiler.disable(value, recursive=True)
+                traced = name in traceable
+                self._wrapped[name] = value if traced else torch.compiler.disable(value, recursive=True)
                 setattr(self, name, self._wrapped[name])
 
     def __getattr__(self, name: str):   # only names the module gained after install

@@ -61,7 +61,8 @@ def _rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def _all_reduce(x: torch.Tensor, group, op: str = "sum", what: str = "a tensor-parallel partial sum") -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group, op: str = "sum",
+                what: str = "a tensor-parallel partial sum") -> torch.Tensor:
     if group is None:
         return x
     if torch.compiler.is_compiling():    # traced into a compiled chunk's graph
