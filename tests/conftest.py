@@ -4,11 +4,23 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
 torch.set_num_threads(1)
+
+# Fails any test that leaves sys.path changed (tests/sys_path_guard.py).
+pytest_plugins = ["tests.sys_path_guard", "pytester"]
+
+
+def pytest_report_header(config):
+    """The versions this run tested (CI's constraints or the newest releases), so a failure
+    caused by a registry release names the release."""
+    from importlib import metadata
+    found = []
+    for dist in ("torch", "transformers", "triton", "safetensors", "tokenizers", "huggingface_hub"):
+        try:
+            found.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            found.append(f"{dist} absent")
+    return "threefold tested against: " + ", ".join(found)
 
 
 @pytest.hookimpl(tryfirst=True)

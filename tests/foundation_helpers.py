@@ -2,14 +2,11 @@
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 
 def workload(name: str, **kwargs) -> dict:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 
@@ -11,8 +10,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def load_workload(factory: str, **kwargs):
     """factory: 'gpt', 'gpt2' or 'llama' (examples/), with keyword sizes."""
-    if ROOT not in sys.path:
-        sys.path.insert(0, ROOT)
     if factory == "gpt":
         from examples.gpt import workload
         return workload(**kwargs)

@@ -1,15 +1,13 @@
 """bench/pipeline_share_bound.py: with a core per rank it reproduces runtime/simulate.py; with
 fewer cores no schedule beats the work / cores bound, and 1F1B keeps most of its bubble filled."""
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from tests import bench_scripts
+from threefold.runtime.schedule import make_schedule
+from threefold.runtime.simulate import simulate
 
-from pipeline_share_bound import SCHEDULES, shared_makespan, unit_costs  # noqa: E402
-from threefold.runtime.schedule import make_schedule  # noqa: E402
-from threefold.runtime.simulate import simulate  # noqa: E402
+_bound = bench_scripts.load("pipeline_share_bound")
+SCHEDULES, shared_makespan, unit_costs = _bound.SCHEDULES, _bound.shared_makespan, _bound.unit_costs
 
 
 @pytest.mark.parametrize("kind,v", SCHEDULES)

@@ -34,7 +34,7 @@ def _after_split():
 @pytest.fixture(scope="module")
 def saved_stage():
     if UPDATE:
-        from foundation_helpers import workload
+        from tests.foundation_helpers import workload
         from threefold.compiler.api import compile_workload
         from threefold.compiler.pipeline import run_passes as run
         import threefold.compiler.pipeline as pipeline

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from foundation_helpers import workload
+from tests.foundation_helpers import workload
 from threefold.codegen.artifact import build_sources, save_artifact
 from threefold.compiler.api import compile_workload
 from threefold.runtime.loader import load_chunk, open_artifact

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from foundation_helpers import workload
+from tests.foundation_helpers import workload
 from threefold.codegen.python import generate_module
 from threefold.compiler.api import compile_workload
 from threefold.runtime.launch import launch

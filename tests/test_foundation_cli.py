@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from foundation_helpers import ROOT
+from tests.foundation_helpers import ROOT
 from threefold.cli.main import main
 
 GPT = os.path.join(ROOT, "examples", "gpt.py")

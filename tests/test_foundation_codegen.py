@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import threefold
-from foundation_helpers import ROOT, workload
+from tests.foundation_helpers import ROOT, workload
 from threefold.codegen.artifact import build_sources, save_artifact
 from threefold.codegen.python import content_hash
 from threefold.compiler.api import compile_workload

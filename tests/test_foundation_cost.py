@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from foundation_helpers import workload
+from tests.foundation_helpers import workload
 from threefold.compiler.api import compile_workload
 from threefold.compiler.cost import annotate_costs, chunk_costs, imbalance, op_name
 from threefold.compiler.trace import trace

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import threefold
-from foundation_helpers import canonical, chunk_modules, run_in_order, summed_grads, workload
+from tests.foundation_helpers import canonical, chunk_modules, run_in_order, summed_grads, workload
 from threefold.compiler.api import compile_workload
 from threefold.compiler.cost import chunk_costs, imbalance
 from threefold.compiler.program import meta_of

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from foundation_helpers import workload
+from tests.foundation_helpers import workload
 from threefold.compiler.program import compute_nodes, format_program, tf
 from threefold.compiler.trace import trace
 from threefold.errors import PlanError

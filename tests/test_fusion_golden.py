@@ -10,7 +10,7 @@ import pathlib
 
 import pytest
 
-from test_fusion_models import CASES, region_for
+from tests.test_fusion_models import CASES, region_for
 from threefold.codegen.triton import kernels_source
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "fusion"

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from test_fusion_models import CASES, BiasDropoutAdd, import_kernels, region_for
+from tests.test_fusion_models import CASES, BiasDropoutAdd, import_kernels, region_for
 from threefold.codegen.triton import kernels_source
 from threefold.compiler.trace import trace
 from threefold.passes.fusion import fuse_graph

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from test_fusion_models import import_kernels
+from tests.test_fusion_models import import_kernels
 from threefold.codegen.triton import bind_kernels, kernels_source
 from threefold.compiler.program import tf
 from threefold.compiler.trace import trace

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from test_fusion_models import BiasDropoutAdd
-from test_fusion_parity import _gpt, run_graph
+from tests.test_fusion_models import BiasDropoutAdd
+from tests.test_fusion_parity import _gpt, run_graph
 from threefold.codegen.triton_rules import BWD, FWD
 from threefold.compiler.stages import Chunk, Fused, Partitioned
 from threefold.compiler.trace import trace

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from foundation_helpers import workload
+from tests.foundation_helpers import workload
 from threefold.codegen.artifact import build_manifest, build_sources
 from threefold.compiler.api import compile_workload
 from threefold.errors import PlanError

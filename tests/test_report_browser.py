@@ -11,7 +11,7 @@ import tempfile
 import pytest
 
 from tests.parity import ROOT
-from trace_helpers import synthetic_trace
+from tests.trace_helpers import synthetic_trace
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install '.[test]')")

@@ -12,8 +12,6 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 GPT = os.path.join(ROOT, "examples", "gpt.py")
 TINY = f"{GPT}:workload(n_layer=2,n_embd=16,n_head=2,vocab_size=32,seq=8,batch=2)"
 

@@ -10,7 +10,7 @@ import pytest
 from threefold.errors import PlanError
 from threefold.runtime import comm, trace
 from threefold.runtime.trace_stats import schedule_order_problems, summarize
-from trace_helpers import synthetic_trace
+from tests.trace_helpers import synthetic_trace
 
 SCHEDULES = [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2), ("gpipe", 1)]
 

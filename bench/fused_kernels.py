@@ -17,9 +17,9 @@ A correctness gate runs first (fused vs eager, bf16 tolerance). The goal from th
 at least 70% of peak bandwidth and 1.5x over eager for bias-GeLU, bias-dropout-add and
 softmax (forward). Without a GPU the script says so and exits with status 2.
 
-    python bench/kernels.py [--hidden 4096 8192] [--tokens 8192] [--no-compile] [--json]
+    python bench/fused_kernels.py [--hidden 4096 8192] [--tokens 8192] [--no-compile] [--json]
                             [--peak-gbps N] [--markdown]
-    python bench/kernels.py --dry-run     # tiny sizes on CPU under Triton's interpreter
+    python bench/fused_kernels.py --dry-run     # tiny sizes on CPU under Triton's interpreter
 """
 from __future__ import annotations
 
@@ -265,7 +265,7 @@ def main(argv=None) -> int:
         peak, peak_src, gpu = float("nan"), "dry run", "cpu (interpreter)"
     else:
         if not torch.cuda.is_available():
-            print("bench/kernels.py needs a CUDA GPU and none is present: nothing was measured "
+            print("bench/fused_kernels.py needs a CUDA GPU and none is present: nothing was measured "
                   "(use --dry-run to exercise the script on CPU).", file=sys.stderr)
             return 2
         device = "cuda"
