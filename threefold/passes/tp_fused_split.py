@@ -1,7 +1,8 @@
-"""Fused projections whose output is cut into pieces by slices or constant indices
+"""Fused projections whose output is cut into pieces by slices, constant indices or a split
 (Falcon's multi-query query_key_value: [.., heads + 2, head_dim], queries = x[..., :-2, :],
-key = x[..., [-2], :], value = x[..., [-1], :]) become one linear per piece, on a piece of
-the weight: `split_with_sizes(W, rows, 0)[i]`.
+key = x[..., [-2], :], value = x[..., [-1], :], or since transformers 5.25
+`x.split([heads, 1, 1], dim=-2)`) become one linear per piece, on a piece of the weight:
+`split_with_sizes(W, rows, 0)[i]`.
 
 Then each piece is its own projection to the tensor-parallel pass (tp_pieces.py): the
 queries, whose heads tp divides, are column-parallel, while the single key/value head is
@@ -15,6 +16,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.fx.operator_schemas import normalize_function
 
 from threefold.compiler.cost import op_name
 from threefold.compiler.program import tf
@@ -57,6 +59,10 @@ def _ranges(src: fx.Node, dim: int, size: int, state: dict):
     d = dim % ndim
     readers = []
     for r in src.users:
+        pieces = _split_pieces(r, d, ndim)
+        if pieces is not None:
+            readers.extend(pieces)
+            continue
         rng = _range_of(r, d, ndim, size, state)
         if rng is None:
             return None
@@ -68,6 +74,28 @@ def _ranges(src: fx.Node, dim: int, size: int, state: dict):
             return None      # overlapping or leaving rows unread: not a partition
         pos = stop
     return readers if pos == size and len(readers) > 1 else None
+
+
+def _split_pieces(r: fx.Node, d: int, ndim: int):
+    """[(getitem, start, stop)] when `r` splits dim d into sizes and every piece is read
+    through a getitem; None otherwise."""
+    if r.op != "call_function" or op_name(r) not in ("split_with_sizes", "split"):
+        return None
+    norm = normalize_function(r.target, tuple(r.args), dict(r.kwargs), normalize_to_only_use_kwargs=True)
+    kwargs = norm.kwargs if norm is not None else None
+    if not kwargs:
+        return None
+    sizes, dim = kwargs.get("split_sizes", kwargs.get("split_size")), kwargs.get("dim", 0)
+    if not isinstance(sizes, (list, tuple)) or dim % ndim != d:
+        return None
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    pieces = []
+    for g in r.users:
+        if g.target is not operator.getitem or not isinstance(g.args[1], int):
+            return None
+        i = g.args[1]
+        pieces.append((g, starts[i], starts[i] + int(sizes[i])))
+    return pieces if len({i for _, i, _ in pieces}) == len(sizes) else None
 
 
 def _range_of(r: fx.Node, d: int, ndim: int, size: int, state: dict):
@@ -128,8 +156,11 @@ def split_fused_outputs(graph: fx.Graph, state: dict) -> int:
                     piece = _call(graph, aten.reshape.default, (piece, shape), dict(view.meta),
                                   _meta(view, -2, stop - start))
                 reader.replace_all_uses_with(piece)
+        splits = {r.args[0] for r, _, _ in readers if r.target is operator.getitem}
         for reader, _, _ in readers:
             graph.erase_node(reader)
+        for split in splits:      # a split whose pieces were all replaced
+            graph.erase_node(split)
         if view is not None:
             graph.erase_node(view)
         transposed = [a for a in node.all_input_nodes if a is not x and not _is_param(a)]
