@@ -69,7 +69,8 @@ def test_autocast_regions_parity_two_ranks():
     results = launch(am.run_plans, 2, plans, STEPS, timeout=550)
     for rank in results:
         for plan, losses in zip(plans, rank):
-            # bf16 rounding of the region's matmuls, summed in another order under tp: ~1e-3
-            assert max_rel_diff(losses, ref) < 2e-2, (plan, losses, ref)
-    # one process's losses are not all equal: the check could fail
-    assert len(set(ref)) == STEPS
+            # bf16 rounding of the region's matmuls over other row blocks (measured 2e-5 at
+            # pp=2 and dp=2, 2e-7 at tp=2); the region's bf16 itself moves the losses 3e-5 from
+            # fp32, so the casts in the graph are what the unit tests above check
+            assert max_rel_diff(losses, ref) < 1e-3, (plan, losses, ref)
+    assert len(set(ref)) == STEPS        # the losses move: a stuck run would fail
