@@ -12,6 +12,7 @@ from tests.zoo import handwritten_coupling as _hwc
 from tests.zoo import handwritten_losses as _hwl
 from tests.zoo import handwritten_more as _hwm
 from tests.zoo import handwritten_moe as _hwmoe
+from tests.zoo import handwritten_moe_interleaved as _hwmoei
 from tests.zoo import handwritten_semantics as _hws
 from tests.zoo import handwritten_uneven as _hwu
 from tests.zoo import ctc as _ctc
@@ -110,6 +111,9 @@ ZOO = {
     # uneven tp shards (issue 21 item 5): padded by whole heads / features under tp=2
     "hw_three_heads": _hwu.FACTORIES["hw_three_heads"],   # 3 heads: a zero head pads rank 1
     "hw_odd_ffn": _hwu.FACTORIES["hw_odd_ffn"],           # MLP width 37 through a sigmoid (0.5 on padding)
+    # issue 40: expert weights read through slices, recent HF MoE
+    "hw_moe_interleaved": _hwmoei.interleaved_moe,  # gate/up interleaved in one [E, C, 2F] weight: w[..., ::2]
+    "gpt_oss": _D["gpt_oss"],                       # interleaved gate_up output slices, per-expert biases, clamp, sinks
 }
 
 # Cases judged by distribution instead of exact parity (random masks differ from one process):

@@ -75,6 +75,9 @@ DECODERS = {
                     qk_nope_head_dim=4, v_head_dim=8)),
     "glm": ("GlmConfig", "GlmForCausalLM", dict(_STD, num_key_value_heads=2, head_dim=8, pad_token_id=0)),
     "nemotron": ("NemotronConfig", "NemotronForCausalLM", dict(_STD, num_key_value_heads=2)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(_STD, num_key_value_heads=2, head_dim=8,
+                num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                layer_types=["sliding_attention", "full_attention"])),
 }
 
 _NO_POSITIONS_KEY = {"gpt2", "gpt_bigcode", "gptj", "codegen", "bloom", "gpt_neo", "mpt", "xglm"}
