@@ -34,7 +34,8 @@ RECENT = {
     # EXAONE 4: hybrid sliding/global attention, q/k norms, post-norms
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(_GQA, sliding_window=4)),
     # Seed-OSS: q/k/v biases, head_dim decoupled from hidden size
-    "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", dict(_GQA, head_dim=8)),
+    "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", dict(_GQA, head_dim=8, attention_dropout=0.0,
+                 residual_dropout=0.0)),
     # Cohere 2: sliding-window layers without rotary on the global ones, parallel block
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(_GQA, sliding_window=4)),
     # Hunyuan MoE: q/k norms after rotary, shared MLP beside routed experts
