@@ -218,10 +218,11 @@ def _region(graph, order, offs, mms, parts) -> dict:
             raise PlanError(f"expert region {name}: it reads {a.name}, which is neither its rows, an expert "
                             "weight nor a parameter; drop ep for this model")
     chains = {c for w in weights for c in weight_chain(w)}
-    for fqn_node in {_param_root(w) for w in weights}:
-        for u in fqn_node.users:
+    for c in chains:   # the parameter and its views feed only the region (under ep they hold E/ep experts)
+        for u in c.users:
             if u not in chains and u not in nodes:
-                raise PlanError(f"expert weight {tf(fqn_node)['fqn']} is also read by {op_name(u)} "
+                fqn_node = _param_root(c) or c
+                raise PlanError(f"expert weight {tf(fqn_node).get('fqn', c.name)} is also read by {op_name(u)} "
                                 f"({tf(u).get('module', '') or u.name}) outside its expert matmuls; drop ep")
     ordered = sorted(nodes, key=order.get)
     last = order[ordered[-1]]
