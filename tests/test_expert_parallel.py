@@ -161,7 +161,8 @@ def test_inspect_reports_experts_per_rank_tokens_per_expert_and_all_to_all_bytes
 
 
 # -- zoo tier: every MoE config under every ep plan family --------------------------------
-ZOO_ARCHS = ["mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "hw_moe_top2"]
+ZOO_ARCHS = ["mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "hw_moe_top2", "hw_moe_interleaved", "gpt_oss",
+             "qwen3_moe", "granitemoe", "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "deepseek_v2", "flex_olmo"]
 ZOO_PLANS = ["dp=2,ep=2", "dp=4,ep=4", "dp=4,ep=2", "tp=2,dp=2,ep=2", "pp=2,dp=2,ep=2,m=2"]
 _cells: dict = {}
 

@@ -76,6 +76,10 @@ DEFAULT_SAMPLE = [
     # expert parallelism
     "tests/test_expert_parallel.py::test_ep2_trains_like_one_process_with_half_the_experts_per_rank",
     "tests/test_ep_fsdp.py::test_ep2_zero2_zero3_train_like_one_process_with_sharded_bytes",
+    "tests/test_ep_interleaved.py::test_ep2_with_weight_slices_trains_like_one_process",
+    # regions under torch.autocast; batch dims when sizes coincide (batch == seq / heads)
+    "tests/test_autocast_regions.py::test_autocast_regions_parity_two_ranks",
+    "tests/test_batch_dims_flow.py::test_coinciding_sizes_train_like_one_process_under_dp_and_pp",
     # context parallelism: ring attention with masks, the all-gather fallback (cp=2)
     "tests/test_cp_masks.py::test_masked_attention_cp2_matches_one_process",
     "tests/test_cp_fallback.py::test_fallback_cp2_matches_one_process",

@@ -141,8 +141,12 @@ def _import_file(path: str):
         return sys.modules[mod_name]
     spec = importlib.util.spec_from_file_location(mod_name, path)
     module = importlib.util.module_from_spec(spec)
-    # Let the file import its siblings (examples/foo.py importing examples/bar.py).
-    sys.path.insert(0, os.path.dirname(path))
+    # Let the file import its siblings (examples/foo.py importing examples/bar.py). The entry
+    # is a string object of its own, so that the one removed afterwards is this one even when
+    # the file inserts its own folder (an equal string) in front of it.
+    folder = os.path.dirname(path)
+    entry = (folder + "/")[:-1]
+    sys.path.insert(0, entry)
     try:
         sys.modules[mod_name] = module
         spec.loader.exec_module(module)
@@ -151,5 +155,13 @@ def _import_file(path: str):
         text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
         raise PlanError(f"SPEC file {path!r} failed to import: {type(exc).__name__}: {text}") from None
     finally:
-        sys.path.pop(0)
+        _remove_entry(sys.path, entry)
     return module
+
+
+def _remove_entry(paths: list, entry: str) -> None:
+    """Removes `entry` itself (by identity) from `paths`, if it is still there."""
+    for i, p in enumerate(paths):
+        if p is entry:
+            del paths[i]
+            return

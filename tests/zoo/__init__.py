@@ -12,6 +12,7 @@ from tests.zoo import handwritten_coupling as _hwc
 from tests.zoo import handwritten_losses as _hwl
 from tests.zoo import handwritten_more as _hwm
 from tests.zoo import handwritten_moe as _hwmoe
+from tests.zoo import handwritten_moe_interleaved as _hwmoei
 from tests.zoo import handwritten_semantics as _hws
 from tests.zoo import handwritten_uneven as _hwu
 from tests.zoo import ctc as _ctc
@@ -20,6 +21,7 @@ from tests.zoo import hf_decoders as _hf
 from tests.zoo import hf_share as _hfs
 from tests.zoo import meta_llama as _meta
 from tests.zoo import hf_other as _hfo
+from tests.zoo import hf_recent as _hfr
 from tests.zoo import torch_nn as _nn
 from tests.zoo import vit as _vit
 
@@ -110,6 +112,10 @@ ZOO = {
     # uneven tp shards (issue 21 item 5): padded by whole heads / features under tp=2
     "hw_three_heads": _hwu.FACTORIES["hw_three_heads"],   # 3 heads: a zero head pads rank 1
     "hw_odd_ffn": _hwu.FACTORIES["hw_odd_ffn"],           # MLP width 37 through a sigmoid (0.5 on padding)
+    # issue 40: expert weights read through slices, recent HF MoE
+    "hw_moe_interleaved": _hwmoei.interleaved_moe,  # gate/up interleaved in one [E, C, 2F] weight: w[..., ::2]
+    # issue 40: recent Hugging Face architectures (tests/zoo/hf_recent.py says what each brings)
+    **_hfr.FACTORIES,
 }
 
 # Cases judged by distribution instead of exact parity (random masks differ from one process):
@@ -130,7 +136,7 @@ KNOWN_BROKEN = {
 def expected_planerror(arch: str, plan) -> bool:
     """Cells where exact equality is impossible and the compiler must refuse (issue 10 item 1)."""
     splits_batch = plan.microbatches > 1 or plan.dp > 1
-    if arch == "hw_ste":
+    if arch in ("hw_ste", "phimoe"):   # a custom autograd.Function (phimoe: its router's sparsemixer)
         return True
     return arch in ("hw_batchnorm", "hw_nonseparable_loss", "hw_moe_capacity", "hw_infonce",
                     "hw_running_buffer") and splits_batch

@@ -82,11 +82,15 @@ _NO_POSITIONS_KEY = {"gpt2", "gpt_bigcode", "gptj", "codegen", "bloom", "gpt_neo
 
 def decoder(arch: str, seed: int = 0):
     """A tiny `arch` causal LM wrapped to return logits, with a next-token batch."""
+    return build(*DECODERS[arch], seed=seed, positions=arch not in _NO_POSITIONS_KEY)
+
+
+def build(config_cls: str, model_cls: str, kwargs: dict, seed: int = 0, positions: bool = True):
+    """The causal LM `model_cls` from a tiny `config_cls(**kwargs)`, logits only, with a batch."""
     import transformers
     transformers.logging.set_verbosity_error()   # tiny vocab: bos/eos id warnings are noise
-    config_cls, model_cls, kwargs = DECODERS[arch]
     torch.manual_seed(seed)
-    extra = {} if arch in _NO_POSITIONS_KEY else {"max_position_embeddings": 32}
+    extra = {"max_position_embeddings": 32} if positions else {}
     cfg = getattr(transformers, config_cls)(vocab_size=VOCAB, use_cache=False,
                                              attn_implementation="eager", **extra, **kwargs)
     model = LogitsOnly(getattr(transformers, model_cls)(cfg)).train()

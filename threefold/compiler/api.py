@@ -52,7 +52,8 @@ def compile_workload(workload: Workload | str, plan: Plan | str | None = None,
             and len(declared) == len(batch) + 1:
         declared = tuple(declared)[:-1]  # a target's entry given for a forward-only workload
     try:
-        dims = find_batch_dims(workload.model, batch, len(workload.inputs), parts, declared, name, notes)
+        dims = find_batch_dims(workload.model, batch, len(workload.inputs), parts, declared, name, notes,
+                               workload.loss_fn)
     except AmbiguousBatch as exc:
         dims = _name_coupling(workload, batch, parts, plan, exc)
         if dims is None:

@@ -26,6 +26,8 @@ import torch
 import torch.fx as fx
 from torch.export.graph_signature import InputKind
 
+from threefold.compiler.autocast_regions import (AUTOCAST_HOP, GRAD_HOP, disabled_region_ops, hop_arguments,
+                                                 make_casts_explicit, mark_region)
 from threefold.compiler.graph_cleanup import drop_empty_cat_inputs, drop_identity_inplace
 from threefold.compiler.program import TensorMeta, tf
 from threefold.compiler.stages import Traced
@@ -338,7 +340,7 @@ def _to_program(ep, model, wrapper, num_model_inputs: int, has_loss: bool, plan:
 
     _rename_placeholders(graph, _input_names(model, num_model_inputs, has_loss))
     input_names = [n.name for n in graph.nodes if n.op == "placeholder" and tf(n)["kind"] == "input"]
-    _inline_higher_order_ops(gm)
+    _inline_higher_order_ops(gm, plan)
     drop_empty_cat_inputs(graph)   # HF caches' torch.tensor([]) starts (graph_cleanup.py)
     drop_identity_inplace(graph)   # x.mul_(1) on a parameter (HF RWKV's rescale in training)
     _record_module_paths(graph)
@@ -405,34 +407,26 @@ def _strip(target: str) -> str:
     return target[len("model."):] if target.startswith("model.") else target
 
 
-_GRAD_HOP = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
-_AUTOCAST_HOP = getattr(torch.ops.higher_order, "wrap_with_autocast", None)
-
-
-def _inline_higher_order_ops(gm: fx.GraphModule) -> None:
+def _inline_higher_order_ops(gm: fx.GraphModule, plan: Plan | None = None) -> None:
     """Replace set_grad_enabled / autocast wrappers by their body's nodes.
 
     A no_grad region's outputs get an aten.detach so gradients stop there, as they did in
-    the model. An enabled autocast region would change dtypes, which we do not model yet.
+    the model. An autocast region's casts become explicit nodes (compiler/autocast_regions.py).
     """
     graph = gm.graph
     changed = True
     while changed:
         changed = False
         for node in list(graph.nodes):
-            if node.op != "call_function" or node.target not in (_GRAD_HOP, _AUTOCAST_HOP):
+            if node.op != "call_function" or node.target not in (GRAD_HOP, AUTOCAST_HOP):
                 continue
-            if node.target is _GRAD_HOP:
-                grad_enabled, sub_node, *operands = node.args
-            else:
-                enabled, sub_node = node.args[0], node.args[4]
-                operands = list(node.args[5:])
-                if enabled:
-                    raise PlanError("the model runs a region under torch.autocast(enabled=True); "
-                                    "threefold compiles fp32/bf16 models as they are: cast the model instead")
-                grad_enabled = True
+            args = hop_arguments(node)
+            sub_node, operands = args["wrapped_func"], list(args["args"])
+            grad_enabled = args["enable_grad"] if node.target is GRAD_HOP else True
             sub: fx.GraphModule = getattr(gm, sub_node.target)
             outputs, inlined = _inline(graph, node, sub, operands)
+            if node.target is AUTOCAST_HOP:
+                mark_region(inlined, args)
             if not grad_enabled:
                 _detach_written_values(graph, inlined)
                 # an operand written in place under no_grad (`w.mul_(s)`) is still the tensor
@@ -457,6 +451,13 @@ def _inline_higher_order_ops(gm: fx.GraphModule) -> None:
     for name, child in list(gm.named_children()):
         if not any(n.op == "get_attr" and n.target == name for n in graph.nodes):
             delattr(gm, name)
+    kept = disabled_region_ops(graph)
+    if kept and plan is not None and plan.dtype != "fp32":
+        raise PlanError(f"plan dtype={plan.dtype}: the model keeps a region out of autocast "
+                        f"(torch.autocast(enabled=False), around {kept[0].name}), which the plan's chunk-wide "
+                        "autocast would not keep; use dtype=fp32 and put the model's forward under its own "
+                        "torch.autocast")
+    make_casts_explicit(graph)
 
 
 def _inplace_root(node: fx.Node) -> fx.Node:
@@ -509,12 +510,27 @@ def _inline(graph: fx.Graph, at: fx.Node, sub: fx.GraphModule, operands: list) -
             if n.op == "output":
                 outputs = [env[o] if isinstance(o, fx.Node) else o for o in n.args[0]]
                 break
-            new = graph.node_copy(n, lambda x: env[x])
+            if n.op == "get_attr":   # a nested region's body: it moves up to the outer module
+                gm = graph.owning_module
+                name = _free_attr_name(gm, n.target)
+                setattr(gm, name, getattr(sub, n.target))
+                new = graph.get_attr(name)
+                new.meta.update(n.meta)
+            else:
+                new = graph.node_copy(n, lambda x: env[x])
             copied.append(new)
             if not new.meta.get("nn_module_stack"):
                 new.meta["nn_module_stack"] = at.meta.get("nn_module_stack", {})
             env[n] = new
     return outputs, copied
+
+
+def _free_attr_name(gm: fx.GraphModule, base: str) -> str:
+    name, i = base, 0
+    while hasattr(gm, name):
+        i += 1
+        name = f"{base}_{i}"
+    return name
 
 
 def _record_module_paths(graph: fx.Graph) -> None:

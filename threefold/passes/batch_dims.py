@@ -24,7 +24,7 @@ from threefold.errors import PlanError
 
 
 def find_batch_dims(model: torch.nn.Module, batch: tuple, num_model_inputs: int, parts: int,
-                    declared=None, name: str = "", notes: list | None = None) -> list:
+                    declared=None, name: str = "", notes: list | None = None, loss_fn=None) -> list:
     """One entry per batch entry: its batch dim, or None where it is not split."""
     tensors = [i for i, t in enumerate(batch) if isinstance(t, torch.Tensor) and t.dim() > 0]
     if declared is not None:
@@ -52,6 +52,12 @@ def find_batch_dims(model: torch.nn.Module, batch: tuple, num_model_inputs: int,
                         f"use a global batch that is a multiple of {parts}, or declare batch_dims")
     if real:
         passing = [c for c in cands if _slice_matches(model, batch[:num_model_inputs], c, parts)]
+        if len(passing) > 1 and loss_fn is not None and num_model_inputs < len(batch):
+            # the slice check reads the model inputs only; the target's dim is the one whose
+            # parts meet the same rows at the loss (batch == seq: a [T, B] target of a
+            # seq-first model must not be cut along T)
+            paired = [c for c in passing if _loss_pairs(model, batch, num_model_inputs, c, parts, loss_fn)]
+            passing = paired or passing
         if len(passing) >= 1:
             # Several can pass only when the model treats both dims as independent rows;
             # then either split is exact, and we take the first (lowest dims).
@@ -142,10 +148,47 @@ def _slice_matches(model, inputs, dims, parts) -> bool:
         model.train(was_training)
     if len(full) != len(part) or not full:
         return False
-    for f, p in zip(full, part):
+    # a scalar (a loss the model returns beside its logits) has no rows to show; the
+    # outputs with rows tell the split, and there must be one
+    rows = [(f, p) for f, p in zip(full, part) if f.dim() > 0]
+    if not rows:
+        return False
+    for f, p in rows:
         if not any(_is_last_slice(f, p, d) for d in range(f.dim())):
             return False
     return True
+
+
+def _loss_pairs(model, batch: tuple, num_model_inputs: int, dims: list, parts: int, loss_fn) -> bool:
+    """Is the loss of the whole batch the mean or the sum of the parts' losses, each part's
+    outputs paired with its own slice of the target along `dims`? (A target cut along
+    another dim of the same length pairs outputs with other rows' targets: generically
+    neither.)"""
+    was_training = model.training
+    model.eval()
+    buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
+
+    def restore():
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                b.copy_(buffers[k])
+    try:
+        with torch.no_grad():
+            inputs, targets = batch[:num_model_inputs], batch[num_model_inputs:]
+            whole = float(loss_fn(model(*inputs), *targets))
+            restore()
+            losses = []
+            for k in range(parts):
+                part = [split(t, d, parts, k) for t, d in zip(batch, dims)]
+                losses.append(float(loss_fn(model(*part[:num_model_inputs]), *part[num_model_inputs:])))
+                restore()
+    except Exception:
+        return False
+    finally:
+        restore()
+        model.train(was_training)
+    scale = max(abs(whole), 1e-12)
+    return abs(sum(losses) / parts - whole) <= 1e-5 * scale or abs(sum(losses) - whole) <= 1e-5 * scale
 
 
 def _is_last_slice(f: torch.Tensor, p: torch.Tensor, d: int) -> bool:

@@ -30,17 +30,21 @@ from threefold.compiler.cost import op_name
 from threefold.compiler.program import tf
 from threefold.compiler.stages import Partitioned
 from threefold.errors import PlanError
+from threefold.passes.row_index_rules import INDEX_OPS
+from threefold.passes.row_state import LOST, POS, Rows
 
-# Ops whose every output row depends only on the same input rows (pointwise, casts, splits
-# along the last dim, and the asserts export leaves on them).
-_ROW_WISE = {
-    "silu", "gelu", "relu", "sigmoid", "tanh", "exp", "neg", "mul", "add", "sub", "div", "pow",
-    "to", "_to_copy", "type_as", "clone", "contiguous", "alias", "chunk", "split", "split_with_sizes",
-    "unbind", "view", "reshape", "_unsafe_view", "_assert_tensor_metadata", "square", "rsqrt",
-    "sqrt", "abs", "clamp", "minimum", "maximum", "where", "leaky_relu", "hardtanh", "softplus",
-    "mish", "elu", "gelu_tanh", "erf", "relu_", "silu_", "mul_", "add_", "getitem",
-}
-_TRANSPOSES = {"transpose", "permute", "t"}
+# Ops that take a view or a cast of an expert weight and keep its experts on dim 0 as long
+# as the dim they work on is not 0 (gate and up interleaved in one parameter, read as
+# w[..., ::2] and w[..., 1::2]; a transpose of the last two dims; autocast's cast). They carry
+# no sizes, so the same op on this rank's E/ep experts gives those experts' views.
+_WEIGHT_VIEWS = {"transpose": ("dim0", "dim1"), "swapaxes": ("dim0", "dim1"), "slice": ("dim",),
+                 "select": ("dim",), "narrow": ("dim",), "unsqueeze": ("dim",), "squeeze": ("dim",),
+                 "t": (), "permute": ("dims",), "alias": (), "contiguous": (), "clone": (),
+                 "_to_copy": (), "to": (), "detach": ()}
+# ops that place values by a position tensor: given one computed from the rows, it is a
+# global position, which means nothing on the expert's rank
+_BY_POSITION = INDEX_OPS | {"embedding", "embedding_bag", "nonzero", "argwhere", "sort", "argsort",
+                            "take", "put", "put_"}
 
 
 @stage_pass(needs=Partitioned)
@@ -91,14 +95,61 @@ def expert_matmul(node: fx.Node):
 
 
 def _param_root(w: fx.Node):
-    """The parameter placeholder a weight operand is (directly or a transpose of its last two dims)."""
-    if w.op == "placeholder" and tf(w).get("kind") == "param":
-        return w
-    if w.op == "call_function" and op_name(w) in _TRANSPOSES and isinstance(w.args[0], fx.Node):
-        p = w.args[0]
-        if p.op == "placeholder" and tf(p).get("kind") == "param" and _val(p).dim() == 3:
-            return p
+    """The parameter placeholder [E, ...] a weight operand is a view or cast of, through
+    ops that keep the experts on dim 0 (_WEIGHT_VIEWS), else None."""
+    for n in weight_chain(w):
+        if n.op == "placeholder":
+            return n if tf(n).get("kind") == "param" and _val(n) is not None and _val(n).dim() == 3 else None
     return None
+
+
+def weight_chain(w: fx.Node) -> list[fx.Node]:
+    """w and the nodes it is a view or cast of, back to a placeholder (last), or [] when a
+    step is not an experts-keeping view."""
+    chain = [w]
+    while w.op == "call_function":
+        name = op_name(w)
+        if name not in _WEIGHT_VIEWS:
+            return []
+        tensors = [a for a in w.all_input_nodes if isinstance(_val(a), torch.Tensor)]
+        if len(tensors) != 1 or not _keeps_dim0(w, name):
+            return []
+        w = tensors[0]
+        chain.append(w)
+    return chain if w.op == "placeholder" else []
+
+
+def _keeps_dim0(node: fx.Node, name: str) -> bool:
+    """Does this view/cast leave dim 0 where it is, whole (dims read from the schema)?"""
+    vin, vout = _val(node.all_input_nodes[0]), _val(node)
+    if not isinstance(vout, torch.Tensor) or vout.dim() < 1 or vout.shape[0] != vin.shape[0]:
+        return False
+    if name == "t":
+        return vin.dim() < 2
+    for arg in _WEIGHT_VIEWS[name]:
+        dims = schema_arg(node, arg)
+        dims = list(dims) if isinstance(dims, (list, tuple)) else [dims]
+        if name == "permute":
+            if not dims or dims[0] % vin.dim() != 0:
+                return False
+        elif any(d is None or d % max(vin.dim(), 1) == 0 for d in dims):
+            return False
+    return True
+
+
+def schema_arg(node: fx.Node, name: str, default=None):
+    """The argument `name` of an ATen op node, read through the op's schema."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return default
+    for i, a in enumerate(schema.arguments):
+        if a.name == name:
+            if a.name in node.kwargs:
+                return node.kwargs[a.name]
+            if i < len(node.args) and not a.kwarg_only:
+                return node.args[i]
+            return a.default_value if a.has_default_value() else default
+    return default
 
 
 def _val(n):
@@ -146,13 +197,7 @@ def _region(graph, order, offs, mms, parts) -> dict:
             if not u.users and u.op == "call_function" and all(a in nodes for a in u.all_input_nodes):
                 nodes.add(u)
     name = tf(mms[0]).get("module", "") or mms[0].name
-    for n in nodes:
-        if n in mm_set:
-            continue
-        if op_name(n) not in _ROW_WISE or not _rows_kept(n, rows):
-            raise PlanError(f"expert region {name}: {op_name(n)} ({tf(n).get('module', '') or n.name}) between "
-                            "the expert matmuls is not row-wise, so its rows cannot be computed on the experts' "
-                            "ranks; drop ep for this model")
+    _check_row_wise(name, sorted(nodes, key=order.get), rows, weights_of | {offs})
     params = {}
     inputs: list[fx.Node] = []
     for n in sorted(nodes, key=order.get):
@@ -172,10 +217,12 @@ def _region(graph, order, offs, mms, parts) -> dict:
         else:
             raise PlanError(f"expert region {name}: it reads {a.name}, which is neither its rows, an expert "
                             "weight nor a parameter; drop ep for this model")
-    for fqn_node in {_param_root(w) for w in weights}:
-        for u in fqn_node.users:
-            if u not in weights_of and u not in nodes:
-                raise PlanError(f"expert weight {tf(fqn_node)['fqn']} is also read by {op_name(u)} "
+    chains = {c for w in weights for c in weight_chain(w)}
+    for c in chains:   # the parameter and its views feed only the region (under ep they hold E/ep experts)
+        for u in c.users:
+            if u not in chains and u not in nodes:
+                fqn_node = _param_root(c) or c
+                raise PlanError(f"expert weight {tf(fqn_node).get('fqn', c.name)} is also read by {op_name(u)} "
                                 f"({tf(u).get('module', '') or u.name}) outside its expert matmuls; drop ep")
     ordered = sorted(nodes, key=order.get)
     last = order[ordered[-1]]
@@ -203,6 +250,36 @@ def _reach(start, step) -> set:
                 seen.add(m)
                 todo.append(m)
     return seen
+
+
+def _check_row_wise(name: str, nodes: list[fx.Node], rows: int, outside: set) -> None:
+    """Every op of the region keeps each row's result a function of that row alone, in its
+    place on dim 0 (passes/row_rules.py's per-op rules, with the region's row inputs and
+    expert matmul outputs as the rows): then any subset of rows, on any rank, computes what
+    one process computes for them. Expert weights, offsets and parameters carry no rows."""
+    from threefold.passes.row_rules import propagate   # row_rules reads expert_matmul from here
+    inside = set(nodes)
+    states: dict = {}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in inside and a not in outside and a not in states:
+                v = _val(a)
+                states[a] = Rows(0, 1) if isinstance(v, torch.Tensor) and v.dim() >= 1 \
+                    and v.shape[0] == rows else None
+    for n in nodes:
+        state, reason = propagate(n, states, rows)
+        states[n] = state
+        parts = state if isinstance(state, tuple) else (state,)
+        bad = reason or (None if _rows_kept(n, rows) else "it does not keep the rows on dim 0")
+        if bad is None and any(p in (LOST, POS) or isinstance(p, Rows) and p.dim != 0 for p in parts):
+            bad = "no rule keeps its rows in place"
+        if bad is None and op_name(n) in _BY_POSITION and any(states.get(a) is not None
+                                                             for a in n.all_input_nodes[1:]):
+            bad = "it places values by positions computed from the rows"
+        if bad:
+            raise PlanError(f"expert region {name}: {op_name(n)} ({tf(n).get('module', '') or n.name}) between "
+                            f"the expert matmuls is not row-wise ({bad}), so its rows cannot be computed on the "
+                            "experts' ranks; drop ep for this model")
 
 
 def _rows_kept(n: fx.Node, rows: int) -> bool:
