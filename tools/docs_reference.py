@@ -4,10 +4,12 @@
 
     reference/plan.md    every Plan field: its key, default, allowed values and the comment
                          written beside it in threefold/plan.py
+    reference/config.md  threefold train's settings: the embedded default.toml
     reference/cli.md     every `threefold` command and flag, read from the argparse parser
     reference/env.md     every THREEFOLD_* variable the package reads, with where it is read
     reference/errors.md  every PlanError message the package can raise, by module
     reference/ops.md     the ops the tensor- and context-parallel passes have rules for
+    concepts/mesh-example.svg  the ranks of a pp=2,dp=2,cp=2,tp=2 mesh, from threefold.runtime.mesh
     concepts/schedule-*.svg   each pipeline schedule's timeline, as `threefold schedule --svg` draws it
     benchmarks.md, changelog.md   the repository's BENCHMARKS.md and CHANGELOG.md
 
@@ -26,7 +28,6 @@ import os
 import re
 import tokenize
 
-from mkdocs.structure.files import File
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "threefold")
@@ -107,6 +108,16 @@ def plan_page() -> str:
         doc = comments.get(f.name, "").replace("|", "\\|")
         lines.append(f"| {key} | `{default!r}` | {values} | {doc} |")
     return "\n".join(lines) + "\n"
+
+
+def config_page() -> str:
+    with open(os.path.join(PACKAGE, "configs", "default.toml")) as f:
+        text = f.read()
+    return ("# Configuration of `threefold train`\n\n"
+            "The embedded defaults (`threefold/configs/default.toml`, included here at build time). "
+            "Every key is also a flag (`--name-with-dashes`); `--config FILE` reads a file of the "
+            "same form, and `threefold train --print-config` prints the resolved values. Order: "
+            "these defaults < `--config FILE` < flags.\n\n```toml\n" + text + "```\n")
 
 
 # --------------------------------------------------------------------------- CLI
@@ -249,7 +260,7 @@ def ops_page() -> str:
 
 # --------------------------------------------------------------------------- the hook
 
-PAGES = {"reference/plan.md": plan_page, "reference/cli.md": cli_page, "reference/env.md": env_page,
+PAGES = {"reference/plan.md": plan_page, "reference/config.md": config_page, "reference/cli.md": cli_page, "reference/env.md": env_page,
          "reference/errors.md": errors_page, "reference/ops.md": ops_page}
 # Pictures the runtime draws (`threefold schedule --svg`), made at build time.
 SCHEDULES = {"gpipe": (4, 8, 1), "1f1b": (4, 8, 1), "interleaved": (4, 8, 2), "zb-h1": (4, 8, 1),
@@ -265,18 +276,54 @@ def schedule_svg(kind: str) -> str:
                       title=f"{kind}: pp={pp}, m={m}" + (f", v={v}" if v > 1 else ""))
 
 
+def mesh_svg(plan_text: str = "pp=2,dp=2,cp=2,tp=2") -> str:
+    """Every rank of a plan's mesh as a box: one row per pipeline stage, coordinates inside."""
+    from threefold.plan import Plan
+    mesh = Plan.parse(plan_text).mesh
+    pp = mesh.size("pp")
+    per = mesh.world_size // pp
+    w, h, pad = 96, 58, 12
+    colours = ["#e8f0fe", "#e6f4ea", "#fef7e0", "#fce8e6"]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{per * w + 2 * pad + 70}" '
+           f'height="{pp * h + 2 * pad + 24}" font-family="sans-serif" font-size="11">',
+           f'<text x="{pad}" y="{pad + 6}" font-size="13" font-weight="bold">{plan_text}: '
+           f'rank = tp + tp*(cp + cp*(dp + dp*pp))</text>']
+    for r in range(mesh.world_size):
+        c = mesh.coord(r)
+        x, y = pad + 70 + (r % per) * w, pad + 20 + (r // per) * h
+        out.append(f'<rect x="{x}" y="{y}" width="{w - 6}" height="{h - 6}" rx="5" stroke="#444" '
+                   f'fill="{colours[c.dp % len(colours)]}"/>')
+        out.append(f'<text x="{x + 6}" y="{y + 16}" font-weight="bold">rank {r}</text>')
+        out.append(f'<text x="{x + 6}" y="{y + 32}">dp {c.dp} cp {c.cp}</text>')
+        out.append(f'<text x="{x + 6}" y="{y + 46}">tp {c.tp}</text>')
+    for s in range(pp):
+        out.append(f'<text x="{pad}" y="{pad + 20 + s * h + 30}">stage {s}</text>')
+    return "\n".join(out + ["</svg>"]) + "\n"
+
+
 ROOT_PAGES = {"benchmarks.md": "BENCHMARKS.md", "changelog.md": "CHANGELOG.md"}
+
+
+def site_links(text: str) -> str:
+    """Links of a repository-root page, as they resolve inside the site (docs/ is its root)."""
+    text = re.sub(r"\]\(docs/", "](", text)
+    for name, uri in (("BENCHMARKS.md", "benchmarks.md"), ("CHANGELOG.md", "changelog.md")):
+        text = text.replace(f"]({name}", f"]({uri}")
+    return text
 
 
 def on_files(files, config):
     import sys
+
+    from mkdocs.structure.files import File
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     for uri, make in PAGES.items():
         files.append(File.generated(config, uri, content=make()))
+    files.append(File.generated(config, "concepts/mesh-example.svg", content=mesh_svg()))
     for kind in SCHEDULES:
         files.append(File.generated(config, f"concepts/schedule-{kind}.svg", content=schedule_svg(kind)))
     for uri, name in ROOT_PAGES.items():
         with open(os.path.join(ROOT, name)) as f:
-            files.append(File.generated(config, uri, content=f.read()))
+            files.append(File.generated(config, uri, content=site_links(f.read())))
     return files
