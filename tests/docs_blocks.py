@@ -11,8 +11,8 @@ just above it:
     <!-- run: skip REASON -->    not runnable here (installs packages, needs a cluster)
 
 A page's tier is a comment anywhere on it: `<!-- docs-test: slow -->` for a page whose
-blocks spawn ranks (marked `slow`; outside tests/tiers.py's sample that means `extended`),
-`<!-- docs-test: quick -->` (the default) for one that does not.
+blocks spawn ranks or take long (marked `slow`; outside tests/tiers.py's sample that means
+`extended`), `<!-- docs-test: quick -->` (the default) for one that does neither.
 """
 from __future__ import annotations
 

@@ -93,7 +93,6 @@ DEFAULT_SAMPLE = [
 LONG_SINGLE_PROCESS = [
     "tests/test_docs.py::test_the_site_builds_in_strict_mode",
     "tests/test_docs.py::test_docs_page_runs[docs/concepts/compilation.md]",
-    "tests/test_docs.py::test_docs_page_runs[docs/guides/choosing-a-plan.md]",
     "tests/test_docs.py::test_docs_page_runs[docs/guides/refusals.md]",
     "tests/test_planner.py::test_tp_stays_within_a_node",
     "tests/test_foundation_split.py::test_chunks_in_order_reproduce_loss_and_every_gradient[llama]",
