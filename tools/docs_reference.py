@@ -46,8 +46,9 @@ ENV_DOCS = {
     "THREEFOLD_CACHE_DIR": "where tokenised text is cached (default ~/.cache/threefold/tokens)",
     "THREEFOLD_JOB_SECRET": "under torchrun: the same random value on every node authenticates the "
                             "store's keys (the local launcher makes its own)",
-    "THREEFOLD_BACKEND": "the torch.distributed backend (default: nccl on CUDA, else gloo)",
-    "THREEFOLD_KERNELS": "fused Triton kernels on or off, overriding the plan's `fuse`",
+    "THREEFOLD_BACKEND": "gloo: use gloo even where CUDA is available (default: nccl on CUDA, else gloo)",
+    "THREEFOLD_KERNELS": "fused kernels: auto (default: Triton on a GPU), triton (also under "
+                         "TRITON_INTERPRET=1) or eager (never)",
     "THREEFOLD_LOCAL_P2P": "0: pipeline messages between ranks on one host go through gloo, not shared memory",
     "THREEFOLD_LOCAL_P2P_MB": "MiB per direction of the shared-memory message ring (default 256)",
     "THREEFOLD_LOCAL_REDUCE": "0: data-parallel CPU ranks on one host all-reduce with gloo, not shared memory",
@@ -55,8 +56,8 @@ ENV_DOCS = {
                         "for reuse)",
     "THREEFOLD_MAX_LOCAL_RANKS": "the most ranks a local (non-torchrun) run starts (default 4 per core)",
     "THREEFOLD_PIN": "cores: pin each local rank and its threads to cores of its own (default none)",
-    "THREEFOLD_SDPA_REWRITE": "0: keep hand-written attention as written instead of one SDPA call "
-                              "under compile=inductor",
+    "THREEFOLD_SDPA_REWRITE": "0: under compile=inductor on the CPU, keep hand-written attention "
+                              "as written instead of one scaled_dot_product_attention call",
 }
 
 
