@@ -66,7 +66,7 @@ DEFAULT_SAMPLE = [
     "tests/test_safety_bad_input.py::test_bad_weights_found_on_the_ranks_are_still_one_line_and_quick",
     "tests/test_safety_faults.py::test_a_dead_or_stopped_rank_ends_the_job_in_bounded_time[SIGKILL-0]",
     "tests/test_safety_faults.py::test_a_killed_launcher_takes_its_ranks_with_it[SIGKILL]",
-    "tests/test_safety_readme.py::test_the_readme_snippet_runs_as_written",
+    "tests/test_docs.py::test_docs_page_runs[README.md]",
     "tests/test_safety_files.py::test_train_resume_refuses_a_checkpoint_that_would_run_code",
     "tests/test_safety_files.py::test_a_foreign_process_writing_the_store_at_start_up_is_ignored",
     # rows of the batch: once-per-step buffers
@@ -95,6 +95,9 @@ DEFAULT_SAMPLE = [
 # so the quick tier (`-m "not slow"`) stays under 3 minutes, and in the default run all the
 # same (they are counted in the sample).
 LONG_SINGLE_PROCESS = [
+    "tests/test_docs.py::test_the_site_builds_in_strict_mode",
+    "tests/test_docs.py::test_docs_page_runs[docs/concepts/compilation.md]",
+    "tests/test_docs.py::test_docs_page_runs[docs/guides/refusals.md]",
     "tests/test_planner.py::test_tp_stays_within_a_node",
     "tests/test_foundation_split.py::test_chunks_in_order_reproduce_loss_and_every_gradient[llama]",
     "tests/test_bench_gpu_1b.py::test_gpu_1b_smoke_runs_threefold_and_eager_on_the_same_model",

@@ -1,4 +1,5 @@
-"""threefold: Megatron-style tensor, pipeline and data parallelism for unmodified PyTorch models."""
+"""threefold: tensor, pipeline, data (ZeRO/HSDP), context and expert parallelism for unmodified
+PyTorch models, by compiling them (six mesh axes: pp, dp_replicate, dp_shard, ep, cp, tp)."""
 __version__ = "0.1.0"
 
 from threefold.errors import PlanError

@@ -1,4 +1,4 @@
-"""`Plan`: how a model is split across ranks (tensor, pipeline, data parallel and friends).
+"""`Plan`: how a model is split across ranks (tp, pp, dp with ZeRO/HSDP, cp, ep, and how each runs).
 
 A plan is a small frozen value. `Plan.parse("tp=2,pp=4,m=8")` and `str(plan)` round-trip.
 Everything that checks a plan against a *model* (heads divisible by tp, enough ops for

@@ -7,9 +7,9 @@ value is used exactly as built. Two keys are filled in:
 
 * **dp** (data-parallel replicas), when not given and the number of ranks is known (the
   process group's world size in `parallelize`, torchrun's WORLD_SIZE for the commands):
-  dp = ranks / (tp*pp), so `pp=2` on 4 ranks is pp=2,dp=2. Where tp*pp does not divide the
+  dp = ranks / (tp*cp*pp), so `pp=2` on 4 ranks is pp=2,dp=2. Where tp*cp*pp does not divide the
   ranks, dp stays 1 and the world-size check says what is wrong. Without a known world
-  (local runs of the commands, which start tp*pp*dp ranks), dp = 1.
+  (local runs of the commands, which start tp*cp*pp*dp ranks), dp = 1.
 * **m** (microbatches), when not given and pp > 1: 2*pp. A pipeline needs m > 1 to overlap
   its stages at all (m = 1 leaves pp-1 of every pp stage-steps idle); with 1F1B the bubble
   is (pp-1)/(m+pp-1) of the step, 1/3 at m = 2*pp against 1/2 at m = pp, while the

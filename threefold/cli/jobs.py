@@ -75,7 +75,7 @@ def check_local_capacity(world: int) -> None:
         return
     limit = max_local_ranks()
     if world > limit:
-        raise PlanError(f"the plan needs tp*pp*dp={world} ranks, more than this machine runs locally "
+        raise PlanError(f"the plan needs {world} ranks (tp*cp*dp*pp), more than this machine runs locally "
                         f"({limit}: 4 per core); lower tp/pp/dp, set THREEFOLD_MAX_LOCAL_RANKS, or use torchrun")
     available = _available_memory()
     if available is not None and world * RANK_MEMORY_BYTES > available:

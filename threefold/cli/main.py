@@ -15,6 +15,27 @@ from threefold.errors import PlanError, Terminated
 # Subcommand modules, in the order `--help` lists them.
 COMMANDS = ["inspect", "compile", "check", "schedule", "train", "plan", "run", "export", "generate"]
 
+# The docs page each command's `--help` ends with (docs/, built with `mkdocs build`); a
+# command not named here links to its entry in the generated CLI reference.
+DOCS = {
+    None: "docs/index.md",
+    "inspect": "docs/guides/inspect.md",
+    "compile": "docs/guides/artifacts.md",
+    "run": "docs/guides/artifacts.md",
+    "check": "docs/getting-started.md",
+    "schedule": "docs/concepts/schedules.md",
+    "train": "docs/guides/data.md",
+    "plan": "docs/guides/choosing-a-plan.md",
+    "export": "docs/guides/checkpoints.md",
+    "generate": "docs/guides/checkpoints.md",
+}
+
+
+def docs_epilog(command: str | None) -> str:
+    page = DOCS.get(command)
+    ref = f"docs/reference/cli.md#threefold-{command}" if command else "docs/reference/cli.md"
+    return f"docs: {page}, reference: {ref}" if page else f"docs: {ref}"
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse that exits with status 2 and one line, like every other bad input."""
@@ -26,8 +47,10 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="threefold",
-        description="Compile an unmodified PyTorch model into tensor-, pipeline- and "
-        "data-parallel per-rank programs, inspect them, and train with them.",
+        description="Compile an unmodified PyTorch model into per-rank programs (tensor, "
+        "pipeline, data with ZeRO/HSDP, context and expert parallelism), inspect them, and "
+        "train with them.",
+        epilog=docs_epilog(None),
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:
@@ -38,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # command not built yet
             raise
         module.register(sub)
+    for name, command in sub.choices.items():     # every command's --help ends with its docs
+        own = f"{command.epilog}\n\n" if command.epilog else ""
+        command.epilog = own + docs_epilog(name)
     return parser
 
 

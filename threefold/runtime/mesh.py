@@ -282,7 +282,7 @@ class Mesh:
         """Every rank of one pipeline stage, ascending."""
         return sorted(r for r in range(self.world_size) if self.coord(r).pp == stage)
 
-    # the three groups every job has, by their old names
+    # shorthands for the groups of the tp, dp and pp axes (any axis: `group(rank, name)`)
     def tp_group(self, rank: int) -> list[int]:
         return self.group(rank, "tp")
 
