@@ -111,37 +111,16 @@ def list_steps(root: str) -> list[str]:
 
 
 def resolve(path: str) -> str:
-    """The checkpoint directory `path` names: itself, or the newest under a root."""
-    if os.path.isfile(os.path.join(path, INDEX)):
-        return path
-    if not os.path.exists(path):
-        raise PlanError(f"checkpoint {path} does not exist: pass a directory written by threefold.save")
-    if not os.path.isdir(path):
-        raise PlanError(f"checkpoint {path} is a file, not a checkpoint directory written by threefold.save")
-    latest = os.path.join(path, LATEST)
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            name = f.read().strip()
-        if STEP_DIR.fullmatch(name) and os.path.isfile(os.path.join(path, name, INDEX)):
-            return os.path.join(path, name)
-    steps = list_steps(path)
-    if steps:
-        return os.path.join(path, steps[-1])
-    raise PlanError(f"{path} is not a threefold checkpoint (no {INDEX}, no step_* checkpoints in it): "
-                    "pass a directory written by threefold.save")
+    """The checkpoint directory `path` names: itself, `latest` in a root (refused if
+    dangling), or the newest under a root (checkpoint/reader.py)."""
+    from threefold.checkpoint.reader import resolve as checked_resolve
+    return checked_resolve(path)
 
 
 def read_index(ckpt: str) -> dict:
-    try:
-        with open(os.path.join(ckpt, INDEX)) as f:
-            index = json.load(f)
-    except (OSError, ValueError, RecursionError) as exc:
-        raise PlanError(f"checkpoint {ckpt}: {INDEX} is unreadable ({type(exc).__name__}: {exc}); "
-                        "the checkpoint is corrupted, load an earlier one") from None
-    if not isinstance(index, dict) or index.get("format") != FORMAT or not isinstance(index.get("files"), dict):
-        raise PlanError(f"checkpoint {ckpt}: {INDEX} is not a threefold checkpoint index; "
-                        "pass a directory written by threefold.save")
-    return index
+    """threefold.json, every field checked against the schema (checkpoint/reader.py)."""
+    from threefold.checkpoint.reader import read_index as checked_read_index
+    return checked_read_index(ckpt)
 
 
 def check_files(ckpt: str, index: dict, rank: int, world: int) -> str | None:

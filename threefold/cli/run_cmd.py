@@ -122,8 +122,8 @@ def run(args) -> int:
     ckpt_dir = args.ckpt_dir or os.path.abspath(art.root).rstrip("/") + ".ckpt"
     resume = None if args.resume is None else (args.resume or ckpt_dir)
     if resume is not None:
-        from threefold.checkpoint.files import resolve
-        resolve(resume)   # not a checkpoint: one line here, before any rank starts
+        from threefold.checkpoint.reader import read_checkpoint
+        read_checkpoint(resume)   # every field checked: one line here, before any rank starts
     trace_steps, trace_out = None, None
     if args.trace is not None:
         from threefold.outdir import check_out_dir

@@ -155,8 +155,8 @@ def run(args) -> int:
     check_ckpt_dir(cfg, ckpt_dir)
     resume = None if cfg.resume is None else (cfg.resume or ckpt_dir)
     if resume is not None:
-        from threefold.checkpoint.files import resolve
-        resolve(resume)   # not a checkpoint: one line here, before any rank starts
+        from threefold.checkpoint.reader import read_checkpoint
+        read_checkpoint(resume)   # every field checked: one line here, before any rank starts
     from threefold.cli.jobs import check_local_capacity
     check_local_capacity(plan.world_size)
     with _held(cfg, ckpt_dir, resume):     # one run at a time per --out and checkpoint directory
