@@ -51,3 +51,20 @@ def test_every_bad_threefold_variable_is_one_line_before_any_rank(tmp_path, caps
 def test_good_values_and_unrelated_names_pass(name, value):
     from threefold.env_check import check_env
     check_env({name: value})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_launcher_bounds_every_ranks_start_up(monkeypatch):
+    """A rank that never joins the job (its arguments import a module that blocks) is
+    stopped after the start-up limit, with one line naming it, instead of waiting forever."""
+    from threefold.runtime.launch import LaunchError, launch
+    from tests.hang_at_import import value
+    monkeypatch.setenv("H45_HANG_AT_IMPORT", "1")
+    t0 = time.perf_counter()
+    with pytest.raises(LaunchError) as e:
+        launch(value, 2, 1, start_timeout=8)
+    assert time.perf_counter() - t0 < 60
+    assert "did not join the job within 8 s" in str(e.value), str(e.value)
+    monkeypatch.setenv("H45_HANG_AT_IMPORT", "0")
+    assert launch(value, 2, 3, start_timeout=120) == [3, 3]
