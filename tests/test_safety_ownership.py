@@ -140,3 +140,51 @@ def test_resume_while_another_run_writes_the_folder_is_refused(tmp_path, capsys)
         _one_line([*TRAIN, "--resume", str(root), "--out", str(tmp_path / "o")], capsys, "in use")
     with _OtherRun(str(root)):
         _one_line([*TRAIN, "--resume", str(link), "--out", str(tmp_path / "o")], capsys, "in use")
+
+
+def test_a_file_the_user_edited_in_a_threefold_out_dir_is_moved_aside_never_deleted(tmp_path):
+    from threefold.outdir import check_out_dir, write_out_dir
+    out = tmp_path / "out"
+
+    def fill(tmp):
+        with open(os.path.join(tmp, "losses.json"), "w") as f:
+            f.write("[1]\n")
+    write_out_dir(str(out), fill, kind="train")
+    assert write_out_dir(str(out), fill, kind="train") is None     # ours, unchanged: replaced
+    with open(out / "losses.json", "a") as f:
+        f.write("my note\n")                                        # the user edits a listed file
+    with pytest.raises(PlanError):
+        check_out_dir(str(out), force=False)                        # no longer threefold's alone
+    moved = write_out_dir(str(out), fill, kind="train", force=True)
+    assert moved and open(moved + "/losses.json").read() == "[1]\nmy note\n"
+    assert (out / "losses.json").read_text() == "[1]\n"
+
+
+def test_sigterm_while_writing_the_out_dir_leaves_no_temporary(tmp_path):
+    import signal
+    from threefold.errors import Terminated
+    from threefold.outdir import write_out_dir
+
+    def fill(tmp):
+        with open(os.path.join(tmp, "a.txt"), "w") as f:
+            f.write("x")
+        os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(Terminated):
+        write_out_dir(str(tmp_path / "out"), fill, kind="train")
+    assert sorted(os.listdir(tmp_path)) == []
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(signal.getsignal(signal.SIGTERM))
+
+
+def test_a_full_disk_on_a_rank_is_one_line(monkeypatch):
+    from threefold.cli import jobs
+    from threefold.runtime import launch as launch_mod
+
+    def full(*a, **k):
+        err = launch_mod.LaunchError("rank 1 failed")
+        err.errors = {1: "OSError: [Errno 28] No space left on device: '/x/metrics.jsonl'\nTraceback ...\n"}
+        raise err
+    monkeypatch.setattr(launch_mod, "launch", full)
+    monkeypatch.setattr(jobs, "check_local_capacity", lambda w: None)
+    with pytest.raises(PlanError, match="rank 1: the disk is full") as e:
+        jobs.run_on_ranks(print, 2)
+    assert "\n" not in str(e.value)

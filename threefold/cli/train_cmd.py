@@ -33,6 +33,12 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+# The embedded job's batches are [batch, seq] token ids and targets (threefold.dataset's
+# sampler): said, not inferred. Inference runs the model on probe rows, which a model built on
+# the meta device (--weights: parameters come from the file) cannot do; batch == seq is ambiguous too.
+EMBEDDED_BATCH_DIMS = 0
+
+
 def _embedded(cfg):
     """The embedded job: the GPT of cfg's [model] shape over cfg's data (threefold.dataset.Data)."""
     from threefold.dataset import load_data
@@ -66,7 +72,7 @@ def _train_rank(cfg, show, ckpt_dir=None, resume=None, live_dir=None, run_record
     if cfg.spec is None:
         model, loss_fn, dataset = _embedded(cfg)
         source = data_source(cfg, dataset, model.cfg)   # its position goes into every checkpoint
-        batch_dims = None
+        batch_dims = EMBEDDED_BATCH_DIMS
     else:
         w = _training_spec(cfg)
         model, loss_fn, batch_dims = w.model, w.loss_fn, w.batch_dims
@@ -108,7 +114,7 @@ def validate_in_parent(cfg) -> Plan:
         *inputs, target = data.sampler(cfg).peek()
         data.val_batches(cfg)
         _check_prompt(cfg, data.tokenizer, f"tokenizer {data.tokenizer.name!r}")
-        workload = Workload(model, tuple(inputs), target, loss_fn)
+        workload = Workload(model, tuple(inputs), target, loss_fn, batch_dims=EMBEDDED_BATCH_DIMS)
     else:
         workload = _training_spec(cfg)
         _check_prompt(cfg, workload.tokenizer, f"SPEC {spec!r}'s tokenizer")
