@@ -77,7 +77,7 @@ def load(pm, optimizer, directory: str) -> dict:
         raise PlanError(f"checkpoint {ckpt}: reading it failed ({type(exc).__name__}: {first}); "
                         "the checkpoint is damaged, load an earlier one") from None
 
-    meta = check_meta(ckpt, sd[state.META], index) or {}     # before any of it is used
+    meta = check_meta(ckpt, sd[state.META], index, strict=False) or {}     # before any of it is used
     groups = "none"
     if optimizer is not None:     # groups matched by their parameters (checkpoint/groups.py)
         groups = restore_groups(pm, optimizer, sd.get(state.GROUPS))

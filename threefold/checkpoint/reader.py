@@ -256,9 +256,10 @@ def _number(v) -> bool:
     return type(v) in (int, float)
 
 
-def check_meta(ckpt: str, meta, index: dict | None = None, md=None) -> dict:
+def check_meta(ckpt: str, meta, index: dict | None = None, md=None, strict: bool = True) -> dict:
     """`meta` checked against its schema; with `md`, the recorded GPT config against the
-    saved tensors' shapes."""
+    saved tensors' shapes. `strict=False` (threefold.load of a user's own checkpoint): an
+    `extra` that is not a dict is the user's value, returned as saved."""
     from threefold.checkpoint.run_record import check_generate, gpt_config
     where = f"{os.path.join(ckpt, '.metadata')} (entry 'meta')"
 
@@ -275,14 +276,12 @@ def check_meta(ckpt: str, meta, index: dict | None = None, md=None) -> dict:
     for k in ("engine_step", "rng_base"):
         need(k not in meta or _int(meta[k], 0, 2**63 - 1), k, "is not a non-negative integer")
     extra = meta.get("extra")
-    if extra is None:
+    if extra is None or (not strict and not isinstance(extra, dict)):
         return meta
     need(isinstance(extra, dict), "extra", f"is a {type(extra).__name__}, not a dict")
     for k in ("losses", "seconds"):
         v = extra.get(k, [])
         need(isinstance(v, list) and all(_number(x) for x in v), f"extra.{k}", "is not a list of numbers")
-    if "losses" in extra:
-        need(len(extra["losses"]) <= meta["step"], "extra.losses", f"has more entries than step {meta['step']}")
     for k in ("skipped", "rows"):
         v = extra.get(k, [])
         need(isinstance(v, list) and all(isinstance(x, dict) for x in v), f"extra.{k}", "is not a list of records")
