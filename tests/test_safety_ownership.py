@@ -188,3 +188,18 @@ def test_a_full_disk_on_a_rank_is_one_line(monkeypatch):
     with pytest.raises(PlanError, match="rank 1: the disk is full") as e:
         jobs.run_on_ranks(print, 2)
     assert "\n" not in str(e.value)
+
+
+def test_sigterm_during_a_checkpoints_final_write_leaves_no_temporary(tmp_path, monkeypatch):
+    import signal
+    from threefold.errors import Terminated
+    from tests.test_safety_checkpoint_data import _save
+    real = files.write_index
+
+    def killed(dirpath, index):
+        real(dirpath, index)
+        os.kill(os.getpid(), signal.SIGTERM)     # the launcher stopping the job mid-publish
+    monkeypatch.setattr(files, "write_index", killed)
+    with pytest.raises(Terminated):
+        _save(str(tmp_path / "root"), {})
+    assert os.listdir(tmp_path / "root") == []

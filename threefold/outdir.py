@@ -158,12 +158,12 @@ def _write_out_dir(path: str, fill: Callable[[str], None], kind: str, force: boo
         os.makedirs(parent, exist_ok=True)
     except OSError as exc:
         raise PlanError(f"{flag} {path!r} cannot be created ({exc.strerror})") from None
-    with _sigterm_raises():     # SIGTERM while writing: the temporary directory is removed, not left
+    with sigterm_raises():     # SIGTERM while writing: the temporary directory is removed, not left
         return _fill_and_swap(full, parent, base, fill, kind)
 
 
 @contextlib.contextmanager
-def _sigterm_raises():
+def sigterm_raises(what: str = "writing the output directory"):
     """SIGTERM raises Terminated (so `except BaseException` cleans up) instead of ending the
     process where it stands; only in the main thread, where signal handlers run."""
     import signal
@@ -174,8 +174,7 @@ def _sigterm_raises():
         return
 
     def on_term(signum, frame):
-        raise Terminated("terminated by SIGTERM while writing the output directory (nothing half-written "
-                         "was left)")
+        raise Terminated(f"terminated by SIGTERM while {what} (nothing half-written was left)")
     old = signal.signal(signal.SIGTERM, on_term)
     try:
         yield

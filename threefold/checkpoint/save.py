@@ -26,6 +26,12 @@ def save(pm, optimizer, directory: str, step: int | None = None, extra=None, kee
     the checkpoint's path (directory/step_<N>), the same on every rank. `run` (threefold
     train's record: checkpoint/ownership.py) goes into the index; with it only this run's
     checkpoints are pruned or replaced."""
+    from threefold.outdir import sigterm_raises
+    with sigterm_raises("writing a checkpoint"):   # SIGTERM mid-save: the temporary is removed
+        return _save(pm, optimizer, directory, step, extra, keep, run)
+
+
+def _save(pm, optimizer, directory: str, step: int | None, extra, keep: int | None, run: dict | None) -> str:
     import torch.distributed.checkpoint as dcp
     if keep is not None and keep < 1:
         raise PlanError(f"keep={keep} is invalid: keep at least 1 checkpoint (or None for all)")
