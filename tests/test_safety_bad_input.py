@@ -41,7 +41,10 @@ def needs_arg(size):
 
 BAD_PLANS = ["tp=2,tp=4", "tp=2 pp=2", "tp=2,,pp=2", "tp=2,", ",tp=2", "tp=", "=2", "tp", "tp=two",
              "tp=0", "tp=-1", "tp=1.5", "pp=2;dp=2", "bogus=1", "schedule=zigzag", "v=2", "v=2,pp=2",
-             "sp=true", "sp=maybe", "m=0", "pp==2", "tp=2=3"]
+             "sp=true", "sp=maybe", "m=0", "pp==2", "tp=2=3",
+             # issue 45's probe: non-ASCII digits and booleans, a typo'd key, keys that would do nothing
+             "tp=\uff12", "tp=\u0662", "tp=1_0", "tp=+2", "strict=\uff59es", "shedule=gpipe", "sp=1",
+             "dp=2,dp_shard=2", "tp=2 ,pp=2 x"]
 
 
 def _cases() -> list[tuple[str, list[str]]]:

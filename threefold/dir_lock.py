@@ -1,6 +1,7 @@
 """One run at a time per output or checkpoint directory.
 
-`dir_lock(path, flag)` takes an exclusive flock on `.<name>.lock` beside the directory and
+`dir_lock(path, flag)` takes an exclusive flock on `.<name>.lock` beside the directory (its
+resolved path: links followed, so a symlink to a locked directory is the same lock) and
 holds it until the `with` block ends. The lock file is a sibling, not inside the directory,
 because --out is swapped in whole at the end of a run (threefold/outdir.py): a lock inside it
 would be renamed away with the old contents. The kernel drops a flock when its process dies,
@@ -22,7 +23,9 @@ _held: dict[str, int] = {}     # lock path -> depth, this process's locks (re-en
 
 
 def lock_path(path: str) -> str:
-    full = os.path.abspath(path).rstrip(os.sep) or os.sep
+    """The lock of the directory `path` resolves to: two runs reaching one directory through
+    a symlink (or `..`) take the same lock."""
+    full = os.path.realpath(os.path.abspath(path)).rstrip(os.sep) or os.sep
     parent, base = os.path.split(full)
     return os.path.join(parent, f".{base}.lock")
 

@@ -12,9 +12,11 @@ writes it, and a second run on the same directory is refused, naming the holder'
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import time
 from typing import Callable
@@ -45,10 +47,43 @@ def _ours(path: str) -> bool:
         return False
     try:
         with open(marker) as f:
-            listed = {os.path.normpath(p) for p in json.load(f)["files"]}
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+            record = json.load(f)
+        listed = {os.path.normpath(p) for p in record["files"]}
+        stamps = record.get("stamps")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return False
-    return files <= listed | {MARKER}
+    if not files <= listed | {MARKER}:
+        return False
+    return _unchanged(path, stamps)
+
+
+def _stamps(path: str) -> dict[str, list[int]]:
+    """[size, mtime_ns] of every regular file under path: what a later run compares to see
+    whether the user changed a file threefold wrote."""
+    out = {}
+    for rel in _listing(path):
+        st = os.lstat(os.path.join(path, rel))
+        if stat.S_ISREG(st.st_mode):
+            out[rel] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
+def _unchanged(path: str, stamps) -> bool:
+    """Every file the marker stamped is as threefold wrote it (a marker without stamps, from an
+    older threefold, is trusted by its listing alone)."""
+    if stamps is None:
+        return True
+    if not isinstance(stamps, dict):
+        return False
+    for rel, stamp in stamps.items():
+        full = os.path.join(path, os.path.normpath(str(rel)))
+        try:
+            st = os.lstat(full)
+        except OSError:
+            continue            # removed since: nothing of the user's to lose
+        if not stat.S_ISREG(st.st_mode) or [st.st_size, st.st_mtime_ns] != stamp:
+            return False
+    return True
 
 
 def check_out_dir(path: str, force: bool = False, flag: str = "--out") -> None:
@@ -123,12 +158,38 @@ def _write_out_dir(path: str, fill: Callable[[str], None], kind: str, force: boo
         os.makedirs(parent, exist_ok=True)
     except OSError as exc:
         raise PlanError(f"{flag} {path!r} cannot be created ({exc.strerror})") from None
+    with sigterm_raises():     # SIGTERM while writing: the temporary directory is removed, not left
+        return _fill_and_swap(full, parent, base, fill, kind)
+
+
+@contextlib.contextmanager
+def sigterm_raises(what: str = "writing the output directory"):
+    """SIGTERM raises Terminated (so `except BaseException` cleans up) instead of ending the
+    process where it stands; only in the main thread, where signal handlers run."""
+    import signal
+    import threading
+    from threefold.errors import Terminated
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum, frame):
+        raise Terminated(f"terminated by SIGTERM while {what} (nothing half-written was left)")
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _fill_and_swap(full: str, parent: str, base: str, fill, kind: str) -> str | None:
     tmp = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
     try:
         as_if_created_plainly(tmp, directory=True)   # mkdtemp makes 0700; a plain mkdir would not
         fill(tmp)
+        record = {"kind": kind, "files": sorted(_listing(tmp) - {MARKER}), "stamps": _stamps(tmp)}
         with open(os.path.join(tmp, MARKER), "w") as f:
-            json.dump({"kind": kind, "files": sorted(_listing(tmp) - {MARKER})}, f, indent=1)
+            json.dump(record, f, indent=1)
         moved_aside = None
         if os.path.lexists(full):
             if not os.path.islink(full) and os.path.isdir(full) and not os.listdir(full):

@@ -119,7 +119,7 @@ class Plan:
             if not isinstance(d, int) or isinstance(d, bool) or d < 1 or self.dp % d:
                 raise PlanError(f"plan dp_shard={d!r} is invalid: it must divide dp={self.dp} "
                                 f"(dp_replicate = dp / dp_shard replicas of each shard group)")
-            if self.zero == 0 and d != self.dp:
+            if self.zero == 0:    # even dp_shard=dp: a key that would change nothing is a mistake
                 raise PlanError(f"plan dp_shard={d} needs zero>=1: it says over how many dp ranks ZeRO "
                                 "shards; add zero=3 (HSDP) or drop dp_shard")
             if d == self.dp:   # the default spelled out: one form, so str() round-trips
@@ -194,8 +194,7 @@ class Plan:
                                 "commas, e.g. 'tp=2,pp=4'")
             name = _ALIASES.get(key, key)
             if name not in fields:
-                known = sorted(set(fields) | set(_ALIASES))
-                raise PlanError(f"plan key {key!r} is unknown: known keys are {', '.join(known)}")
+                raise PlanError(unknown_key(key))
             if name in seen and name != "split_points":
                 raise PlanError(f"plan key {key!r} is given twice ({seen[name]}, {item}): give each key once")
             seen[name] = item
@@ -222,32 +221,73 @@ class Plan:
         return ",".join(parts)
 
 
+def unknown_key(key: str) -> str:
+    """"plan key 'shedule' is unknown: did you mean 'schedule'? ..." (one line)."""
+    import difflib
+    known = sorted({f.name for f in dataclasses.fields(Plan)} | set(_ALIASES))
+    close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"plan key {key!r} is unknown: {hint}known keys are {', '.join(known)}"
+
+
+def _init_checked(init):
+    """Plan(shedule=...) is a PlanError naming the key (with a suggestion), not a bare TypeError."""
+    import functools
+    names = None
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        nonlocal names
+        names = names or {f.name for f in dataclasses.fields(Plan)}
+        for key in kwargs:
+            if key not in names:
+                raise PlanError(unknown_key(key))
+        if len(args) > len(names):
+            raise PlanError(f"Plan() takes at most {len(names)} positional values, got {len(args)}: "
+                            "give them by name, e.g. Plan(tp=2, pp=4)")
+        init(self, *args, **kwargs)
+    return __init__
+
+
+Plan.__init__ = _init_checked(Plan.__init__)
+
+# Boolean plan values: these spellings (ASCII, any case), nothing else.
+TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _ascii_int(name: str, value: str) -> int:
+    """ASCII digits only: int() would also take '２', '٢', '1_0' and '+1'."""
+    if not (value.isascii() and value.isdigit()):
+        raise PlanError(f"plan {name}={value!r} is invalid: it must be a positive integer in ASCII digits")
+    return int(value)
+
+
 def _parse_value(name: str, value: str, previous):
     if name == "split_points":
         # Several split points: repeat the key ('split=a,split=b') or join with '+'.
         return tuple(previous or ()) + tuple(v for v in value.split("+") if v)
     if name == "recompute":
         # true/false stay booleans here (the planner's Constraints read them); Plan maps them
-        low = value.lower()
-        if low in ("1", "true", "yes", "on"):
+        low = value.lower() if value.isascii() else value
+        if low in TRUE_WORDS:
             return True
-        if low in ("0", "false", "no", "off"):
+        if low in FALSE_WORDS:
             return False
         if low not in RECOMPUTE_MODES:
             raise PlanError(f"plan recompute={value!r} is invalid: use one of {', '.join(RECOMPUTE_MODES)} "
                             "(or true/false for full/none)")
         return low
     if name in ("sp", "scatter_gather", "fuse", "strict"):
-        low = value.lower()
-        if low in ("1", "true", "yes", "on"):
+        low = value.lower() if value.isascii() else value
+        if low in TRUE_WORDS:
             return True
-        if low in ("0", "false", "no", "off"):
+        if low in FALSE_WORDS:
             return False
         if name == "fuse" and low in ("auto", "none"):
             return None
-        raise PlanError(f"plan {name}={value!r} is invalid: use true or false")
+        raise PlanError(f"plan {name}={value!r} is invalid: use true or false (also 1/0, yes/no, on/off)")
     if name in ("schedule", "loss", "batchnorm"):
-        return value.lower()
+        return value.lower() if value.isascii() else value    # an unknown word is refused by Plan
     if name == "compile":
         low = value.lower()
         if low not in COMPILE_MODES:
@@ -264,10 +304,7 @@ def _parse_value(name: str, value: str, previous):
         if value not in ("0", "1", "2", "3"):
             raise PlanError(f"plan zero={value!r} is invalid: use 0, 1, 2 or 3")
         return int(value)
-    try:
-        return int(value)
-    except ValueError:
-        raise PlanError(f"plan {name}={value!r} is invalid: it must be a positive integer") from None
+    return _ascii_int(name, value)
 
 
 _ALIASES["split"] = "split_points"

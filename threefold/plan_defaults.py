@@ -61,7 +61,11 @@ def resolve_plan(plan, world: int | None = None, batch: int | None = None) -> Re
                              f"dp replica; give m= to choose")
                 m = fits
         given["microbatches"] = m
-    return ResolvedPlan(Plan(**given), tuple(notes))
+    plan = Plan(**given)
+    if plan.zero and plan.shard_degree == 1:
+        notes.append(f"zero={plan.zero} shards over the dp ranks, and there is {plan.dp}: nothing is sharded "
+                     "(it runs as zero=0); set dp>1 to shard")
+    return ResolvedPlan(plan, tuple(notes))
 
 
 def batch_rows(inputs, batch_dims=None) -> int | None:

@@ -35,20 +35,20 @@ def consolidate(ckpt_path: str) -> tuple[str, dict[str, torch.Tensor]]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from threefold.checkpoint.collective import quiet
-    from threefold.checkpoint.safe_read import SafeLoadPlanner, SafeReader, unwrapped
-    ckpt = files.resolve(ckpt_path)
-    index = files.read_index(ckpt)
-    problem = files.check_files(ckpt, index, 0, 1)
+    from threefold.checkpoint.reader import CheckedReader, read_checkpoint
+    from threefold.checkpoint.safe_read import SafeLoadPlanner, unwrapped
+    checked = read_checkpoint(ckpt_path, meta=False)   # every field checked, sizes bounded by the files
+    ckpt, md = checked.path, checked.metadata
+    problem = files.check_files(ckpt, checked.index, 0, 1)
     if problem:
         raise PlanError(f"checkpoint {ckpt}: {problem}; export an earlier checkpoint")
-    md = SafeReader(ckpt).read_metadata()
     gap = files.coverage_problem(md)
     if gap:
         raise PlanError(f"checkpoint {ckpt} is incomplete: {gap}")
     sd = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
           if k.startswith(state.MODEL) and isinstance(m, TensorStorageMetadata)}
     with quiet(1), unwrapped():
-        dcp.load(sd, storage_reader=SafeReader(ckpt), planner=SafeLoadPlanner(), no_dist=True)
+        dcp.load(sd, storage_reader=CheckedReader(ckpt, md), planner=SafeLoadPlanner(), no_dist=True)
     return ckpt, {k[len(state.MODEL):]: v for k, v in sd.items()}
 
 
@@ -120,13 +120,13 @@ def shard_groups(full: dict[str, torch.Tensor], max_bytes: int) -> list[list[str
     return groups
 
 
-def embedded_gpt_names(full: dict[str, torch.Tensor], gpt: dict, hf_config: str | None):
+def embedded_gpt_names(full: dict[str, torch.Tensor], gpt: dict, hf_config: str | None, where: str = ""):
     """(tensors under GPT-2's keys, its config) for a checkpoint of the embedded GPT whose
     GPTConfig fields are `gpt` (models/gpt_hf.py): `hf_config` if given (checked to describe
     the same function), else the GPT2Config written for it."""
-    from threefold.models.gpt import GPTConfig
+    from threefold.checkpoint.run_record import gpt_config
     from threefold.models.gpt_hf import check_gpt2_config, gpt2_config, gpt2_state
-    cfg = GPTConfig(**gpt)
+    cfg = gpt_config(gpt, {k: tuple(v.shape) for k, v in full.items()}, where or "the checkpoint")
     if hf_config is None:
         config = gpt2_config(cfg)
     else:
@@ -162,7 +162,7 @@ def _export(ckpt_path, out, hf_config, force, max_bytes, run_record) -> dict:
     config = None
     embedded_gpt = (run_record(ckpt) if run_record is not None else {}).get("gpt")
     if embedded_gpt is not None:
-        full, config = embedded_gpt_names(full, embedded_gpt, hf_config)
+        full, config = embedded_gpt_names(full, embedded_gpt, hf_config, ckpt)
     elif hf_config is not None:
         full, config = hf_names(full, hf_config)
     groups = shard_groups(full, max_bytes)

@@ -58,14 +58,21 @@ def write_index(dirpath: str, index: dict) -> None:
     _fsync_dir(dirpath)
 
 
-def publish(root: str, tmp: str, name: str, keep: int | None) -> str:
+def publish(root: str, tmp: str, name: str, keep: int | None, run_id: str | None = None) -> str:
     """Rename the finished `tmp` to root/name, point `latest` at it, drop all but the last
-    `keep` checkpoints. An existing root/name is moved aside first and removed last."""
+    `keep` checkpoints. An existing root/name is moved aside first and removed last. With
+    `run_id` (threefold train's run) only that run's checkpoints are replaced or pruned: a
+    step of the same name another run wrote is kept as step_<N>.run-<its id>."""
     final = os.path.join(root, name)
-    aside = None
+    aside, kept = None, None
     if os.path.exists(final):
-        aside = f"{tmp}.replaced"
-        os.rename(final, aside)
+        theirs = run_id_of(final)
+        if run_id is not None and theirs != run_id:
+            kept = os.path.join(root, f"{name}.run-{(theirs or 'unknown')[:12]}")
+            os.rename(final, kept)
+        else:
+            aside = f"{tmp}.replaced"
+            os.rename(final, aside)
     os.rename(tmp, final)
     with open(os.path.join(root, LATEST + ".tmp"), "w") as f:
         f.write(name + "\n")
@@ -76,11 +83,23 @@ def publish(root: str, tmp: str, name: str, keep: int | None) -> str:
     if aside:
         shutil.rmtree(aside, ignore_errors=True)
     if keep is not None:
-        for old in list_steps(root)[:-keep]:
+        mine = [s for s in list_steps(root) if run_id is None or run_id_of(os.path.join(root, s)) == run_id]
+        for old in mine[:-keep]:
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     return final
 
 
+def run_id_of(ckpt: str) -> str | None:
+    """The run id threefold train recorded in ckpt's index (None: none, or unreadable)."""
+    try:
+        with open(os.path.join(ckpt, INDEX)) as f:
+            run = json.load(f).get("run")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    return run.get("id") if isinstance(run, dict) and isinstance(run.get("id"), str) else None
+
+
+RUN_ASIDE = re.compile(r"step_\d+\.run-[0-9a-z]+")    # another run's step kept aside by publish
 PARTIAL = re.compile(r"\.tmp-step_\d+-.+")    # save's temporary directory (save.py), mkdtemp's suffix
 
 
@@ -95,10 +114,34 @@ def drop_partial(root: str) -> list[str]:
         return gone
     for name in names:
         path = os.path.join(root, name)
-        if PARTIAL.fullmatch(name) and os.path.isdir(path) and not os.path.islink(path):
+        if PARTIAL.fullmatch(name) and os.path.isdir(path) and not os.path.islink(path) and not in_progress(path):
             shutil.rmtree(path, ignore_errors=True)
             gone.append(name)
     return gone
+
+
+def hold_partial(tmp: str) -> int:
+    """A flock on the temporary directory a save is filling, held (its fd) until the save is
+    published or fails: drop_partial leaves a held one alone (another run's save in progress)."""
+    import fcntl
+    fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def in_progress(path: str) -> bool:
+    import fcntl
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True         # held by a live save (the kernel drops it when that process dies)
+    finally:
+        os.close(fd)
 
 
 def list_steps(root: str) -> list[str]:
@@ -111,37 +154,16 @@ def list_steps(root: str) -> list[str]:
 
 
 def resolve(path: str) -> str:
-    """The checkpoint directory `path` names: itself, or the newest under a root."""
-    if os.path.isfile(os.path.join(path, INDEX)):
-        return path
-    if not os.path.exists(path):
-        raise PlanError(f"checkpoint {path} does not exist: pass a directory written by threefold.save")
-    if not os.path.isdir(path):
-        raise PlanError(f"checkpoint {path} is a file, not a checkpoint directory written by threefold.save")
-    latest = os.path.join(path, LATEST)
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            name = f.read().strip()
-        if STEP_DIR.fullmatch(name) and os.path.isfile(os.path.join(path, name, INDEX)):
-            return os.path.join(path, name)
-    steps = list_steps(path)
-    if steps:
-        return os.path.join(path, steps[-1])
-    raise PlanError(f"{path} is not a threefold checkpoint (no {INDEX}, no step_* checkpoints in it): "
-                    "pass a directory written by threefold.save")
+    """The checkpoint directory `path` names: itself, `latest` in a root (refused if
+    dangling), or the newest under a root (checkpoint/reader.py)."""
+    from threefold.checkpoint.reader import resolve as checked_resolve
+    return checked_resolve(path)
 
 
 def read_index(ckpt: str) -> dict:
-    try:
-        with open(os.path.join(ckpt, INDEX)) as f:
-            index = json.load(f)
-    except (OSError, ValueError, RecursionError) as exc:
-        raise PlanError(f"checkpoint {ckpt}: {INDEX} is unreadable ({type(exc).__name__}: {exc}); "
-                        "the checkpoint is corrupted, load an earlier one") from None
-    if not isinstance(index, dict) or index.get("format") != FORMAT or not isinstance(index.get("files"), dict):
-        raise PlanError(f"checkpoint {ckpt}: {INDEX} is not a threefold checkpoint index; "
-                        "pass a directory written by threefold.save")
-    return index
+    """threefold.json, every field checked against the schema (checkpoint/reader.py)."""
+    from threefold.checkpoint.reader import read_index as checked_read_index
+    return checked_read_index(ckpt)
 
 
 def check_files(ckpt: str, index: dict, rank: int, world: int) -> str | None:

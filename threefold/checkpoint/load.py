@@ -15,7 +15,7 @@ import torch
 from threefold.checkpoint import files, state
 from threefold.checkpoint.collective import gather_all, quiet as _quiet, rank_world
 from threefold.checkpoint.groups import restore_groups
-from threefold.checkpoint.safe_read import SafeReader, unwrapped
+from threefold.checkpoint.safe_read import unwrapped
 from threefold.errors import PlanError
 
 
@@ -24,12 +24,18 @@ def load(pm, optimizer, directory: str) -> dict:
     `pm` and `optimizer` (may be None). Returns {"step", "extra", "path"}."""
     import torch.distributed.checkpoint as dcp
     rank, world = rank_world()
-    ckpt = files.resolve(directory)
-    index = files.read_index(ckpt)
+    from threefold.checkpoint.reader import CheckedReader, check_meta, read_checkpoint
+    try:    # every field checked against the schema (checkpoint/reader.py), never plain pickle
+        checked, problem = read_checkpoint(directory, meta=False), None
+    except PlanError as exc:
+        checked, problem = None, str(exc)
+    refused = [p for p in gather_all(problem) if p]     # every rank stops, not only the one that saw it
+    if refused:
+        raise PlanError(refused[0])
+    ckpt, index, md = checked.path, checked.index, checked.metadata
     problems = [p for p in gather_all(files.check_files(ckpt, index, rank, world)) if p]
     if problems:
         raise PlanError(f"checkpoint {ckpt}: {problems[0]}; load an earlier checkpoint")
-    md = SafeReader(ckpt).read_metadata()      # never plain pickle: checkpoint/safe_read.py
     from threefold.checkpoint.save import _buffer_names
     # buffers one plan reads and another does not (cp's ring drops the causal-mask buffer) are
     # constants of the model: missing ones keep the model's values, extra ones are not read
@@ -63,7 +69,7 @@ def load(pm, optimizer, directory: str) -> dict:
     try:
         with torch.no_grad():
             with _quiet(world), unwrapped():
-                dcp.load(sd, storage_reader=SafeReader(ckpt), planner=LoadShards(), no_dist=world == 1)
+                dcp.load(sd, storage_reader=CheckedReader(ckpt, md), planner=LoadShards(), no_dist=world == 1)
     except PlanError:
         raise
     except Exception as exc:
@@ -71,6 +77,7 @@ def load(pm, optimizer, directory: str) -> dict:
         raise PlanError(f"checkpoint {ckpt}: reading it failed ({type(exc).__name__}: {first}); "
                         "the checkpoint is damaged, load an earlier one") from None
 
+    meta = check_meta(ckpt, sd[state.META], index, strict=False) or {}     # before any of it is used
     groups = "none"
     if optimizer is not None:     # groups matched by their parameters (checkpoint/groups.py)
         groups = restore_groups(pm, optimizer, sd.get(state.GROUPS))
@@ -78,7 +85,6 @@ def load(pm, optimizer, directory: str) -> dict:
     if scaler is not None and sd.get(state.SCALER):
         scaler.load_state_dict(sd[state.SCALER])
         pm.engine.loss_scale = scaler.scale
-    meta = sd[state.META] or {}
     pm.engine._step_count = int(meta.get("engine_step", pm.engine._step_count))
     pm.engine._rng_base = int(meta.get("rng_base", pm.engine._rng_base))
     if sd.get(rng_key):

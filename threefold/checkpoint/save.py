@@ -20,21 +20,31 @@ from threefold.errors import PlanError
 from threefold.file_modes import as_if_created_plainly
 
 
-def save(pm, optimizer, directory: str, step: int | None = None, extra=None, keep: int | None = 3) -> str:
+def save(pm, optimizer, directory: str, step: int | None = None, extra=None, keep: int | None = 3,
+         run: dict | None = None) -> str:
     """Write a checkpoint of `pm` (and `optimizer`, may be None) under `directory`; returns
-    the checkpoint's path (directory/step_<N>), the same on every rank."""
+    the checkpoint's path (directory/step_<N>), the same on every rank. `run` (threefold
+    train's record: checkpoint/ownership.py) goes into the index; with it only this run's
+    checkpoints are pruned or replaced."""
+    from threefold.outdir import sigterm_raises
+    with sigterm_raises("writing a checkpoint"):   # SIGTERM mid-save: the temporary is removed
+        return _save(pm, optimizer, directory, step, extra, keep, run)
+
+
+def _save(pm, optimizer, directory: str, step: int | None, extra, keep: int | None, run: dict | None) -> str:
     import torch.distributed.checkpoint as dcp
     if keep is not None and keep < 1:
         raise PlanError(f"keep={keep} is invalid: keep at least 1 checkpoint (or None for all)")
     rank, world = rank_world()
     step = pm.engine._step_count if step is None else int(step)
     name = files.step_name(step)
-    tmp = None
+    tmp, held = None, None
     if rank == 0:
         try:
             os.makedirs(directory, exist_ok=True)
             files.drop_partial(directory)     # what an interrupted save left (rank 0 alone saves here now)
             tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=directory)
+            held = files.hold_partial(tmp)   # another run's drop_partial leaves it alone while we write
             as_if_created_plainly(tmp, directory=True)   # becomes step_<N>: the umask's mode
         except OSError as exc:
             tmp = PlanError(f"cannot write checkpoint directory {directory}: {exc.strerror or exc}")
@@ -62,17 +72,28 @@ def save(pm, optimizer, directory: str, step: int | None = None, extra=None, kee
                 # buffers: constants of the model, not trained state; a plan that does not
                 # read some (cp's ring drops a causal-mask buffer) loads without them
                 "buffers": sorted(_buffer_names(pm.manifest)),
-                "has_optimizer": optimizer is not None, "seconds": time.perf_counter() - started})
-            outcome = files.publish(directory, tmp, name, keep)
+                "has_optimizer": optimizer is not None, "seconds": time.perf_counter() - started,
+                **({"run": run} if run else {})})
+            outcome = files.publish(directory, tmp, name, keep, (run or {}).get("id"))
         outcome = from_rank0(outcome)
     except BaseException as exc:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+            _release(held)
         from threefold.outdir import disk_full, is_disk_full
         if is_disk_full(exc) or _any_disk_full(exc):    # DCP wraps each rank's OSError: name the cause
             raise PlanError(f"checkpoint {directory} at step {step} could not be written: {disk_full()}") from None
         raise
+    _release(held)
     return outcome
+
+
+def _release(fd) -> None:
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def _any_disk_full(exc: BaseException) -> bool:

@@ -2,8 +2,15 @@
 
 The checkpoint (any plan) is read back into full tensors in this one process
 (checkpoint/export.py `consolidate`); the model and tokenizer are rebuilt from what the run
-recorded in the checkpoint (`extra["generate"]`: the embedded GPT's config and tokenizer, or
-the SPEC), and the prompt is extended greedily (--temperature 0) or by seeded sampling.
+recorded in the checkpoint (`extra["generate"]`), and the prompt is extended greedily
+(--temperature 0) or by seeded sampling.
+
+A checkpoint is data and never chooses code: the embedded GPT is rebuilt from its recorded
+config (numbers, checked against the saved tensors' shapes before anything is allocated);
+a recorded SPEC is only shown as a hint. The model comes from the user's --spec, or from the
+recorded SPEC when it is a file path outside the checkpoint folder and the user confirms it
+with --trust-recorded-spec (the checkpoint then names code the user already has; a
+`module:callable(args)` SPEC or a file shipped inside the checkpoint is never run from it).
 """
 from __future__ import annotations
 
@@ -25,50 +32,71 @@ def register(sub) -> None:
                    help="softmax temperature; 0 = greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=None, help="sample only from the k likeliest tokens")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--spec", default=None, help="rebuild the model from this SPEC instead of the recorded one")
+    p.add_argument("--spec", default=None, help="rebuild the model from this SPEC (a recorded SPEC is only a hint)")
+    p.add_argument("--trust-recorded-spec", action="store_true",
+                   help="rebuild the model from the SPEC the checkpoint records, if it is a .py file "
+                   "outside the checkpoint folder (never a module:callable or a file inside it)")
     p.add_argument("--json", action="store_true", help="print {prompt, text, tokens} as JSON")
     p.set_defaults(func=run)
 
 
 def read_generate_info(ckpt: str) -> dict:
-    """The run's `extra["generate"]` record from the checkpoint's metadata ({} if none)."""
-    import torch.distributed.checkpoint as dcp
-    from threefold.checkpoint.collective import quiet
-    from threefold.checkpoint.safe_read import SafeLoadPlanner, SafeReader, unwrapped
-    from threefold.checkpoint.state import META
-    sd = {META: None}
-    try:
-        with quiet(1), unwrapped():
-            dcp.load(sd, storage_reader=SafeReader(ckpt), planner=SafeLoadPlanner(), no_dist=True)
-    except PlanError:      # a refused class (checkpoint/safe_read.py): never read past
-        raise
-    except Exception:
-        return {}
-    meta = sd.get(META) or {}
-    extra = meta.get("extra") or {}
-    return extra.get("generate") or {}
+    """The run's `extra["generate"]` record from the checkpoint's metadata ({} if none),
+    read and checked by the one validating reader (checkpoint/reader.py)."""
+    from threefold.checkpoint.reader import read_checkpoint
+    return read_checkpoint(ckpt).generate
 
 
-def build_model(info: dict, spec: str | None):
-    """(model, tokenizer, context) from the recorded run (or --spec)."""
-    spec = spec or info.get("spec")
-    if "gpt" in info and spec is None:
+def build_model(info: dict, spec: str | None, trust_recorded: bool = False, ckpt: str | None = None,
+                shapes: dict | None = None):
+    """(model, tokenizer, context) from --spec, the recorded embedded GPT, or (confirmed by
+    --trust-recorded-spec) the recorded file SPEC. `shapes` (FQN -> shape of the saved
+    tensors) bounds the recorded GPT config before it is built."""
+    recorded = info.get("spec")
+    if spec is None and recorded is None and "gpt" in info:
+        from threefold.checkpoint.run_record import gpt_config, tokenizer_record
         import torch
-        from threefold.dataset import tokenizer_from_dict
-        from threefold.models.gpt import GPT, GPTConfig
+        from threefold.models.gpt import GPT
+        cfg = gpt_config(info["gpt"], shapes, ckpt or "the checkpoint")
+        tokenizer = tokenizer_record(info.get("tokenizer"), ckpt or "the checkpoint")
         with torch.device("cpu"):
-            model = GPT(GPTConfig(**info["gpt"]))
-        return model, tokenizer_from_dict(info["tokenizer"]), int(info.get("context") or info["gpt"]["block_size"])
+            model = GPT(cfg)
+        return model, tokenizer, int(info.get("context") or cfg.block_size)
+    if spec is None and recorded is not None:
+        spec = _recorded_spec(recorded, trust_recorded, ckpt)
     if spec is None:
         raise PlanError("the checkpoint does not say which model it holds (saved by threefold.save outside "
                         "threefold train): give --spec SPEC")
+    from threefold.train.source import _absolute_spec
     from threefold.workload import load_spec
-    w = load_spec(spec, info.get("sizes") if spec == info.get("spec") else None)
+    same = recorded is not None and _absolute_spec(spec) == recorded
+    w = load_spec(spec, info.get("sizes") if same else None)
     if w.tokenizer is None:
         raise PlanError(f"SPEC {spec!r} gives no tokenizer: add 'tokenizer' (encode/decode) to its dict "
                         "to generate text")
-    context = info.get("context") or (int(w.inputs[0].shape[-1]) if hasattr(w.inputs[0], "shape") else 1024)
+    context = (info.get("context") if same else None) or (
+        int(w.inputs[0].shape[-1]) if hasattr(w.inputs[0], "shape") else 1024)
     return w.model, w.tokenizer, int(context)
+
+
+def _recorded_spec(recorded: str, trust: bool, ckpt: str | None) -> str:
+    """The recorded SPEC, where the user confirmed it and it names a file they have; else
+    the one-line refusal that shows it as a hint."""
+    import os
+    from threefold.checkpoint.run_record import is_file_spec
+    where = ckpt or "the checkpoint"
+    if not trust:
+        raise PlanError(f"checkpoint {where} records SPEC {recorded!r} (a hint: a checkpoint never chooses "
+                        "the code that runs): pass --spec SPEC, or --trust-recorded-spec if that file is yours")
+    if not is_file_spec(recorded):
+        raise PlanError(f"checkpoint {where} records SPEC {recorded!r}, a module:callable, which "
+                        "--trust-recorded-spec never runs: pass it as --spec if you mean to run it")
+    path = os.path.realpath(recorded.rpartition(":")[0])
+    folder = os.path.realpath(os.path.dirname(os.path.abspath(ckpt))) if ckpt else None
+    if folder is not None and (path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)):
+        raise PlanError(f"checkpoint {where} records SPEC {recorded!r}, a file inside the checkpoint folder, "
+                        "which is never run from it: pass --spec with a copy you have checked")
+    return recorded
 
 
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 1e4
@@ -91,7 +119,9 @@ def run(args) -> int:
     from threefold.checkpoint.export import consolidate
     from threefold.train.generate import load_into, sample
     ckpt, full = consolidate(args.ckpt)
-    model, tokenizer, context = build_model(read_generate_info(ckpt), args.spec)
+    shapes = {k: tuple(v.shape) for k, v in full.items()}
+    model, tokenizer, context = build_model(read_generate_info(ckpt), args.spec, args.trust_recorded_spec,
+                                            ckpt, shapes)
     load_into(model, full)
     prompt = tokenizer.encode(args.prompt)
     ids = sample(model, prompt, args.tokens, context, args.temperature, args.top_k, args.seed)

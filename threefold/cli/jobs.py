@@ -51,7 +51,17 @@ def run_on_ranks(fn, world: int, *args, timeout: float | None = None) -> list:
         plan_errors = [m for m in exc.errors.values() if m.startswith("PlanError: ")]
         if plan_errors:  # bad input found on the ranks: report it once, as bad input
             raise PlanError(plan_errors[0].splitlines()[0][len("PlanError: "):]) from None
+        full = [r for r, m in exc.errors.items() if _disk_full_text(str(m))]
+        if full:         # a full disk on a rank: one line naming it, not the rank's traceback
+            from threefold.outdir import disk_full
+            raise PlanError(f"rank {full[0]}: {disk_full()}") from None
         raise SystemExit(f"threefold: {exc}") from None
+
+
+def _disk_full_text(message: str) -> bool:
+    first = message.splitlines()[0] if message else ""
+    return any(w in first for w in ("No space left on device", "Disk quota exceeded", "[Errno 28]",
+                                    "[Errno 122]", "the disk is full"))
 
 
 RANK_MEMORY_BYTES = 300 << 20    # a gloo rank with torch imported, before the model

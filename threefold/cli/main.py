@@ -74,9 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        if "THREEFOLD_TIMEOUT" in os.environ:    # a bad value fails here, not in the launcher after work
-            from threefold.runtime.comm import default_timeout
-            default_timeout()
+        from threefold.env_check import check_env
+        check_env()     # every THREEFOLD_* value: a bad one fails here, not on the ranks after start-up
         return int(args.func(args) or 0)
     except PlanError as exc:
         text = " ".join(str(exc).split())   # always one line, whatever the message held

@@ -121,9 +121,10 @@ def run(args) -> int:
     import os
     ckpt_dir = args.ckpt_dir or os.path.abspath(art.root).rstrip("/") + ".ckpt"
     resume = None if args.resume is None else (args.resume or ckpt_dir)
+    checked = None
     if resume is not None:
-        from threefold.checkpoint.files import resolve
-        resolve(resume)   # not a checkpoint: one line here, before any rank starts
+        from threefold.checkpoint.reader import read_checkpoint
+        checked = read_checkpoint(resume)   # every field checked: one line here, before any rank starts
     trace_steps, trace_out = None, None
     if args.trace is not None:
         from threefold.outdir import check_out_dir
@@ -134,9 +135,17 @@ def run(args) -> int:
                             "trace steps the run reaches")
         trace_out = args.trace or os.path.abspath(art.root).rstrip("/") + ".trace"
         check_out_dir(trace_out, flag="--trace")
-    result = run_on_ranks(_run_rank, art.manifest.mesh.world_size, art.root, args.steps, args.lr, args.trust,
-                          args.skip_nonfinite, args.save_every, ckpt_dir, resume, trace_steps,
-                          verify_key)[0]
+    import contextlib
+    from threefold.dir_lock import dir_lock
+    with contextlib.ExitStack() as held:    # the checkpoints written and resumed, one run at a time
+        if os.environ.get("RANK", "0") == "0":
+            if args.save_every:
+                held.enter_context(dir_lock(ckpt_dir, "--ckpt-dir"))
+            if checked is not None:
+                held.enter_context(dir_lock(os.path.dirname(os.path.abspath(checked.path)), "--resume"))
+        result = run_on_ranks(_run_rank, art.manifest.mesh.world_size, art.root, args.steps, args.lr, args.trust,
+                              args.skip_nonfinite, args.save_every, ckpt_dir, resume, trace_steps,
+                              verify_key)[0]
     from threefold.cli.jobs import is_main_rank
     losses, stopped = result["losses"], result["stopped"]
     if not is_main_rank():

@@ -33,6 +33,12 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+# The embedded job's batches are [batch, seq] token ids and targets (threefold.dataset's
+# sampler): said, not inferred. Inference runs the model on probe rows, which a model built on
+# the meta device (--weights: parameters come from the file) cannot do; batch == seq is ambiguous too.
+EMBEDDED_BATCH_DIMS = 0
+
+
 def _embedded(cfg):
     """The embedded job: the GPT of cfg's [model] shape over cfg's data (threefold.dataset.Data)."""
     from threefold.dataset import load_data
@@ -58,7 +64,7 @@ def _check_model_fits(cfg, vocab: int) -> None:
                         "GiB of memory available: lower --n-embd or --n-layer")
 
 
-def _train_rank(cfg, show, ckpt_dir=None, resume=None, live_dir=None):
+def _train_rank(cfg, show, ckpt_dir=None, resume=None, live_dir=None, run_record=None):
     """One rank: build the workload and its data source, then the loop (threefold/train/loop.py)."""
     from threefold.train.loop import train_loop
     from threefold.train.source import data_source, given_sizes, spec_source
@@ -66,13 +72,13 @@ def _train_rank(cfg, show, ckpt_dir=None, resume=None, live_dir=None):
     if cfg.spec is None:
         model, loss_fn, dataset = _embedded(cfg)
         source = data_source(cfg, dataset, model.cfg)   # its position goes into every checkpoint
-        batch_dims = None
+        batch_dims = EMBEDDED_BATCH_DIMS
     else:
         w = _training_spec(cfg)
         model, loss_fn, batch_dims = w.model, w.loss_fn, w.batch_dims
         source = spec_source(w, cfg, cfg.spec, given_sizes(cfg))
     return train_loop(cfg, model, loss_fn, source, batch_dims=batch_dims, show=show, live_dir=live_dir,
-                      ckpt_dir=ckpt_dir, resume=resume)
+                      ckpt_dir=ckpt_dir, resume=resume, run=run_record)
 
 
 def _training_spec(cfg):
@@ -108,7 +114,7 @@ def validate_in_parent(cfg) -> Plan:
         *inputs, target = data.sampler(cfg).peek()
         data.val_batches(cfg)
         _check_prompt(cfg, data.tokenizer, f"tokenizer {data.tokenizer.name!r}")
-        workload = Workload(model, tuple(inputs), target, loss_fn)
+        workload = Workload(model, tuple(inputs), target, loss_fn, batch_dims=EMBEDDED_BATCH_DIMS)
     else:
         workload = _training_spec(cfg)
         _check_prompt(cfg, workload.tokenizer, f"SPEC {spec!r}'s tokenizer")
@@ -154,13 +160,34 @@ def run(args) -> int:
     ckpt_dir = cfg.ckpt_dir or os.path.abspath(cfg.out).rstrip("/") + ".ckpt"
     check_ckpt_dir(cfg, ckpt_dir)
     resume = None if cfg.resume is None else (cfg.resume or ckpt_dir)
+    checked = None
     if resume is not None:
-        from threefold.checkpoint.files import resolve
-        resolve(resume)   # not a checkpoint: one line here, before any rank starts
+        from threefold.checkpoint.reader import read_checkpoint
+        checked = read_checkpoint(resume)   # every field checked: one line here, before any rank starts
     from threefold.cli.jobs import check_local_capacity
     check_local_capacity(plan.world_size)
-    with _held(cfg, ckpt_dir, resume):     # one run at a time per --out and checkpoint directory
-        return _train(cfg, plan, ckpt_dir, resume)
+    with _held(cfg, ckpt_dir, checked):     # one run at a time per --out and checkpoint directory
+        run_record = _own_checkpoints(cfg, ckpt_dir, checked)
+        return _train(cfg, plan, ckpt_dir, resume, run_record)
+
+
+def _own_checkpoints(cfg, ckpt_dir: str, checked) -> dict:
+    """This run's record (checkpoint/ownership.py), after the checks that keep it to its own
+    checkpoints: --resume of another run's checkpoint, a --ckpt-dir of a user's files or of
+    an earlier run's checkpoints (without --force) are refused here, under the locks."""
+    from threefold.checkpoint import ownership
+    if checked is not None:   # read again under the lock: a run that held it may have moved latest
+        from threefold.checkpoint.reader import read_checkpoint
+        checked = read_checkpoint(checked.path)
+    record = ownership.run_record(cfg, checked.index if checked is not None else None)
+    if checked is not None:
+        ownership.check_same_run(checked.path, checked.index, record)
+    if os.environ.get("RANK", "0") == "0" and cfg.save_every:
+        resumed_root = os.path.dirname(os.path.abspath(checked.path)) if checked is not None else None
+        moved = ownership.check_ckpt_dir(ckpt_dir, cfg.force, resumed_root, record)
+        if moved:
+            print(f"threefold train: moved the user's {ckpt_dir}/latest aside to {moved} (--force)", file=sys.stderr)
+    return record
 
 
 def check_ckpt_dir(cfg, ckpt_dir: str) -> None:
@@ -177,9 +204,10 @@ def check_ckpt_dir(cfg, ckpt_dir: str) -> None:
         raise PlanError(f"--ckpt-dir {ckpt_dir!r} is a file, not a directory: give a directory for checkpoints")
 
 
-def _held(cfg, ckpt_dir: str, resume: str | None):
-    """Locks on --out and the checkpoint directory (written or resumed from), taken by the
-    process that is or starts rank 0 (under torchrun the other processes write neither)."""
+def _held(cfg, ckpt_dir: str, checked):
+    """Locks on --out, the checkpoint directory written, and the one resumed from (its root:
+    where its writer holds the lock), each keyed by its resolved path; taken by the process
+    that is or starts rank 0 (under torchrun the other processes write none of them)."""
     import contextlib
     from threefold.dir_lock import dir_lock
     stack = contextlib.ExitStack()
@@ -187,15 +215,17 @@ def _held(cfg, ckpt_dir: str, resume: str | None):
         return stack
     try:
         stack.enter_context(dir_lock(cfg.out, "--out"))
-        if cfg.save_every or resume is not None:
+        if cfg.save_every:
             stack.enter_context(dir_lock(ckpt_dir, "--ckpt-dir"))
+        if checked is not None:
+            stack.enter_context(dir_lock(os.path.dirname(os.path.abspath(checked.path)), "--resume"))
     except BaseException:
         stack.close()      # the --out lock taken before a refused checkpoint lock
         raise
     return stack
 
 
-def _train(cfg, plan, ckpt_dir: str, resume: str | None) -> int:
+def _train(cfg, plan, ckpt_dir: str, resume: str | None, run_record: dict | None = None) -> int:
     from threefold.cli.jobs import command_plan, run_on_ranks, tell, under_torchrun
     if not under_torchrun():     # under torchrun every process is a rank: no parent to check in
         from threefold.train.progress import compiling_status
@@ -211,7 +241,8 @@ def _train(cfg, plan, ckpt_dir: str, resume: str | None) -> int:
         cfg = dataclasses.replace(cfg, plan=str(plan))
     live = _live_dir(cfg.out)
     try:
-        result = run_on_ranks(_train_rank, plan.world_size, cfg, not cfg.json, ckpt_dir, resume, live)[0]
+        result = run_on_ranks(_train_rank, plan.world_size, cfg, not cfg.json, ckpt_dir, resume, live,
+                              run_record)[0]
     except BaseException:
         _keep_or_drop(live, ckpt_dir)
         raise

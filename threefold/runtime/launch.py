@@ -154,6 +154,7 @@ def _worker(rank: int, world: int, port: int, secret: str, fn, args, queue, thre
         store = JobStore(dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout), secret)
         use_failure_store(store)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+        _report(queue, (rank, "up", None))      # joined the job: the start-up watchdog lets go
         # Plain pickle copies tensors into the bytes; the queue's own pickler would share
         # their storage, which vanishes when this process exits.
         result = pickle.dumps(fn(*args))
@@ -202,9 +203,21 @@ def _death(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
+def start_limit() -> float:
+    """How long a rank may take from its start to joining the job (imports, unpickling its
+    arguments, which imports a SPEC's module, and the rendezvous): the rendezvous's own
+    bound plus time for imports on a loaded host. A rank past it is blocked (a FIFO opened
+    at import, a hung import) and the job is stopped instead of waiting forever."""
+    return default_timeout().total_seconds() + START_IMPORT_S
+
+
+START_IMPORT_S = 240.0
+
+
 def launch(fn, nprocs: int, *args, threads: int = 1, timeout: float | None = None,
-           grace: float | None = None) -> list:
-    """Run fn(*args) on nprocs local gloo ranks; results in rank order."""
+           grace: float | None = None, start_timeout: float | None = None) -> list:
+    """Run fn(*args) on nprocs local gloo ranks; results in rank order. Every rank must
+    join the job within `start_timeout` seconds (default start_limit())."""
     if nprocs == 1 and dist.is_initialized():
         return [fn(*args)]
     affinity.mode()     # a bad THREEFOLD_PIN is a PlanError here, before any rank starts
@@ -222,6 +235,9 @@ def launch(fn, nprocs: int, *args, threads: int = 1, timeout: float | None = Non
     limit = default_timeout().total_seconds()
     first_failure: float | None = None
     deadline = time.monotonic() + timeout if timeout else None
+    up: set[int] = set()                    # ranks that joined the job
+    start_s = start_limit() if start_timeout is None else start_timeout
+    start_by = time.monotonic() + start_s
 
     def post(message: str) -> None:
         try:
@@ -239,11 +255,20 @@ def launch(fn, nprocs: int, *args, threads: int = 1, timeout: float | None = Non
             w.close()          # the rank holds its end now: EOF on ours means it is gone
         last_scan = 0.0
         while len(results) < nprocs:
-            _drain(queue, results)
+            _drain(queue, results, up=up)
             now = time.monotonic()
+            if now > start_by and len(up) < nprocs:    # the start-up watchdog
+                for r in range(nprocs):
+                    if r not in up and r not in results:
+                        causes[r] = (f"rank {r} did not join the job within {start_s:.0f} s "
+                                     "of starting (blocked before its process group: a hung import, or a FIFO "
+                                     "opened at start-up) and was stopped")
+                        results[r] = ("error", causes[r])
+                        post(causes[r])
+                start_by = float("inf")
             for r, p in enumerate(procs):
                 if r not in results and not p.is_alive():
-                    _drain(queue, results, wait=5.0 if p.exitcode == 0 else 0.5)
+                    _drain(queue, results, wait=5.0 if p.exitcode == 0 else 0.5, up=up)
                     if r not in results:
                         causes[r] = f"rank {r} died ({_death(p.exitcode)})"
                         results[r] = ("error", causes[r])
@@ -317,7 +342,7 @@ def _stop_all(procs) -> None:
         p.join(timeout=5)
 
 
-def _drain(queue, results, wait: float = 0.0) -> None:
+def _drain(queue, results, wait: float = 0.0, up: set | None = None) -> None:
     """Collect what the ranks reported. A rank that has exited may still have its result
     in its pipe (large results), so callers can wait a little."""
     while True:
@@ -325,6 +350,10 @@ def _drain(queue, results, wait: float = 0.0) -> None:
         if item is None:
             return
         rank, status, value = item
+        if status == "up":
+            if up is not None:
+                up.add(rank)
+            continue
         if results.get(rank, ("",))[0] != "error" or status == "error":
             results[rank] = (status, value)
         wait = 0.0

@@ -79,10 +79,10 @@ def ring_bytes() -> int:
         mb = float(text)
     except ValueError:
         mb = -1.0
-    if not mb > 0:
+    if not 0 < mb <= 2**20:     # inf and nan too (int(inf) would raise)
         from threefold.errors import PlanError
         raise PlanError(f"{RING_ENV}={text!r} is invalid: give the MiB a pipeline channel's ring may "
-                        f"hold, above 0, e.g. 256")
+                        f"hold, above 0 and at most 1048576, e.g. 256")
     return int(mb * 2**20)
 
 

@@ -27,7 +27,7 @@ def _is_main() -> bool:
 
 def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_dims=None,
                show: bool = True, live_dir: str | None = None, ckpt_dir: str | None = None,
-               resume: str | None = None) -> dict:
+               resume: str | None = None, run: dict | None = None) -> dict:
     import threefold
     from threefold.train.evaluate import due, validation_loss
     from threefold.train.metrics import MetricsLog, memory_per_rank, model_flops_per_step, tokens_per_second
@@ -108,7 +108,7 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
                     stopped = (step + 1, bad)
                     break
                 if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
-                    threefold.save(pm, opt, ckpt_dir, step=step + 1, keep=2,
+                    threefold.save(pm, opt, ckpt_dir, step=step + 1, keep=2, run=run,
                                    extra={"losses": losses, "seconds": seconds, "skipped": skipped,
                                           "rows": rows, "data": source.state_dict(),
                                           "initial_val_loss": initial_val,
