@@ -68,13 +68,20 @@ def masked_workload(mode: str, seq: int = 16, batch: int = 4) -> dict:
 class Mixing(nn.Module):
     """Ops with no ring form that take the all-gather fallback: `mode` cumsum (a running mean
     over time added to each position), conv (a non-causal conv1d over time), pool (mean over
-    the sequence -> a classifier: the target has no sequence dim)."""
+    the sequence -> a classifier: the target has no sequence dim), kmax (k-max pooling,
+    topk(x, 2, dim=1) over time, added back to every position), sort (values sorted over
+    time, indices used too), cumprod / logcumsumexp (scans over time); and position-wise
+    ones cp must keep local: router (topk(k=2, dim=-1) over [tokens, 4 experts], a
+    top-2 mixture of expert projections), gqa (SDPA enable_gqa=True, 4 query heads on 2 kv
+    heads, causal)."""
 
     def __init__(self, mode: str, vocab: int = 32, width: int = 16):
         super().__init__()
         self.mode = mode
         self.emb, self.mix, self.head = nn.Embedding(vocab, width), nn.Linear(width, width), nn.Linear(width, vocab)
         self.conv = nn.Conv1d(width, width, 3, padding=1)
+        self.router, self.expert_proj = nn.Linear(width, 4), nn.Linear(width, 4 * width)
+        self.q, self.kv = nn.Linear(width, width), nn.Linear(width, width)
 
     def forward(self, idx):
         x = self.emb(idx)
@@ -82,6 +89,28 @@ class Mixing(nn.Module):
             x = x + torch.tanh(self.mix(torch.cumsum(x, dim=1)))
         elif self.mode == "conv":
             x = x + self.conv(x.transpose(1, 2)).transpose(1, 2)
+        elif self.mode == "kmax":
+            top = torch.topk(x, 2, dim=1).values                         # [b, 2, w]: the 2 largest over time
+            x = x + torch.tanh(self.mix(top.mean(dim=1, keepdim=True)))
+        elif self.mode == "sort":
+            vals, idx = torch.sort(self.mix(x), dim=1, descending=True)  # [b, t, w] sorted over time
+            x = x + torch.tanh(vals) + 0.01 * idx.float()
+        elif self.mode == "cumprod":
+            x = x + torch.cumprod(torch.sigmoid(self.mix(x)), dim=1)
+        elif self.mode == "logcumsumexp":
+            x = x + torch.logcumsumexp(self.mix(x), dim=1) * 0.1
+        elif self.mode == "router":
+            tokens = x.reshape(-1, x.shape[-1])                                        # [b*t, w]
+            w, sel = torch.topk(torch.softmax(self.router(tokens), dim=-1), k=2, dim=-1)   # [b*t, 2]
+            ex = self.expert_proj(tokens).view(tokens.shape[0], 4, -1)                     # [b*t, 4, w]
+            picked = torch.gather(ex, 1, sel[..., None].expand(*sel.shape, ex.shape[-1]))
+            x = x + (w[..., None] * picked).sum(dim=1).view(x.shape)
+        elif self.mode == "gqa":
+            b, t, c = x.shape
+            q = self.q(x).view(b, t, 4, c // 4).transpose(1, 2)                      # [b, 4, t, d]
+            k, v = self.kv(x).view(b, t, 2, c // 2).transpose(1, 2).split(c // 4, dim=-1)   # [b, 2, t, d]
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + y.transpose(1, 2).reshape(b, t, c)
         else:
             x = self.mix(x).mean(dim=1)
         return self.head(x)

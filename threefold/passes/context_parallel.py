@@ -30,12 +30,14 @@ from threefold.compiler.stages import Sharded, copy_graph_module
 from threefold.errors import PlanError
 from threefold.passes.cp_masks import input_free, key_bias_val as _key_bias_val, param_free as _param_free, \
     split_mask as _split_mask
-from threefold.passes.cp_rules import check_sequence, op_name
+from threefold.ops.families import COPIES, args_of
+from threefold.passes.cp_fallback import gather_around
+from threefold.passes.cp_rules import PARTIAL, Gather, Place, Seq, decide, op_name
 from threefold.runtime import cp_ops
 from threefold.runtime.tp_ops import GroupRef
 
 CP = GroupRef("cp")
-_CASTS = {"_to_copy", "to", "clone", "contiguous", "alias", "type_as"}
+_CASTS = COPIES - {"detach", "lift_fresh_copy", "copy"}
 _SDPA = {"scaled_dot_product_attention"}
 
 
@@ -65,6 +67,52 @@ def context_parallel(stage: Sharded) -> Sharded:
     return stage.evolve(gm=gm, notes=stage.notes + (note,) + notes)
 
 
+# -- the sequence rules' decisions, applied ------------------------------------------------------
+
+def check_sequence(gm: fx.GraphModule, stage, fallbacks: list | None = None) -> dict:
+    """Every node's sequence placement (name -> Seq | PARTIAL | None), from the rules'
+    decisions (passes/cp_rules.py): Place keeps it, Gather runs the op on the all-gathered
+    sequence (passes/cp_fallback.py, appended to `fallbacks`), Refuse is a PlanError."""
+    fallbacks = [] if fallbacks is None else fallbacks
+    seq_dims = stage.seq_dims or []
+    state: dict = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            i = tf(node).get("input_index")
+            d = seq_dims[i] if tf(node).get("kind") == "input" and i is not None and i < len(seq_dims) else None
+            state[node] = Seq(d) if d is not None else None
+        elif node.op == "output":
+            for out in node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]:
+                if stage.has_loss and isinstance(state.get(out), Seq):
+                    _refuse(node, stage, "the loss is not reduced over the sequence")
+        elif node.op == "call_function":
+            if all(state.get(a) is None for a in node.all_input_nodes) and op_name(node) != "shard_seq":
+                state[node] = Seq(0) if op_name(node) == "positions" else None
+                continue
+            d = decide(node, state, stage)
+            if isinstance(d, Place):
+                state[node] = d.out
+            elif isinstance(d, Gather):
+                state[node] = gather_around(node, state, stage, _message(node, stage, d.why), fallbacks,
+                                            op_name(node), Seq)
+            else:
+                _refuse(node, stage, d.why)
+    return {n.name: s for n, s in state.items()}
+
+
+def _message(node, stage, why: str) -> str:
+    module = tf(node).get("module") or "<top>"
+    return (f"cp={stage.plan.cp}: {op_name(node)} at {module} {why}; context parallelism cannot split the "
+            "sequence here: use cp=1 for this model (or rewrite the op position-wise)")
+
+
+def _refuse(node, stage, why: str):
+    raise PlanError(_message(node, stage, why))
+
+
+__all__ = ["context_parallel", "check_sequence", "PARTIAL"]
+
+
 # -- attention -----------------------------------------------------------------------------
 
 def _rewrite_attention(gm: fx.GraphModule, stage, n: int) -> int:
@@ -82,6 +130,8 @@ def _rewrite_attention(gm: fx.GraphModule, stage, n: int) -> int:
         if found is None:
             continue
         q, k, v, scale, masks, causal, last, dead = found
+        if name in _SDPA and _args(node).get("enable_gqa"):
+            k, v = (_repeat_heads(gm.graph, x, q, last) for x in (k, v))
         kwargs = {"ranks": stage.plan.cp}
         if masks or causal:
             causal, rel, keyside = _split_mask(masks, causal, stage, node, n)
@@ -126,17 +176,7 @@ def _indexes_an_input(arange: fx.Node) -> bool:
     return found
 
 
-def _args(node: fx.Node) -> dict:
-    """An ATen call's arguments by schema name (defaults filled in)."""
-    out = {}
-    for i, a in enumerate(node.target._schema.arguments):
-        if i < len(node.args):
-            out[a.name] = node.args[i]
-        elif a.name in node.kwargs:
-            out[a.name] = node.kwargs[a.name]
-        else:
-            out[a.name] = a.default_value if a.has_default_value() else None
-    return out
+_args = args_of   # an ATen call's arguments by schema name (defaults filled in)
 
 
 def _sdpa(node: fx.Node):
@@ -149,12 +189,21 @@ def _sdpa(node: fx.Node):
     scale = a.get("scale")
     if scale is None:
         scale = 1.0 / math.sqrt(q.meta["val"].shape[-1])
-    if a.get("enable_gqa"):
-        raise PlanError(f"cp: {where} uses enable_gqa; ring attention needs key/value heads repeated "
-                        "(repeat_interleave them in the model) or cp=1")
     mask = a.get("attn_mask")
     masks = [] if mask is None else [("visible" if mask.meta["val"].dtype == torch.bool else "add", mask)]
     return q, k, v, scale, masks, bool(a.get("is_causal")), node, []
+
+
+def _repeat_heads(graph: fx.Graph, kv: fx.Node, q: fx.Node, before: fx.Node) -> fx.Node:
+    """SDPA's enable_gqa, spelled out for the ring: each key/value head repeated for its
+    group of query heads (dim -3), as SDPA does internally."""
+    heads, kv_heads = q.meta["val"].shape[-3], kv.meta["val"].shape[-3]
+    if heads == kv_heads:
+        return kv
+    with graph.inserting_before(before):
+        r = graph.call_function(torch.ops.aten.repeat_interleave.self_int, (kv, heads // kv_heads, -3))
+    r.meta = {"val": kv.meta["val"].repeat_interleave(heads // kv_heads, -3), "tf": dict(tf(before))}
+    return r
 
 
 def _users(node: fx.Node) -> list:
