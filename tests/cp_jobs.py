@@ -137,6 +137,20 @@ def mixing_parity(modes: list, plan: str, steps: int = 3) -> list[list[float]]:
     return out
 
 
+def position_parity(modes: list, plan: str, steps: int = 3) -> list[list[float]]:
+    """Each position-table model (tests/cp_mask_models.PositionTables) under `plan`: SGD losses."""
+    import threefold
+    from tests.cp_mask_models import position_workload
+    from tests.parity import parallel_sgd_losses
+    torch.set_num_threads(1)
+    out = []
+    for mode in modes:
+        w = position_workload(mode)
+        pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
+        out.append(parallel_sgd_losses(pm, w, steps))
+    return out
+
+
 def grad_norm_after_one_step(factory: str, kwargs: dict, plan: str) -> float:
     """The global gradient norm after one step (cp ranks must not count their shared
     parameters twice)."""

@@ -144,3 +144,46 @@ def hf_llama_padded(attn: str = "eager", seq: int = 16, batch: int = 4) -> dict:
     mask[1, 11:] = 0
     mask[3, 5:] = 0
     return {**w, "model": _WithMask(w["model"].model), "inputs": w["inputs"] + (mask,)}
+
+
+class PositionTables(nn.Module):
+    """Position-dependent values found by data flow, each sliced to the traced length T:
+    `mode` learned (a learned table of 32 rows, `x + self.pos[:T]`), ids (a buffer of
+    position ids [1, 32] sliced [:, :T] -> an embedding, as BERT writes it), rotary (cos/sin
+    caches of 32 rows built in __init__ with outer + cat, sliced [:T], as HF's older rotary
+    embeddings did). A causal attention layer after it mixes positions."""
+
+    def __init__(self, mode: str, vocab: int = 32, width: int = 16, rows: int = 32):
+        super().__init__()
+        self.mode = mode
+        self.emb, self.head = nn.Embedding(vocab, width), nn.Linear(width, vocab)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.pos = nn.Parameter(torch.randn(rows, width) * 0.1)
+        self.pos_emb = nn.Embedding(rows, width)
+        self.register_buffer("position_ids", torch.arange(rows)[None], persistent=False)
+        freqs = torch.outer(torch.arange(rows).float(), 1.0 / 100 ** (torch.arange(0, width, 2).float() / width))
+        ang = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos_cached", ang.cos(), persistent=False)
+        self.register_buffer("sin_cached", ang.sin(), persistent=False)
+
+    def forward(self, idx):
+        b, t = idx.shape
+        x = self.emb(idx)
+        if self.mode == "learned":
+            x = x + self.pos[:t]
+        elif self.mode == "ids":
+            x = x + self.pos_emb(self.position_ids[:, :t])
+        else:
+            half = x.shape[-1] // 2
+            rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+            x = x * self.cos_cached[:t] + rot * self.sin_cached[:t]
+        q, k, v = self.qkv(x).view(b, t, 3, 2, -1).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(x + self.proj(y.transpose(1, 2).reshape(b, t, -1)))
+
+
+def position_workload(mode: str, seq: int = 16, batch: int = 2) -> dict:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 32, (batch, seq + 1), generator=g)
+    return {"model": PositionTables(mode), "inputs": (idx[:, :-1],), "target": idx[:, 1:], "loss_fn": lm_loss}

@@ -11,8 +11,8 @@ from threefold.compiler.api import compile_workload
 from threefold.ops.families import args_of, family
 from threefold.passes.cp_rules import GATHERABLE, decision_for
 from threefold.runtime.launch import launch
-from tests.cp_jobs import mixing_parity
-from tests.cp_mask_models import mixing_workload
+from tests.cp_jobs import mixing_parity, position_parity
+from tests.cp_mask_models import mixing_workload, position_workload
 from tests.parity import max_rel_diff, sgd_losses
 
 _GENERIC = "has no context-parallel rule"
@@ -90,5 +90,26 @@ def test_sequence_ops_cp2_match_one_process():
     got = launch(mixing_parity, 2, modes, "cp=2", 3, timeout=550)
     for i, mode in enumerate(modes):
         ref = sgd_losses(mixing_workload(mode), 3)
+        for rank in got:
+            assert max_rel_diff(rank[i], ref) < 1e-5, (mode, rank[i], ref)
+
+
+@pytest.mark.parametrize("mode", ["learned", "ids", "rotary"])
+def test_position_tables_sliced_to_the_sequence_read_this_ranks_rows(mode):
+    """t[:T] of a table of parameters/buffers that meets the sequence: once refused ("varies
+    per position"); now t.index_select(dim, positions) (found by data flow, not op name)."""
+    prog = compile_workload(position_workload(mode), "cp=2")
+    tables = 2 if mode == "rotary" else 1
+    assert any(f"{tables} position table(s) sliced to the sequence" in n for n in prog.notes), prog.notes
+    assert _fallbacks(prog) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_position_tables_cp2_match_one_process():
+    modes = ["learned", "ids", "rotary"]
+    got = launch(position_parity, 2, modes, "cp=2", 3, timeout=550)
+    for i, mode in enumerate(modes):
+        ref = sgd_losses(position_workload(mode), 3)
         for rank in got:
             assert max_rel_diff(rank[i], ref) < 1e-5, (mode, rank[i], ref)

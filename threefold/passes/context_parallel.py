@@ -32,7 +32,7 @@ from threefold.passes.cp_masks import input_free, key_bias_val as _key_bias_val,
     split_mask as _split_mask
 from threefold.ops.families import COPIES, args_of
 from threefold.passes.cp_fallback import gather_around
-from threefold.passes.cp_rules import PARTIAL, Gather, Place, Seq, decide, op_name
+from threefold.passes.cp_rules import PARTIAL, Gather, Place, Refuse, Seq, decide, op_name
 from threefold.runtime import cp_ops
 from threefold.runtime.tp_ops import GroupRef
 
@@ -54,11 +54,13 @@ def context_parallel(stage: Sharded) -> Sharded:
     convs = _causal_convolutions(gm, stage, n)
     moved = _global_positions(gm, n)
     fallbacks: list = []
-    check_sequence(gm, stage, fallbacks)
+    tables: list = []
+    check_sequence(gm, stage, fallbacks, tables)
     gm.graph.lint()
     gm.recompile()
     note = (f"cp={stage.plan.cp}: {rings} attention op(s) run as ring attention over the cp group; "
-            f"{moved} sequence arange(s) give global positions; {convs} causal conv1d(s) exchange halos; "
+            f"{moved} sequence arange(s) give global positions; {len(tables)} position table(s) sliced to the "
+            f"sequence read this rank's rows; {convs} causal conv1d(s) exchange halos; "
             "sequence split in blocks r, 2cp-1-r")
     m = stage.plan.microbatches
     notes = tuple(f"cp fallback: {f['op']} ({f['node']}) at {f['module']} mixes sequence positions: the sequence "
@@ -69,14 +71,16 @@ def context_parallel(stage: Sharded) -> Sharded:
 
 # -- the sequence rules' decisions, applied ------------------------------------------------------
 
-def check_sequence(gm: fx.GraphModule, stage, fallbacks: list | None = None) -> dict:
+def check_sequence(gm: fx.GraphModule, stage, fallbacks: list | None = None, tables: list | None = None) -> dict:
     """Every node's sequence placement (name -> Seq | PARTIAL | None), from the rules'
     decisions (passes/cp_rules.py): Place keeps it, Gather runs the op on the all-gathered
-    sequence (passes/cp_fallback.py, appended to `fallbacks`), Refuse is a PlanError."""
+    sequence (passes/cp_fallback.py, appended to `fallbacks`), Refuse is a PlanError unless
+    what it meets is a position table sliced to the local length (then this rank's rows)."""
     fallbacks = [] if fallbacks is None else fallbacks
+    tables = [] if tables is None else tables
     seq_dims = stage.seq_dims or []
     state: dict = {}
-    for node in gm.graph.nodes:
+    for node in gm.graph.nodes:   # live: the fallback's cuts, inserted after a node, are placed in turn
         if node.op == "placeholder":
             i = tf(node).get("input_index")
             d = seq_dims[i] if tf(node).get("kind") == "input" and i is not None and i < len(seq_dims) else None
@@ -86,18 +90,89 @@ def check_sequence(gm: fx.GraphModule, stage, fallbacks: list | None = None) -> 
                 if stage.has_loss and isinstance(state.get(out), Seq):
                     _refuse(node, stage, "the loss is not reduced over the sequence")
         elif node.op == "call_function":
-            if all(state.get(a) is None for a in node.all_input_nodes) and op_name(node) != "shard_seq":
-                state[node] = Seq(0) if op_name(node) == "positions" else None
-                continue
-            d = decide(node, state, stage)
-            if isinstance(d, Place):
-                state[node] = d.out
-            elif isinstance(d, Gather):
-                state[node] = gather_around(node, state, stage, _message(node, stage, d.why), fallbacks,
-                                            op_name(node), Seq)
-            else:
+            d = _place(node, state, stage, fallbacks)
+            if isinstance(d, Refuse) and d.table is not None:
+                moved = _rows_at_positions(d.table, stage)
+                if moved:
+                    tables.extend(m for m in moved if op_name(m) == "index_select")
+                    _replace_after(moved, node, state, stage, fallbacks)
+                    d = _place(node, state, stage, fallbacks)
+            if isinstance(d, Refuse):
                 _refuse(node, stage, d.why)
     return {n.name: s for n, s in state.items()}
+
+
+def _place(node, state: dict, stage, fallbacks: list):
+    """Apply the rules' decision for one call to `state` (Refuse is returned, not applied)."""
+    if all(state.get(a) is None for a in node.all_input_nodes) and op_name(node) != "shard_seq":
+        state[node] = Seq(0) if op_name(node) == "positions" else None
+        return None
+    d = decide(node, state, stage)
+    if isinstance(d, Place):
+        state[node] = d.out
+    elif isinstance(d, Gather):
+        state[node] = gather_around(node, state, stage, _message(node, stage, d.why), fallbacks, op_name(node), Seq)
+    return d
+
+
+def _replace_after(new: list, upto: fx.Node, state: dict, stage, fallbacks: list) -> None:
+    """Place again what depends on the `new` nodes, in order, up to (not including) `upto`."""
+    seen, stack = set(), list(new)
+    while stack:
+        x = stack.pop()
+        if x not in seen:
+            seen.add(x)
+            stack.extend(x.users)
+    for x in list(upto.graph.nodes):
+        if x is upto:
+            break
+        if x in seen and x.op == "call_function":
+            d = _place(x, state, stage, fallbacks)
+            if isinstance(d, Refuse):
+                _refuse(x, stage, d.why)
+
+
+def _rows_at_positions(table: fx.Node, stage) -> list:
+    """Position tables found by data flow: in what `table` is made of (parameters, buffers,
+    constants only), every `t[:n]` along a dim of t that covers the whole sequence (a learned
+    position table, position ids or a rotary cache sliced to the traced local length n)
+    becomes t.index_select(dim, positions): the rows of this rank's global positions, under
+    the load-balanced layout. Returns the new nodes ([] where there is none)."""
+    n, whole = stage.seq_len, stage.seq_len * stage.plan.cp
+    if not input_free(table):
+        return []
+    found, seen, stack = [], set(), [table]
+    while stack:
+        x = stack.pop()
+        if not isinstance(x, fx.Node) or x in seen:
+            continue
+        seen.add(x)
+        stack.extend(x.all_input_nodes)
+        if x.op != "call_function" or op_name(x) != "slice":
+            continue
+        a = args_of(x)
+        v, start = a["self"].meta.get("val"), a["start"] or 0
+        if not isinstance(v, torch.Tensor) or not isinstance(start, int) or a["end"] != start + n or a["step"] != 1 \
+                or v.shape[a["dim"] % v.dim()] < start + whole:
+            continue
+        found.append(x)
+    new = []
+    for x in found:   # t[start:start+n] -> t.index_select(dim, start + positions) (OPT's offset 2)
+        a, graph = args_of(x), x.graph
+        v, start = a["self"].meta["val"], a["start"] or 0
+        with graph.inserting_before(x):
+            pos = graph.call_function(cp_ops.positions, (n, CP), {"device": v.device})
+            at = graph.call_function(torch.ops.aten.add.Tensor, (pos, start)) if start else pos
+            rows = graph.call_function(torch.ops.aten.index_select.default, (a["self"], a["dim"] % v.dim(), at))
+        pos.meta = {"val": torch.arange(n, device=v.device), "tf": dict(tf(x))}
+        if start:
+            at.meta = {"val": torch.arange(n, device=v.device) + start, "tf": dict(tf(x))}
+            new.append(at)
+        rows.meta = {"val": x.meta["val"], "tf": dict(tf(x))}
+        x.replace_all_uses_with(rows)
+        graph.erase_node(x)
+        new += [pos, rows]
+    return new
 
 
 def _message(node, stage, why: str) -> str:

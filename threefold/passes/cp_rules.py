@@ -58,6 +58,7 @@ class Gather:
 @dataclass(frozen=True)
 class Refuse:
     why: str
+    table: object = None   # the whole operand that varies per position, where that is why
 
 
 @dataclass(frozen=True)
@@ -86,11 +87,13 @@ class Call:
 
 
 class _NoRule(Exception):
-    pass
+    def __init__(self, why: str, table=None):
+        super().__init__(why)
+        self.table = table
 
 
-def _fail(call: Call, why: str):
-    raise _NoRule(why)
+def _fail(call: Call, why: str, table=None):
+    raise _NoRule(why, table)
 
 
 def _val(x):
@@ -147,7 +150,7 @@ def decide(node: fx.Node, state: dict, stage):
     try:
         d = r(call)
     except _NoRule as exc:
-        return Gather(str(exc)) if fam.family(node) in GATHERABLE else Refuse(str(exc))
+        return Gather(str(exc)) if fam.family(node) in GATHERABLE else Refuse(str(exc), exc.table)
     except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:   # arguments it cannot read
         why = f"has arguments cp's {name} rule cannot read ({type(exc).__name__}: {exc})"
         return Gather(why) if fam.family(node) in GATHERABLE else Refuse(why)
@@ -231,7 +234,7 @@ def _pointwise(c: Call):
             i = d - (r - v.dim())
             if i >= 0 and v.shape[i] != 1:
                 _fail(c, "combines the sequence with a value that varies per position but is not computed "
-                      "from the inputs (a table sliced to the sequence length?)")
+                      "from the inputs (a table sliced to the sequence length?)", a)
     return tuple(s for _ in c.out) if several else s
 
 
