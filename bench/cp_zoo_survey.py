@@ -3,8 +3,8 @@ one-line reason). Compile decides every cp refusal; parity of what compiles is t
 
     python bench/cp_zoo_survey.py [arch ...] [--json out.json]
 
-The zoo's token batches (tests/zoo/common.token_batch) are made 16 long here, batch 4: at
-its default 8 the local length 8/2 equals the batch and HF's masks refuse the coincidence.
+The zoo's token batches (tests/zoo/common.token_batch) hold 2 rows here, not 4: with 4, cp=2's
+local length 8/2 equals the batch and HF's masks refuse the coincidence.
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ def survey(archs: list, plan: str = "cp=2") -> dict:
     from threefold.errors import PlanError
     from tests.zoo import ZOO, common
     torch.set_num_threads(1)
-    vocab, batch, _, seed = common.token_batch.__defaults__
-    common.token_batch.__defaults__ = (vocab, batch, 16, seed)
+    vocab, _, seq, seed = common.token_batch.__defaults__
+    common.token_batch.__defaults__ = (vocab, 2, seq, seed)
     out = {}
     for a in archs or list(ZOO):
         try:

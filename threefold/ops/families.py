@@ -57,8 +57,8 @@ def args_of(node: fx.Node) -> dict:
 
 # -- families (one name may be in one family only) -------------------------------------------
 
-COPIES = frozenset({"_to_copy", "to", "clone", "contiguous", "alias", "detach", "type_as", "lift_fresh_copy",
-                    "copy"})
+CASTS = frozenset({"_to_copy", "to", "type_as"})
+COPIES = CASTS | {"clone", "contiguous", "alias", "detach", "lift_fresh_copy"}   # the same values, maybe cast
 LIKE_FACTORIES = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "fill", "rand_like",
                             "randn_like", "randint_like"})
 FACTORIES = frozenset({"arange", "zeros", "ones", "full", "empty", "empty_strided", "scalar_tensor", "tensor",
@@ -66,7 +66,8 @@ FACTORIES = frozenset({"arange", "zeros", "ones", "full", "empty", "empty_stride
                        "triu_indices"})
 RANDOM = frozenset({"dropout", "native_dropout", "bernoulli", "rand", "randn", "randint", "randperm",
                     "multinomial", "normal", "uniform", "exponential", "rand_like", "randn_like", "randint_like"})
-VIEWS = frozenset({"view", "_unsafe_view", "reshape", "flatten", "unflatten", "view_as"})
+RESHAPES = frozenset({"view", "reshape", "_unsafe_view"})
+VIEWS = RESHAPES | {"flatten", "unflatten", "view_as"}
 DIM_MOVES = frozenset({"transpose", "swapaxes", "t", "permute", "unsqueeze", "squeeze", "expand", "expand_as",
                        "broadcast_to", "movedim"})
 SLICING = frozenset({"slice", "narrow", "select", "index_select", "split", "split_with_sizes", "chunk", "unbind",
@@ -87,6 +88,8 @@ LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss_f
 CONVS = frozenset({"conv1d", "conv2d", "convolution", "_convolution"})
 POOLS = frozenset({"avg_pool1d", "avg_pool2d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "max_pool1d",
                    "max_pool2d"})
+PADS = frozenset({"constant_pad_nd", "pad", "reflection_pad1d", "replication_pad1d", "reflection_pad2d",
+                  "replication_pad2d"})
 # pointwise ops ATen does not tag pointwise (or that fx shows by another name)
 POINTWISE_UNTAGGED = frozenset({"where", "masked_fill", "dropout", "native_dropout", "f", "g", "tp_dropout"})
 
@@ -94,7 +97,7 @@ FAMILIES = {
     "copy": COPIES, "like": LIKE_FACTORIES, "factory": FACTORIES, "view": VIEWS, "dim_move": DIM_MOVES,
     "slicing": SLICING, "join": JOINS, "repeat": REPEATS, "reduction": REDUCTIONS, "softmax": SOFTMAXES,
     "scan": SCANS, "sort": SORTS, "layer_norm": LAYER_NORMS, "matmul": MATMULS, "embedding": EMBEDDINGS,
-    "loss": LOSSES, "conv": CONVS, "pool": POOLS,
+    "loss": LOSSES, "conv": CONVS, "pool": POOLS, "pad": PADS,
 }
 
 

@@ -30,7 +30,7 @@ from threefold.compiler.stages import Sharded, copy_graph_module
 from threefold.errors import PlanError
 from threefold.passes.cp_masks import input_free, key_bias_val as _key_bias_val, param_free as _param_free, \
     split_mask as _split_mask
-from threefold.ops.families import COPIES, args_of
+from threefold.ops.families import COPIES, VIEWS, args_of
 from threefold.passes.cp_fallback import gather_around
 from threefold.passes.cp_rules import PARTIAL, Gather, Place, Refuse, Seq, decide, op_name
 from threefold.runtime import cp_ops
@@ -227,7 +227,7 @@ def _rewrite_attention(gm: fx.GraphModule, stage, n: int) -> int:
     return count
 
 
-_INDEX_VIEWS = {"unsqueeze", "view", "reshape", "expand", "_to_copy", "to", "add", "sub"}
+_INDEX_VIEWS = {"unsqueeze", "expand", "add", "sub"} | VIEWS | COPIES
 
 
 def _indexes_an_input(arange: fx.Node) -> bool:

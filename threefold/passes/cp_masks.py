@@ -24,15 +24,9 @@ import torch.fx as fx
 
 from threefold.compiler.program import tf
 from threefold.errors import PlanError
+from threefold.ops.families import COPIES, op_name
 
 _NEG = -1e30   # at or below: hidden (-inf, or finfo.min as HF writes it)
-
-
-def op_name(node: fx.Node) -> str:
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        return t._schema.name.split("::")[-1]
-    return getattr(t, "__name__", str(t))
 
 
 def free(node) -> bool:
@@ -135,7 +129,7 @@ def _leaves(m, kind: str, out: list) -> None:
     elif kind == "add" and name == "where" and len(args) == 3 and _is_zero(args[1]) and \
             isinstance(args[2], (int, float)) and args[2] <= _NEG:
         _leaves(args[0], "visible", out)
-    elif name in ("expand", "_to_copy", "to", "clone", "contiguous", "alias") and (
+    elif name in COPIES | {"expand"} and (
             kind == "add" or m.meta["val"].dtype == torch.bool == args[0].meta["val"].dtype):
         _leaves(args[0], kind, out)   # broadcasts and copies: the leaves broadcast the same way
     else:

@@ -110,7 +110,7 @@ RULES: dict[str, Callable] = {}          # op name -> rule
 FAMILY_RULES: dict[str, Callable] = {}   # family -> rule
 REFUSALS: dict[str, str] = {}            # op name -> why cp has no rule (reasoned refusal)
 # families whose ops are exact on the gathered sequence when no position-wise rule applies
-GATHERABLE = {"reduction", "softmax", "scan", "sort", "conv", "pool", "matmul"}
+GATHERABLE = {"reduction", "softmax", "scan", "sort", "conv", "pool", "matmul", "pad"}
 
 
 def rule(*names: str, family: str | None = None):
@@ -161,8 +161,8 @@ def _partial(call: Call):
     """A per-rank partial loss sum may only be scaled, cast or viewed (it is summed later)."""
     n = call.node
     ins = n.all_input_nodes
-    linear = {"mul", "div", "neg", "add", "sub", "view", "reshape", "squeeze", "unsqueeze", "_unsafe_view"}
-    if (call.name in linear or call.name in fam.COPIES) and sum(call.place(a) == PARTIAL for a in ins) == 1 \
+    linear = {"mul", "div", "neg", "add", "sub", "squeeze", "unsqueeze"} | fam.VIEWS | fam.COPIES
+    if call.name in linear and sum(call.place(a) == PARTIAL for a in ins) == 1 \
             and not any(isinstance(call.place(a), Seq) for a in ins):
         if call.name in ("add", "sub") and any(isinstance(a, fx.Node) and call.place(a) is None and _val(a) is not None
                                                for a in n.args[:2]):
@@ -238,7 +238,7 @@ def _pointwise(c: Call):
     return tuple(s for _ in c.out) if several else s
 
 
-RULES.update({n: _pointwise for n in fam.COPIES | fam.LIKE_FACTORIES | {"copy_"}})
+RULES.update({n: _pointwise for n in fam.COPIES | fam.LIKE_FACTORIES | {"copy", "copy_"}})
 
 
 @rule(family="dim_move")
@@ -324,14 +324,16 @@ def _slicing(c: Call):
 @rule(family="join")
 def _join(c: Call):
     tensors = c.args["tensors"]
-    rank_in = _val(tensors[0]).dim()
+    rank_in = max(_val(t).dim() for t in tensors)
     d = _norm(c.args.get("dim", 0), rank_in + (c.name == "stack"))
+    if c.name == "cat":   # empty operands (a KV cache that starts empty, cat([], k)) add nothing
+        tensors = [t for t in tensors if _val(t).numel() > 0 or isinstance(c.place(t), Seq)]
     places = {c.place(t) for t in tensors if isinstance(c.place(t), Seq)}
     if len(places) != 1 or any(c.place(t) is None for t in tensors):
         _fail(c, "joins values split along the sequence with others")
     s0 = places.pop()
     if c.name == "cat":
-        if d == s0.dim:
+        if d == s0.dim and len(tensors) > 1:
             _fail(c, "concatenates along the sequence")
         return s0
     return s0.at(s0.dim + (1 if d <= s0.dim else 0))
@@ -543,6 +545,26 @@ def _tp_seq_ops(c: Call):
     if s0 is not None and d == s0.dim:
         _fail(c, "splits or gathers along the sequence over tp")
     return s0
+
+
+@rule(family="pad")
+def _pad(c: Call):
+    """Padding of other dims keeps positions; padding (shifting) the sequence is gathered."""
+    s0, pad = c.place(c.x), list(c.args.get("pad") or [])
+    if not isinstance(s0, Seq):
+        _fail(c, "pads a whole value by a split one")
+    k = _val(c.x).dim() - 1 - s0.dim            # pad pairs run from the last dim backwards
+    if 2 * k + 1 < len(pad) and (pad[2 * k] or pad[2 * k + 1]):
+        _fail(c, "pads (shifts) along the sequence")
+    if s0.inner != 1 and k < len(pad) // 2:
+        _fail(c, "pads a dim the sequence is merged into")
+    return s0
+
+
+@rule("one_hot")
+def _one_hot(c: Call):
+    """one_hot(x, classes): a new last dim of classes; each position's row alone."""
+    return c.place(c.x)
 
 
 @rule("view_as_complex", "view_as_real")
