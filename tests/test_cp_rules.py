@@ -113,3 +113,14 @@ def test_position_tables_cp2_match_one_process():
         ref = sgd_losses(position_workload(mode), 3)
         for rank in got:
             assert max_rel_diff(rank[i], ref) < 1e-5, (mode, rank[i], ref)
+
+
+def test_ops_command_lists_every_op_per_axis(capsys):
+    import json
+    from threefold.cli.main import main
+    assert main(["ops", "--json"]) == 0
+    rows = {r["op"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["topk"]["family"] == "sort" and "all-gather fallback" in rows["topk"]["cp"]
+    assert rows["matmul"]["tp"].startswith("rule") and rows["matmul"]["cp"].startswith("rule")
+    assert rows["call_loss"]["cp"].startswith("refused: ") and all(r["tp"] and r["cp"] for r in rows.values())
+    assert main(["ops", "--axis", "cp"]) == 0 and "tp" not in capsys.readouterr().out.splitlines()[0]
