@@ -88,6 +88,8 @@ LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss_f
 CONVS = frozenset({"conv1d", "conv2d", "convolution", "_convolution"})
 POOLS = frozenset({"avg_pool1d", "avg_pool2d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "max_pool1d",
                    "max_pool2d"})
+ATTENTION = frozenset({"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+                       "_scaled_dot_product_efficient_attention"})
 PADS = frozenset({"constant_pad_nd", "pad", "reflection_pad1d", "replication_pad1d", "reflection_pad2d",
                   "replication_pad2d"})
 # pointwise ops ATen does not tag pointwise (or that fx shows by another name)
@@ -98,6 +100,7 @@ FAMILIES = {
     "slicing": SLICING, "join": JOINS, "repeat": REPEATS, "reduction": REDUCTIONS, "softmax": SOFTMAXES,
     "scan": SCANS, "sort": SORTS, "layer_norm": LAYER_NORMS, "matmul": MATMULS, "embedding": EMBEDDINGS,
     "loss": LOSSES, "conv": CONVS, "pool": POOLS, "pad": PADS,
+    "attention": ATTENTION,
 }
 
 

@@ -110,7 +110,7 @@ RULES: dict[str, Callable] = {}          # op name -> rule
 FAMILY_RULES: dict[str, Callable] = {}   # family -> rule
 REFUSALS: dict[str, str] = {}            # op name -> why cp has no rule (reasoned refusal)
 # families whose ops are exact on the gathered sequence when no position-wise rule applies
-GATHERABLE = {"reduction", "softmax", "scan", "sort", "conv", "pool", "matmul", "pad"}
+GATHERABLE = {"reduction", "softmax", "scan", "sort", "conv", "pool", "matmul", "pad", "attention"}
 
 
 def rule(*names: str, family: str | None = None):
@@ -172,7 +172,7 @@ def _partial(call: Call):
 
 
 REFUSALS.update({
-    "scaled_dot_product_attention": "is attention the ring could not take over (see the notes above it)",
+    "scaled_dot_product_attention": "is attention the ring did not take over",
     "call_loss": "is a loss run as Python (untraceable): cp cannot tell how it reduces over the sequence",
 })
 
