@@ -124,3 +124,14 @@ def test_ops_command_lists_every_op_per_axis(capsys):
     assert rows["matmul"]["tp"].startswith("rule") and rows["matmul"]["cp"].startswith("rule")
     assert rows["call_loss"]["cp"].startswith("refused: ") and all(r["tp"] and r["cp"] for r in rows.values())
     assert main(["ops", "--axis", "cp"]) == 0 and "tp" not in capsys.readouterr().out.splitlines()[0]
+
+
+def test_attention_the_ring_does_not_take_runs_on_the_gathered_sequence(monkeypatch):
+    """(bench/cp_fallback_vs_ring.py measures this path against the ring: same losses.)"""
+    from threefold.passes import context_parallel
+    monkeypatch.setattr(context_parallel, "_sdpa", lambda node: None)
+    prog = compile_workload(position_workload("rotary"), "cp=2")
+    notes = _fallbacks(prog)
+    assert len(notes) == 3 and all(n.startswith("cp fallback: scaled_dot_product_attention (") for n in notes)
+    code = build_sources(prog)["chunk00.py"].split("def model_outputs")[0]
+    assert code.count("cp_gather.gather_seq(") == 3 and code.count("cp_gather.shard_seq(") == 1
