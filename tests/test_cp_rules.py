@@ -135,3 +135,14 @@ def test_attention_the_ring_does_not_take_runs_on_the_gathered_sequence(monkeypa
     assert len(notes) == 3 and all(n.startswith("cp fallback: scaled_dot_product_attention (") for n in notes)
     code = build_sources(prog)["chunk00.py"].split("def model_outputs")[0]
     assert code.count("cp_gather.gather_seq(") == 3 and code.count("cp_gather.shard_seq(") == 1
+
+
+def test_sliding_window_equal_to_the_local_length_is_refused_not_guessed():
+    """Mistral with sliding_window=4 at 8 tokens, cp=2: the window equals the local length 4,
+    and the mask was evaluated at the whole length with the window read as the length (a
+    window of 8): trained 1e-2 off one process, silently. Now a one-line PlanError."""
+    import threefold
+    from tests.cp_jobs import zoo_batch2
+    with pytest.raises(threefold.PlanError, match="local length s/cp by coincidence") as err:
+        compile_workload(zoo_batch2("mistral"), "cp=2")
+    assert "\n" not in str(err.value)
