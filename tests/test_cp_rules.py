@@ -146,3 +146,35 @@ def test_sliding_window_equal_to_the_local_length_is_refused_not_guessed():
     with pytest.raises(threefold.PlanError, match="local length s/cp by coincidence") as err:
         compile_workload(zoo_batch2("mistral"), "cp=2")
     assert "\n" not in str(err.value)
+
+
+class _FeatureOps(torch.nn.Module):
+    """Per-position ops on the feature dim (issue 40): a vector norm over the last dim,
+    tensor_split / split of features, repeat and repeat_interleave of heads, outer of a
+    position vector, einsum projections."""
+
+    def __init__(self, vocab=32, width=16):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(vocab, width), torch.nn.Linear(width, vocab)
+        self.w = torch.nn.Parameter(torch.randn(2, 8, 8) * 0.1)
+
+    def forward(self, idx):
+        b, t = idx.shape
+        x = self.emb(idx)
+        x = x / torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        a, c = x.tensor_split(2, dim=-1)
+        d, e = x.split(8, dim=-1)
+        heads = torch.einsum("btc,hcd->bhtd", a, self.w)                     # [b, 2, t, 8]
+        heads = heads.repeat(1, 2, 1, 1) + heads.repeat_interleave(2, dim=1)  # GQA-style head repeats
+        ang = torch.outer(torch.arange(t).float(), torch.ones(8))             # [t, 8] per position
+        y = heads.mean(dim=1) * torch.cos(ang) + c + d * e
+        return self.head(torch.cat([y, y], dim=-1))
+
+
+def test_per_position_feature_ops_stay_position_wise():
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 32, (2, 17), generator=g)
+    w = {"model": _FeatureOps(), "inputs": (idx[:, :-1],), "target": idx[:, 1:],
+         "loss_fn": lambda y, t: torch.nn.functional.cross_entropy(y.reshape(-1, y.size(-1)), t.reshape(-1))}
+    prog = compile_workload(w, "cp=2")
+    assert _fallbacks(prog) == [] and any("1 sequence arange(s) give global positions" in n for n in prog.notes)
