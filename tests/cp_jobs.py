@@ -137,6 +137,48 @@ def mixing_parity(modes: list, plan: str, steps: int = 3) -> list[list[float]]:
     return out
 
 
+def position_parity(modes: list, plan: str, steps: int = 3) -> list[list[float]]:
+    """Each position-table model (tests/cp_mask_models.PositionTables) under `plan`: SGD losses."""
+    import threefold
+    from tests.cp_mask_models import position_workload
+    from tests.parity import parallel_sgd_losses
+    torch.set_num_threads(1)
+    out = []
+    for mode in modes:
+        w = position_workload(mode)
+        pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
+        out.append(parallel_sgd_losses(pm, w, steps))
+    return out
+
+
+def zoo_batch2(arch: str) -> dict:
+    """A zoo workload with 2 rows per batch (with the zoo's 4, cp=2's local length 8/2 equals
+    the batch, a coincidence HF's masks refuse)."""
+    from tests.zoo import ZOO, common
+    vocab, batch, seq, seed = common.token_batch.__defaults__
+    common.token_batch.__defaults__ = (vocab, 2, seq, seed)
+    try:
+        return ZOO[arch]()
+    finally:
+        common.token_batch.__defaults__ = (vocab, batch, seq, seed)
+
+
+def zoo_parity(archs: list, plan: str, steps: int = 3) -> dict:
+    """Each zoo arch (batch 2) under `plan`: its SGD losses, or the PlanError it met."""
+    import threefold
+    from tests.parity import parallel_sgd_losses
+    torch.set_num_threads(1)
+    out = {}
+    for arch in archs:
+        w = zoo_batch2(arch)
+        try:
+            pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
+            out[arch] = parallel_sgd_losses(pm, w, steps)
+        except threefold.PlanError as exc:
+            out[arch] = f"PlanError: {str(exc)[:200]}"
+    return out
+
+
 def grad_norm_after_one_step(factory: str, kwargs: dict, plan: str) -> float:
     """The global gradient norm after one step (cp ranks must not count their shared
     parameters twice)."""

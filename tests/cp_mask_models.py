@@ -68,13 +68,20 @@ def masked_workload(mode: str, seq: int = 16, batch: int = 4) -> dict:
 class Mixing(nn.Module):
     """Ops with no ring form that take the all-gather fallback: `mode` cumsum (a running mean
     over time added to each position), conv (a non-causal conv1d over time), pool (mean over
-    the sequence -> a classifier: the target has no sequence dim)."""
+    the sequence -> a classifier: the target has no sequence dim), kmax (k-max pooling,
+    topk(x, 2, dim=1) over time, added back to every position), sort (values sorted over
+    time, indices used too), cumprod / logcumsumexp (scans over time); and position-wise
+    ones cp must keep local: router (topk(k=2, dim=-1) over [tokens, 4 experts], a
+    top-2 mixture of expert projections), gqa (SDPA enable_gqa=True, 4 query heads on 2 kv
+    heads, causal)."""
 
     def __init__(self, mode: str, vocab: int = 32, width: int = 16):
         super().__init__()
         self.mode = mode
         self.emb, self.mix, self.head = nn.Embedding(vocab, width), nn.Linear(width, width), nn.Linear(width, vocab)
         self.conv = nn.Conv1d(width, width, 3, padding=1)
+        self.router, self.expert_proj = nn.Linear(width, 4), nn.Linear(width, 4 * width)
+        self.q, self.kv = nn.Linear(width, width), nn.Linear(width, width)
 
     def forward(self, idx):
         x = self.emb(idx)
@@ -82,6 +89,28 @@ class Mixing(nn.Module):
             x = x + torch.tanh(self.mix(torch.cumsum(x, dim=1)))
         elif self.mode == "conv":
             x = x + self.conv(x.transpose(1, 2)).transpose(1, 2)
+        elif self.mode == "kmax":
+            top = torch.topk(x, 2, dim=1).values                         # [b, 2, w]: the 2 largest over time
+            x = x + torch.tanh(self.mix(top.mean(dim=1, keepdim=True)))
+        elif self.mode == "sort":
+            vals, idx = torch.sort(self.mix(x), dim=1, descending=True)  # [b, t, w] sorted over time
+            x = x + torch.tanh(vals) + 0.01 * idx.float()
+        elif self.mode == "cumprod":
+            x = x + torch.cumprod(torch.sigmoid(self.mix(x)), dim=1)
+        elif self.mode == "logcumsumexp":
+            x = x + torch.logcumsumexp(self.mix(x), dim=1) * 0.1
+        elif self.mode == "router":
+            tokens = x.reshape(-1, x.shape[-1])                                        # [b*t, w]
+            w, sel = torch.topk(torch.softmax(self.router(tokens), dim=-1), k=2, dim=-1)   # [b*t, 2]
+            ex = self.expert_proj(tokens).view(tokens.shape[0], 4, -1)                     # [b*t, 4, w]
+            picked = torch.gather(ex, 1, sel[..., None].expand(*sel.shape, ex.shape[-1]))
+            x = x + (w[..., None] * picked).sum(dim=1).view(x.shape)
+        elif self.mode == "gqa":
+            b, t, c = x.shape
+            q = self.q(x).view(b, t, 4, c // 4).transpose(1, 2)                      # [b, 4, t, d]
+            k, v = self.kv(x).view(b, t, 2, c // 2).transpose(1, 2).split(c // 4, dim=-1)   # [b, 2, t, d]
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + y.transpose(1, 2).reshape(b, t, c)
         else:
             x = self.mix(x).mean(dim=1)
         return self.head(x)
@@ -115,3 +144,46 @@ def hf_llama_padded(attn: str = "eager", seq: int = 16, batch: int = 4) -> dict:
     mask[1, 11:] = 0
     mask[3, 5:] = 0
     return {**w, "model": _WithMask(w["model"].model), "inputs": w["inputs"] + (mask,)}
+
+
+class PositionTables(nn.Module):
+    """Position-dependent values found by data flow, each sliced to the traced length T:
+    `mode` learned (a learned table of 32 rows, `x + self.pos[:T]`), ids (a buffer of
+    position ids [1, 32] sliced [:, :T] -> an embedding, as BERT writes it), rotary (cos/sin
+    caches of 32 rows built in __init__ with outer + cat, sliced [:T], as HF's older rotary
+    embeddings did). A causal attention layer after it mixes positions."""
+
+    def __init__(self, mode: str, vocab: int = 32, width: int = 16, rows: int = 32):
+        super().__init__()
+        self.mode = mode
+        self.emb, self.head = nn.Embedding(vocab, width), nn.Linear(width, vocab)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.pos = nn.Parameter(torch.randn(rows, width) * 0.1)
+        self.pos_emb = nn.Embedding(rows, width)
+        self.register_buffer("position_ids", torch.arange(rows)[None], persistent=False)
+        freqs = torch.outer(torch.arange(rows).float(), 1.0 / 100 ** (torch.arange(0, width, 2).float() / width))
+        ang = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos_cached", ang.cos(), persistent=False)
+        self.register_buffer("sin_cached", ang.sin(), persistent=False)
+
+    def forward(self, idx):
+        b, t = idx.shape
+        x = self.emb(idx)
+        if self.mode == "learned":
+            x = x + self.pos[:t]
+        elif self.mode == "ids":
+            x = x + self.pos_emb(self.position_ids[:, :t])
+        else:
+            half = x.shape[-1] // 2
+            rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+            x = x * self.cos_cached[:t] + rot * self.sin_cached[:t]
+        q, k, v = self.qkv(x).view(b, t, 3, 2, -1).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(x + self.proj(y.transpose(1, 2).reshape(b, t, -1)))
+
+
+def position_workload(mode: str, seq: int = 16, batch: int = 2) -> dict:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 32, (batch, seq + 1), generator=g)
+    return {"model": PositionTables(mode), "inputs": (idx[:, :-1],), "target": idx[:, 1:], "loss_fn": lm_loss}

@@ -152,3 +152,26 @@ def test_cp2_in_bf16_matches_single_process_autocast_within_rounding_noise():
         diffs = [abs(a - b) for a, b in zip(r["losses"], ref)]
         assert all(d <= t for d, t in zip(diffs, tol)), (r["plan"], diffs, tol)
         assert r["losses"] != fp32, r["plan"]
+
+
+# Causal LMs of the zoo that cp=2 splits position-wise since the op registry (issue 40): GPT-2's
+# [b*s, h] views, rotary tables sliced or indexed at position ids (GPT-J, CodeGen, Meta's LLaMA),
+# GQA by repeat / repeat_interleave (Cohere, GLM), einsum projections, empty KV caches, a
+# learned position table sliced to T (nn.MultiheadAttention LM); batch 2 (tests/cp_jobs.zoo_batch2).
+CP_ZOO = ["gpt2", "gptj", "codegen", "cohere", "glm", "nn_multihead_attention", "nn_decoder",
+          "hw_gqa_repeat_interleave", "hw_flat_mlp", "hw_einsum", "llama_cache", "qwen2_cache", "meta_llama",
+          "falcon", "llama", "qwen2", "gemma", "phi3"]
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_zoo_causal_lms_at_cp2_match_one_process():
+    from tests.cp_jobs import zoo_batch2, zoo_parity
+    from tests.parity import max_rel_diff, sgd_losses
+    got = launch(zoo_parity, 2, CP_ZOO, "cp=2", 3, timeout=2300)
+    for arch in CP_ZOO:
+        ref = sgd_losses(zoo_batch2(arch), 3)
+        for rank in got:
+            assert not isinstance(rank[arch], str), (arch, rank[arch])
+            assert max_rel_diff(rank[arch], ref) < 1e-5, (arch, rank[arch], ref)

@@ -83,6 +83,7 @@ DEFAULT_SAMPLE = [
     # context parallelism: ring attention with masks, the all-gather fallback (cp=2)
     "tests/test_cp_masks.py::test_masked_attention_cp2_matches_one_process",
     "tests/test_cp_fallback.py::test_fallback_cp2_matches_one_process",
+    "tests/test_cp_rules.py::test_sequence_ops_cp2_match_one_process",
     # the zoo's representative sample (the full matrices are `-m zoo`)
     "tests/test_zoo.py::test_zoo_sample_matches_single_process[llama-tp=2]",
     "tests/test_zoo.py::test_zoo_sample_matches_single_process[hw_nanogpt-pp=2,m=2]",

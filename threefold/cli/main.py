@@ -13,7 +13,7 @@ import sys
 from threefold.errors import PlanError, Terminated
 
 # Subcommand modules, in the order `--help` lists them.
-COMMANDS = ["inspect", "compile", "check", "schedule", "train", "plan", "run", "export", "generate"]
+COMMANDS = ["inspect", "compile", "check", "schedule", "train", "plan", "run", "export", "generate", "ops"]
 
 # The docs page each command's `--help` ends with (docs/, built with `mkdocs build`); a
 # command not named here links to its entry in the generated CLI reference.

@@ -16,6 +16,7 @@ import operator
 from threefold.roles import EMBEDDING, MATMUL, OTHER
 
 from threefold.compiler.program import tf
+from threefold.ops.families import COPIES, RESHAPES
 
 # op -> argument positions that are matrix operands
 _MATMUL_ARGS = {
@@ -31,10 +32,9 @@ _EMBEDDING_ARGS = {"embedding": (0,), "embedding_bag": (0,), "_embedding_bag": (
                    "vocab_parallel_embedding": (0,)}
 # ops through which a parameter is still "the same matrix" (views, casts, and the
 # tensor-parallel collectives runtime/tp_ops.py applies to a value as a whole)
-_SAME_VALUE = {"t", "transpose", "permute", "view", "reshape", "_unsafe_view", "expand", "unsqueeze",
-               "squeeze", "_to_copy", "to", "clone", "contiguous", "alias", "detach", "type_as",
+_SAME_VALUE = RESHAPES | COPIES | {"t", "transpose", "permute", "expand", "unsqueeze", "squeeze",
                "numpy_T", "split", "split_with_sizes", "chunk", "unbind", "getitem", "_reshape_alias",
-               "view_as", "lift_fresh_copy", "dequantize",
+               "view_as", "dequantize",
                "f", "g", "scatter", "gather", "all_gather_seq", "scatter_blocks", "gather_blocks"}
 
 

@@ -30,12 +30,14 @@ from threefold.compiler.stages import Sharded, copy_graph_module
 from threefold.errors import PlanError
 from threefold.passes.cp_masks import input_free, key_bias_val as _key_bias_val, param_free as _param_free, \
     split_mask as _split_mask
-from threefold.passes.cp_rules import check_sequence, op_name
+from threefold.ops.families import COPIES, VIEWS, args_of
+from threefold.passes.cp_fallback import gather_around
+from threefold.passes.cp_rules import PARTIAL, Gather, Place, Refuse, Seq, decide, op_name
 from threefold.runtime import cp_ops
 from threefold.runtime.tp_ops import GroupRef
 
 CP = GroupRef("cp")
-_CASTS = {"_to_copy", "to", "clone", "contiguous", "alias", "type_as"}
+_CASTS = COPIES - {"detach", "lift_fresh_copy", "copy"}
 _SDPA = {"scaled_dot_product_attention"}
 
 
@@ -52,17 +54,138 @@ def context_parallel(stage: Sharded) -> Sharded:
     convs = _causal_convolutions(gm, stage, n)
     moved = _global_positions(gm, n)
     fallbacks: list = []
-    check_sequence(gm, stage, fallbacks)
+    tables: list = []
+    check_sequence(gm, stage, fallbacks, tables)
     gm.graph.lint()
     gm.recompile()
     note = (f"cp={stage.plan.cp}: {rings} attention op(s) run as ring attention over the cp group; "
-            f"{moved} sequence arange(s) give global positions; {convs} causal conv1d(s) exchange halos; "
+            f"{moved} sequence arange(s) give global positions; {len(tables)} position table(s) sliced to the "
+            f"sequence read this rank's rows; {convs} causal conv1d(s) exchange halos; "
             "sequence split in blocks r, 2cp-1-r")
     m = stage.plan.microbatches
     notes = tuple(f"cp fallback: {f['op']} ({f['node']}) at {f['module']} mixes sequence positions: the sequence "
                   f"is all-gathered around it, {2 * m * f['bytes']} bytes per rank per step (all-gather forward, "
                   f"reduce-scatter backward; strict=true refuses it)" for f in fallbacks)
     return stage.evolve(gm=gm, notes=stage.notes + (note,) + notes)
+
+
+# -- the sequence rules' decisions, applied ------------------------------------------------------
+
+def check_sequence(gm: fx.GraphModule, stage, fallbacks: list | None = None, tables: list | None = None) -> dict:
+    """Every node's sequence placement (name -> Seq | PARTIAL | None), from the rules'
+    decisions (passes/cp_rules.py): Place keeps it, Gather runs the op on the all-gathered
+    sequence (passes/cp_fallback.py, appended to `fallbacks`), Refuse is a PlanError unless
+    what it meets is a position table sliced to the local length (then this rank's rows)."""
+    fallbacks = [] if fallbacks is None else fallbacks
+    tables = [] if tables is None else tables
+    seq_dims = stage.seq_dims or []
+    state: dict = {}
+    for node in gm.graph.nodes:   # live: the fallback's cuts, inserted after a node, are placed in turn
+        if node.op == "placeholder":
+            i = tf(node).get("input_index")
+            d = seq_dims[i] if tf(node).get("kind") == "input" and i is not None and i < len(seq_dims) else None
+            state[node] = Seq(d) if d is not None else None
+        elif node.op == "output":
+            for out in node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]:
+                if stage.has_loss and isinstance(state.get(out), Seq):
+                    _refuse(node, stage, "the loss is not reduced over the sequence")
+        elif node.op == "call_function":
+            d = _place(node, state, stage, fallbacks)
+            if isinstance(d, Refuse) and d.table is not None:
+                moved = _rows_at_positions(d.table, stage)
+                if moved:
+                    tables.extend(m for m in moved if op_name(m) == "index_select")
+                    _replace_after(moved, node, state, stage, fallbacks)
+                    d = _place(node, state, stage, fallbacks)
+            if isinstance(d, Refuse):
+                _refuse(node, stage, d.why)
+    return {n.name: s for n, s in state.items()}
+
+
+def _place(node, state: dict, stage, fallbacks: list):
+    """Apply the rules' decision for one call to `state` (Refuse is returned, not applied)."""
+    if all(state.get(a) is None for a in node.all_input_nodes) and op_name(node) != "shard_seq":
+        state[node] = Seq(0) if op_name(node) == "positions" else None
+        return None
+    d = decide(node, state, stage)
+    if isinstance(d, Place):
+        state[node] = d.out
+    elif isinstance(d, Gather):
+        state[node] = gather_around(node, state, stage, _message(node, stage, d.why), fallbacks, op_name(node), Seq)
+    return d
+
+
+def _replace_after(new: list, upto: fx.Node, state: dict, stage, fallbacks: list) -> None:
+    """Place again what depends on the `new` nodes, in order, up to (not including) `upto`."""
+    seen, stack = set(), list(new)
+    while stack:
+        x = stack.pop()
+        if x not in seen:
+            seen.add(x)
+            stack.extend(x.users)
+    for x in list(upto.graph.nodes):
+        if x is upto:
+            break
+        if x in seen and x.op == "call_function":
+            d = _place(x, state, stage, fallbacks)
+            if isinstance(d, Refuse):
+                _refuse(x, stage, d.why)
+
+
+def _rows_at_positions(table: fx.Node, stage) -> list:
+    """Position tables found by data flow: in what `table` is made of (parameters, buffers,
+    constants only), every `t[:n]` along a dim of t that covers the whole sequence (a learned
+    position table, position ids or a rotary cache sliced to the traced local length n)
+    becomes t.index_select(dim, positions): the rows of this rank's global positions, under
+    the load-balanced layout. Returns the new nodes ([] where there is none)."""
+    n, whole = stage.seq_len, stage.seq_len * stage.plan.cp
+    if not input_free(table):
+        return []
+    found, seen, stack = [], set(), [table]
+    while stack:
+        x = stack.pop()
+        if not isinstance(x, fx.Node) or x in seen:
+            continue
+        seen.add(x)
+        stack.extend(x.all_input_nodes)
+        if x.op != "call_function" or op_name(x) != "slice":
+            continue
+        a = args_of(x)
+        v, start = a["self"].meta.get("val"), a["start"] or 0
+        if not isinstance(v, torch.Tensor) or not isinstance(start, int) or a["end"] != start + n or a["step"] != 1 \
+                or v.shape[a["dim"] % v.dim()] < start + whole:
+            continue
+        found.append(x)
+    new = []
+    for x in found:   # t[start:start+n] -> t.index_select(dim, start + positions) (OPT's offset 2)
+        a, graph = args_of(x), x.graph
+        v, start = a["self"].meta["val"], a["start"] or 0
+        with graph.inserting_before(x):
+            pos = graph.call_function(cp_ops.positions, (n, CP), {"device": v.device})
+            at = graph.call_function(torch.ops.aten.add.Tensor, (pos, start)) if start else pos
+            rows = graph.call_function(torch.ops.aten.index_select.default, (a["self"], a["dim"] % v.dim(), at))
+        pos.meta = {"val": torch.arange(n, device=v.device), "tf": dict(tf(x))}
+        if start:
+            at.meta = {"val": torch.arange(n, device=v.device) + start, "tf": dict(tf(x))}
+            new.append(at)
+        rows.meta = {"val": x.meta["val"], "tf": dict(tf(x))}
+        x.replace_all_uses_with(rows)
+        graph.erase_node(x)
+        new += [pos, rows]
+    return new
+
+
+def _message(node, stage, why: str) -> str:
+    module = tf(node).get("module") or "<top>"
+    return (f"cp={stage.plan.cp}: {op_name(node)} at {module} {why}; context parallelism cannot split the "
+            "sequence here: use cp=1 for this model (or rewrite the op position-wise)")
+
+
+def _refuse(node, stage, why: str):
+    raise PlanError(_message(node, stage, why))
+
+
+__all__ = ["context_parallel", "check_sequence", "PARTIAL"]
 
 
 # -- attention -----------------------------------------------------------------------------
@@ -82,6 +205,8 @@ def _rewrite_attention(gm: fx.GraphModule, stage, n: int) -> int:
         if found is None:
             continue
         q, k, v, scale, masks, causal, last, dead = found
+        if name in _SDPA and _args(node).get("enable_gqa"):
+            k, v = (_repeat_heads(gm.graph, x, q, last) for x in (k, v))
         kwargs = {"ranks": stage.plan.cp}
         if masks or causal:
             causal, rel, keyside = _split_mask(masks, causal, stage, node, n)
@@ -102,7 +227,7 @@ def _rewrite_attention(gm: fx.GraphModule, stage, n: int) -> int:
     return count
 
 
-_INDEX_VIEWS = {"unsqueeze", "view", "reshape", "expand", "_to_copy", "to", "add", "sub"}
+_INDEX_VIEWS = {"unsqueeze", "expand", "add", "sub"} | VIEWS | COPIES
 
 
 def _indexes_an_input(arange: fx.Node) -> bool:
@@ -126,17 +251,7 @@ def _indexes_an_input(arange: fx.Node) -> bool:
     return found
 
 
-def _args(node: fx.Node) -> dict:
-    """An ATen call's arguments by schema name (defaults filled in)."""
-    out = {}
-    for i, a in enumerate(node.target._schema.arguments):
-        if i < len(node.args):
-            out[a.name] = node.args[i]
-        elif a.name in node.kwargs:
-            out[a.name] = node.kwargs[a.name]
-        else:
-            out[a.name] = a.default_value if a.has_default_value() else None
-    return out
+_args = args_of   # an ATen call's arguments by schema name (defaults filled in)
 
 
 def _sdpa(node: fx.Node):
@@ -149,12 +264,21 @@ def _sdpa(node: fx.Node):
     scale = a.get("scale")
     if scale is None:
         scale = 1.0 / math.sqrt(q.meta["val"].shape[-1])
-    if a.get("enable_gqa"):
-        raise PlanError(f"cp: {where} uses enable_gqa; ring attention needs key/value heads repeated "
-                        "(repeat_interleave them in the model) or cp=1")
     mask = a.get("attn_mask")
     masks = [] if mask is None else [("visible" if mask.meta["val"].dtype == torch.bool else "add", mask)]
     return q, k, v, scale, masks, bool(a.get("is_causal")), node, []
+
+
+def _repeat_heads(graph: fx.Graph, kv: fx.Node, q: fx.Node, before: fx.Node) -> fx.Node:
+    """SDPA's enable_gqa, spelled out for the ring: each key/value head repeated for its
+    group of query heads (dim -3), as SDPA does internally."""
+    heads, kv_heads = q.meta["val"].shape[-3], kv.meta["val"].shape[-3]
+    if heads == kv_heads:
+        return kv
+    with graph.inserting_before(before):
+        r = graph.call_function(torch.ops.aten.repeat_interleave.self_int, (kv, heads // kv_heads, -3))
+    r.meta = {"val": kv.meta["val"].repeat_interleave(heads // kv_heads, -3), "tf": dict(tf(before))}
+    return r
 
 
 def _users(node: fx.Node) -> list:

@@ -24,15 +24,9 @@ import torch.fx as fx
 
 from threefold.compiler.program import tf
 from threefold.errors import PlanError
+from threefold.ops.families import COPIES, is_pointwise, op_name
 
 _NEG = -1e30   # at or below: hidden (-inf, or finfo.min as HF writes it)
-
-
-def op_name(node: fx.Node) -> str:
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        return t._schema.name.split("::")[-1]
-    return getattr(t, "__name__", str(t))
 
 
 def free(node) -> bool:
@@ -135,7 +129,7 @@ def _leaves(m, kind: str, out: list) -> None:
     elif kind == "add" and name == "where" and len(args) == 3 and _is_zero(args[1]) and \
             isinstance(args[2], (int, float)) and args[2] <= _NEG:
         _leaves(args[0], "visible", out)
-    elif name in ("expand", "_to_copy", "to", "clone", "contiguous", "alias") and (
+    elif name in COPIES | {"expand"} and (
             kind == "add" or m.meta["val"].dtype == torch.bool == args[0].meta["val"].dtype):
         _leaves(args[0], kind, out)   # broadcasts and copies: the leaves broadcast the same way
     else:
@@ -158,6 +152,13 @@ def _additive(fixed: list, is_causal: bool, stage, where: str, n: int, length: i
     for kind, m in fixed:
         try:
             v = evaluate(m, stage, {n: length}) if isinstance(m, fx.Node) else torch.tensor(m)
+            if isinstance(m, fx.Node) and not _same_mask(v, _or_none(evaluate, m, stage, {n: length}, values=False)):
+                # an operand equal to n in arithmetic (a window of n positions, or the length?)
+                raise PlanError(f"cp: the mask of {where} compares positions with the number {n}, the local "
+                                f"length s/cp by coincidence (a sliding window of {n}?): cp cannot tell which it "
+                                "is; use a sequence length or window such that they differ, or cp=1")
+        except PlanError:
+            raise
         except _PerRank as exc:
             raise PlanError(f"cp: the mask of {where} is split over tp ranks ({exc}: a per-head bias with "
                             "heads sharded); use tp=1 or cp=1") from None
@@ -236,11 +237,28 @@ def key_bias_val(keyside: list) -> torch.Tensor:
     return like.new_empty(shape, dtype=dtype if dtype.is_floating_point else torch.float32)
 
 
-def evaluate(node: fx.Node, stage, lengths: dict | None = None):
+def _or_none(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except Exception:
+        return None
+
+
+def _same_mask(a, b) -> bool:
+    """Equal masks; None (that reading cannot even be evaluated) counts as equal."""
+    if b is None:
+        return True
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    return a.shape == b.shape and bool(torch.equal(a, b) or (a.is_floating_point() and _same(a.double(), b.double())))
+
+
+def evaluate(node: fx.Node, stage, lengths: dict | None = None, values: bool = True):
     """The value of a free node, computed from the stage's buffers; integer arguments in
-    `lengths` (a sequence length, in aranges, slices, views) replaced by their value there."""
+    `lengths` (a sequence length, in aranges, slices, views) replaced by their value there;
+    with `values=False` not where they are operands of pointwise arithmetic (a window size)."""
     lengths = lengths or {}
     env: dict = {}
+    kept = dict(lengths)
 
     def value(x):
         if isinstance(x, fx.Node):
@@ -263,8 +281,13 @@ def evaluate(node: fx.Node, stage, lengths: dict | None = None):
             return stage.state[tf(x)["fqn"]]
         if x.op == "get_attr":
             return getattr(x.graph.owning_module, x.target)
+        nonlocal lengths
+        for a in x.all_input_nodes:
+            value(a)                                  # inputs first: each sets its own lengths
+        lengths = {} if not values and is_pointwise(x) else kept
         args = [value(a) for a in x.args]
         kwargs = {k: value(v) for k, v in x.kwargs.items()}
+        lengths = kept
         if any(type(a).__name__ == "GroupRef" for a in list(args) + list(kwargs.values())):
             # a tp op (a per-rank slice of the mask): its value differs per tp rank
             raise _PerRank(op_name(x))

@@ -33,6 +33,7 @@ from threefold.compiler.eager_loss import is_eager_loss
 from threefold.compiler.program import tf
 from threefold.compiler.stages import Draft, Traced
 from threefold.errors import PlanError
+from threefold.ops.families import COPIES, RESHAPES
 
 aten = torch.ops.aten
 
@@ -41,8 +42,7 @@ _TARGET_COUNTED = {"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d"
 _ELEMENT_MEAN = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
                  "binary_cross_entropy_with_logits", "soft_margin_loss", "kl_div",
                  "hinge_embedding_loss", "margin_ranking_loss", "poisson_nll_loss"}
-_PASS_THROUGH = {"_to_copy", "to", "clone", "alias", "view", "reshape", "squeeze", "unsqueeze",
-                 "_unsafe_view", "detach"}  # detach is not linear but has no gradient either
+_PASS_THROUGH = COPIES | RESHAPES | {"squeeze", "unsqueeze"}   # detach is not linear but has no gradient either
 _FIX = ("set loss=microbatch_mean in the plan (the mean of per-microbatch losses), or use m=1 "
         "and dp=1")
 

@@ -21,9 +21,10 @@ from torch.fx.operator_schemas import normalize_function
 from threefold.compiler.cost import op_name
 from threefold.compiler.program import tf
 from threefold.passes.tp_patterns import _is_param, _param_weight
+from threefold.ops.families import RESHAPES
 
 aten = torch.ops.aten
-_VIEWS = ("view", "reshape", "_unsafe_view")
+_VIEWS = RESHAPES
 
 
 def fused_cuts(graph: fx.Graph, state: dict) -> list[tuple]:

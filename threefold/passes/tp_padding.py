@@ -25,11 +25,11 @@ from threefold.compiler.cost import op_name
 from threefold.errors import PlanError
 from threefold.passes.tp_dims import reshape_placement
 from threefold.passes.tp_placement import Shard, reshape_groups
+from threefold.ops.families import COPIES, RESHAPES
 
 # ops that move or copy dims without mixing entries along them (reshape has its own math)
-_MOVERS = {"transpose", "t", "permute", "unsqueeze", "squeeze", "expand", "broadcast_to", "view",
-           "reshape", "_unsafe_view", "flatten", "unflatten", "clone", "contiguous", "_to_copy", "alias",
-           "detach", "getitem", "dropout", "native_dropout", "_assert_tensor_metadata", "to", "type_as"}
+_MOVERS = {"transpose", "t", "permute", "unsqueeze", "squeeze", "expand", "broadcast_to", "flatten", "unflatten",
+           "getitem", "dropout", "native_dropout", "_assert_tensor_metadata"} | RESHAPES | COPIES
 # rules that handle padding themselves: the vocab-parallel cross-entropy (a vocabulary tp
 # does not divide is padded too, and its padding never wins the softmax), the eager loss
 # (gathers and cuts its inputs)

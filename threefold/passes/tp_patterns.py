@@ -12,6 +12,7 @@ import torch.fx as fx
 from threefold.compiler.annotations import Collective
 from threefold.compiler.cost import op_name
 from threefold.compiler.program import tf
+from threefold.ops.families import COPIES, RESHAPES
 
 
 def _is_param(a) -> bool:
@@ -74,8 +75,7 @@ def _shape(node: fx.Node) -> list[int]:
     return list(node.meta["val"].shape)
 
 
-_PASS_THROUGH = {"add", "_to_copy", "to", "contiguous", "clone", "alias", "view", "reshape",
-                 "_unsafe_view", "dropout", "type_as"}
+_PASS_THROUGH = {"add", "dropout"} | (COPIES - {"detach", "lift_fresh_copy"}) | RESHAPES
 
 
 def _chain(old: fx.Node, limit: int = 6):

@@ -1,0 +1,60 @@
+"""cp=2 over the zoo, compile only: per arch pass / all-gather fallbacks used / refused (with the
+one-line reason). Compile decides every cp refusal; parity of what compiles is the tests' job.
+
+    python bench/cp_zoo_survey.py [arch ...] [--json out.json]
+
+The zoo's token batches (tests/zoo/common.token_batch) hold 2 rows here, not 4: with 4, cp=2's
+local length 8/2 equals the batch and HF's masks refuse the coincidence.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]   # bench/kernels.py shadows `kernels`
+sys.path.insert(0, os.path.dirname(_HERE))
+
+
+def survey(archs: list, plan: str = "cp=2") -> dict:
+    import torch
+    from threefold.compiler.api import compile_workload
+    from threefold.errors import PlanError
+    from tests.zoo import ZOO, common
+    torch.set_num_threads(1)
+    vocab, _, seq, seed = common.token_batch.__defaults__
+    common.token_batch.__defaults__ = (vocab, 2, seq, seed)
+    out = {}
+    for a in archs or list(ZOO):
+        try:
+            prog = compile_workload(ZOO[a](), plan)
+            falls = [n.split(" mixes")[0].removeprefix("cp fallback: ") for n in prog.notes
+                     if n.startswith("cp fallback:")]
+            out[a] = {"verdict": "fallback" if falls else "pass", "fallbacks": falls}
+        except PlanError as exc:
+            out[a] = {"verdict": "refused", "msg": str(exc)[:300]}
+        except Exception as exc:   # a crash is a bug, counted apart
+            out[a] = {"verdict": "crash", "msg": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        print(f"{a:<26} {out[a]['verdict']:<9} {out[a].get('msg', '') or ', '.join(out[a]['fallbacks'])}",
+              flush=True)
+    return out
+
+
+def main(argv: list) -> None:
+    dest = None
+    if "--json" in argv:
+        i = argv.index("--json")
+        dest, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+    res = survey(argv)
+    counts = {}
+    for r in res.values():
+        counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
+    print(counts)
+    if dest:
+        with open(dest, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

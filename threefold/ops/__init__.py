@@ -1,0 +1,1 @@
+"""Op knowledge in one home: families (families.py), read by every pass."""
