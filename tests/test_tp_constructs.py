@@ -341,10 +341,15 @@ def test_router_whose_softmax_spans_experts_is_kept_whole_and_experts_are_sharde
     assert expert["local_shape"][dim] * 2 == expert["shape"][dim]
 
 
-def test_multi_query_attention_keeps_its_projections_whole_and_shards_the_mlp():
+def test_multi_query_attention_splits_its_fused_projection_per_piece_and_shards_the_mlp():
+    # GPTBigCode's split_with_sizes([C, d, d]) of the fused projection: one linear per piece,
+    # each piece sharded or whole on its own (parity: test_every_construct_matches_...)
     prog = compile_workload(workload("multi_query"), "tp=2")
-    assert "blocks.0.attn.c_attn.weight" in prog.tp_report["replicated_weights"]
-    assert "blocks.0.mlp.fc.weight" in prog.shard_fns and prog.tp_report["fallbacks"] == []
+    spec = prog.shard_fns["blocks.0.attn.c_attn.weight"]
+    d = C // H
+    assert spec.blocks == (C, d, d) and not all(spec.whole), spec
+    assert "blocks.0.mlp.fc.weight" in prog.shard_fns
+    assert prog.tp_report["replicated_weights"] == {} and prog.tp_report["fallbacks"] == []
 
 
 def test_strict_plan_turns_a_fallback_into_a_plan_error_naming_the_op():
