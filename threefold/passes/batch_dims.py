@@ -57,10 +57,11 @@ def find_batch_dims(model: torch.nn.Module, batch: tuple, num_model_inputs: int,
             # then either split is exact, and we take the first (lowest dims).
             return passing[0]
     zeros = [c for c in cands if all(d in (None, 0) for d in c)]
-    if not real and zeros:
+    if zeros and (not real or _scalar_outputs_only(model, batch[:num_model_inputs])):
         zero = max(zeros, key=lambda c: sum(d == 0 for d in c))
         if notes is not None:
-            notes.append("batch dim ambiguous on the meta device; assumed dim 0 (declare batch_dims to override)")
+            why = "on the meta device" if not real else "(the model returns only its loss)"
+            notes.append(f"batch dim ambiguous {why}; assumed dim 0 (declare batch_dims to override)")
         return zero
     shown = "; ".join(str(c) for c in cands[:4])
     raise AmbiguousBatch(cands, f"{name}: cannot tell the batch dimension of the inputs (candidates per input: {shown}); "
@@ -142,10 +143,32 @@ def _slice_matches(model, inputs, dims, parts) -> bool:
         model.train(was_training)
     if len(full) != len(part) or not full:
         return False
-    for f, p in zip(full, part):
+    # a scalar (a loss the model returns itself, with labels=) has no rows to compare
+    pairs = [(f, p) for f, p in zip(full, part) if f.dim() > 0]
+    if not pairs:
+        return False
+    for f, p in pairs:
         if not any(_is_last_slice(f, p, d) for d in range(f.dim())):
             return False
     return True
+
+
+def _scalar_outputs_only(model, inputs) -> bool:
+    """Does the model return only scalars (its loss), so no split can be checked by value?"""
+    was_training = model.training
+    buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = _flat(model(*inputs))
+    except Exception:
+        return False
+    finally:
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                b.copy_(buffers[k])
+        model.train(was_training)
+    return bool(out) and all(t.dim() == 0 for t in out)
 
 
 def _is_last_slice(f: torch.Tensor, p: torch.Tensor, d: int) -> bool:
