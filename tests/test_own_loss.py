@@ -115,3 +115,15 @@ def test_hf_labels_loss_matches_one_process_under_pp_tp_dp_and_ep():
     for rank in _launch(cases):
         for (name, _), got in zip(cases, rank):
             _close(got, want[name])
+
+
+def test_check_and_train_accept_a_model_with_its_own_loss_and_refuse_one_without():
+    from threefold.model_loss import check_trainable
+    from threefold.workload import Workload
+    from tests.own_loss_jobs import own_gpt
+    w = own_gpt()
+    check_trainable(Workload(w["model"], w["inputs"]), "SPEC 'own'")     # no loss_fn: its own loss
+    with pytest.raises(threefold.PlanError, match="returns no loss"):
+        check_trainable(Workload(_NoLoss(), (torch.randn(2, 4),)), "SPEC 'x'")
+    with pytest.raises(threefold.PlanError, match="no target"):
+        check_trainable(Workload(_NoLoss(), (torch.randn(2, 4),), None, F.mse_loss), "SPEC 'x'")

@@ -64,3 +64,33 @@ def no_loss_message(name: str) -> str:
             "pass loss_fn=... and target=... to parallelize, or return the loss from forward "
             "(a scalar, an output with .loss such as a Hugging Face model given labels=, or (logits, loss)); "
             "pm(x) runs inference")
+
+
+def workload_loss(model, inputs: tuple, target=None, loss_fn=None):
+    """The single-process loss of one batch: loss_fn(model(*inputs), target), or the loss the
+    model returns itself (None when it returns none)."""
+    out = model(*inputs)
+    return loss_fn(out, target) if loss_fn is not None else model_loss(out, type(model).__name__)
+
+
+def check_trainable(w, what: str) -> None:
+    """A PlanError unless workload `w` can train: a loss_fn with a target, or (no loss_fn) a
+    model that returns its own loss on the example inputs (checked where weights are real)."""
+    if w.loss_fn is not None:
+        if w.target is None:
+            raise PlanError(f"{what} has a loss_fn but no target; give the workload's 'target' too")
+        return
+    if any(p.is_meta for p in w.model.parameters()):
+        return   # cannot run it here: parallelize finds the loss in the graph (or says there is none)
+    was_training = w.model.training
+    buffers = {k: b.detach().clone() for k, b in w.model.named_buffers()}
+    try:
+        with torch.no_grad():
+            loss = model_loss(w.model(*w.inputs), type(w.model).__name__)
+    finally:
+        with torch.no_grad():
+            for k, b in w.model.named_buffers():
+                b.copy_(buffers[k])
+        w.model.train(was_training)
+    if loss is None:
+        raise PlanError(f"{what}: {no_loss_message(type(w.model).__name__)}")

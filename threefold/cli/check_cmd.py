@@ -10,6 +10,7 @@ import torch
 
 from threefold.cli.jsonout import dumps
 from threefold.errors import PlanError
+from threefold.model_loss import workload_loss
 from threefold.plan import Plan
 
 TOLERANCE = 1e-5
@@ -55,8 +56,8 @@ def run(args) -> int:
     if args.steps < 1:
         raise PlanError(f"--steps {args.steps} is invalid: use 1 or more")
     w = load_spec(args.spec)
-    if w.loss_fn is None or w.target is None:
-        raise PlanError(f"SPEC {args.spec!r} has no loss_fn/target: check trains, so the workload needs both")
+    from threefold.model_loss import check_trainable
+    check_trainable(w, f"SPEC {args.spec!r}")   # check trains: a loss_fn and target, or the model's own loss
     if any(p.is_meta for p in w.model.parameters()):
         raise PlanError(f"SPEC {args.spec!r} builds its model on the meta device: check needs real weights")
     if not (math.isfinite(args.lr) and args.lr > 0):
@@ -138,7 +139,7 @@ def _loss_noise(w, draws: int = 8) -> float:
     """Standard deviation of the train-mode loss over fresh random draws, same weights."""
     with torch.random.fork_rng(), torch.no_grad():
         torch.manual_seed(12345)
-        losses = [float(w.loss_fn(w.model(*w.inputs), w.target)) for _ in range(draws)]
+        losses = [float(workload_loss(w.model, w.inputs, w.target, w.loss_fn)) for _ in range(draws)]
     mean = sum(losses) / draws
     return math.sqrt(sum((x - mean) ** 2 for x in losses) / (draws - 1))
 
@@ -154,7 +155,7 @@ def _reference(w, steps: int, lr: float) -> list[float]:
     out = []
     for _ in range(steps):
         opt.zero_grad()
-        loss = w.loss_fn(w.model(*w.inputs), w.target)
+        loss = workload_loss(w.model, w.inputs, w.target, w.loss_fn)
         loss.backward()
         opt.step()
         out.append(loss.item())

@@ -81,8 +81,8 @@ def _training_spec(cfg):
     from threefold.workload import load_spec
     with _model_building(cfg):
         w = load_spec(cfg.spec, given_sizes(cfg))
-    if w.loss_fn is None or w.target is None:
-        raise PlanError(f"SPEC {cfg.spec!r} has no loss_fn/target; training needs both")
+    from threefold.model_loss import check_trainable
+    check_trainable(w, f"SPEC {cfg.spec!r}")   # a loss_fn and target, or the model's own loss
     return w
 
 
