@@ -207,6 +207,8 @@ def launch(fn, nprocs: int, *args, threads: int = 1, timeout: float | None = Non
     """Run fn(*args) on nprocs local gloo ranks; results in rank order."""
     if nprocs == 1 and dist.is_initialized():
         return [fn(*args)]
+    from threefold.runtime.capacity import check_local_capacity
+    check_local_capacity(nprocs)   # the CLI's guard: 16 ranks on 2 cores is refused, not thrashed
     affinity.mode()     # a bad THREEFOLD_PIN is a PlanError here, before any rank starts
     ctx = mp.get_context("spawn")
     queue = _Reports(ctx, nprocs)
