@@ -203,6 +203,9 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
                                                         batch_dims=batch_dims), plan,
                                       isolate=weights is not None)
     sources, manifest = payload["sources"], payload["manifest"]
+    if prog is not None:   # rank 0: what the plan falls back to, once (threefold/fallbacks.py)
+        from threefold.fallbacks import show_fallbacks
+        show_fallbacks(prog, f"threefold inspect SPEC --plan '{plan}', or pm.program.notes")
     # The sources are imported from memory (no temporary files to leave behind); with a
     # workdir they are also written there, for reading and debugging.
     root = workdir or f"<threefold-rank{rank}-{id(payload):x}>"

@@ -72,6 +72,8 @@ def run(args) -> int:
         from threefold.compiler.api import compile_workload
         prog = compile_workload(w, plan)  # a plan that cannot work for this model fails here, before any rank
         random_ops = _has_random_ops(prog)
+        from threefold.fallbacks import show_fallbacks
+        show_fallbacks(prog, f"threefold inspect {args.spec} --plan '{plan}'", mark=True)
     tell(resolved)
     with tempfile.TemporaryDirectory(prefix="threefold-check-") as tmp:
         state_file = os.path.join(tmp, "state.pt")

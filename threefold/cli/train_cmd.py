@@ -122,8 +122,10 @@ def validate_in_parent(cfg) -> Plan:
     from threefold.plan_defaults import batch_rows
     resolved = command_plan(cfg.plan, batch=batch_rows(workload.inputs, workload.batch_dims))
     with traceable(workload.model):
-        compile_workload(workload, resolved.plan)
+        prog = compile_workload(workload, resolved.plan)
     tell(resolved)
+    from threefold.fallbacks import show_fallbacks
+    show_fallbacks(prog, f"threefold inspect {spec or 'SPEC'} --plan '{resolved.plan}'", mark=True)
     return resolved.plan
 
 
