@@ -31,13 +31,15 @@ def register(subparsers) -> None:
         "not fit are dropped; the rest are ranked by predicted time per iteration (throughput).\n"
         "TFLOP/s count the FLOPs a plan executes (Eq. 3: recomputation adds a forward pass).",
         epilog="model: give a SPEC (path/file.py:factory, costs from the traced program) or a GPT shape "
-        "(--layers --hidden --heads [--vocab --seq]).\n"
+        "(--layers --hidden --heads [--vocab --seq --kv-heads --ffn --mlp swiglu --no-tied]).\n"
         f"cluster: a preset ({', '.join(preset_names())}) or a TOML file with keys "
         f"{', '.join(REQUIRED)} (optional: kernel_launch_s, intra_node_latency_s, inter_node_latency_s, "
         "reserved_bytes).\n"
         "examples:\n"
         "  threefold plan --layers 128 --hidden 25600 --heads 160 --batch 3072 --gpus 3072\n"
         "  threefold plan --layers 96 --hidden 12288 --heads 96 --batch 1536 --gpus 1024 --evaluate tp=8,pp=16\n"
+        "  threefold plan --layers 80 --hidden 8192 --heads 64 --kv-heads 8 --ffn 28672 --mlp swiglu --no-tied \\\n"
+        "      --vocab 128256 --seq 4096 --batch 512 --gpus 64 --cluster h100-80gb   # Llama-3-70B\n"
         "  threefold plan examples/gpt.py:workload --batch 64 --gpus 8 --cluster h100-80gb --json")
     p.add_argument("spec", nargs="?", metavar="SPEC",
                    help="workload path/file.py:factory (model costs from the traced program)")
@@ -48,6 +50,12 @@ def register(subparsers) -> None:
     shape.add_argument("--vocab", type=int, default=51200, help="vocabulary size V (default 51200)")
     shape.add_argument("--seq", type=int, default=2048, help="sequence length s (default 2048; from "
                        "16384 on the search includes context parallelism cp)")
+    shape.add_argument("--kv-heads", type=int, help="key/value heads (grouped-query attention; default --heads)")
+    shape.add_argument("--ffn", type=int, help="MLP intermediate size (default 4h; Llama-3-70B: 28672)")
+    shape.add_argument("--mlp", choices=("gelu", "swiglu"), default="gelu",
+                       help="gelu: GPT's fc1, GeLU, fc2 (default); swiglu: Llama's gate, up, down (and rotary positions)")
+    shape.add_argument("--tied", action=argparse.BooleanOptionalAction, default=True,
+                       help="input and output embeddings share one matrix (default; --no-tied: Llama-3)")
     shape.add_argument("--experts", type=int, help="MoE: experts E per layer (each MLP becomes a top-k "
                        "mixture of SwiGLU experts; the search then includes ep)")
     shape.add_argument("--top-k", type=int, default=2, help="MoE: experts per token k (default 2)")
@@ -85,7 +93,8 @@ def model_from_args(args):
         ffn = args.expert_ffn or 4 * args.hidden // max(1, args.top_k)
         return moe_model_cost(args.layers, args.hidden, args.heads, args.experts, args.top_k, ffn,
                               args.vocab, args.seq)
-    return gpt_model_cost(args.layers, args.hidden, args.heads, args.vocab, args.seq)
+    return gpt_model_cost(args.layers, args.hidden, args.heads, args.vocab, args.seq, ffn=args.ffn,
+                          kv_heads=args.kv_heads, mlp=args.mlp, tied=args.tied)
 
 
 def run(args) -> int:
