@@ -302,6 +302,12 @@ def _compile_once(rank: int, workload: Workload, plan: Plan, isolate: bool = Fal
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     prog, payload = None, None
     if rank == 0:
+        from threefold.compile_cache import take, workload_key
+        handed = take(workload_key(workload.model, workload.inputs, workload.target, workload.loss_fn, plan,
+                                   workload.batch_dims)) if os.environ.get("THREEFOLD_COMPILED") else None
+    if rank == 0 and handed is not None:   # the command's parent compiled this very workload
+        payload = handed
+    elif rank == 0:
         try:
             if isolate and fork_available():
                 stage_bytes, payload = run_in_child(_compile_payload, workload, plan, True,

@@ -74,6 +74,8 @@ def run(args) -> int:
         random_ops = _has_random_ops(prog)
         from threefold.fallbacks import show_fallbacks
         show_fallbacks(prog, f"threefold inspect {args.spec} --plan '{plan}'", mark=True)
+        from threefold.compile_cache import hand_to_ranks, workload_key
+        hand_to_ranks(prog, workload_key(w.model, tuple(w.inputs), w.target, w.loss_fn, plan, w.batch_dims))
     tell(resolved)
     with tempfile.TemporaryDirectory(prefix="threefold-check-") as tmp:
         state_file = os.path.join(tmp, "state.pt")

@@ -54,6 +54,9 @@ def register(subparsers) -> None:
     shape.add_argument("--ffn", type=int, help="MLP intermediate size (default 4h; Llama-3-70B: 28672)")
     shape.add_argument("--mlp", choices=("gelu", "swiglu"), default="gelu",
                        help="gelu: GPT's fc1, GeLU, fc2 (default); swiglu: Llama's gate, up, down (and rotary positions)")
+    shape.add_argument("--attention", choices=("eager", "flash"), default=None,
+                       help="eager: s x s scores in memory (the paper's GPT; default with gelu); flash: one fused "
+                       "kernel (default with swiglu)")
     shape.add_argument("--tied", action=argparse.BooleanOptionalAction, default=True,
                        help="input and output embeddings share one matrix (default; --no-tied: Llama-3)")
     shape.add_argument("--experts", type=int, help="MoE: experts E per layer (each MLP becomes a top-k "
@@ -94,7 +97,8 @@ def model_from_args(args):
         return moe_model_cost(args.layers, args.hidden, args.heads, args.experts, args.top_k, ffn,
                               args.vocab, args.seq)
     return gpt_model_cost(args.layers, args.hidden, args.heads, args.vocab, args.seq, ffn=args.ffn,
-                          kv_heads=args.kv_heads, mlp=args.mlp, tied=args.tied)
+                          kv_heads=args.kv_heads, mlp=args.mlp, tied=args.tied,
+                          attention=args.attention)
 
 
 def run(args) -> int:
@@ -142,7 +146,7 @@ def _row(rank: int, e) -> list[str]:
             + (" rc" if c.recompute else " sel" if c.plan.recompute == "selective" else "")
             + (f" z{c.plan.zero}" if c.plan.zero else "") + (f" ep{c.plan.ep}" if c.plan.ep > 1 else ""),
             c.plan.schedule,
-            f"{e.tflops_per_gpu:.1f} ({e.peak_fraction:.0%})",
+            f"{e.tflops_per_gpu:.1f} ({e.peak_fraction:.0%})" + ("*" if e.capped else ""),
             f"{e.memory_bytes / 2**30:.1f}" + ("" if e.fits else " !"), f"{e.bubble_fraction:.1%}",
             f"{e.iteration_s:.3g}", shares]
 
@@ -165,6 +169,10 @@ def _print_report(model, cluster, args, plans, shown, where) -> None:
     rows = [_row(i + 1, e) for i, e in enumerate(shown)]
     why = explain(plans, where) if best.fits else []
     footer = [LEGEND, f"best: {best.config.plan} (microbatch size {best.config.microbatch_size})"] + why
+    if any(e.capped for e in shown):
+        from threefold.planner.estimate import MEASURED_BEST_PEAK_FRACTION
+        footer.append(f"* held at {MEASURED_BEST_PEAK_FRACTION:.0%} of peak, the best efficiency measured for this "
+                      "training (Narayanan et al. SC'21, Table 1: 163 of 312 TFLOP/s); the model's own sum was higher")
     if sys.stdout.isatty():
         from rich.console import Console
         from rich.table import Table

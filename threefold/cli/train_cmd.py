@@ -126,6 +126,10 @@ def validate_in_parent(cfg) -> Plan:
     tell(resolved)
     from threefold.fallbacks import show_fallbacks
     show_fallbacks(prog, f"threefold inspect {spec or 'SPEC'} --plan '{resolved.plan}'", mark=True)
+    if cfg.weights is None:   # rank 0 takes this compile instead of repeating it (compile_cache.py)
+        from threefold.compile_cache import hand_to_ranks, workload_key
+        hand_to_ranks(prog, workload_key(workload.model, workload.inputs, workload.target, workload.loss_fn,
+                                         resolved.plan, workload.batch_dims))
     return resolved.plan
 
 

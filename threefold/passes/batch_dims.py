@@ -51,11 +51,13 @@ def find_batch_dims(model: torch.nn.Module, batch: tuple, num_model_inputs: int,
                         f"(the only divisible dims, {only}, do not split the model's rows independently); "
                         f"use a global batch that is a multiple of {parts}, or declare batch_dims")
     if real:
-        passing = [c for c in cands if _slice_matches(model, batch[:num_model_inputs], c, parts)]
-        if len(passing) >= 1:
-            # Several can pass only when the model treats both dims as independent rows;
-            # then either split is exact, and we take the first (lowest dims).
-            return passing[0]
+        # Several can pass only when the model treats both dims as independent rows; then
+        # either split is exact, and we take the first (lowest dims): the first that passes,
+        # with the full batch's output computed once for all the candidates
+        full: list = []
+        passing = next((c for c in cands if _slice_matches(model, batch[:num_model_inputs], c, parts, full)), None)
+        if passing is not None:
+            return passing
     zeros = [c for c in cands if all(d in (None, 0) for d in c)]
     if zeros and (not real or _scalar_outputs_only(model, batch[:num_model_inputs])):
         zero = max(zeros, key=lambda c: sum(d == 0 for d in c))
@@ -119,8 +121,9 @@ def split(t, dim, parts: int, index: int):
     return t.chunk(parts, dim=dim)[index]
 
 
-def _slice_matches(model, inputs, dims, parts) -> bool:
-    """Does the last slice along `dims` give the matching slice of the full batch's output?"""
+def _slice_matches(model, inputs, dims, parts, full_cache: list | None = None) -> bool:
+    """Does the last slice along `dims` give the matching slice of the full batch's output?
+    `full_cache`: an empty list the first call fills with the full output, later calls reuse."""
     was_training = model.training
     model.eval()
     # forward may write buffers (a step counter): both runs start from the model's values,
@@ -133,8 +136,13 @@ def _slice_matches(model, inputs, dims, parts) -> bool:
                 b.copy_(buffers[k])
     try:
         with torch.no_grad():
-            full = _flat(model(*inputs))
-            restore()
+            if full_cache:
+                full = full_cache[0]
+            else:
+                full = _flat(model(*inputs))
+                restore()
+                if full_cache is not None:
+                    full_cache.append(full)
             part = _flat(model(*(split(t, d, parts, parts - 1) for t, d in zip(inputs, dims))))
     except Exception:
         return False

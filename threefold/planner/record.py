@@ -17,6 +17,8 @@ def plan_record(e: Estimate) -> dict:
         "fits": e.fits,
         "microbatches": c.microbatches,
         "peak_fraction": round(e.peak_fraction, 6),
+        # held at the best measured efficiency (planner/estimate.MEASURED_BEST_PEAK_FRACTION)
+        "capped_at_measured_best": e.capped,
         "iteration_s": e.iteration_s,
         "samples_per_s": e.samples_per_s,
         "time_shares": {k: round(v, 6) for k, v in e.shares.items()},
