@@ -70,7 +70,9 @@ def run(args) -> int:
     random_ops = False
     if not under_torchrun():
         from threefold.compiler.api import compile_workload
-        prog = compile_workload(w, plan)  # a plan that cannot work for this model fails here, before any rank
+        from threefold.cli.phases import Phases
+        with Phases("check", enabled=not args.json) as progress:
+            prog = compile_workload(w, plan, progress=progress)  # a plan that cannot work fails here, before any rank
         random_ops = _has_random_ops(prog)
         from threefold.fallbacks import show_fallbacks
         show_fallbacks(prog, f"threefold inspect {args.spec} --plan '{plan}'", mark=True)

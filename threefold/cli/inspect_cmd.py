@@ -54,7 +54,9 @@ def run(args) -> int:
     from threefold.workload import load_spec
     workload = load_spec(args.spec)
     resolved = command_plan(args.plan, batch=batch_rows(workload.inputs, workload.batch_dims))   # m filled in
-    prog = compile_workload(workload, resolved.plan)
+    from threefold.cli.phases import Phases
+    with Phases("inspect", enabled=not getattr(args, "json", False)) as progress:
+        prog = compile_workload(workload, resolved.plan, progress=progress)
     tell(resolved)
     report = chunk_report(prog)
     from threefold.cli.inspect_experts import expert_report, format_experts

@@ -86,8 +86,10 @@ def model_from_args(args):
     if args.spec and any(v is not None for v in shape):
         raise PlanError("plan takes a SPEC or a GPT shape (--layers --hidden --heads), not both: drop one")
     if args.spec:
+        from threefold.cli.phases import Phases
         from threefold.planner.spec_cost import model_cost_from_spec
-        return model_cost_from_spec(args.spec)
+        with Phases("plan", enabled=not args.json, what="costing the SPEC") as progress:
+            return model_cost_from_spec(args.spec, progress=progress)
     if any(v is None for v in shape):
         missing = [n for n, v in zip(("--layers", "--hidden", "--heads"), shape) if v is None]
         raise PlanError(f"plan needs a model: give a SPEC, or {', '.join(missing)} for a GPT shape")
@@ -213,7 +215,7 @@ def explain(plans, where: Constraints = Constraints()) -> list[str]:
         if other is None:
             out.append(f"  {label}={_fmt(mine)}: the only value that fits")
             continue
-        slower = other.iteration_s / best.iteration_s - 1
+        slower = (other.model_s or other.iteration_s) / (best.model_s or best.iteration_s) - 1   # the model's own times
         verdict = f"is {slower:.1%} slower" if slower >= 0.0005 else "is as fast (a tie)"
         out.append(f"  {label}={_fmt(mine)}: the best plan with {label}={_fmt(_knob(other.config, key))} "
                    f"({other.config.plan}, b={other.config.microbatch_size}) {verdict}")

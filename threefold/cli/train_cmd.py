@@ -121,8 +121,9 @@ def validate_in_parent(cfg) -> Plan:
     from threefold.cli.jobs import command_plan, tell
     from threefold.plan_defaults import batch_rows
     resolved = command_plan(cfg.plan, batch=batch_rows(workload.inputs, workload.batch_dims))
-    with traceable(workload.model):
-        prog = compile_workload(workload, resolved.plan)
+    from threefold.cli.phases import Phases
+    with traceable(workload.model), Phases("train", enabled=not cfg.json and not _on_terminal()) as progress:
+        prog = compile_workload(workload, resolved.plan, progress=progress)
     tell(resolved)
     from threefold.fallbacks import show_fallbacks
     show_fallbacks(prog, f"threefold inspect {spec or 'SPEC'} --plan '{resolved.plan}'", mark=True)
@@ -131,6 +132,12 @@ def validate_in_parent(cfg) -> Plan:
         hand_to_ranks(prog, workload_key(workload.model, workload.inputs, workload.target, workload.loss_fn,
                                          resolved.plan, workload.batch_dims))
     return resolved.plan
+
+
+def _on_terminal() -> bool:
+    """On a terminal train's own spinner (compiling_status) shows the compile already."""
+    import sys
+    return sys.stderr.isatty()
 
 
 def _check_prompt(cfg, tokenizer, which: str) -> None:

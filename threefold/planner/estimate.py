@@ -88,6 +88,7 @@ class Estimate:
     transfer_s: float = 0.0         # one boundary transfer between stages
     # the model's sum came out above MEASURED_BEST_PEAK_FRACTION of peak: held there
     capped: bool = False
+    model_s: float = 0.0            # the model's own sum before the ceiling (ranks the plans)
 
     @property
     def samples_per_s(self) -> float:
@@ -248,6 +249,7 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
     # (Narayanan et al.'s best row ran at 52% of peak). A capped plan says so (`capped`).
     floor_s = flops / (world * MEASURED_BEST_PEAK_FRACTION * cluster.peak(dtype))
     capped = total < floor_s
+    model_s = total
     extra_s = max(0.0, floor_s - total)
     total = max(total, floor_s)
     tflops = flops / total / world
@@ -265,5 +267,5 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
         peak_fraction=tflops / cluster.peak(dtype), memory_bytes=mem, fits=mem <= cluster.usable_bytes,
         bubble_fraction=bubble_s / total, shares=shares,
         stage_times=[(f / v, b_ / v) for f, b_ in zip(fwd, bwd)], transfer_s=xfer,
-        weight_times=[w / v for w in wgt], capped=capped,
+        weight_times=[w / v for w in wgt], capped=capped, model_s=model_s,
     )
