@@ -63,3 +63,20 @@ def test_fuse_without_triton_installed_is_a_plan_error(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
     with pytest.raises(threefold.PlanError, match=r"threefold\[gpu\]"):
         build_sources(prog)
+
+
+def test_compile_phases_print_a_line_each_when_asked_and_nothing_under_json(monkeypatch, capsys):
+    from threefold.cli.phases import Phases
+    monkeypatch.setenv("THREEFOLD_PROGRESS", "1")
+    with Phases("check") as progress:
+        for stage in ("trace", "graph_cleanup", "tensor_parallel", "cost (trial)"):
+            progress(stage)
+    lines = capsys.readouterr().err.splitlines()
+    assert [l.split(": ")[2].split(" [")[0] for l in lines] == [
+        "trace (torch.export)...", "compiler passes...", "cost (trial)...", "done"]
+    with Phases("check", enabled=False) as progress:      # --json
+        progress("trace")
+    monkeypatch.delenv("THREEFOLD_PROGRESS")
+    with Phases("check") as progress:                      # not a terminal, not asked: quiet
+        progress("trace")
+    assert capsys.readouterr().err == ""

@@ -384,7 +384,7 @@ def _compile_payload(workload: Workload, plan: Plan, as_bytes: bool = False):
     from threefold.codegen.artifact import build_manifest, build_sources
     from threefold.compiler.api import compile_workload
     from threefold.compiler.stage_io import stage_to_bytes
-    prog = compile_workload(workload, plan)
+    prog = compile_workload(workload, plan, own_loss=True)   # no loss_fn: the model's own loss trains
     sources = build_sources(prog)
     return stage_to_bytes(prog) if as_bytes else prog, {"sources": sources,
                   "manifest": build_manifest(prog, sources, {}, with_weights=False),

@@ -72,7 +72,7 @@ def run(args) -> int:
         from threefold.compiler.api import compile_workload
         from threefold.cli.phases import Phases
         with Phases("check", enabled=not args.json) as progress:
-            prog = compile_workload(w, plan, progress=progress)  # a plan that cannot work fails here, before any rank
+            prog = compile_workload(w, plan, progress=progress, own_loss=True)  # a plan that cannot work fails here, before any rank
         random_ops = _has_random_ops(prog)
         from threefold.fallbacks import show_fallbacks
         show_fallbacks(prog, f"threefold inspect {args.spec} --plan '{plan}'", mark=True)

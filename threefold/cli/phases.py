@@ -1,12 +1,14 @@
 """Progress of a command's long phases on stderr: tracing, the compiler's passes, costing.
 
 `check`, `inspect`, `plan SPEC` and `train`'s parent compile print nothing else for tens of
-seconds on a big model. On a terminal one rich status line follows each stage; elsewhere
-(logs, CI) one plain line per phase: `threefold check: trace (torch.export)...`, then the
-passes, then the time it took. `--json` keeps stderr quiet (enabled=False).
+seconds on a big model. On a terminal one rich status line follows each stage (it clears
+itself, so an error stays the one line it is); elsewhere stderr stays quiet unless
+THREEFOLD_PROGRESS=1 asks for one plain line per phase (`threefold check: compiling: trace
+(torch.export)... [0.0 s]`). `--json` keeps stderr quiet (enabled=False).
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -34,6 +36,8 @@ class Phases:
                 self._status.__enter__()
         except ImportError:
             pass
+        if self._status is None and os.environ.get("THREEFOLD_PROGRESS") != "1":
+            self.enabled = False    # not a terminal: scripts and logs get only results and errors
         return self
 
     def __call__(self, stage: str) -> None:
@@ -59,6 +63,6 @@ class Phases:
             return False
         if self._status is not None:
             self._status.__exit__(exc_type, *rest)
-        if exc_type is None:
+        elif exc_type is None:
             self._line("done")
         return False

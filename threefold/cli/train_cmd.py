@@ -123,7 +123,7 @@ def validate_in_parent(cfg) -> Plan:
     resolved = command_plan(cfg.plan, batch=batch_rows(workload.inputs, workload.batch_dims))
     from threefold.cli.phases import Phases
     with traceable(workload.model), Phases("train", enabled=not cfg.json and not _on_terminal()) as progress:
-        prog = compile_workload(workload, resolved.plan, progress=progress)
+        prog = compile_workload(workload, resolved.plan, progress=progress, own_loss=True)
     tell(resolved)
     from threefold.fallbacks import show_fallbacks
     show_fallbacks(prog, f"threefold inspect {spec or 'SPEC'} --plan '{resolved.plan}'", mark=True)

@@ -85,8 +85,11 @@ class _ModelWithLoss(torch.nn.Module):
 
 
 def trace(model: torch.nn.Module, inputs: tuple, target=None, loss_fn: Callable | None = None,
-          plan: Plan | None = None) -> Traced:
-    """Export `model` (with `loss_fn` when given) on example `inputs` to a Traced stage."""
+          plan: Plan | None = None, own_loss: bool = False) -> Traced:
+    """Export `model` (with `loss_fn` when given) on example `inputs` to a Traced stage.
+    `own_loss` (training without a loss_fn: parallelize, train, check): a loss the model
+    returns itself (threefold/model_loss.py) becomes the graph's loss; otherwise the
+    model's outputs stay the graph's outputs, as forward-only users expect."""
     if not isinstance(model, torch.nn.Module):
         raise PlanError(f"cannot trace a {type(model).__name__}: pass a torch.nn.Module")
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
@@ -94,7 +97,7 @@ def trace(model: torch.nn.Module, inputs: tuple, target=None, loss_fn: Callable 
     if has_loss and target is None:
         raise PlanError(f"{type(model).__name__}: loss_fn was given but no target: pass the example target too")
     args = inputs + ((target,) if has_loss else ())
-    wrapper = _ModelWithLoss(model, loss_fn)
+    wrapper = _ModelWithLoss(model, loss_fn, find_own_loss=own_loss)
     plan = plan or Plan()
     if has_loss and plan.loss == "eager":
         from threefold.compiler.eager_loss import trace_eager_loss
