@@ -32,7 +32,7 @@ def workload_key(model, inputs: tuple, target, loss_fn, plan, batch_dims=None) -
         "modules": [f"{n}:{type(m).__qualname__}" for n, m in model.named_modules()],
         "training": model.training,
         "inputs": [tensor(t) for t in inputs],
-        "target": tensor(target) if target is not None else None,
+        "target": tensor(target) if target is not None and loss_fn is not None else None,
         "loss_fn": getattr(loss_fn, "__qualname__", repr(type(loss_fn))) if loss_fn is not None else None,
         "batch_dims": repr(batch_dims),
     }

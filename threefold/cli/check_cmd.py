@@ -39,13 +39,14 @@ def _rank_losses(spec: str, plan: Plan, state_file: str, steps: int, lr: float) 
     saved = torch.load(state_file, weights_only=True)
     w = load_spec(spec)
     w.model.load_state_dict(saved["state"])
-    pm = threefold.parallelize(w.model, plan, saved["inputs"], w.loss_fn, target=saved["target"],
+    target = saved["target"] if w.loss_fn is not None else None   # no loss_fn: the model's own loss
+    pm = threefold.parallelize(w.model, plan, saved["inputs"], w.loss_fn, target=target,
                                batch_dims=w.batch_dims)
     opt = pm.optimizer(torch.optim.SGD, lr=lr)   # plain SGD, or its zero=1 / fp16 form
     losses = []
     for _ in range(steps):
         opt.zero_grad()
-        losses.append(pm.step(*saved["inputs"], target=saved["target"]))
+        losses.append(pm.step(*saved["inputs"], target=target))
         opt.step()
     return losses
 
