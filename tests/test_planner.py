@@ -107,7 +107,8 @@ def test_tp_stays_within_a_node(a100):
     for tp in (2, 4, 8, 16, 32):
         plans = rank_plans(model, 128, 64, a100, tp_across_nodes=True,
                            where=Constraints(tp=tp, pp=64 // tp, recompute=True))
-        speed[tp] = plans[0].tflops_per_gpu
+        # the model's own speed: the shown figure is held at the best measured efficiency
+        speed[tp] = plans[0].flops_per_iteration / plans[0].model_s
     assert max(speed, key=speed.get) == a100.gpus_per_node
     assert speed[16] < 0.95 * speed[8] and speed[32] < speed[16]
     for row in TABLE1[3:]:

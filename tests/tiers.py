@@ -36,6 +36,7 @@ DEFAULT_SAMPLE = [
     "tests/test_semantics_rng.py::test_masks_independent_across_stages_microbatches_and_dp_agree_across_tp",
     "tests/test_grad_norm.py::test_grad_norm_parity_two_ranks",
     "tests/test_dp_sync.py::test_masked_mean_and_norm_without_their_all_reduces",
+    "tests/test_own_loss.py::test_hf_labels_loss_matches_one_process_under_pp_tp_dp_and_ep",
     # memory: recompute, precision, ZeRO 1-3, HSDP, the memory model
     "tests/test_recompute_parity.py::test_recompute_matches_none_and_single_process[gpt-kwargs0]",
     "tests/test_precision.py::test_zero1_matches_single_process_optimizer_dp2[adamw]",

@@ -12,6 +12,7 @@ import itertools
 import math
 import os
 import warnings
+import weakref
 from datetime import timedelta
 
 import torch
@@ -28,27 +29,55 @@ from threefold.workload import Workload
 class ParallelModule:
     """This rank's chunks of a parallelized model, with a training step."""
 
-    def __init__(self, engine, plan: Plan, manifest, program=None):
+    def __init__(self, engine, plan: Plan, manifest, program=None, model=None, loss_fn=None):
         self.engine = engine
         self.plan = plan
         self.manifest = manifest
         self.program = program
         from threefold.runtime.trace import EnvTrace
         self._env_trace = EnvTrace.from_env(engine)   # THREEFOLD_TRACE=DIR (runtime/trace.py)
+        # the user's model (weakly: never kept alive for this) and loss_fn, to name the op
+        # behind a non-finite first loss (threefold/nonfinite.py)
+        self._model = weakref.ref(model) if model is not None else (lambda: None)
+        self._loss_fn = loss_fn
+        self._first_step_checked = False
+
+    def _batch(self, inputs: tuple, target, what: str) -> tuple:
+        """The engine's batch: the model's inputs, then the target where a loss_fn takes one."""
+        m = self.manifest
+        if not m.has_loss:
+            from threefold.model_loss import no_loss_message
+            raise PlanError(f"{what}: {no_loss_message(m.model or 'the model')}")
+        if m.takes_target and target is None:
+            raise PlanError(f"{what} needs target=...: the model was compiled with a loss_fn")
+        if not m.takes_target and target is not None:
+            raise PlanError(f"{what} got target=..., but the model computes its own loss (no loss_fn was "
+                            "given): pass labels as a model input, or parallelize with loss_fn=")
+        return tuple(inputs) + ((target,) if m.takes_target else ())
 
     def step(self, *inputs, target=None) -> float:
         """One iteration over the global batch: all microbatches forward and backward,
         gradients synchronised. Returns the mean loss, identical on every rank."""
-        batch = tuple(inputs) + ((target,) if self.manifest.has_loss else ())
-        if self.manifest.has_loss and target is None:
-            raise PlanError("step() needs target=...: the model was compiled with a loss_fn")
+        batch = self._batch(inputs, target, "pm.step")
         if self._env_trace is not None:
-            return self._env_trace.run(lambda: self.engine.step(batch, train=True))
-        return self.engine.step(batch, train=True)
+            loss = self._env_trace.run(lambda: self.engine.step(batch, train=True))
+        else:
+            loss = self.engine.step(batch, train=True)
+        if not self._first_step_checked:
+            self._first_step_checked = True
+            if not math.isfinite(loss):   # the same value on every rank: all raise alike
+                self._raise_nonfinite(loss, inputs, target)
+        return loss
+
+    def _raise_nonfinite(self, loss: float, inputs: tuple, target) -> None:
+        from threefold.nonfinite import first_nonfinite_op, nonfinite_message
+        model = self._model()
+        found = "" if model is None else first_nonfinite_op(model, tuple(inputs), target, self._loss_fn)
+        raise PlanError(nonfinite_message(loss, self.manifest.model or "the model", found))
 
     def evaluate(self, *inputs, target=None) -> float:
         """Forward only (no gradients): the mean loss over the global batch."""
-        batch = tuple(inputs) + ((target,) if self.manifest.has_loss else ())
+        batch = self._batch(inputs, target, "pm.evaluate")
         with torch.no_grad():
             return self.engine.step(batch, train=False, schedule=self.engine.forward_schedule())
 
@@ -65,6 +94,12 @@ class ParallelModule:
                             "its blocks of every sequence); train with pm.step, or read outputs with cp=1")
         if with_loss and self.manifest.model_outputs_missing:   # every rank refuses alike
             raise PlanError(f"pm(x) cannot return the model's outputs: {self.manifest.model_outputs_missing}")
+        # a loss the model returns itself is per microbatch in the outputs (a numerator once
+        # the batch is split): the exact global value comes from a forward-only step, which
+        # every rank runs alike
+        plan = self.manifest.plan
+        whole_loss = self.evaluate(*inputs) if with_loss and not self.manifest.takes_target \
+            and plan.dp * plan.microbatches > 1 else None
         with torch.no_grad():
             self.engine.step(tuple(inputs), train=False, schedule=self.engine.forward_schedule(),
                              model_outputs=with_loss)
@@ -72,7 +107,13 @@ class ParallelModule:
         if not outs:
             return None
         dims = self.manifest.output_batch_dims or []   # the compiler's; old artifacts: 0
-        tensors = tuple(torch.cat(parts, dim=dims[i] if i < len(dims) else 0)
+        scalars = [i for i, t in enumerate(outs[0]) if t.dim() == 0]
+        if len(outs) > 1 and scalars and (whole_loss is None or len(scalars) > 1):
+            raise PlanError(f"pm(x): the model returns {len(scalars)} scalars, which cannot be combined over "
+                            f"{plan.dp * plan.microbatches} microbatch/dp parts; use m=1 and dp=1 for pm(x)")
+        tensors = tuple(parts[0] if i in scalars and len(outs) == 1 and whole_loss is None
+                        else torch.tensor(whole_loss, dtype=parts[0].dtype) if i in scalars
+                        else torch.cat(parts, dim=dims[i] if i < len(dims) else 0)
                         for i, parts in enumerate(zip(*outs)))
         return rebuild(self.manifest.output_tree, tensors)   # as the eager model returned them
 
@@ -144,6 +185,9 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
 
     if example_inputs is None:
         raise PlanError("parallelize needs example_inputs: a global batch of the model's inputs")
+    if target is not None and loss_fn is None:
+        raise PlanError("parallelize got target=... but no loss_fn: pass loss_fn=(lambda out, target: ...) "
+                        "too, or leave target out when forward returns the loss itself")
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     _join_torchrun_job()
     plan = _resolve(plan, example_inputs, batch_dims)
@@ -159,6 +203,9 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
                                                         batch_dims=batch_dims), plan,
                                       isolate=weights is not None)
     sources, manifest = payload["sources"], payload["manifest"]
+    if prog is not None:   # rank 0: what the plan falls back to, once (threefold/fallbacks.py)
+        from threefold.fallbacks import show_fallbacks
+        show_fallbacks(prog, f"threefold inspect SPEC --plan '{plan}', or pm.program.notes")
     # The sources are imported from memory (no temporary files to leave behind); with a
     # workdir they are also written there, for reading and debugging.
     root = workdir or f"<threefold-rank{rank}-{id(payload):x}>"
@@ -180,7 +227,7 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
         from threefold.runtime.eager_loss import register
         register(loss_fn)
     engine = assemble_rank(manifest, _CompiledSource(sources, root, full, source, manifest.shards), rank, dev)
-    return ParallelModule(engine, plan, manifest, prog)
+    return ParallelModule(engine, plan, manifest, prog, model=model, loss_fn=loss_fn)
 
 
 class _CompiledSource:
@@ -255,6 +302,12 @@ def _compile_once(rank: int, workload: Workload, plan: Plan, isolate: bool = Fal
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     prog, payload = None, None
     if rank == 0:
+        from threefold.compile_cache import take, workload_key
+        handed = take(workload_key(workload.model, workload.inputs, workload.target, workload.loss_fn, plan,
+                                   workload.batch_dims)) if os.environ.get("THREEFOLD_COMPILED") else None
+    if rank == 0 and handed is not None:   # the command's parent compiled this very workload
+        payload = handed
+    elif rank == 0:
         try:
             if isolate and fork_available():
                 stage_bytes, payload = run_in_child(_compile_payload, workload, plan, True,
@@ -331,7 +384,7 @@ def _compile_payload(workload: Workload, plan: Plan, as_bytes: bool = False):
     from threefold.codegen.artifact import build_manifest, build_sources
     from threefold.compiler.api import compile_workload
     from threefold.compiler.stage_io import stage_to_bytes
-    prog = compile_workload(workload, plan)
+    prog = compile_workload(workload, plan, own_loss=True)   # no loss_fn: the model's own loss trains
     sources = build_sources(prog)
     return stage_to_bytes(prog) if as_bytes else prog, {"sources": sources,
                   "manifest": build_manifest(prog, sources, {}, with_weights=False),

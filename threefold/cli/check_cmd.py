@@ -10,6 +10,7 @@ import torch
 
 from threefold.cli.jsonout import dumps
 from threefold.errors import PlanError
+from threefold.model_loss import workload_loss
 from threefold.plan import Plan
 
 TOLERANCE = 1e-5
@@ -38,13 +39,14 @@ def _rank_losses(spec: str, plan: Plan, state_file: str, steps: int, lr: float) 
     saved = torch.load(state_file, weights_only=True)
     w = load_spec(spec)
     w.model.load_state_dict(saved["state"])
-    pm = threefold.parallelize(w.model, plan, saved["inputs"], w.loss_fn, target=saved["target"],
+    target = saved["target"] if w.loss_fn is not None else None   # no loss_fn: the model's own loss
+    pm = threefold.parallelize(w.model, plan, saved["inputs"], w.loss_fn, target=target,
                                batch_dims=w.batch_dims)
     opt = pm.optimizer(torch.optim.SGD, lr=lr)   # plain SGD, or its zero=1 / fp16 form
     losses = []
     for _ in range(steps):
         opt.zero_grad()
-        losses.append(pm.step(*saved["inputs"], target=saved["target"]))
+        losses.append(pm.step(*saved["inputs"], target=target))
         opt.step()
     return losses
 
@@ -55,8 +57,8 @@ def run(args) -> int:
     if args.steps < 1:
         raise PlanError(f"--steps {args.steps} is invalid: use 1 or more")
     w = load_spec(args.spec)
-    if w.loss_fn is None or w.target is None:
-        raise PlanError(f"SPEC {args.spec!r} has no loss_fn/target: check trains, so the workload needs both")
+    from threefold.model_loss import check_trainable
+    check_trainable(w, f"SPEC {args.spec!r}")   # check trains: a loss_fn and target, or the model's own loss
     if any(p.is_meta for p in w.model.parameters()):
         raise PlanError(f"SPEC {args.spec!r} builds its model on the meta device: check needs real weights")
     if not (math.isfinite(args.lr) and args.lr > 0):
@@ -69,8 +71,14 @@ def run(args) -> int:
     random_ops = False
     if not under_torchrun():
         from threefold.compiler.api import compile_workload
-        prog = compile_workload(w, plan)  # a plan that cannot work for this model fails here, before any rank
+        from threefold.cli.phases import Phases
+        with Phases("check", enabled=not args.json) as progress:
+            prog = compile_workload(w, plan, progress=progress, own_loss=True)  # a plan that cannot work fails here, before any rank
         random_ops = _has_random_ops(prog)
+        from threefold.fallbacks import show_fallbacks
+        show_fallbacks(prog, f"threefold inspect {args.spec} --plan '{plan}'", mark=True)
+        from threefold.compile_cache import hand_to_ranks, workload_key
+        hand_to_ranks(prog, workload_key(w.model, tuple(w.inputs), w.target, w.loss_fn, plan, w.batch_dims))
     tell(resolved)
     with tempfile.TemporaryDirectory(prefix="threefold-check-") as tmp:
         state_file = os.path.join(tmp, "state.pt")
@@ -138,7 +146,7 @@ def _loss_noise(w, draws: int = 8) -> float:
     """Standard deviation of the train-mode loss over fresh random draws, same weights."""
     with torch.random.fork_rng(), torch.no_grad():
         torch.manual_seed(12345)
-        losses = [float(w.loss_fn(w.model(*w.inputs), w.target)) for _ in range(draws)]
+        losses = [float(workload_loss(w.model, w.inputs, w.target, w.loss_fn)) for _ in range(draws)]
     mean = sum(losses) / draws
     return math.sqrt(sum((x - mean) ** 2 for x in losses) / (draws - 1))
 
@@ -154,7 +162,7 @@ def _reference(w, steps: int, lr: float) -> list[float]:
     out = []
     for _ in range(steps):
         opt.zero_grad()
-        loss = w.loss_fn(w.model(*w.inputs), w.target)
+        loss = workload_loss(w.model, w.inputs, w.target, w.loss_fn)
         loss.backward()
         opt.step()
         out.append(loss.item())

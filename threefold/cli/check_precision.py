@@ -16,6 +16,8 @@ import statistics
 
 import torch
 
+from threefold.model_loss import workload_loss
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 UNIT_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
 DRAWS = 6
@@ -38,7 +40,7 @@ def train(w, inputs, target, steps: int, lr: float, dtype) -> list[float]:
     for _ in range(steps):
         opt.zero_grad()
         with torch.autocast(device, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            loss = w.loss_fn(w.model(*inputs), target)
+            loss = workload_loss(w.model, inputs, target, w.loss_fn)
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()

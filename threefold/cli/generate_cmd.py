@@ -36,6 +36,9 @@ def register(sub) -> None:
     p.add_argument("--trust-recorded-spec", action="store_true",
                    help="rebuild the model from the SPEC the checkpoint records, if it is a .py file "
                    "outside the checkpoint folder (never a module:callable or a file inside it)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: OMP_NUM_THREADS, else 1 for a model under 100M parameters, "
+                   "whose small matmuls run slower split across threads, else one per core)")
     p.add_argument("--json", action="store_true", help="print {prompt, text, tokens} as JSON")
     p.set_defaults(func=run)
 
@@ -103,6 +106,24 @@ MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 1e4
 MAX_TOKENS = 1_000_000
 
 
+SMALL_MODEL_PARAMS = 100_000_000   # below it, one token's matmuls are too small to share out
+
+
+def generate_threads(given: int | None, params: int) -> int:
+    """Threads for sampling: --threads, else OMP_NUM_THREADS, else 1 for a small model (torch's
+    default of one per core made a tiny model's generate 5x slower: per-op thread start-up
+    outweighs the work), else one per core."""
+    import os
+    if given is not None:
+        if given < 1:
+            raise PlanError(f"--threads {given} is invalid: use 1 or more")
+        return given
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return 1 if params < SMALL_MODEL_PARAMS else max(1, os.cpu_count() or 1)
+
+
 def run(args) -> int:
     if args.tokens < 0:
         raise PlanError(f"--tokens {args.tokens} is invalid: use 0 or more")
@@ -123,6 +144,8 @@ def run(args) -> int:
     model, tokenizer, context = build_model(read_generate_info(ckpt), args.spec, args.trust_recorded_spec,
                                             ckpt, shapes)
     load_into(model, full)
+    import torch
+    torch.set_num_threads(generate_threads(args.threads, sum(p.numel() for p in model.parameters())))
     prompt = tokenizer.encode(args.prompt)
     ids = sample(model, prompt, args.tokens, context, args.temperature, args.top_k, args.seed)
     text = tokenizer.decode(ids[len(prompt):])

@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 
 from threefold.errors import PlanError
+from threefold.runtime.capacity import RANK_MEMORY_BYTES, max_local_ranks  # noqa: F401 (the CLI's names)
+from threefold.runtime.capacity import available_memory as _available_memory  # noqa: F401
 
 
 def under_torchrun() -> bool:
@@ -64,44 +66,12 @@ def _disk_full_text(message: str) -> bool:
                                     "[Errno 122]", "the disk is full"))
 
 
-RANK_MEMORY_BYTES = 300 << 20    # a gloo rank with torch imported, before the model
-
-
-def max_local_ranks() -> int:
-    """How many local processes this machine can sensibly run (THREEFOLD_MAX_LOCAL_RANKS
-    overrides): four per core, at least 8, so small meshes work on a laptop."""
-    env = os.environ.get("THREEFOLD_MAX_LOCAL_RANKS")
-    if env:
-        try:
-            return max(1, int(env))
-        except ValueError:
-            raise PlanError(f"THREEFOLD_MAX_LOCAL_RANKS={env!r} is not an integer") from None
-    return max(8, 4 * (os.cpu_count() or 1))
-
-
 def check_local_capacity(world: int) -> None:
     """Refuse, before spawning anything, a job this machine cannot hold (local runs only)."""
     if under_torchrun():
         return
-    limit = max_local_ranks()
-    if world > limit:
-        raise PlanError(f"the plan needs {world} ranks (tp*cp*dp*pp), more than this machine runs locally "
-                        f"({limit}: 4 per core); lower tp/pp/dp, set THREEFOLD_MAX_LOCAL_RANKS, or use torchrun")
-    available = _available_memory()
-    if available is not None and world * RANK_MEMORY_BYTES > available:
-        raise PlanError(f"the plan needs {world} local ranks, about {world * RANK_MEMORY_BYTES >> 20} MiB "
-                        f"before the model, but {available >> 20} MiB is available; lower tp/pp/dp or use torchrun")
-
-
-def _available_memory() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    from threefold.runtime.capacity import check_local_capacity as check
+    check(world)
 
 
 def is_main_rank() -> bool:

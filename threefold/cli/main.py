@@ -44,6 +44,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _version() -> str:
+    """threefold's version, with torch's (the compiler's output depends on both)."""
+    from threefold import __version__
+    try:
+        from importlib.metadata import version
+        torch_version = version("torch")
+    except Exception:   # not installed as a distribution: ask the module
+        import torch
+        torch_version = torch.__version__
+    return f"threefold {__version__} (torch {torch_version})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="threefold",
@@ -52,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         "train with them.",
         epilog=docs_epilog(None),
     )
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:
         try:

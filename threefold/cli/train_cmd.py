@@ -87,8 +87,8 @@ def _training_spec(cfg):
     from threefold.workload import load_spec
     with _model_building(cfg):
         w = load_spec(cfg.spec, given_sizes(cfg))
-    if w.loss_fn is None or w.target is None:
-        raise PlanError(f"SPEC {cfg.spec!r} has no loss_fn/target; training needs both")
+    from threefold.model_loss import check_trainable
+    check_trainable(w, f"SPEC {cfg.spec!r}")   # a loss_fn and target, or the model's own loss
     return w
 
 
@@ -127,10 +127,23 @@ def validate_in_parent(cfg) -> Plan:
     from threefold.cli.jobs import command_plan, tell
     from threefold.plan_defaults import batch_rows
     resolved = command_plan(cfg.plan, batch=batch_rows(workload.inputs, workload.batch_dims))
-    with traceable(workload.model):
-        compile_workload(workload, resolved.plan)
+    from threefold.cli.phases import Phases
+    with traceable(workload.model), Phases("train", enabled=not cfg.json and not _on_terminal()) as progress:
+        prog = compile_workload(workload, resolved.plan, progress=progress, own_loss=True)
     tell(resolved)
+    from threefold.fallbacks import show_fallbacks
+    show_fallbacks(prog, f"threefold inspect {spec or 'SPEC'} --plan '{resolved.plan}'", mark=True)
+    if cfg.weights is None:   # rank 0 takes this compile instead of repeating it (compile_cache.py)
+        from threefold.compile_cache import hand_to_ranks, workload_key
+        hand_to_ranks(prog, workload_key(workload.model, workload.inputs, workload.target, workload.loss_fn,
+                                         resolved.plan, workload.batch_dims))
     return resolved.plan
+
+
+def _on_terminal() -> bool:
+    """On a terminal train's own spinner (compiling_status) shows the compile already."""
+    import sys
+    return sys.stderr.isatty()
 
 
 def _check_prompt(cfg, tokenizer, which: str) -> None:

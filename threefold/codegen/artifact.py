@@ -29,6 +29,11 @@ def build_sources(prog: Program) -> dict[str, str]:
     for chunk in prog.chunks:   # one module per chunk: the tp rank is a runtime value
         files[module_file(chunk.index)] = generate_module(prog, chunk)
     if prog.kernels:
+        import importlib.util
+        if importlib.util.find_spec("triton") is None:   # (a base install leaves it out: CPU)
+            from threefold.errors import PlanError
+            raise PlanError("fuse=true needs Triton, which is not installed: pip install 'threefold[gpu]' "
+                            "(or triton), or set fuse=false")
         from threefold.codegen.triton import kernels_source
         # every region in program order, so a shared kernel's comment lists all it serves
         regions = [n.target for c in prog.chunks for n in c.gm.graph.nodes

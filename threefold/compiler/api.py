@@ -34,10 +34,11 @@ def microbatch(values, parts: int, what: str, dims=None):
 
 
 def compile_workload(workload: Workload | str, plan: Plan | str | None = None,
-                     progress: Callable[[str], None] | None = None) -> Fused:
+                     progress: Callable[[str], None] | None = None, own_loss: bool = False) -> Fused:
     """Trace a workload at microbatch size and run the pass pipeline for `plan`.
 
-    `progress(stage)` is told "trace" and then each pass's name as it starts."""
+    `progress(stage)` is told "trace" and then each pass's name as it starts. `own_loss`:
+    without a loss_fn, train on the loss the model returns (compiler/trace.py)."""
     if isinstance(workload, str):
         workload = load_spec(workload)
     workload = Workload.coerce(workload)
@@ -55,7 +56,7 @@ def compile_workload(workload: Workload | str, plan: Plan | str | None = None,
         dims = find_batch_dims(workload.model, batch, len(workload.inputs), parts, declared, name, notes,
                                workload.loss_fn)
     except AmbiguousBatch as exc:
-        dims = _name_coupling(workload, batch, parts, plan, exc)
+        dims = _name_coupling(workload, batch, parts, plan, exc, own_loss)
         if dims is None:
             raise
         notes.append(f"batch dims {dims}: rows coupled by ops the plan accepts per microbatch, "
@@ -67,7 +68,7 @@ def compile_workload(workload: Workload | str, plan: Plan | str | None = None,
     inputs, target = (sliced[:-1], sliced[-1]) if has_target else (sliced, None)
     if progress is not None:
         progress("trace")
-    traced = trace(workload.model, inputs, target, workload.loss_fn, plan)
+    traced = trace(workload.model, inputs, target, workload.loss_fn, plan, own_loss=own_loss)
     rows = [sliced[i].shape[d] for i, d in enumerate(dims) if d is not None]
     lengths = [sliced[i].shape[d] for i, d in enumerate(seq_dims) if d is not None]
     traced = traced.evolve(batch_dims=list(dims), micro_rows=rows[0] if rows else None,
@@ -81,7 +82,7 @@ def compile_workload(workload: Workload | str, plan: Plan | str | None = None,
     return run_passes(traced, progress=progress)
 
 
-def _name_coupling(workload: Workload, batch: tuple, parts: int, plan: Plan, exc) -> list | None:
+def _name_coupling(workload: Workload, batch: tuple, parts: int, plan: Plan, exc, own_loss: bool = False) -> list | None:
     """No split of the inputs gave slices of the full output: when that is because an op
     couples the rows along the usual candidate (dim 0), raise the batch-coupling error
     naming that op instead of the guess about dimensions. Where the plan opted in to
@@ -96,7 +97,7 @@ def _name_coupling(workload: Workload, batch: tuple, parts: int, plan: Plan, exc
     sliced = microbatch(batch, parts, type(workload.model).__name__, dims)
     inputs, target = (sliced[:-1], sliced[-1]) if has_target else (sliced, None)
     try:
-        traced = trace(workload.model, inputs, target, workload.loss_fn, plan)
+        traced = trace(workload.model, inputs, target, workload.loss_fn, plan, own_loss=own_loss)
     except PlanError:
         return None
     rows = [sliced[i].shape[d] for i, d in enumerate(dims) if d is not None]

@@ -36,7 +36,7 @@ def trace_eager_loss(model, inputs: tuple, target, loss_fn, plan, why: str) -> T
     """The model traced alone, its graph ended by an eager call of `loss_fn`."""
     from threefold.compiler.trace import _ModelWithLoss, _export, _to_program
     name = type(model).__name__
-    wrapper = _ModelWithLoss(model, None)
+    wrapper = _ModelWithLoss(model, None, find_own_loss=False)
     ep = _export(wrapper, inputs, name)      # the model alone fails too: that is the real error
     prog = _to_program(ep, model, wrapper, len(inputs), False, plan)
     gm, graph = prog.gm, prog.gm.graph

@@ -32,6 +32,7 @@ from threefold.compiler.graph_cleanup import drop_empty_cat_inputs, drop_identit
 from threefold.compiler.program import TensorMeta, tf
 from threefold.compiler.stages import Traced
 from threefold.errors import PlanError
+from threefold.model_loss import model_loss
 from threefold.plan import Plan
 from threefold.runtime.output_tree import describe
 
@@ -43,39 +44,54 @@ class _ModelWithLoss(torch.nn.Module):
     knows which values they are (`pm(x)` returns them); _to_program keeps only the loss as
     the graph's output and records their names (`model_outputs`)."""
 
-    def __init__(self, model: torch.nn.Module, loss_fn: Callable | None):
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable | None, find_own_loss: bool = True):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.find_own_loss = find_own_loss
         # the structure of the model's return value (runtime/output_tree.py), recorded
         # while export runs forward; through a closure, since export restores the module's
         # attributes (a dict set here comes back as the copy it took before)
         recorded: dict = {}
         self.record_output = lambda out: recorded.update(output_tree=describe(out))
         self.output_tree = lambda: recorded.get("output_tree")
+        # no loss_fn: whether the model returned its own loss (threefold/model_loss.py)
+        self.record_own_loss = lambda found: recorded.update(own_loss=found)
+        self.own_loss = lambda: recorded.get("own_loss", False)
 
     def forward(self, *args):
         if self.loss_fn is None:
             out = self.model(*args)
             self.record_output(out)
-            return out
+            loss = model_loss(out, type(self.model).__name__) if self.find_own_loss else None
+            self.record_own_loss(loss is not None)
+            if loss is None:
+                return out
+            return (loss, *self._marks(out))
         *inputs, target = args
         out = self.model(*inputs)
         self.record_output(out)
-        # an alias of each output, taken before the loss runs: the loss may hand a tensor
-        # back as itself (broadcast_tensors), which would make the trace name it after the
-        # loss op; _to_program reads each alias's input and drops the aliases
-        marks = [torch.ops.aten.alias.default(t) for t in torch.utils._pytree.tree_leaves(out)
-                 if isinstance(t, torch.Tensor)]
+        marks = self._marks(out)
         loss = self.loss_fn(out, target)
         if not isinstance(loss, torch.Tensor):   # not one loss tensor: _to_program says so
             return loss
         return (loss, *marks)
 
+    @staticmethod
+    def _marks(out) -> list:
+        # an alias of each output, taken before the loss runs: the loss may hand a tensor
+        # back as itself (broadcast_tensors), which would make the trace name it after the
+        # loss op; _to_program reads each alias's input and drops the aliases
+        return [torch.ops.aten.alias.default(t) for t in torch.utils._pytree.tree_leaves(out)
+                if isinstance(t, torch.Tensor)]
+
 
 def trace(model: torch.nn.Module, inputs: tuple, target=None, loss_fn: Callable | None = None,
-          plan: Plan | None = None) -> Traced:
-    """Export `model` (with `loss_fn` when given) on example `inputs` to a Traced stage."""
+          plan: Plan | None = None, own_loss: bool = False) -> Traced:
+    """Export `model` (with `loss_fn` when given) on example `inputs` to a Traced stage.
+    `own_loss` (training without a loss_fn: parallelize, train, check): a loss the model
+    returns itself (threefold/model_loss.py) becomes the graph's loss; otherwise the
+    model's outputs stay the graph's outputs, as forward-only users expect."""
     if not isinstance(model, torch.nn.Module):
         raise PlanError(f"cannot trace a {type(model).__name__}: pass a torch.nn.Module")
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
@@ -83,7 +99,7 @@ def trace(model: torch.nn.Module, inputs: tuple, target=None, loss_fn: Callable 
     if has_loss and target is None:
         raise PlanError(f"{type(model).__name__}: loss_fn was given but no target: pass the example target too")
     args = inputs + ((target,) if has_loss else ())
-    wrapper = _ModelWithLoss(model, loss_fn)
+    wrapper = _ModelWithLoss(model, loss_fn, find_own_loss=own_loss)
     plan = plan or Plan()
     if has_loss and plan.loss == "eager":
         from threefold.compiler.eager_loss import trace_eager_loss
@@ -99,7 +115,8 @@ def trace(model: torch.nn.Module, inputs: tuple, target=None, loss_fn: Callable 
         first = str(exc).split("; try:")[0]
         return trace_eager_loss(model, inputs, target, loss_fn, plan, f"torch.export: {first}")
     start = time.perf_counter()
-    prog = _to_program(ep, model, wrapper, len(inputs), has_loss, plan)
+    own_loss = not has_loss and wrapper.own_loss()   # the model returned its loss itself
+    prog = _to_program(ep, model, wrapper, len(inputs), has_loss or own_loss, plan, takes_target=has_loss)
     prog = prog.evolve(output_tree=wrapper.output_tree())   # pm(x) returns this structure
     # names, ties, inlining
     return prog.evolve(pass_log=prog.pass_log + (("to_program", time.perf_counter() - start),))
@@ -282,7 +299,8 @@ def _user_frame(exc: BaseException, text: str) -> str:
     return f"{os.path.basename(f.filename)}:{f.lineno}{code}"
 
 
-def _to_program(ep, model, wrapper, num_model_inputs: int, has_loss: bool, plan: Plan) -> Traced:
+def _to_program(ep, model, wrapper, num_model_inputs: int, has_loss: bool, plan: Plan,
+                takes_target: bool = True) -> Traced:
     gm: fx.GraphModule = ep.graph_module
     graph = gm.graph
     specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
@@ -338,7 +356,7 @@ def _to_program(ep, model, wrapper, num_model_inputs: int, has_loss: bool, plan:
         else:
             raise PlanError(f"cannot compile {type(model).__name__}: unsupported input kind {spec.kind}")
 
-    _rename_placeholders(graph, _input_names(model, num_model_inputs, has_loss))
+    _rename_placeholders(graph, _input_names(model, num_model_inputs, has_loss and takes_target))
     input_names = [n.name for n in graph.nodes if n.op == "placeholder" and tf(n)["kind"] == "input"]
     _inline_higher_order_ops(gm, plan)
     drop_empty_cat_inputs(graph)   # HF caches' torch.tensor([]) starts (graph_cleanup.py)
@@ -362,8 +380,8 @@ def _to_program(ep, model, wrapper, num_model_inputs: int, has_loss: bool, plan:
     output_meta = [TensorMeta.of(o.meta["val"]) for o in outs if isinstance(o, fx.Node)
                    and isinstance(o.meta.get("val"), torch.Tensor)]
     if has_loss and (len(outs) != 1 or output_meta[0].numel != 1):
-        raise PlanError(f"{type(model).__name__}: loss_fn must return one scalar tensor, "
-                        f"got {len(outs)} outputs")
+        what = "loss_fn must return" if takes_target else "the loss the model returns must be"
+        raise PlanError(f"{type(model).__name__}: {what} one scalar tensor, got {len(outs)} outputs")
     return Traced(name=type(model).__name__, gm=gm, plan=plan, state=state, ties=ties,
                   input_names=tuple(input_names), num_model_inputs=num_model_inputs,
                   has_loss=has_loss, output_meta=tuple(output_meta),

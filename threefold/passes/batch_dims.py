@@ -51,22 +51,24 @@ def find_batch_dims(model: torch.nn.Module, batch: tuple, num_model_inputs: int,
                         f"(the only divisible dims, {only}, do not split the model's rows independently); "
                         f"use a global batch that is a multiple of {parts}, or declare batch_dims")
     if real:
-        passing = [c for c in cands if _slice_matches(model, batch[:num_model_inputs], c, parts)]
+        # Several can pass only when the model treats both dims as independent rows; the
+        # full batch's output is computed once for all the candidates
+        full: list = []
+        passing = [c for c in cands if _slice_matches(model, batch[:num_model_inputs], c, parts, full)]
         if len(passing) > 1 and loss_fn is not None and num_model_inputs < len(batch):
             # the slice check reads the model inputs only; the target's dim is the one whose
             # parts meet the same rows at the loss (batch == seq: a [T, B] target of a
             # seq-first model must not be cut along T)
             paired = [c for c in passing if _loss_pairs(model, batch, num_model_inputs, c, parts, loss_fn)]
             passing = paired or passing
-        if len(passing) >= 1:
-            # Several can pass only when the model treats both dims as independent rows;
-            # then either split is exact, and we take the first (lowest dims).
-            return passing[0]
+        if passing:
+            return passing[0]      # then either split is exact: the first (lowest dims)
     zeros = [c for c in cands if all(d in (None, 0) for d in c)]
-    if not real and zeros:
+    if zeros and (not real or _scalar_outputs_only(model, batch[:num_model_inputs])):
         zero = max(zeros, key=lambda c: sum(d == 0 for d in c))
         if notes is not None:
-            notes.append("batch dim ambiguous on the meta device; assumed dim 0 (declare batch_dims to override)")
+            why = "on the meta device" if not real else "(the model returns only its loss)"
+            notes.append(f"batch dim ambiguous {why}; assumed dim 0 (declare batch_dims to override)")
         return zero
     shown = "; ".join(str(c) for c in cands[:4])
     raise AmbiguousBatch(cands, f"{name}: cannot tell the batch dimension of the inputs (candidates per input: {shown}); "
@@ -124,8 +126,9 @@ def split(t, dim, parts: int, index: int):
     return t.chunk(parts, dim=dim)[index]
 
 
-def _slice_matches(model, inputs, dims, parts) -> bool:
-    """Does the last slice along `dims` give the matching slice of the full batch's output?"""
+def _slice_matches(model, inputs, dims, parts, full_cache: list | None = None) -> bool:
+    """Does the last slice along `dims` give the matching slice of the full batch's output?
+    `full_cache`: an empty list the first call fills with the full output, later calls reuse."""
     was_training = model.training
     model.eval()
     # forward may write buffers (a step counter): both runs start from the model's values,
@@ -138,8 +141,13 @@ def _slice_matches(model, inputs, dims, parts) -> bool:
                 b.copy_(buffers[k])
     try:
         with torch.no_grad():
-            full = _flat(model(*inputs))
-            restore()
+            if full_cache:
+                full = full_cache[0]
+            else:
+                full = _flat(model(*inputs))
+                restore()
+                if full_cache is not None:
+                    full_cache.append(full)
             part = _flat(model(*(split(t, d, parts, parts - 1) for t, d in zip(inputs, dims))))
     except Exception:
         return False
@@ -189,6 +197,24 @@ def _loss_pairs(model, batch: tuple, num_model_inputs: int, dims: list, parts: i
         model.train(was_training)
     scale = max(abs(whole), 1e-12)
     return abs(sum(losses) / parts - whole) <= 1e-5 * scale or abs(sum(losses) - whole) <= 1e-5 * scale
+
+
+def _scalar_outputs_only(model, inputs) -> bool:
+    """Does the model return only scalars (its loss), so no split can be checked by value?"""
+    was_training = model.training
+    buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = _flat(model(*inputs))
+    except Exception:
+        return False
+    finally:
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                b.copy_(buffers[k])
+        model.train(was_training)
+    return bool(out) and all(t.dim() == 0 for t in out)
 
 
 def _is_last_slice(f: torch.Tensor, p: torch.Tensor, d: int) -> bool:

@@ -66,11 +66,63 @@ def split_pipeline(prog: Sharded) -> Partitioned:
               if x.op == "placeholder" and tf(x).get("kind") == "param" and meta_of(x) is not None}
     chunks = [chunk.evolve(cost=measure_chunk(prog.state, by_name, params, chunk, chunk.index == k - 1))
               for chunk in extract_chunks(prog.graph, cut)]
+    _refuse_empty_stages(prog, chunks)
     order = tuple(x.name for x in compute_nodes(prog.graph))
     inputs = sorted((x for x in prog.graph.nodes if x.op == "placeholder" and tf(x)["kind"] == "input"),
                     key=lambda x: tf(x)["input_index"])
-    return prog.advance(Partitioned, chunks=tuple(chunks), source_order=order,
+    notes = prog.notes + tuple(_inside_layer_notes(layout, cuts))
+    return prog.advance(Partitioned, chunks=tuple(chunks), source_order=order, notes=notes,
                         user_inputs=tuple(BoundarySpec.of(x) for x in inputs))
+
+
+def _refuse_empty_stages(prog: Sharded, chunks: list) -> None:
+    """A pipeline stage that holds no parameter does no training work: it only passes
+    activations on, costing a hop and a rank (pp=8 on a 2-layer model)."""
+    from threefold.runtime.mesh import chunk_layout, stage_of
+    pp = prog.plan.pp
+    if pp == 1:
+        return
+    layout = chunk_layout(prog.plan.schedule)
+    held = [0] * pp
+    for c in chunks:
+        held[stage_of(c.index, pp, layout)] += len(c.params)
+    empty = [s for s, n in enumerate(held) if n == 0]
+    if empty:
+        with_params = pp - len(empty)
+        raise PlanError(f"{prog.name}: pp={pp} leaves pipeline stage{'s' if len(empty) > 1 else ''} "
+                        f"{', '.join(map(str, empty))} without any parameter (the model has too few layers "
+                        f"to cut {pp} ways); use pp <= {max(1, with_params)}")
+
+
+def _inside_layer(layout: _Layout) -> list[bool]:
+    """Per position: does a cut there fall inside one transformer layer (both sides of it
+    in the same repeated layer, passes/layers.py)?"""
+    from threefold.passes.layers import layer_key, repeated_containers
+    containers = repeated_containers(layout.order)
+    keys = [layer_key(n, containers) for n in layout.order]
+    return [False] + [a is not None and a == b for a, b in zip(keys, keys[1:])] + [False]
+
+
+def _inside_layer_notes(layout: _Layout, cuts: list[int]) -> list[str]:
+    inside = _inside_layer(layout)
+    if not layout.order or not any(inside[c] for c in cuts):
+        return []
+    from threefold.passes.layers import layer_key, repeated_containers
+    containers = repeated_containers(layout.order)
+    where = sorted({layer_key(layout.order[c], containers) for c in cuts if inside[c]})
+    worst = max(_chunk_flops(layout.flops_prefix, cuts))
+    legal = [p for p in range(1, len(layout.order)) if layout.legal[p] and not inside[p]]
+    at_layers = _minmax_partition(layout.flops_prefix, legal, len(cuts) + 1) if len(legal) >= len(cuts) else None
+    cost = (f"cutting at layers would make the slowest stage {max(_chunk_flops(layout.flops_prefix, at_layers)) / worst - 1:.0%} "
+            "slower" if at_layers is not None and worst else "no layer boundary can cut it that many ways")
+    return [f"pipeline cut inside a layer ({', '.join(where)}): {cost}; pin cuts with split=... "
+            "to keep layers whole"]
+
+
+# a cut at a layer boundary is taken over a better-balanced one inside a layer when the most
+# expensive chunk costs at most this much more (a layer split across stages sends more
+# values, confuses every per-layer report and memory unit, and reads badly)
+LAYER_BOUNDARY_SLACK = 0.05
 
 
 # ---- analysis -----------------------------------------------------------------------------
@@ -191,10 +243,16 @@ def _best_cuts(prog: Sharded, layout: _Layout, k: int) -> list[int]:
             break
         slack *= 2
     best_worst = min(r[0] for r in results)
-    for worst, slack, cuts in results:  # smallest slack first
-        if worst <= best_worst * 1.05:
-            return cuts
-    raise AssertionError("unreachable")
+    chosen = next(cuts for worst, slack, cuts in results if worst <= best_worst * 1.05)   # smallest slack first
+    inside = _inside_layer(layout)
+    if any(inside[c] for c in chosen):
+        whole = [p for p in legal_positions if not inside[p]
+                 and layout.boundary_bytes[p] <= max(layout.boundary_bytes[c] for c in chosen)]
+        at_layers = _minmax_partition(layout.flops_prefix, whole, k) if len(whole) >= k - 1 else None
+        if at_layers is not None and \
+                max(_chunk_flops(layout.flops_prefix, at_layers)) <= best_worst * (1 + LAYER_BOUNDARY_SLACK):
+            return at_layers
+    return chosen
 
 
 def _chunk_flops(prefix: list[int], cuts: list[int]) -> list[int]:

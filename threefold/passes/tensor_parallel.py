@@ -87,7 +87,7 @@ def tensor_parallel(stage: Traced) -> Sharded:
             # those projections whole, as before padding existed
             if not rw.padded or prog.plan.strict or attempt == _MAX_RETRIES - 1:
                 raise
-            why = str(exc).splitlines()[0][:160]
+            why = str(exc).splitlines()[0]   # whole: inspect shows every note uncut
             avoid.update({fqn: f"its padded shards could not be followed ({why})" for fqn in rw.padded})
             continue
         more = {fqn: why for fqn, why in rw.blamed.items() if fqn not in avoid}

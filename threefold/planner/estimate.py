@@ -86,10 +86,19 @@ class Estimate:
     # schedules; the rest is B, the input gradients)
     weight_times: list = field(default_factory=list)
     transfer_s: float = 0.0         # one boundary transfer between stages
+    # the model's sum came out above MEASURED_BEST_PEAK_FRACTION of peak: held there
+    capped: bool = False
+    model_s: float = 0.0            # the model's own sum before the ceiling (ranks the plans)
 
     @property
     def samples_per_s(self) -> float:
         return self.config.batch / self.iteration_s
+
+
+# The best whole-step efficiency measured for dense transformer training with these methods:
+# Narayanan et al. (SC'21), Table 1, 163 of 312 TFLOP/s per A100 (the 530B and 1T rows). Their
+# GPT-3 175B run reached 140 (45%). No plan is predicted above it (bench/planner_table1.py).
+MEASURED_BEST_PEAK_FRACTION = 163 / 312
 
 
 def _ring_allreduce_s(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
@@ -98,7 +107,8 @@ def _ring_allreduce_s(nbytes: float, n: int, bandwidth: float, latency: float) -
     return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
 
 
-def _dp_seconds(plan, grad_bytes: float, d: int, bw: float, lat: float, compute_per_mb: float) -> float:
+def _dp_seconds(plan, grad_bytes: float, d: int, bw: float, lat: float, compute_per_mb: float,
+                units: int = 1) -> float:
     """Data-parallel communication a step exposes. zero=0/1: one all-reduce of the gradients
     (or its reduce-scatter + all-gather, the same volume) after the last backward. zero=2:
     a reduce-scatter per microbatch as backward produces it (overlapped with that backward)
@@ -111,7 +121,10 @@ def _dp_seconds(plan, grad_bytes: float, d: int, bw: float, lat: float, compute_
         return 2 * half
     if zero == 2:
         return m * max(0.0, half - compute_per_mb) + half
-    per_mb = 3 * half
+    # zero=3 gathers and reduce-scatters one unit (layer) at a time: each of the 3 * units
+    # collectives pays its ring's latency, (d-1) hops; across nodes that is the inter-node
+    # link's latency per hop (128 nodes: 2.5 ms per collective, not once per microbatch)
+    per_mb = 3 * (half + max(0, units - 1) * (d - 1) * lat)
     return m * max(per_mb - compute_per_mb, per_mb / 3 / max(1, plan.microbatches))
 
 
@@ -221,7 +234,8 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
         in_node = dp_stride * d <= g
         bw = cluster.intra_node_bandwidth if in_node else per_node * cluster.inter_node_bandwidth
         dp_lat = cluster.intra_node_latency_s if in_node else cluster.inter_node_latency_s
-        dp_s = _dp_seconds(cfg.plan, most * GRAD_BYTES, d, bw, dp_lat, m * stage[slowest] / max(1, m))
+        dp_s = _dp_seconds(cfg.plan, most * GRAD_BYTES, d, bw, dp_lat, m * stage[slowest] / max(1, m),
+                           units=max(stage_layers) if stage_layers else 1)
     embed_s = 0.0
     if p > 1 and model.tied_embedding and post_stage != 0:   # ZB-V: both ends on stage 0
         embed_s = _ring_allreduce_s(model.pre_params / t * GRAD_BYTES, 2, link, lat)
@@ -230,9 +244,17 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
 
     flops = model.flops_per_iteration(cfg.batch, cfg.recompute)
     world = t * p * cfg.dp * cp
+    # Never above the best efficiency anyone measured for this kind of training: the model
+    # prices each piece from its own bound, and such sums drift high on the biggest plans
+    # (Narayanan et al.'s best row ran at 52% of peak). A capped plan says so (`capped`).
+    floor_s = flops / (world * MEASURED_BEST_PEAK_FRACTION * cluster.peak(dtype))
+    capped = total < floor_s
+    model_s = total
+    extra_s = max(0.0, floor_s - total)
+    total = max(total, floor_s)
     tflops = flops / total / world
     shares = {
-        "compute": m * compute[slowest] / total,
+        "compute": (m * compute[slowest] + extra_s) / total,
         "bubble": bubble_s / total,
         "tp": m * tp_time[slowest] / total,
         "pp": m * p2p_time[slowest] / total,
@@ -245,5 +267,5 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
         peak_fraction=tflops / cluster.peak(dtype), memory_bytes=mem, fits=mem <= cluster.usable_bytes,
         bubble_fraction=bubble_s / total, shares=shares,
         stage_times=[(f / v, b_ / v) for f, b_ in zip(fwd, bwd)], transfer_s=xfer,
-        weight_times=[w / v for w in wgt],
+        weight_times=[w / v for w in wgt], capped=capped, model_s=model_s,
     )

@@ -96,7 +96,8 @@ def moe_seconds(moe: MoeLayer, tokens: float, tp: int, ep: int, cluster,
 
 
 def moe_model_cost(layers: int, hidden: int, heads: int, experts: int, top_k: int, ffn: int,
-                   vocab: int = 51200, seq: int = 2048):
+                   vocab: int = 51200, seq: int = 2048, kv_heads: int | None = None, tied: bool = True,
+                   attention: str | None = None):
     """The GPT shape's ModelCost with each MLP (fc1, GeLU, fc2) replaced by this MoE: the
     expert GEMMs are priced by `moe_seconds` in the estimate, their parameters by E/ep."""
     import dataclasses
@@ -107,7 +108,8 @@ def moe_model_cost(layers: int, hidden: int, heads: int, experts: int, top_k: in
             raise PlanError(f"model {name}={value!r} is invalid: it must be a positive integer")
     if top_k > experts:
         raise PlanError(f"model top_k={top_k} exceeds experts={experts}: route to at most E experts")
-    dense = gpt_model_cost(layers, hidden, heads, vocab, seq)
+    # the attention and embeddings as the dense shape flags describe them (GQA, untied)
+    dense = gpt_model_cost(layers, hidden, heads, vocab, seq, kv_heads=kv_heads, tied=tied, attention=attention)
     h, f = hidden, 4 * hidden
     moe = MoeLayer(experts, top_k, ffn, hidden)
     ops = tuple(op for op in dense.layer_ops if op.name not in ("fc1_gemm", "bias_gelu", "fc2_gemm"))

@@ -17,6 +17,9 @@ def plan_record(e: Estimate) -> dict:
         "fits": e.fits,
         "microbatches": c.microbatches,
         "peak_fraction": round(e.peak_fraction, 6),
+        # held at the best measured efficiency (planner/estimate.MEASURED_BEST_PEAK_FRACTION)
+        "capped_at_measured_best": e.capped,
+        "model_tflops_per_gpu": round(e.flops_per_iteration / (e.model_s or e.iteration_s) / c.plan.world_size / 1e12, 3),
         "iteration_s": e.iteration_s,
         "samples_per_s": e.samples_per_s,
         "time_shares": {k: round(v, 6) for k, v in e.shares.items()},

@@ -154,6 +154,7 @@ def _order(e: Estimate):
     c = e.config
     # Fastest first (to 9 significant digits); ties go to less model parallelism, no
     # interleaving, no recompute, then larger microbatches (fewer, larger kernels).
-    return (float(f"{e.iteration_s:.9g}"), c.tp * c.pp, c.interleave, c.plan.schedule in SPLIT_KINDS,
+    # by the model's own time: plans held at the measured ceiling keep their order
+    return (float(f"{(e.model_s or e.iteration_s):.9g}"), c.tp * c.pp, c.interleave, c.plan.schedule in SPLIT_KINDS,
             c.recompute, c.plan.recompute != "none", c.plan.zero, c.plan.ep,
             -c.microbatch_size)

@@ -36,8 +36,9 @@ MATMUL_OPS = {"linear", "mm", "bmm", "matmul", "addmm", "baddbmm", "scaled_dot_p
               "convolution", "conv1d", "conv2d"}
 
 
-def model_cost_from_spec(spec: str) -> ModelCost:
-    """ModelCost of the workload a SPEC names; PlanError when it cannot be derived."""
+def model_cost_from_spec(spec: str, progress=None) -> ModelCost:
+    """ModelCost of the workload a SPEC names; PlanError when it cannot be derived.
+    `progress(stage)` hears "load SPEC", "trace" and "cost" as each starts."""
     try:
         from threefold.compiler.trace import trace
         from threefold.workload import load_spec
@@ -45,8 +46,13 @@ def model_cost_from_spec(spec: str) -> ModelCost:
         raise PlanError(f"SPEC models need the tracer and cost model (threefold.compiler.trace/cost), "
                         f"which are not available ({exc}): describe the model with --layers --hidden "
                         "--heads --vocab --seq instead") from None
+    tell = progress or (lambda stage: None)
+    tell("load SPEC")
     work = load_spec(spec)
-    return model_cost_from_program(trace(work.model, work.inputs, work.target, work.loss_fn), work.inputs, spec)
+    tell("trace")
+    traced = trace(work.model, work.inputs, work.target, work.loss_fn)
+    tell("cost (tensor-parallel trial, saved activations)")
+    return model_cost_from_program(traced, work.inputs, spec)
 
 
 def model_cost_from_program(traced: Program, inputs: tuple, name: str) -> ModelCost:

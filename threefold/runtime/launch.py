@@ -220,6 +220,8 @@ def launch(fn, nprocs: int, *args, threads: int = 1, timeout: float | None = Non
     join the job within `start_timeout` seconds (default start_limit())."""
     if nprocs == 1 and dist.is_initialized():
         return [fn(*args)]
+    from threefold.runtime.capacity import check_local_capacity
+    check_local_capacity(nprocs)   # the CLI's guard: 16 ranks on 2 cores is refused, not thrashed
     affinity.mode()     # a bad THREEFOLD_PIN is a PlanError here, before any rank starts
     ctx = mp.get_context("spawn")
     queue = _Reports(ctx, nprocs)

@@ -183,6 +183,12 @@ class Manifest:
         return self.plan.mesh
 
     @property
+    def takes_target(self) -> bool:
+        """Does a step's batch end with a target (a loss_fn's)? A model that returns its own
+        loss (threefold/model_loss.py) has the loss without one: its inputs are the model's."""
+        return self.has_loss and (not self.inputs or len(self.inputs) > self.num_model_inputs)
+
+    @property
     def num_chunks(self) -> int:
         return len(self.chunks)
 

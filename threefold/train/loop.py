@@ -37,7 +37,9 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
     progress = Progress(cfg.steps, enabled=show and main)
     with progress:
         example = source.peek()
-        pm = threefold.parallelize(model, cfg.plan, example[:-1], loss_fn, target=example[-1],
+        # (no loss_fn: the model returns its loss, a batch's target entry is not the model's)
+        pm = threefold.parallelize(model, cfg.plan, example[:-1], loss_fn,
+                                   target=example[-1] if loss_fn is not None else None,
                                    batch_dims=batch_dims, weights=getattr(cfg, "weights", None))
         opt = adamw(pm, cfg.lr, cfg.weight_decay, cfg.betas, getattr(cfg, "decay_embeddings", False))
         schedule = WarmupCosine(cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
@@ -74,7 +76,7 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
                 t0 = time.perf_counter()
                 with tracer.step(step + 1):      # --trace: this step's actions, timed (runtime/trace.py)
                     opt.zero_grad()
-                    loss = pm.step(*inputs, target=target)
+                    loss = pm.step(*inputs, target=target if loss_fn is not None else None)
                     with tracer.span("clip grad norm"):   # also the finiteness check, agreed by every rank
                         norm = pm.clip_grad_norm_(max_norm)
                     # under fp16 an overflowing gradient is the loss scaler's to handle: its step

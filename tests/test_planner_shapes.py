@@ -1,0 +1,67 @@
+"""The planner's shape flags describe Llama-like models (GQA, SwiGLU, untied embeddings)
+and agree with the SPEC path on the same model; no prediction exceeds the best measured
+efficiency without saying so; ZeRO-3 pays per-layer ring latency across nodes."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from threefold.planner.cluster import load_cluster
+from threefold.planner.constraints import Constraints
+from threefold.planner.estimate import MEASURED_BEST_PEAK_FRACTION, Config, estimate
+from threefold.planner.gpt_cost import gpt_model_cost
+from threefold.planner.search import rank_plans
+from threefold.plan import Plan
+
+
+def test_llama3_70b_flags_count_its_parameters():
+    model = gpt_model_cost(80, 8192, 64, 128256, 4096, ffn=28672, kv_heads=8, mlp="swiglu", tied=False)
+    assert model.params / 1e9 == pytest.approx(70.55, rel=0.002)
+    assert gpt_model_cost(80, 8192, 64, 128256, 4096).params / 1e9 < 66      # without the flags: GPT's shape
+
+
+@pytest.mark.parametrize("bad,match", [(dict(kv_heads=3), "--kv-heads 3"), (dict(mlp="relu"), "--mlp"),
+                                       (dict(ffn=0), "--ffn 0")])
+def test_bad_shape_flags_are_plan_errors(bad, match):
+    from threefold.errors import PlanError
+    with pytest.raises(PlanError, match=match):
+        gpt_model_cost(2, 64, 8, 100, 16, **bad)
+
+
+def test_flags_agree_with_the_spec_path_on_the_same_llama_like_model():
+    from tests.parity import load_workload
+    from threefold.compiler.trace import trace
+    from threefold.planner.spec_cost import model_cost_from_program
+    L, H, A, KV, F, V, S = 2, 4096, 32, 8, 14336, 32000, 4096      # Llama-2-7B's layer, two of them
+    w = load_workload("llama", n_layer=L, hidden=H, n_head=A, n_kv_head=KV, intermediate=F, vocab_size=V, seq=S, batch=1,
+              device="meta", attn="sdpa")
+    spec = model_cost_from_program(trace(w["model"], w["inputs"], w["target"], w["loss_fn"]), w["inputs"], "llama")
+    flags = gpt_model_cost(L, H, A, V, S, ffn=F, kv_heads=KV, mlp="swiglu", tied=False)
+    assert flags.params == pytest.approx(spec.params, rel=1e-3)
+    h100 = load_cluster("h100-80gb")
+    best = [rank_plans(m, 64, 8, h100)[0] for m in (spec, flags)]
+    assert str(best[0].config.plan) == str(best[1].config.plan)
+    assert best[1].model_s == pytest.approx(best[0].model_s, rel=0.05)
+    for where in ("tp=2,pp=1,recompute=selective", "tp=1,pp=2"):
+        a, b = (rank_plans(m, 64, 8, h100, where=Constraints.parse(where), include_unfit=True)[0] for m in (spec, flags))
+        assert b.model_s == pytest.approx(a.model_s, rel=0.05), where
+
+
+def test_no_plan_is_predicted_above_the_best_measured_efficiency_and_capped_plans_say_so():
+    a100 = load_cluster("a100-80gb")
+    gpt3 = gpt_model_cost(96, 12288, 96)
+    plans = rank_plans(gpt3, 1536, 1024, a100)
+    assert all(e.peak_fraction <= MEASURED_BEST_PEAK_FRACTION + 1e-9 for e in plans)
+    capped = [e for e in plans if e.capped]
+    assert capped and all(e.model_s < e.iteration_s for e in capped)
+    assert [e.model_s for e in plans[:5]] == sorted(e.model_s for e in plans[:5])   # ranked by the model
+
+
+def test_zero3_across_nodes_pays_each_layers_ring_latency():
+    a100 = load_cluster("a100-80gb")
+    gpt3 = gpt_model_cost(96, 12288, 96)
+    plan = Plan.parse("tp=2,pp=4,dp=128,m=12,zero=3")
+    slow = estimate(gpt3, Config(plan, batch=1536), a100)
+    quick = estimate(gpt3, Config(plan, batch=1536), dataclasses.replace(a100, inter_node_latency_s=0.0))
+    assert slow.shares["dp"] * slow.iteration_s > quick.shares["dp"] * quick.iteration_s
