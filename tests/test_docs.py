@@ -119,7 +119,7 @@ def test_reference_pages_cover_every_plan_key_env_var_and_command():
         assert f"| `{f.name}`" in plan_page, f.name
     found = ref.env_vars()
     assert "THREEFOLD_TIMEOUT" in found
-    assert not found.keys() - ref.ENV_DOCS.keys(), "describe these in tools/docs_reference.py ENV_DOCS"
+    assert not found.keys() - ref.env_docs().keys(), "describe these in threefold/env_check.py VARIABLES"
     cli_page = ref.cli_page()
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     for name, p in sub.choices.items():

@@ -79,24 +79,54 @@ def _check_secret(name, text):
         raise PlanError(f"{name} is empty: give a secret shared by the job's processes, or unset it")
 
 
-CHECKS = {
-    "THREEFOLD_TIMEOUT": _check_timeout,
-    "THREEFOLD_COMPILE_TIMEOUT": _check_compile_timeout,
-    "THREEFOLD_LOCAL_P2P_MB": _check_ring,
-    "THREEFOLD_LOCAL_P2P": lambda n, t: _choice(n, t, ("0", "1")),
-    "THREEFOLD_LOCAL_REDUCE": lambda n, t: _choice(n, t, ("0", "1")),
-    "THREEFOLD_SDPA_REWRITE": lambda n, t: _choice(n, t, ("0", "1")),
-    "THREEFOLD_KERNELS": lambda n, t: _choice(n, t or "auto", ("auto", "triton", "eager")),
-    "THREEFOLD_BACKEND": lambda n, t: _choice(n, t, ("gloo", "nccl")),
-    "THREEFOLD_MALLOC": lambda n, t: _choice(n, t or "tuned", ("default", "tuned")),
-    "THREEFOLD_PIN": lambda n, t: _choice(n, t or "none", ("none", "cores")),
-    "THREEFOLD_MAX_LOCAL_RANKS": lambda n, t: _int(n, t, 1, 4096),
-    "THREEFOLD_TRACE": lambda n, t: _no_file_above(n, t, "file") if t else None,
-    "THREEFOLD_TRACE_STEPS": _check_trace_steps,
-    "THREEFOLD_DEBUG_DIR": lambda n, t: _no_file_above(n, t, "dir") if t else None,
-    "THREEFOLD_CACHE_DIR": lambda n, t: _no_file_above(n, t, "dir") if t else None,
-    "THREEFOLD_JOB_SECRET": _check_secret,
+_BOOL = lambda n, t: _choice(n, t, ("0", "1"))  # noqa: E731
+
+
+# Every THREEFOLD_* variable the package reads: its check (None: any value) and what it does.
+# One table: the CLI's up-front check and the docs' reference page (tools/docs_reference.py)
+# both read it, and the docs build fails on a variable read in the code but missing here.
+VARIABLES: dict[str, tuple] = {
+    "THREEFOLD_TIMEOUT": (_check_timeout, "seconds every distributed wait may take (default 60); a dead or "
+                          "hung rank ends the job within it + 10 s, naming the rank"),
+    "THREEFOLD_COMPILE_TIMEOUT": (_check_compile_timeout, "seconds peers wait while rank 0 compiles, and during "
+                                  "the first steps under `compile=inductor` (default ten times THREEFOLD_TIMEOUT, "
+                                  "at least 600)"),
+    "THREEFOLD_DEBUG_DIR": (lambda n, t: _no_file_above(n, t, "dir") if t else None,
+                            "a directory: dump the program after every compiler pass"),
+    "THREEFOLD_TRACE": (lambda n, t: _no_file_above(n, t, "file") if t else None,
+                        "a directory: `parallelize` traces the steps THREEFOLD_TRACE_STEPS names into "
+                        "DIR/trace.json and DIR/trace.html"),
+    "THREEFOLD_TRACE_STEPS": (_check_trace_steps, "which `pm.step` calls THREEFOLD_TRACE records (default 3)"),
+    "THREEFOLD_CACHE_DIR": (lambda n, t: _no_file_above(n, t, "dir") if t else None,
+                            "where tokenised text is cached (default ~/.cache/threefold/tokens)"),
+    "THREEFOLD_JOB_SECRET": (_check_secret, "under torchrun: the same random value on every node authenticates "
+                             "the store's keys (the local launcher makes its own)"),
+    "THREEFOLD_BACKEND": (lambda n, t: _choice(n, t, ("gloo", "nccl")),
+                          "gloo: use gloo even where CUDA is available (default: nccl on CUDA, else gloo)"),
+    "THREEFOLD_KERNELS": (lambda n, t: _choice(n, t or "auto", ("auto", "triton", "eager")),
+                          "fused kernels: auto (default: Triton on a GPU), triton (also under "
+                          "TRITON_INTERPRET=1) or eager (never)"),
+    "THREEFOLD_LOCAL_P2P": (_BOOL, "0: pipeline messages between ranks on one host go through gloo, not "
+                            "shared memory"),
+    "THREEFOLD_LOCAL_P2P_MB": (_check_ring, "MiB per direction of the shared-memory message ring (default 256)"),
+    "THREEFOLD_LOCAL_REDUCE": (_BOOL, "0: data-parallel CPU ranks on one host all-reduce with gloo, not "
+                               "shared memory"),
+    "THREEFOLD_MALLOC": (lambda n, t: _choice(n, t or "tuned", ("default", "tuned")),
+                         "default: keep glibc malloc's defaults (threefold otherwise keeps freed memory for reuse)"),
+    "THREEFOLD_MAX_LOCAL_RANKS": (lambda n, t: _int(n, t, 1, 4096),
+                                  "the most ranks a local (non-torchrun) run starts (default 4 per core)"),
+    "THREEFOLD_PIN": (lambda n, t: _choice(n, t or "none", ("none", "cores")),
+                      "cores: pin each local rank and its threads to cores of its own (default none)"),
+    "THREEFOLD_SDPA_REWRITE": (_BOOL, "0: under compile=inductor on the CPU, keep hand-written attention as "
+                               "written instead of one scaled_dot_product_attention call"),
+    "THREEFOLD_PROGRESS": (_BOOL, "1: print one plain line per compile phase even off a terminal (on a "
+                           "terminal a status line shows them; `--json` is always quiet)"),
+    "THREEFOLD_COMPILED": (None, "internal: set by `train`/`check` for their ranks (the parent's compile, in a "
+                           "private temporary file); not for users"),
+    "THREEFOLD_FALLBACKS_SHOWN": (None, "internal: set by a command that printed the fallback summary, so "
+                                  "its ranks do not repeat it"),
 }
+CHECKS = {name: check for name, (check, _) in VARIABLES.items() if check is not None}
 
 
 def check_env(environ=None) -> None:
@@ -104,10 +134,10 @@ def check_env(environ=None) -> None:
     import difflib
     environ = os.environ if environ is None else environ
     for name in sorted(k for k in environ if k.startswith("THREEFOLD_")):
-        check = CHECKS.get(name)
-        if check is not None:
-            check(name, environ[name])
+        if name in VARIABLES:
+            if name in CHECKS:
+                CHECKS[name](name, environ[name])
             continue
-        close = difflib.get_close_matches(name, CHECKS, n=1, cutoff=0.85)
+        close = difflib.get_close_matches(name, VARIABLES, n=1, cutoff=0.85)
         if close:
             raise PlanError(f"{name} is not a threefold setting: did you mean {close[0]}? (unset it, or rename it)")

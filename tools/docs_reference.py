@@ -13,8 +13,8 @@
     concepts/schedule-*.svg   each pipeline schedule's timeline, as `threefold schedule --svg` draws it
     benchmarks.md, changelog.md   the repository's BENCHMARKS.md and CHANGELOG.md
 
-A THREEFOLD_* variable read in the code without a line in ENV_DOCS (or a line for one no
-longer read) is a build warning, so `mkdocs build --strict` (tests/test_docs.py) fails
+A THREEFOLD_* variable read in the code without a line in threefold/env_check.py's VARIABLES
+(or a line for one no longer read) is a build warning, so `mkdocs build --strict` (tests/test_docs.py) fails
 until it is described.
 """
 from __future__ import annotations
@@ -32,34 +32,6 @@ import tokenize
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "threefold")
 log = logging.getLogger("mkdocs.plugins.threefold")
-
-# What each environment variable does (the list of names comes from the code).
-ENV_DOCS = {
-    "THREEFOLD_TIMEOUT": "seconds every distributed wait may take (default 60); a dead or hung rank "
-                         "ends the job within it + 10 s, naming the rank",
-    "THREEFOLD_COMPILE_TIMEOUT": "seconds peers wait while rank 0 compiles, and during the first steps "
-                                 "under `compile=inductor` (default ten times THREEFOLD_TIMEOUT, at least 600)",
-    "THREEFOLD_DEBUG_DIR": "a directory: dump the program after every compiler pass",
-    "THREEFOLD_TRACE": "a directory: `parallelize` traces the steps THREEFOLD_TRACE_STEPS names into "
-                       "DIR/trace.json and DIR/trace.html",
-    "THREEFOLD_TRACE_STEPS": "which `pm.step` calls THREEFOLD_TRACE records (default 3)",
-    "THREEFOLD_CACHE_DIR": "where tokenised text is cached (default ~/.cache/threefold/tokens)",
-    "THREEFOLD_JOB_SECRET": "under torchrun: the same random value on every node authenticates the "
-                            "store's keys (the local launcher makes its own)",
-    "THREEFOLD_BACKEND": "gloo: use gloo even where CUDA is available (default: nccl on CUDA, else gloo)",
-    "THREEFOLD_KERNELS": "fused kernels: auto (default: Triton on a GPU), triton (also under "
-                         "TRITON_INTERPRET=1) or eager (never)",
-    "THREEFOLD_LOCAL_P2P": "0: pipeline messages between ranks on one host go through gloo, not shared memory",
-    "THREEFOLD_LOCAL_P2P_MB": "MiB per direction of the shared-memory message ring (default 256)",
-    "THREEFOLD_LOCAL_REDUCE": "0: data-parallel CPU ranks on one host all-reduce with gloo, not shared memory",
-    "THREEFOLD_MALLOC": "default: keep glibc malloc's defaults (threefold otherwise keeps freed memory "
-                        "for reuse)",
-    "THREEFOLD_MAX_LOCAL_RANKS": "the most ranks a local (non-torchrun) run starts (default 4 per core)",
-    "THREEFOLD_PIN": "cores: pin each local rank and its threads to cores of its own (default none)",
-    "THREEFOLD_SDPA_REWRITE": "0: under compile=inductor on the CPU, keep hand-written attention "
-                              "as written instead of one scaled_dot_product_attention call",
-}
-
 
 # --------------------------------------------------------------------------- plan keys
 
@@ -177,13 +149,18 @@ def env_vars() -> dict[str, list[str]]:
     return dict(sorted(found.items()))
 
 
+def env_docs() -> dict[str, str]:
+    from threefold.env_check import VARIABLES
+    return {name: doc for name, (_, doc) in VARIABLES.items()}
+
+
 def env_page() -> str:
-    found = env_vars()
-    for name in found.keys() - ENV_DOCS.keys():
+    found, docs = env_vars(), env_docs()
+    for name in found.keys() - docs.keys():
         log.warning(f"reference/env.md: {name} is read in {found[name][0]} but has no line in "
-                    f"tools/docs_reference.py ENV_DOCS")
-    for name in ENV_DOCS.keys() - found.keys():
-        log.warning(f"reference/env.md: ENV_DOCS describes {name}, which the package no longer reads")
+                    f"threefold/env_check.py VARIABLES")
+    for name in docs.keys() - found.keys():
+        log.warning(f"reference/env.md: VARIABLES describes {name}, which the package no longer reads")
     lines = ["# Environment variables", "",
              "Every `THREEFOLD_*` variable the package reads (found in its source at build time) "
              "and where. torch's own variables (`TORCHINDUCTOR_CACHE_DIR`, torchrun's `RANK`, "
@@ -191,7 +168,7 @@ def env_page() -> str:
              "| variable | what it does | read in |", "|---|---|---|"]
     for name, files in found.items():
         where = ", ".join(f"`{f}`" for f in files)
-        lines.append(f"| `{name}` | {ENV_DOCS.get(name, '(undocumented)')} | {where} |")
+        lines.append(f"| `{name}` | {docs.get(name, '(undocumented)')} | {where} |")
     return "\n".join(lines) + "\n"
 
 
