@@ -58,7 +58,7 @@ def _check_model_fits(cfg, vocab: int) -> None:
                         "GiB of memory available: lower --n-embd or --n-layer")
 
 
-def _train_rank(cfg, show, ckpt_dir=None, resume=None, live_dir=None):
+def _train_rank(cfg, show, ckpt_dir=None, resume=None, live_dir=None, restart=None):
     """One rank: build the workload and its data source, then the loop (threefold/train/loop.py)."""
     from threefold.train.loop import train_loop
     from threefold.train.source import data_source, given_sizes, spec_source
@@ -72,7 +72,7 @@ def _train_rank(cfg, show, ckpt_dir=None, resume=None, live_dir=None):
         model, loss_fn, batch_dims = w.model, w.loss_fn, w.batch_dims
         source = spec_source(w, cfg, cfg.spec, given_sizes(cfg))
     return train_loop(cfg, model, loss_fn, source, batch_dims=batch_dims, show=show, live_dir=live_dir,
-                      ckpt_dir=ckpt_dir, resume=resume)
+                      ckpt_dir=ckpt_dir, resume=resume, restart=restart)
 
 
 def _training_spec(cfg):
@@ -154,6 +154,17 @@ def run(args) -> int:
     ckpt_dir = cfg.ckpt_dir or os.path.abspath(cfg.out).rstrip("/") + ".ckpt"
     check_ckpt_dir(cfg, ckpt_dir)
     resume = None if cfg.resume is None else (cfg.resume or ckpt_dir)
+    if cfg.min_world > plan.world_size:
+        raise PlanError(f"--min-world {cfg.min_world} is more than the plan's {plan.world_size} ranks: "
+                        f"use at most {plan.world_size}")
+    from threefold.cli.jobs import under_torchrun
+    if under_torchrun():   # restarted by torchrun's elastic agent: the newest checkpoint, maybe fewer ranks
+        from threefold.train.elastic import torchrun_resume
+        cfg, again, note = torchrun_resume(cfg, ckpt_dir)
+        if again is not None:
+            resume = again
+            if note and os.environ.get("RANK", "0") == "0":
+                print(f"threefold train: restarted by torchrun: {note}", file=sys.stderr)
     if resume is not None:
         from threefold.checkpoint.files import resolve
         resolve(resume)   # not a checkpoint: one line here, before any rank starts
@@ -211,7 +222,11 @@ def _train(cfg, plan, ckpt_dir: str, resume: str | None) -> int:
         cfg = dataclasses.replace(cfg, plan=str(plan))
     live = _live_dir(cfg.out)
     try:
-        result = run_on_ranks(_train_rank, plan.world_size, cfg, not cfg.json, ckpt_dir, resume, live)[0]
+        if cfg.max_restarts and not under_torchrun():    # under torchrun its agent restarts us
+            result = _elastic(cfg, plan, ckpt_dir, resume, live)
+            plan = Plan.parse(result["plan"])
+        else:
+            result = run_on_ranks(_train_rank, plan.world_size, cfg, not cfg.json, ckpt_dir, resume, live)[0]
     except BaseException:
         _keep_or_drop(live, ckpt_dir)
         raise
@@ -253,6 +268,32 @@ def _train(cfg, plan, ckpt_dir: str, resume: str | None) -> int:
     else:
         print(summary_text(summary))
     return 0
+
+
+def _elastic(cfg, plan, ckpt_dir: str, resume: str | None, live: str | None) -> dict:
+    """The local job under --max-restarts (threefold/train/elastic.py); its result names the
+    plan it finished on."""
+    import dataclasses
+
+    from threefold.cli.jobs import check_local_capacity
+    from threefold.runtime.launch import LaunchError, launch
+    from threefold.train.elastic import run_elastic
+
+    def start(cfg, plan, resume, restart):
+        check_local_capacity(plan.world_size)
+        result = launch(_train_rank, plan.world_size, cfg, not cfg.json, ckpt_dir, resume, live, restart)[0]
+        return {**result, "plan": str(plan)}
+
+    def check_plan(trial):
+        return validate_in_parent(trial)
+    try:
+        return run_elastic(dataclasses.replace(cfg, plan=str(plan)), plan, resume, live, ckpt_dir, start,
+                           check_plan)
+    except LaunchError as exc:   # out of restarts: as run_on_ranks reports it
+        plan_errors = [m for m in exc.errors.values() if m.startswith("PlanError: ")]
+        if plan_errors:
+            raise PlanError(plan_errors[0].splitlines()[0][len("PlanError: "):]) from None
+        raise SystemExit(f"threefold: {exc}") from None
 
 
 def _os_error(out: str, exc: OSError) -> str:

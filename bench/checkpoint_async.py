@@ -1,0 +1,85 @@
+"""What a checkpoint every K steps costs the step loop: no checkpoints vs today's blocking
+save (`--no-save-async`) vs the asynchronous one (checkpoint/async_save.py).
+
+The default `threefold train` job (the embedded GPT, plan pp=2,m=4, batch 16, seq 64, on
+local gloo ranks) runs --steps steps three ways, alternating, --reps times each; evaluation
+and the end-of-run sample are off so only the checkpoints differ. The time per step is the
+wall time between the starts of consecutive steps (so a save's time counts in the step it
+follows), averaged over every step but the first (warm-up) and the last (the final save,
+which the run waits for whatever the mode). Prints the ratio of each mode to none, and how
+long each save held the loop (median).
+
+    python bench/checkpoint_async.py [--steps 100] [--every 20] [--reps 2] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(mode: str, args, root: str) -> dict:
+    from threefold.cli.train_cmd import _train_rank
+    from threefold.config import load_config
+    from threefold.runtime.launch import launch
+    over = {"steps": args.steps, "eval_every": 0, "sample_tokens": 0, "plan": args.plan,
+            "save_every": 0 if mode == "none" else args.every, "save_async": mode == "async"}
+    cfg = load_config(None, over)
+    ckpt = tempfile.mkdtemp(prefix=f"ckpt-{mode}-", dir=root)
+    try:
+        world = 1
+        from threefold.plan import Plan
+        world = Plan.parse(args.plan).world_size
+        result = launch(_train_rank, world, cfg, False, ckpt, None, None, timeout=1800)[0]
+    finally:
+        shutil.rmtree(ckpt, ignore_errors=True)
+    walls = result["step_walls"]
+    gaps = [b - a for a, b in zip(walls[1:-2], walls[2:-1])]   # steps 2 .. steps-1
+    held = [h["held_s"] for h in result["checkpoints_held"][:-1]]   # the last: the final save
+    return {"step_s": statistics.mean(gaps), "held_s": statistics.median(held) if held else 0.0,
+            "saves": len(held)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--every", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--plan", default="pp=2,m=4")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    sys.path.insert(0, ROOT)
+    root = tempfile.mkdtemp(prefix="threefold-bench-ckpt-")
+    runs: dict[str, list[dict]] = {"none": [], "blocking": [], "async": []}
+    try:
+        for _ in range(args.reps):
+            for mode in runs:
+                runs[mode].append(_run(mode, args, root))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    step = {m: statistics.median(r["step_s"] for r in rs) for m, rs in runs.items()}
+    held = {m: statistics.median(r["held_s"] for r in rs) for m, rs in runs.items()}
+    out = {"plan": args.plan, "steps": args.steps, "every": args.every, "reps": args.reps,
+           "step_s": step, "save_held_s": held,
+           "blocking_over_none": step["blocking"] / step["none"], "async_over_none": step["async"] / step["none"],
+           "async_over_blocking": step["async"] / step["blocking"]}
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"default job ({args.plan}), a checkpoint every {args.every} steps, {args.steps} steps, "
+          f"median of {args.reps} runs per mode")
+    for m in runs:
+        print(f"  {m:<9} {step[m] * 1e3:8.2f} ms/step  ({step[m] / step['none']:.3f}x none)"
+              + (f"; each save held the loop {held[m] * 1e3:.1f} ms" if m != "none" else ""))
+    print(f"  async/blocking step time: {out['async_over_blocking']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
