@@ -154,24 +154,26 @@ def run(args) -> int:
     ckpt_dir = cfg.ckpt_dir or os.path.abspath(cfg.out).rstrip("/") + ".ckpt"
     check_ckpt_dir(cfg, ckpt_dir)
     resume = None if cfg.resume is None else (cfg.resume or ckpt_dir)
-    if cfg.min_world > plan.world_size:
-        raise PlanError(f"--min-world {cfg.min_world} is more than the plan's {plan.world_size} ranks: "
-                        f"use at most {plan.world_size}")
+    restart = None
     from threefold.cli.jobs import under_torchrun
     if under_torchrun():   # restarted by torchrun's elastic agent: the newest checkpoint, maybe fewer ranks
         from threefold.train.elastic import torchrun_resume
-        cfg, again, note = torchrun_resume(cfg, ckpt_dir)
+        cfg, again, note, restart = torchrun_resume(cfg, ckpt_dir)
         if again is not None:
             resume = again
+            plan = command_plan(cfg.plan).plan
             if note and os.environ.get("RANK", "0") == "0":
                 print(f"threefold train: restarted by torchrun: {note}", file=sys.stderr)
+    if cfg.min_world > plan.world_size:
+        raise PlanError(f"--min-world {cfg.min_world} is more than the plan's {plan.world_size} ranks: "
+                        f"use at most {plan.world_size}")
     if resume is not None:
         from threefold.checkpoint.files import resolve
         resolve(resume)   # not a checkpoint: one line here, before any rank starts
     from threefold.cli.jobs import check_local_capacity
     check_local_capacity(plan.world_size)
     with _held(cfg, ckpt_dir, resume):     # one run at a time per --out and checkpoint directory
-        return _train(cfg, plan, ckpt_dir, resume)
+        return _train(cfg, plan, ckpt_dir, resume, restart)
 
 
 def check_ckpt_dir(cfg, ckpt_dir: str) -> None:
@@ -206,7 +208,7 @@ def _held(cfg, ckpt_dir: str, resume: str | None):
     return stack
 
 
-def _train(cfg, plan, ckpt_dir: str, resume: str | None) -> int:
+def _train(cfg, plan, ckpt_dir: str, resume: str | None, restart: dict | None = None) -> int:
     from threefold.cli.jobs import command_plan, run_on_ranks, tell, under_torchrun
     if not under_torchrun():     # under torchrun every process is a rank: no parent to check in
         from threefold.train.progress import compiling_status
@@ -226,7 +228,8 @@ def _train(cfg, plan, ckpt_dir: str, resume: str | None) -> int:
             result = _elastic(cfg, plan, ckpt_dir, resume, live)
             plan = Plan.parse(result["plan"])
         else:
-            result = run_on_ranks(_train_rank, plan.world_size, cfg, not cfg.json, ckpt_dir, resume, live)[0]
+            result = run_on_ranks(_train_rank, plan.world_size, cfg, not cfg.json, ckpt_dir, resume, live,
+                                  restart)[0]
     except BaseException:
         _keep_or_drop(live, ckpt_dir)
         raise

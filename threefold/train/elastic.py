@@ -126,7 +126,22 @@ def torchrun_resume(cfg, ckpt_dir: str):
     from threefold.train.elastic_plan import plan_for_world
     old = Plan.parse(read_index(newest).get("plan", cfg.plan))
     world = int(os.environ["WORLD_SIZE"])
+    restart = {"old_plan": str(old), "old_world": old.world_size, "new_world": world, "failed_at": _started(),
+               "cause": f"torchrun's agent restarted the job (restart {count})"}
     if old.world_size == world:
-        return dataclasses.replace(cfg, plan=str(old)), newest, None
+        return dataclasses.replace(cfg, plan=str(old)), newest, None, restart
     plan, why = plan_for_world(old, world, cfg.batch if cfg.spec is None else None)
-    return dataclasses.replace(cfg, plan=str(plan)), newest, f"plan {old} -> {plan} on {world} ranks ({why})"
+    return (dataclasses.replace(cfg, plan=str(plan)), newest, f"plan {old} -> {plan} on {world} ranks ({why})",
+            restart)
+
+
+def _started() -> float:
+    """This process's start, as a Unix time (Linux /proc; else now)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time()
