@@ -53,6 +53,19 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _mapped() -> set[str]:
+    """Names under /dev/shm that some live process has mapped."""
+    names = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/maps") as f:
+                    names.update(line.split()[-1].rsplit("/", 1)[-1] for line in f if "/dev/shm/" in line)
+            except OSError:
+                pass
+    return names
+
+
 def shm_names() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("threefold-") or n.startswith("sem.mp-")} \
         if os.path.isdir("/dev/shm") else set()
@@ -109,11 +122,10 @@ class Job:
         assert self.proc.returncode == 0, err[-4000:]
         alive = [p for p in self.seen if _alive(p)]
         assert alive == [], f"rank processes left behind: {alive}"
-        # other jobs on this machine make (and soon unlink) such names too: litter is what stays
-        deadline = time.monotonic() + 10
-        while shm_names() - self.shm_before and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert shm_names() - self.shm_before == set(), "files left in /dev/shm"
+        # other processes here (this one included) make such names too: litter is what no
+        # live process maps
+        litter = {n for n in shm_names() - self.shm_before if n not in _mapped()}
+        assert litter == set(), f"files left in /dev/shm: {litter}"
         with open(os.path.join(self.out, "losses.json")) as f:
             return json.load(f)
 
