@@ -52,7 +52,9 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
         if cfg.save_every and getattr(cfg, "save_async", False):   # collective: a process group of its own
             from threefold.checkpoint.async_save import AsyncSaver
             saver = AsyncSaver()
-        held, walls, restarts = [], [], []
+        held, walls, restarts, stragglers = [], [], [], []
+        from threefold.train.stragglers import StragglerWatch, describe
+        watch = StragglerWatch(pm) if pm.plan.world_size > 1 else None
         if resume is not None:
             info = threefold.load(pm, opt, resume)
             start, done = int(info["step"]), info["extra"] or {}
@@ -95,6 +97,7 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
                             opt.step()
                 seconds.append(time.perf_counter() - t0)
                 losses.append(loss)
+                slow = watch.end_step(step + 1) if watch is not None else None
                 val = validation_loss(pm, source.val.__getitem__, len(source.val)) \
                     if source.val and due(step + 1, cfg.eval_every, cfg.steps) else None
                 tps = tokens_per_second(seconds, tokens_per_step)
@@ -110,6 +113,11 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
                 if bad is not None and cfg.skip_nonfinite:
                     row["skipped"] = f"non-finite {bad} (--skip-nonfinite)"
                     skipped.append({"step": step + 1, "reason": row["skipped"]})
+                if slow is not None:     # reported, never stopped (train/stragglers.py)
+                    row["straggler"] = slow
+                    stragglers.append(slow)
+                    if main:
+                        print(f"threefold train: {describe(slow)}", file=sys.stderr)
                 if restart is not None and step == start:   # the first step after a restart
                     row["restart"] = restart_record(restart, start, str(pm.plan))
                     restarts.append(row["restart"])
@@ -145,7 +153,7 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
     return {"losses": losses, "seconds": seconds, "tokens_per_step": tokens_per_step, "skipped": skipped,
             "stopped": stopped, "rows": rows, "flops_per_step": flops_per_step, "sample": sample,
             "initial_val_loss": initial_val, "trace": trace, "restarts": restarts,
-            "checkpoints_held": held, "step_walls": walls}
+            "checkpoints_held": held, "step_walls": walls, "stragglers": stragglers}
 
 
 def restart_record(restart: dict, start: int, new_plan: str) -> dict:
