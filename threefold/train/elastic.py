@@ -47,7 +47,7 @@ def run_elastic(cfg, plan, resume, live: str | None, ckpt_dir: str, start, check
             old = plan
             if lost:
                 cfg, plan, why = _smaller(cfg, plan, plan.world_size - len(lost), check_plan, exc)
-            resume = _newest(ckpt_dir)
+            resume = _newest(ckpt_dir) or resume    # none saved yet: where this run itself began
             restart = {"old_plan": str(old), "old_world": old.world_size, "new_world": plan.world_size,
                        "failed_at": failed_at, "reached_step": _reached_step(live),
                        "cause": _first_line(exc), "restarts_left": left}
