@@ -92,3 +92,46 @@ def test_soak_four_ranks_killed_at_five_random_points(tmp_path):
     got = job.finish(timeout=1500)
     assert got["losses"] == reference
     assert len(got["restarts"]) >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_torchrun_agent_restarts_resume_the_newest_checkpoint_bit_for_bit(tmp_path):
+    """Under `torchrun --max-restarts 1` the agent restarts every process after a kill; each
+    resumes the newest checkpoint by itself (TORCHELASTIC_RESTART_COUNT) and records it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.elastic_job import SMALL, descendants
+    from tests.parity import ROOT
+    common = ["--plan", "pp=2,m=2", "--steps", "16"]
+    reference = train(tmp_path / "ref", *common)["losses"]
+    ckpt = tmp_path / "ckpt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                              "--max-restarts", "1", "-m", "threefold", "train", *SMALL, *common, "--out",
+                              str(tmp_path / "run"), "--save-every", "4", "--ckpt-dir", str(ckpt)],
+                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while not newest_step(ckpt).endswith("step_000000008"):
+        assert agent.poll() is None and time.monotonic() < deadline, "no checkpoint at step 8"
+        time.sleep(0.05)
+    workers = [p for p in descendants(agent.pid) if _is_threefold(p)]
+    os.kill(max(workers), signal.SIGKILL)
+    out, err = agent.communicate(timeout=900)
+    assert agent.returncode == 0, err[-3000:]
+    with open(tmp_path / "run" / "losses.json") as f:
+        got = json.load(f)
+    assert got["losses"] == reference
+    assert got["restarts"] and "torchrun" in got["restarts"][0]["cause"], got["restarts"]
+
+
+def _is_threefold(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().split(b"\0")
+    except OSError:
+        return False
+    return b"threefold" in args and b"torch.distributed.run" not in args
