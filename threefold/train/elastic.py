@@ -115,12 +115,14 @@ def _first_line(exc) -> str:
 def torchrun_resume(cfg, ckpt_dir: str):
     """Under torchrun's elastic agent (TORCHELASTIC_RESTART_COUNT > 0), a restarted process
     resumes the newest checkpoint; when the agent gave fewer ranks than the checkpoint's
-    plan, the plan is derived for them. Returns (cfg, resume or None, note or None)."""
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) <= 0 or not cfg.save_every:
-        return cfg, None, None
+    plan, the plan is derived for them. Returns (cfg, resume or None, note or None, the
+    restart's record or None); the time lost counts from this process's start."""
+    count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if count <= 0 or not cfg.save_every:
+        return cfg, None, None, None
     newest = _newest(ckpt_dir)
     if newest is None:
-        return cfg, None, None
+        return cfg, None, None, None
     from threefold.checkpoint.files import read_index
     from threefold.plan import Plan
     from threefold.train.elastic_plan import plan_for_world
