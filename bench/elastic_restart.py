@@ -26,7 +26,7 @@ def _one(world: str, args, root: str) -> dict:
     from tests.elastic_job import Job, newest_step
     ckpt = os.path.join(root, f"{world}.ckpt")
     env = {"THREEFOLD_ELASTIC_DROP_DEAD": "1"} if world == "smaller" else {}
-    job = Job(os.path.join(root, world), "--plan", "pp=2,dp=2,m=2", "--steps", str(4 * args.every),
+    job = Job(os.path.join(root, world), "--plan", "pp=2,dp=2,m=2", "--steps", str(12 * args.every),
               "--save-every", str(args.every), "--ckpt-dir", ckpt, "--max-restarts", "1", "--min-world", "2",
               env=env)
     job.wait_for(lambda: newest_step(ckpt).endswith(f"step_{2 * args.every:09d}"), timeout=900)
