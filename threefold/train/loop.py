@@ -124,7 +124,8 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
                     if main:
                         print(f"threefold train: restarted at step {start} on plan {pm.plan} (was "
                               f"{restart['old_plan']}); {row['restart']['seconds_lost']:.1f} s and "
-                              f"{row['restart']['steps_lost']} step(s) lost", file=sys.stderr)
+                              f"{row['restart']['steps_lost'] if row['restart']['steps_lost'] is not None else 'an unknown number of'}"
+                              " step(s) lost", file=sys.stderr)
                 rows.append(row)
                 log.write(row)
                 progress.update(loss, tps, val)
@@ -163,7 +164,8 @@ def restart_record(restart: dict, start: int, new_plan: str) -> dict:
     return {"step": start, "old_plan": restart["old_plan"], "new_plan": new_plan,
             "old_world": restart.get("old_world"), "new_world": restart.get("new_world"),
             "reached_step": restart.get("reached_step"),
-            "steps_lost": max(0, int(restart.get("reached_step") or start) - start),
+            # unknown (None) where no record of the failed attempt's last step reached us (torchrun)
+            "steps_lost": None if restart.get("reached_step") is None else max(0, int(restart["reached_step"]) - start),
             "seconds_lost": now - restart["failed_at"], "failed_at": restart["failed_at"], "resumed_at": now,
             "cause": restart.get("cause")}
 
