@@ -122,10 +122,10 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
                     row["restart"] = restart_record(restart, start, str(pm.plan))
                     restarts.append(row["restart"])
                     if main:
+                        lost = row["restart"]["steps_lost"]
                         print(f"threefold train: restarted at step {start} on plan {pm.plan} (was "
                               f"{restart['old_plan']}); {row['restart']['seconds_lost']:.1f} s and "
-                              f"{row['restart']['steps_lost'] if row['restart']['steps_lost'] is not None else 'an unknown number of'}"
-                              " step(s) lost", file=sys.stderr)
+                              f"{'an unknown number of' if lost is None else lost} step(s) lost", file=sys.stderr)
                 rows.append(row)
                 log.write(row)
                 progress.update(loss, tps, val)
