@@ -59,6 +59,7 @@ DEFAULT_SAMPLE = [
     # faults and safety
     "tests/test_failure_report.py::test_the_launcher_reports_the_failing_ranks_traceback_once",
     "tests/test_rank_failure.py::test_dead_rank_makes_the_others_fail_naming_it",
+    "tests/test_elastic_restart.py::test_a_killed_rank_restarts_on_the_same_world_bit_for_bit",
     # pipeline messages through shared memory: the channel, pp=4 and dp on vs off, the fallback
     "tests/test_local_p2p.py::test_channel_order_wraparound_and_timeout",
     "tests/test_local_p2p.py::test_pp4_interleaved_and_dp_on_off_and_one_process",

@@ -81,6 +81,12 @@ class TrainConfig:
     ckpt_dir: str | None = _f(None, "checkpoint", "checkpoint directory (unset: OUT.ckpt)")
     resume: str | None = _f(None, "checkpoint", "resume from the newest checkpoint in this directory "
                             "('': ckpt_dir; unset: start fresh)")
+    save_async: bool = _f(True, "checkpoint", "write checkpoints in the background: the step loop waits only "
+                          "while this rank's state is copied to host memory (--no-save-async: wait for the write)")
+    max_restarts: int = _f(0, "checkpoint", "when a rank dies or hangs, restart the job from the newest checkpoint "
+                           "up to N times (needs --save-every)")
+    min_world: int = _f(0, "checkpoint", "a restart may go on with fewer ranks, down to M, when the lost ones do "
+                        "not come back (0: only the same world)")
     # [sample] text generated at the end of a language-model run
     sample_tokens: int = _f(200, "sample", "tokens to generate after training (0: none)")
     sample_prompt: str = _f("\n", "sample", "prompt the sample starts from")
@@ -170,6 +176,10 @@ def _range_checks(cfg: TrainConfig) -> list[tuple[str, str]]:
     need(1 <= cfg.eval_batches <= MAX_EVAL_BATCHES, "eval_batches", f"use 1..{MAX_EVAL_BATCHES}")
     need(0 <= cfg.seed < 2**32, "seed", "use 0..2**32-1 (4294967295)")
     need(cfg.save_every >= 0, "save_every", "use 0 (never) or a positive step count")
+    need(cfg.max_restarts >= 0, "max_restarts", "use 0 (never restart) or more")
+    need(cfg.max_restarts == 0 or cfg.save_every > 0, "max_restarts",
+         "a restart resumes from a checkpoint: give --save-every N too")
+    need(cfg.min_world >= 0, "min_world", "use 0 (same world only) or a number of ranks")
     need(cfg.sample_tokens >= 0, "sample_tokens", "use 0 (no sample) or more")
     need(cfg.sample_tokens == 0 or cfg.sample_prompt != "", "sample_prompt",
          "give at least one character to start the sample from, or --sample-tokens 0")
@@ -338,6 +348,8 @@ def to_toml(cfg: TrainConfig) -> str:
 _METAVARS = {"data": "PATH", "weights": "PATH", "tokenizer": "byte|DIR", "out": "DIR", "ckpt_dir": "DIR", "plan": "PLAN", "trace_steps": "N[,N...]",
              "data_dtype": "|".join(DTYPES)}
 
+_ALIASES = {"save_every": ("--ckpt-every",)}    # other spellings of a flag
+
 
 def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("spec",)) -> None:
     """`--config`, `--print-config` and one flag per field (default None: 'not given', so
@@ -361,7 +373,8 @@ def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("spe
         else:
             typ = {"int": int, "float": float}.get(kind, str)
             metavar = _METAVARS.get(name) or {"int": "N", "float": "X", "pair": "B1,B2"}.get(kind, "TEXT")
-            parser.add_argument(flag, dest=name, type=typ, default=None, metavar=metavar, help=help)
+            parser.add_argument(flag, *_ALIASES.get(name, ()), dest=name, type=typ, default=None, metavar=metavar,
+                                help=help)
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:

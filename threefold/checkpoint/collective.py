@@ -10,20 +10,22 @@ def rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def from_rank0(value):
+def from_rank0(value, group=None):
+    """Rank 0's value on every rank (`group`: all ranks' own group, e.g. the background
+    writer's, whose rank 0 is global rank 0; None: the default group)."""
     if rank_world()[1] == 1:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
-def gather_all(value) -> list:
+def gather_all(value, group=None) -> list:
     world = rank_world()[1]
     if world == 1:
         return [value]
     out = [None] * world
-    dist.all_gather_object(out, value)
+    dist.all_gather_object(out, value, group=group)
     return out
 
 

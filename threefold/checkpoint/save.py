@@ -5,6 +5,10 @@ torch.distributed.checkpoint into a temporary directory under DIR: each rank wri
 pieces, replicated pieces are written once (DCP's dedup). Each rank then checksums the
 files it wrote, rank 0 writes `threefold.json` (files, plan, model, shapes) and renames the
 directory to DIR/step_<N>, points DIR/latest at it and keeps the last `keep` checkpoints.
+
+The write is `write_checkpoint`, which reads nothing of the live model: it takes the state
+dict and the index's fields, so checkpoint/async_save.py can run it in a background thread
+on a staged copy (over its own process group) while training goes on.
 """
 from __future__ import annotations
 
@@ -27,16 +31,35 @@ def save(pm, optimizer, directory: str, step: int | None = None, extra=None, kee
     train's record: checkpoint/ownership.py) goes into the index; with it only this run's
     checkpoints are pruned or replaced."""
     from threefold.outdir import sigterm_raises
+    check_keep(keep)
+    step = pm.engine._step_count if step is None else int(step)
+    sd = _collect(pm, optimizer, step, extra, rank_world()[0])
     with sigterm_raises("writing a checkpoint"):   # SIGTERM mid-save: the temporary is removed
-        return _save(pm, optimizer, directory, step, extra, keep, run)
+        return write_checkpoint(sd, index_fields(pm, optimizer, step, run), directory, step, keep)
 
 
-def _save(pm, optimizer, directory: str, step: int | None, extra, keep: int | None, run: dict | None) -> str:
-    import torch.distributed.checkpoint as dcp
+def check_keep(keep: int | None) -> None:
     if keep is not None and keep < 1:
         raise PlanError(f"keep={keep} is invalid: keep at least 1 checkpoint (or None for all)")
+
+
+def index_fields(pm, optimizer, step: int, run: dict | None = None) -> dict:
+    """What threefold.json says about the model, the plan and the run that wrote it (read from
+    `pm` now, written later)."""
+    return {"model": pm.manifest.get("model"), "plan": str(pm.plan), "step": step,
+            "state_shapes": {k: v for k, v in pm.manifest["state_shapes"].items() if not k.startswith("_const.")},
+            # buffers: constants of the model, not trained state; a plan that does not
+            # read some (cp's ring drops a causal-mask buffer) loads without them
+            "buffers": sorted(_buffer_names(pm.manifest)), "has_optimizer": optimizer is not None,
+            **({"run": run} if run else {})}
+
+
+def write_checkpoint(sd: dict, fields: dict, directory: str, step: int, keep: int | None, group=None) -> str:
+    """Write `sd` as DIR/step_<N> (atomically: a temporary directory renamed when complete
+    and verified); every rank calls it with its own `sd`. `group`: the process group of the
+    collectives (None: the default one). Returns the checkpoint's path on every rank."""
+    import torch.distributed.checkpoint as dcp
     rank, world = rank_world()
-    step = pm.engine._step_count if step is None else int(step)
     name = files.step_name(step)
     tmp, held = None, None
     if rank == 0:
@@ -48,34 +71,31 @@ def _save(pm, optimizer, directory: str, step: int | None, extra, keep: int | No
             as_if_created_plainly(tmp, directory=True)   # becomes step_<N>: the umask's mode
         except OSError as exc:
             tmp = PlanError(f"cannot write checkpoint directory {directory}: {exc.strerror or exc}")
-    tmp = from_rank0(tmp)
+    tmp = from_rank0(tmp, group)
     if isinstance(tmp, PlanError):
         raise tmp
     started = time.perf_counter()
     try:
-        sd = _collect(pm, optimizer, step, extra, rank)
         with _quiet(world):
             dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp, thread_count=1, sync_files=True),
-                     planner=_planner(), no_dist=world == 1)
+                     planner=_planner(), process_group=group, no_dist=world == 1)
         mine = [n for n in os.listdir(tmp) if n.startswith(f"__{rank}_")]
         if rank == 0:
             mine.append(".metadata")
         written = {}
-        for d in gather_all(files.digests(tmp, mine)):
+        for d in gather_all(files.digests(tmp, mine), group):
             written.update(d)
         outcome = None
         if rank == 0:
-            files.write_index(tmp, {
-                "format": files.FORMAT, "version": 1, "model": pm.manifest.get("model"),
-                "plan": str(pm.plan), "world": world, "step": step, "files": written,
-                "state_shapes": {k: v for k, v in pm.manifest["state_shapes"].items() if not k.startswith("_const.")},
-                # buffers: constants of the model, not trained state; a plan that does not
-                # read some (cp's ring drops a causal-mask buffer) loads without them
-                "buffers": sorted(_buffer_names(pm.manifest)),
-                "has_optimizer": optimizer is not None, "seconds": time.perf_counter() - started,
-                **({"run": run} if run else {})})
-            outcome = files.publish(directory, tmp, name, keep, (run or {}).get("id"))
-        outcome = from_rank0(outcome)
+            try:
+                files.write_index(tmp, {"format": files.FORMAT, "version": 1, **fields, "world": world,
+                                        "files": written, "seconds": time.perf_counter() - started})
+                outcome = files.publish(directory, tmp, name, keep, (fields.get("run") or {}).get("id"))
+            except OSError as exc:   # every rank raises it, none waits for a path that never comes
+                outcome = exc
+        outcome = from_rank0(outcome, group)
+        if isinstance(outcome, BaseException):
+            raise outcome
     except BaseException as exc:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -64,7 +64,7 @@ def _check_model_fits(cfg, vocab: int) -> None:
                         "GiB of memory available: lower --n-embd or --n-layer")
 
 
-def _train_rank(cfg, show, ckpt_dir=None, resume=None, live_dir=None, run_record=None):
+def _train_rank(cfg, show, ckpt_dir=None, resume=None, live_dir=None, run_record=None, restart=None):
     """One rank: build the workload and its data source, then the loop (threefold/train/loop.py)."""
     from threefold.train.loop import train_loop
     from threefold.train.source import data_source, given_sizes, spec_source
@@ -78,7 +78,7 @@ def _train_rank(cfg, show, ckpt_dir=None, resume=None, live_dir=None, run_record
         model, loss_fn, batch_dims = w.model, w.loss_fn, w.batch_dims
         source = spec_source(w, cfg, cfg.spec, given_sizes(cfg))
     return train_loop(cfg, model, loss_fn, source, batch_dims=batch_dims, show=show, live_dir=live_dir,
-                      ckpt_dir=ckpt_dir, resume=resume, run=run_record)
+                      ckpt_dir=ckpt_dir, resume=resume, run=run_record, restart=restart)
 
 
 def _training_spec(cfg):
@@ -174,6 +174,19 @@ def run(args) -> int:
     check_ckpt_dir(cfg, ckpt_dir)
     resume = None if cfg.resume is None else (cfg.resume or ckpt_dir)
     checked = None
+    restart = None
+    from threefold.cli.jobs import under_torchrun
+    if under_torchrun():   # restarted by torchrun's elastic agent: the newest checkpoint, maybe fewer ranks
+        from threefold.train.elastic import torchrun_resume
+        cfg, again, note, restart = torchrun_resume(cfg, ckpt_dir)
+        if again is not None:
+            resume = again
+            plan = command_plan(cfg.plan).plan
+            if note and os.environ.get("RANK", "0") == "0":
+                print(f"threefold train: restarted by torchrun: {note}", file=sys.stderr)
+    if cfg.min_world > plan.world_size:
+        raise PlanError(f"--min-world {cfg.min_world} is more than the plan's {plan.world_size} ranks: "
+                        f"use at most {plan.world_size}")
     if resume is not None:
         from threefold.checkpoint.reader import read_checkpoint
         checked = read_checkpoint(resume)   # every field checked: one line here, before any rank starts
@@ -181,7 +194,7 @@ def run(args) -> int:
     check_local_capacity(plan.world_size)
     with _held(cfg, ckpt_dir, checked):     # one run at a time per --out and checkpoint directory
         run_record = _own_checkpoints(cfg, ckpt_dir, checked)
-        return _train(cfg, plan, ckpt_dir, resume, run_record)
+        return _train(cfg, plan, ckpt_dir, resume, run_record, restart)
 
 
 def _own_checkpoints(cfg, ckpt_dir: str, checked) -> dict:
@@ -238,7 +251,8 @@ def _held(cfg, ckpt_dir: str, checked):
     return stack
 
 
-def _train(cfg, plan, ckpt_dir: str, resume: str | None, run_record: dict | None = None) -> int:
+def _train(cfg, plan, ckpt_dir: str, resume: str | None, run_record: dict | None = None,
+           restart: dict | None = None) -> int:
     from threefold.cli.jobs import command_plan, run_on_ranks, tell, under_torchrun
     if not under_torchrun():     # under torchrun every process is a rank: no parent to check in
         from threefold.train.progress import compiling_status
@@ -254,8 +268,12 @@ def _train(cfg, plan, ckpt_dir: str, resume: str | None, run_record: dict | None
         cfg = dataclasses.replace(cfg, plan=str(plan))
     live = _live_dir(cfg.out)
     try:
-        result = run_on_ranks(_train_rank, plan.world_size, cfg, not cfg.json, ckpt_dir, resume, live,
-                              run_record)[0]
+        if cfg.max_restarts and not under_torchrun():    # under torchrun its agent restarts us
+            result = _elastic(cfg, plan, ckpt_dir, resume, live, run_record)
+            plan = Plan.parse(result["plan"])
+        else:
+            result = run_on_ranks(_train_rank, plan.world_size, cfg, not cfg.json, ckpt_dir, resume, live,
+                                  run_record, restart)[0]
     except BaseException:
         _keep_or_drop(live, ckpt_dir)
         raise
@@ -297,6 +315,33 @@ def _train(cfg, plan, ckpt_dir: str, resume: str | None, run_record: dict | None
     else:
         print(summary_text(summary))
     return 0
+
+
+def _elastic(cfg, plan, ckpt_dir: str, resume: str | None, live: str | None, run_record: dict | None) -> dict:
+    """The local job under --max-restarts (threefold/train/elastic.py); its result names the
+    plan it finished on."""
+    import dataclasses
+
+    from threefold.cli.jobs import check_local_capacity
+    from threefold.runtime.launch import LaunchError, launch
+    from threefold.train.elastic import run_elastic
+
+    def start(cfg, plan, resume, restart):
+        check_local_capacity(plan.world_size)
+        result = launch(_train_rank, plan.world_size, cfg, not cfg.json, ckpt_dir, resume, live, run_record,
+                        restart)[0]
+        return {**result, "plan": str(plan)}
+
+    def check_plan(trial):
+        return validate_in_parent(trial)
+    try:
+        return run_elastic(dataclasses.replace(cfg, plan=str(plan)), plan, resume, live, ckpt_dir, start,
+                           check_plan)
+    except LaunchError as exc:   # out of restarts: as run_on_ranks reports it
+        plan_errors = [m for m in exc.errors.values() if m.startswith("PlanError: ")]
+        if plan_errors:
+            raise PlanError(plan_errors[0].splitlines()[0][len("PlanError: "):]) from None
+        raise SystemExit(f"threefold: {exc}") from None
 
 
 def _os_error(out: str, exc: OSError) -> str:

@@ -70,10 +70,19 @@ def init_from_env(backend: str | None = None) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     secret = os.environ.get(SECRET_ENV)
-    if not secret:
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if not secret and attempt == "0":
         dist.init_process_group(backend, timeout=default_timeout())
         return
     store, rank, world = next(dist.rendezvous("env://", timeout=default_timeout()))
+    if attempt != "0":
+        # restarted by torchrun's agent on the same store: the failed attempt's keys (the
+        # ranks' addresses of every process group, its posted failure) must not be read
+        # as this attempt's
+        store = dist.PrefixStore(f"threefold/attempt{attempt}/", store)
+    if not secret:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=default_timeout())
+        return
     store = JobStore(store, secret)
     use_failure_store(store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=default_timeout())

@@ -27,7 +27,10 @@ def _is_main() -> bool:
 
 def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_dims=None,
                show: bool = True, live_dir: str | None = None, ckpt_dir: str | None = None,
-               resume: str | None = None, run: dict | None = None) -> dict:
+               resume: str | None = None, run: dict | None = None, restart: dict | None = None) -> dict:
+    """`run`: this run's record (checkpoint/ownership.py), written into every checkpoint.
+    `restart`: set when the job restarted itself after a failure (train/elastic.py): what
+    it records (the plan before, the step reached); the first step run adds the time lost."""
     import threefold
     from threefold.train.evaluate import due, validation_loss
     from threefold.train.metrics import MetricsLog, memory_per_rank, model_flops_per_step, tokens_per_second
@@ -48,11 +51,19 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
         scaled = hasattr(opt, "scaler")   # fp16's loss-scaled optimizer (runtime/optimizers.py)
         rows, losses, seconds, skipped, stopped, start, done = [], [], [], [], None, 0, {}
+        saver = None
+        if cfg.save_every and getattr(cfg, "save_async", False):   # collective: a process group of its own
+            from threefold.checkpoint.async_save import AsyncSaver
+            saver = AsyncSaver()
+        held, walls, restarts, stragglers = [], [], [], []
+        from threefold.train.stragglers import StragglerWatch, describe
+        watch = StragglerWatch(pm) if pm.plan.world_size > 1 else None
         if resume is not None:
             info = threefold.load(pm, opt, resume)
             start, done = int(info["step"]), info["extra"] or {}
             losses, seconds = list(done.get("losses", [])), list(done.get("seconds", []))
             skipped, rows = list(done.get("skipped", [])), list(done.get("rows", []))
+            restarts = list(done.get("restarts", []))
             source.load_state_dict(done.get("data"), start)
             if main:
                 from threefold.checkpoint.files import drop_partial
@@ -70,6 +81,7 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
         progress.training(start)
         try:
             for step in range(start, cfg.steps):
+                walls.append(time.perf_counter())
                 lr = schedule(step)
                 set_lr(opt, lr)
                 *inputs, target = source.next()
@@ -88,6 +100,7 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
                             opt.step()
                 seconds.append(time.perf_counter() - t0)
                 losses.append(loss)
+                slow = watch.end_step(step + 1) if watch is not None else None
                 val = validation_loss(pm, source.val.__getitem__, len(source.val)) \
                     if source.val and due(step + 1, cfg.eval_every, cfg.steps) else None
                 tps = tokens_per_second(seconds, tokens_per_step)
@@ -103,6 +116,19 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
                 if bad is not None and cfg.skip_nonfinite:
                     row["skipped"] = f"non-finite {bad} (--skip-nonfinite)"
                     skipped.append({"step": step + 1, "reason": row["skipped"]})
+                if slow is not None:     # reported, never stopped (train/stragglers.py)
+                    row["straggler"] = slow
+                    stragglers.append(slow)
+                    if main:
+                        print(f"threefold train: {describe(slow)}", file=sys.stderr)
+                if restart is not None and step == start:   # the first step after a restart
+                    row["restart"] = restart_record(restart, start, str(pm.plan))
+                    restarts.append(row["restart"])
+                    if main:
+                        lost = row["restart"]["steps_lost"]
+                        print(f"threefold train: restarted at step {start} on plan {pm.plan} (was "
+                              f"{restart['old_plan']}); {row['restart']['seconds_lost']:.1f} s and "
+                              f"{'an unknown number of' if lost is None else lost} step(s) lost", file=sys.stderr)
                 rows.append(row)
                 log.write(row)
                 progress.update(loss, tps, val)
@@ -110,11 +136,18 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
                     stopped = (step + 1, bad)
                     break
                 if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
-                    threefold.save(pm, opt, ckpt_dir, step=step + 1, keep=2, run=run,
-                                   extra={"losses": losses, "seconds": seconds, "skipped": skipped,
-                                          "rows": rows, "data": source.state_dict(),
-                                          "initial_val_loss": initial_val,
-                                          "generate": source.generate_info})
+                    extra = {"losses": losses, "seconds": seconds, "skipped": skipped, "rows": rows,
+                             "data": source.state_dict(), "initial_val_loss": initial_val,
+                             "generate": source.generate_info, "restarts": restarts}
+                    t_save = time.perf_counter()
+                    if saver is not None:   # the loop waits only for the copy to host memory
+                        saver.save(pm, opt, ckpt_dir, step=step + 1, keep=2, extra=extra, run=run)
+                    else:
+                        threefold.save(pm, opt, ckpt_dir, step=step + 1, keep=2, extra=extra, run=run)
+                    held.append({"step": step + 1, "held_s": time.perf_counter() - t_save})
+            walls.append(time.perf_counter())
+            if saver is not None:
+                saver.wait()      # the last checkpoint is complete before the run says it is done
         finally:
             log.close()
     trace = tracer.finish()   # collective: clocks aligned, merged on rank 0
@@ -123,7 +156,21 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
         sample = final_sample(pm, model, source, cfg)
     return {"losses": losses, "seconds": seconds, "tokens_per_step": tokens_per_step, "skipped": skipped,
             "stopped": stopped, "rows": rows, "flops_per_step": flops_per_step, "sample": sample,
-            "initial_val_loss": initial_val, "trace": trace}
+            "initial_val_loss": initial_val, "trace": trace, "restarts": restarts,
+            "checkpoints_held": held, "step_walls": walls, "stragglers": stragglers}
+
+
+def restart_record(restart: dict, start: int, new_plan: str) -> dict:
+    """What the metrics keep of a restart: where it resumed, the plans, what it cost (the
+    wall time from the failure to this first step, the steps done again)."""
+    now = time.time()
+    return {"step": start, "old_plan": restart["old_plan"], "new_plan": new_plan,
+            "old_world": restart.get("old_world"), "new_world": restart.get("new_world"),
+            "reached_step": restart.get("reached_step"),
+            # unknown (None) where no record of the failed attempt's last step reached us (torchrun)
+            "steps_lost": None if restart.get("reached_step") is None else max(0, int(restart["reached_step"]) - start),
+            "seconds_lost": now - restart["failed_at"], "failed_at": restart["failed_at"], "resumed_at": now,
+            "cause": restart.get("cause")}
 
 
 def final_sample(pm, model: torch.nn.Module, source: Source, cfg) -> str | None:

@@ -39,6 +39,7 @@ def summarize(result: dict, plan, out: str) -> dict:
         "seconds": sum(seconds), "out": out, "skipped_steps": skipped_steps(result),
         "sample": result.get("sample"), "plot": os.path.join(out, "loss.png"),
         "trace": trace_summary(result.get("trace"), out),
+        "restarts": result.get("restarts") or [],
     }
 
 
@@ -78,7 +79,8 @@ def write_losses(tmp: str, result: dict, plan) -> None:
     the steps whose update was skipped (--skip-nonfinite, fp16 overflow) with the reason."""
     with open(os.path.join(tmp, "losses.json"), "w") as f:
         f.write(dumps({"plan": str(plan), "losses": result["losses"], "seconds": result["seconds"],
-                       "val_losses": val_points(result), "skipped_steps": skipped_steps(result)}))
+                       "val_losses": val_points(result), "skipped_steps": skipped_steps(result),
+                       "restarts": result.get("restarts") or []}))
 
 
 def skipped_steps(result: dict) -> list[dict]:

@@ -1,0 +1,149 @@
+"""`threefold train --max-restarts N [--min-world M]`: a job that restarts itself when ranks fail.
+
+The launcher (runtime/launch.py) already bounds a failure: a rank that dies, or stops
+(SIGSTOP: seen by the launcher within a second, its peers told through the job's store),
+makes the others fail within THREEFOLD_TIMEOUT, and every rank is then ended. Here the job
+goes on: it restarts from the newest complete checkpoint (checkpoints are published only
+whole: checkpoint/save.py), on the same world when the lost ranks come back, else on the
+largest world >= M that derives a plan from the old one (train/elastic_plan.py), and the
+first step after the restart records what happened (the loop's `restart` record: step,
+old and new plan, seconds and steps lost).
+
+Local ranks always come back (the machine is still there), so a local restart keeps the
+world; THREEFOLD_ELASTIC_DROP_DEAD=1 counts the ranks that died or stopped as gone for good,
+which is what a lost node does to a multi-node job (and how the tests take the smaller
+world). Under torchrun its elastic agent restarts the processes itself
+(`torchrun --max-restarts N --nnodes MIN:MAX`); each restarted process resumes the newest
+checkpoint, deriving the plan when the agent gave it fewer ranks (`torchrun_resume`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+from threefold.errors import PlanError
+
+DROP_DEAD_ENV = "THREEFOLD_ELASTIC_DROP_DEAD"
+
+
+def run_elastic(cfg, plan, resume, live: str | None, ckpt_dir: str, start, check_plan) -> dict:
+    """Rank 0's result of the run; `start(cfg, plan, resume, restart)` runs one attempt on
+    plan.world_size ranks (raising LaunchError when ranks fail), `check_plan(cfg)` compiles
+    a derived plan in this process (PlanError if the model cannot run it) and returns it."""
+    from threefold.runtime.launch import LaunchError
+    restart, left = None, cfg.max_restarts
+    while True:
+        try:
+            return start(cfg, plan, resume, restart)
+        except LaunchError as exc:
+            if left <= 0 or any(str(v).startswith("PlanError: ") for v in exc.errors.values()):
+                raise
+            failed_at = time.time()
+            left -= 1
+            lost = _lost_ranks(exc)
+            old = plan
+            if lost:
+                cfg, plan, why = _smaller(cfg, plan, plan.world_size - len(lost), check_plan, exc)
+            resume = _newest(ckpt_dir) or resume    # none saved yet: where this run itself began
+            restart = {"old_plan": str(old), "old_world": old.world_size, "new_world": plan.world_size,
+                       "failed_at": failed_at, "reached_step": _reached_step(live),
+                       "cause": _first_line(exc), "restarts_left": left}
+            where = f"from {resume}" if resume else "from the start (no checkpoint yet)"
+            shape = (f"on plan {plan} ({why}; lost rank(s) {', '.join(map(str, lost))})" if plan != old
+                     else f"on the same {plan.world_size} ranks")
+            print(f"threefold train: {restart['cause']}; restarting {where} {shape} "
+                  f"({left} restart(s) left)", file=sys.stderr)
+
+
+def _lost_ranks(exc) -> list[int]:
+    """Ranks that will not come back: none locally, unless THREEFOLD_ELASTIC_DROP_DEAD=1
+    (then those the launcher saw die or stop)."""
+    if os.environ.get(DROP_DEAD_ENV, "") not in ("1", "true", "yes"):
+        return []
+    return sorted(getattr(exc, "causes", {}) or {})
+
+
+def _smaller(cfg, plan, world: int, check_plan, exc):
+    """The largest world >= --min-world with a plan derived from `plan` that compiles."""
+    from threefold.train.elastic_plan import smaller_plans
+    floor = cfg.min_world or plan.world_size
+    tried = []
+    for candidate, why in smaller_plans(plan, world, floor, cfg.batch if cfg.spec is None else None):
+        trial = dataclasses.replace(cfg, plan=str(candidate))
+        try:
+            checked = check_plan(trial)
+            return dataclasses.replace(cfg, plan=str(checked)), checked, why
+        except PlanError as err:
+            tried.append(f"{candidate}: {err}")
+    detail = f" (tried {'; '.join(tried[:2])})" if tried else ""
+    raise PlanError(f"{_first_line(exc)}; {world} rank(s) left, and no plan derived from {plan} runs on "
+                    f"{world} down to --min-world {floor} ranks{detail}: lower --min-world or bring the ranks back")
+
+
+def _newest(ckpt_dir: str) -> str | None:
+    from threefold.checkpoint.files import list_steps
+    steps = list_steps(ckpt_dir)
+    return os.path.join(ckpt_dir, steps[-1]) if steps else None
+
+
+def _reached_step(live: str | None) -> int | None:
+    """The last step rank 0 logged before the failure (the live metrics.jsonl)."""
+    path = os.path.join(live, "metrics.jsonl") if live else None
+    if not path or not os.path.isfile(path):
+        return None
+    step = None
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                step = int(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):
+                continue
+    return step
+
+
+def _first_line(exc) -> str:
+    causes = getattr(exc, "causes", None)
+    if causes:     # what the launcher saw: "rank 1 died (killed by SIGKILL)"
+        return "; ".join(causes.values())[:300]
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+def torchrun_resume(cfg, ckpt_dir: str):
+    """Under torchrun's elastic agent (TORCHELASTIC_RESTART_COUNT > 0), a restarted process
+    resumes the newest checkpoint; when the agent gave fewer ranks than the checkpoint's
+    plan, the plan is derived for them. Returns (cfg, resume or None, note or None, the
+    restart's record or None); the time lost counts from this process's start."""
+    count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if count <= 0 or not cfg.save_every:
+        return cfg, None, None, None
+    newest = _newest(ckpt_dir)
+    if newest is None:
+        return cfg, None, None, None
+    from threefold.checkpoint.files import read_index
+    from threefold.plan import Plan
+    from threefold.train.elastic_plan import plan_for_world
+    old = Plan.parse(read_index(newest).get("plan", cfg.plan))
+    world = int(os.environ["WORLD_SIZE"])
+    restart = {"old_plan": str(old), "old_world": old.world_size, "new_world": world, "failed_at": _started(),
+               "cause": f"torchrun's agent restarted the job (restart {count})"}
+    if old.world_size == world:
+        return dataclasses.replace(cfg, plan=str(old)), newest, None, restart
+    plan, why = plan_for_world(old, world, cfg.batch if cfg.spec is None else None)
+    return (dataclasses.replace(cfg, plan=str(plan)), newest, f"plan {old} -> {plan} on {world} ranks ({why})",
+            restart)
+
+
+def _started() -> float:
+    """This process's start, as a Unix time (Linux /proc; else now)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time()
