@@ -121,6 +121,8 @@ VARIABLES: dict[str, tuple] = {
                                "written instead of one scaled_dot_product_attention call"),
     "THREEFOLD_PROGRESS": (_BOOL, "1: print one plain line per compile phase even off a terminal (on a "
                            "terminal a status line shows them; `--json` is always quiet)"),
+    "THREEFOLD_ELASTIC_DROP_DEAD": (_BOOL, "1: under `train --max-restarts`, ranks that died or stopped are "
+                                    "gone for good (the job restarts on fewer ranks, as after a lost node)"),
     "THREEFOLD_COMPILED": (None, "internal: set by `train`/`check` for their ranks (the parent's compile, in a "
                            "private temporary file); not for users"),
     "THREEFOLD_FALLBACKS_SHOWN": (None, "internal: set by a command that printed the fallback summary, so "
