@@ -54,7 +54,7 @@ class CommLog:
 
     def group_key(self, group) -> tuple:
         if group is None or group is dist.group.WORLD:
-            return (tuple(range(self.world)), 0)
+            return (tuple(range(self.world)), -1)   # the default group: not a new_group over every rank
         key = self._ranks.get(id(group))
         if key is None:   # a group not built through new_group while recording
             key = (tuple(dist.get_process_group_ranks(group)), 0)

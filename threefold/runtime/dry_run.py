@@ -18,6 +18,7 @@ the data-independent path; expert routing is taken as balanced (runtime/experts.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 from dataclasses import dataclass, field
@@ -113,6 +114,24 @@ class _MetaScalars(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _MetaAutocast(torch.autocast):
+    """torch.autocast, which knows no meta device: a meta step asks for the CPU's (the
+    regions it turns off or on are the same; meta tensors are not cast by it)."""
+
+    def __init__(self, device_type, *args, **kwargs):
+        super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _meta_autocast():
+    saved = torch.autocast
+    torch.autocast = _MetaAutocast
+    try:
+        yield
+    finally:
+        torch.autocast = saved
+
+
 class DrySource:
     """Where `assemble_rank` gets a dry-run rank's modules: the generated sources; weights
     stay meta (shapes only)."""
@@ -152,7 +171,7 @@ def dry_run_rank(manifest, source, rank: int, batch: tuple, optimizer_cls=torch.
     store = CountingStore()
     run = RankRun(rank, [], 0, 0, {})
     try:
-        with record_comm(world, fake=True) as log, _MetaScalars():
+        with record_comm(world, fake=True) as log, _MetaScalars(), _meta_autocast():
             dist.init_process_group("fake", store=store, rank=rank, world_size=world)
             try:
                 engine = assemble_rank(manifest, source, rank, torch.device("meta"))
@@ -257,7 +276,6 @@ def dry_run_job(manifest, source, batch: tuple, all_ranks: bool | None = None, o
     for i, r in enumerate(ranks):
         run = dry_run_rank(manifest, source, r, batch, optimizer_cls)
         rel[r] = relative_ops(run.ops, r, digits)
-        run.ops = run.ops if all_ranks or digits.world <= 4096 and len(ranks) <= 256 else []
         runs[r] = run
         if progress is not None:
             progress(i + 1, len(ranks), run)
