@@ -192,7 +192,6 @@ def dry_run_rank(manifest, source, rank: int, batch: tuple, optimizer_cls=torch.
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        gc.collect()
     return run
 
 
@@ -279,6 +278,8 @@ def dry_run_job(manifest, source, batch: tuple, all_ranks: bool | None = None, o
         runs[r] = run
         if progress is not None:
             progress(i + 1, len(ranks), run)
+        if i % 16 == 15:   # a step's autograd graph holds cycles: return them now and then, not per rank
+            gc.collect()
     class_mismatches = check_classes(rel, witnesses)
     if any(run.error for run in runs.values()):
         from threefold.runtime.dry_check import CheckResult

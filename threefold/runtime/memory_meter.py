@@ -2,7 +2,7 @@
 and their peak, and at the peak how much of it was gradients and optimizer state.
 
 A TorchDispatchMode sees every op's outputs; each new storage is counted until it is
-freed (a weakref finalizer). Gradients and optimizer state are read off the parameters
+freed (weakref finalizers on the tensors seen on it). Gradients and optimizer state are read off the parameters
 and the optimizer when the count reaches a new peak (rounded: every 1% of growth), so the
 rest of the peak is activations and temporaries (runtime/dry_run.py's categories).
 """
@@ -22,7 +22,7 @@ class StepMeter(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.at_peak = {"grads": 0, "optimizer": 0}
-        self._seen: set[int] = set()
+        self._refs: dict[int, list[int]] = {}    # storage -> [tensors seen on it alive, bytes]
         self._next_snapshot = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -33,29 +33,34 @@ class StepMeter(TorchDispatchMode):
         return out
 
     def _count(self, t: torch.Tensor) -> None:
+        """Count `t`'s storage once; it is freed when the last tensor seen on it is (a view
+        can outlive its base)."""
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
             return
-        key = id(storage) if t.is_meta else storage.data_ptr()
-        if t.is_meta:   # meta storages have no address: the storage object is the identity
-            key = ("meta", storage._cdata)
-        if key in self._seen:
-            return
-        n = storage.nbytes()
-        self._seen.add(key)
-        self.live += n
-        weakref.finalize(storage, self._free, key, n) if not t.is_meta else weakref.finalize(t, self._free, key, n)
-        if self.live > self.peak:
-            self.peak = self.live
-            if self.live >= self._next_snapshot:
-                self.at_peak = {"grads": self._grads(), "optimizer": self._optimizer_state()}
-                self._next_snapshot = int(self.live * 1.01) + 1
+        key = storage._cdata          # the StorageImpl: one per storage, also for meta tensors
+        refs = self._refs.get(key)
+        if refs is None:
+            n = storage.nbytes()
+            self._refs[key] = [1, n]
+            self.live += n
+            if self.live > self.peak:
+                self.peak = self.live
+                if self.live >= self._next_snapshot:
+                    self.at_peak = {"grads": self._grads(), "optimizer": self._optimizer_state()}
+                    self._next_snapshot = int(self.live * 1.01) + 1
+        else:
+            refs[0] += 1
+        weakref.finalize(t, self._drop, key)
 
-    def _free(self, key, n: int) -> None:
-        if key in self._seen:
-            self._seen.discard(key)
-            self.live -= n
+    def _drop(self, key) -> None:
+        refs = self._refs.get(key)
+        if refs is not None:
+            refs[0] -= 1
+            if refs[0] == 0:
+                del self._refs[key]
+                self.live -= refs[1]
 
     def _grads(self) -> int:
         return sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
