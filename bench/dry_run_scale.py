@@ -10,7 +10,8 @@ three large jobs, each on the meta device, every rank's program at full world si
              MLA): 61 layers, h 7168, 128 heads, 256 routed experts top-8 of width 2048, vocab
              129280, s 4096, at pp=16, ep=64, dp=64 (1024 ranks)
 
-Each runs in a fresh process: compile, then the dry run (one class per pipeline stage, two
+Wall seconds on a shared machine depend on its load; CPU seconds (user+sys of the
+process) are the steadier number. Each runs in a fresh process: compile, then the dry run (one class per pipeline stage, two
 witness ranks each; runtime/dry_check.py), the cross-check over every process group and
 rank pair. Reported: wall seconds (compile and dry run), peak RSS of the process, ranks run,
 groups covered, process groups each rank builds, mismatches. m (microbatches) is a flag:
@@ -209,6 +210,8 @@ start = time.perf_counter()
 out = dry_run(spec, plan, world, progress=lambda i, n, run: print(f"{{i}}/{{n}} {{time.perf_counter() - start:.0f}}s",
               file=sys.stderr, flush=True))
 out["wall_s"] = time.perf_counter() - start
+usage = resource.getrusage(resource.RUSAGE_SELF)
+out["cpu_s"] = usage.ru_utime + usage.ru_stime
 out["peak_rss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 ranks = out.pop("ranks")
 out["groups_built_per_rank"] = sorted({{e["groups_built"] for e in ranks.values()}})
@@ -242,15 +245,15 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    print("| job | world | ranks run | compile s | dry run s | wall s | peak RSS GiB | groups covered | "
+    print("| job | world | ranks run | compile s | dry run s | wall s | CPU s | peak RSS GiB | groups covered | "
           "groups built/joined per rank | ok |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['job']} | | | | | | | | | {r['error']} |")
             continue
         print(f"| {r['job']} ({r['plan']}) | {r['world']} | {r['ranks_run']} | {r['compile_s']:.0f} | "
-              f"{r['dry_run_s']:.0f} | {r['wall_s']:.0f} | {r['peak_rss_kib'] / 2**20:.2f} | {r['groups_covered']} | "
+              f"{r['dry_run_s']:.0f} | {r['wall_s']:.0f} | {r['cpu_s']:.0f} | {r['peak_rss_kib'] / 2**20:.2f} | {r['groups_covered']} | "
               f"{r['groups_built_per_rank']}/{r['groups_joined_per_rank']} | {r['ok']} |")
     for r in rows:
         for m in (r.get("mismatches") or []) + (r.get("class_mismatches") or []) + list((r.get("errors") or {}).values()):

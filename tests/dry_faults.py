@@ -78,7 +78,7 @@ def compile_for_dry_run(spec: str, plan: str):
     return w, sources, build_manifest(prog, sources, {}, with_weights=False)
 
 
-def real_rank(spec: str, plan: str, fault: str | None = None, target: int = -1):
+def real_rank(spec: str, plan: str, fault: str | None = None, target: int = -1, swap_at: int | None = None):
     """On a gloo rank: the program's one training step with every collective recorded
     (runtime/comm_log.py), as the dry run records it; (ops, memory by category)."""
     from threefold.runtime.assemble import assemble_rank
@@ -91,7 +91,7 @@ def real_rank(spec: str, plan: str, fault: str | None = None, target: int = -1):
     if fault is not None:
         source = FaultySource(source, sources, target, TRANSFORMS[fault])
     batch = tuple(w.inputs) + (w.target,)
-    with record_comm() as log:
+    with record_comm(swap_at=swap_at if dist.get_rank() == target else None) as log:
         engine = assemble_rank(manifest, source, dist.get_rank(), torch.device("cpu"))
         opt = make_optimizer(engine, torch.optim.Adam, None, lr=1e-3, foreach=False)
         memory = _step_memory(engine, opt, batch)

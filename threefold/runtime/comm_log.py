@@ -44,8 +44,11 @@ class CommOp(NamedTuple):
 class CommLog:
     """One rank's issued operations, plus the process groups it built."""
 
-    def __init__(self, world: int):
+    def __init__(self, world: int, swap_at: int | None = None):
         self.world = world
+        # fault injection (tests): collective number swap_at (from 0) of this rank is issued
+        # after the next one, a swapped pair
+        self.swap_at, self.collectives, self.held = swap_at, 0, None
         self.ops: list[CommOp] = []
         self.groups_built = 0          # dist.new_group calls (each rank builds every group)
         self.groups_joined = 0         # of those, the ones this rank is a member of
@@ -129,7 +132,7 @@ WRAPPED = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "r
 
 
 class _Done:
-    """The completed work a fake object collective returns."""
+    """The completed work of a call not issued yet (a held, swapped collective)."""
     def wait(self, *_):
         return True
 
@@ -139,6 +142,19 @@ class _Done:
 
 def _wrap(name: str, fn, log: CommLog, fake: bool):
     def call(*args, **kwargs):
+        if log.swap_at is not None and name not in ("isend", "irecv", "send", "recv"):
+            log.collectives += 1
+            if log.collectives == log.swap_at + 1:      # hold it: issued after the next one
+                log.held = (issue, args, kwargs)
+                return _Done()
+            if log.held is not None:
+                (held, a, k), log.held = log.held, None
+                out = issue(*args, **kwargs)
+                held(*a, **k)
+                return out
+        return issue(*args, **kwargs)
+
+    def issue(*args, **kwargs):
         log.ops.append(_describe(name, log, args, kwargs))
         if fake and name == "all_gather_object":    # a fake group moves no bytes: keep our own
             out, obj = _arg(args, kwargs, 0, "object_gather_list"), _arg(args, kwargs, 1, "obj")
@@ -152,10 +168,12 @@ def _wrap(name: str, fn, log: CommLog, fake: bool):
 
 
 @contextlib.contextmanager
-def record_comm(world: int | None = None, fake: bool = False):
-    """Log every collective and p2p call made inside the block (yields the CommLog)."""
+def record_comm(world: int | None = None, fake: bool = False, swap_at: int | None = None):
+    """Log every collective and p2p call made inside the block (yields the CommLog).
+    `swap_at=k` (fault injection, tests): this rank issues its collectives k and k+1 in
+    the opposite order."""
     from threefold.runtime import zero
-    log = CommLog(world if world is not None else dist.get_world_size())
+    log = CommLog(world if world is not None else dist.get_world_size(), swap_at)
     saved = {name: getattr(dist, name) for name in WRAPPED}
     saved_new_group = dist.new_group
     saved_zero = (zero._REDUCE_SCATTER_FLAT, zero._ALL_GATHER_FLAT)

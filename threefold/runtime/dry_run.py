@@ -159,8 +159,9 @@ def meta_batch(batch: tuple) -> tuple:
 
 
 def dry_run_rank(manifest, source, rank: int, batch: tuple, optimizer_cls=torch.optim.Adam,
-                 memory: bool = True) -> RankRun:
-    """One training step of `rank` in a fake world of the plan's size (see the module doc)."""
+                 memory: bool = True, swap_at: int | None = None) -> RankRun:
+    """One training step of `rank` in a fake world of the plan's size (see the module doc).
+    `swap_at` (fault injection, tests): runtime/comm_log.record_comm's."""
     from threefold.runtime.assemble import assemble_rank
     from threefold.runtime.optimizers import make_optimizer
     world = manifest.mesh.world_size
@@ -171,7 +172,7 @@ def dry_run_rank(manifest, source, rank: int, batch: tuple, optimizer_cls=torch.
     store = CountingStore()
     run = RankRun(rank, [], 0, 0, {})
     try:
-        with record_comm(world, fake=True) as log, _MetaScalars(), _meta_autocast():
+        with record_comm(world, fake=True, swap_at=swap_at) as log, _MetaScalars(), _meta_autocast():
             dist.init_process_group("fake", store=store, rank=rank, world_size=world)
             try:
                 engine = assemble_rank(manifest, source, rank, torch.device("meta"))
@@ -252,9 +253,10 @@ class JobReport:
 
 
 def dry_run_job(manifest, source, batch: tuple, all_ranks: bool | None = None, optimizer_cls=torch.optim.Adam,
-                capacity_bytes: int | None = None, progress=None) -> JobReport:
+                capacity_bytes: int | None = None, progress=None, swaps: dict[int, int] | None = None) -> JobReport:
     """Dry-run the job's ranks (every rank, or one class per stage with its two witnesses:
-    runtime/dry_check.py says why that is enough) and cross-check what they issued."""
+    runtime/dry_check.py says why that is enough) and cross-check what they issued.
+    `swaps` {rank: k} (fault injection, tests): that rank swaps its collectives k and k+1."""
     import time
 
     from threefold.runtime.dry_check import Digits, check_classes, check_job, classes_of, relative_ops
@@ -273,7 +275,7 @@ def dry_run_job(manifest, source, batch: tuple, all_ranks: bool | None = None, o
     runs: dict[int, RankRun] = {}
     rel: dict[int, list] = {}
     for i, r in enumerate(ranks):
-        run = dry_run_rank(manifest, source, r, batch, optimizer_cls)
+        run = dry_run_rank(manifest, source, r, batch, optimizer_cls, swap_at=(swaps or {}).get(r))
         rel[r] = relative_ops(run.ops, r, digits)
         runs[r] = run
         if progress is not None:
