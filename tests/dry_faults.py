@@ -100,12 +100,14 @@ def real_rank(spec: str, plan: str, fault: str | None = None, target: int = -1, 
 
 def without_cpu_transport_setup(ops: list[tuple], world: int) -> list[tuple]:
     """`ops` less what only CPU ranks issue: the shared-memory transports' set-up
-    (runtime/shm.py: rank 0's token broadcast and the MIN agreements over the job), which a
+    (runtime/shm.py: rank 0's token broadcast and the MIN agreements over the job;
+    runtime/local_p2p.py: the all-gather of the pipeline's channels), which a
     GPU job, and so the dry run on meta tensors, does not issue."""
     everyone = tuple(range(world))
 
     def cpu_only(op) -> bool:
         name, group, shape, dtype = op[0], op[1], op[2], op[3]
         return group and group[0] == everyone and (
-            name == "broadcast_object_list" or (name == "all_reduce" and shape == (1,) and dtype == "int64"))
+            name in ("broadcast_object_list", "all_gather_object")
+            or (name == "all_reduce" and shape == (1,) and dtype == "int64"))
     return [op for op in ops if not cpu_only(op)]
