@@ -80,7 +80,7 @@ def compile_for_dry_run(spec: str, plan: str):
 
 def real_rank(spec: str, plan: str, fault: str | None = None, target: int = -1, swap_at: int | None = None):
     """On a gloo rank: the program's one training step with every collective recorded
-    (runtime/comm_log.py), as the dry run records it; (ops, memory by category)."""
+    (runtime/comm_log.py), as the dry run records it; (ops, memory by category, loss)."""
     from threefold.runtime.assemble import assemble_rank
     from threefold.runtime.comm_log import record_comm
     from threefold.runtime.dry_run import _step_memory
@@ -95,7 +95,7 @@ def real_rank(spec: str, plan: str, fault: str | None = None, target: int = -1, 
         engine = assemble_rank(manifest, source, dist.get_rank(), torch.device("cpu"))
         opt = make_optimizer(engine, torch.optim.Adam, None, lr=1e-3, foreach=False)
         memory = _step_memory(engine, opt, batch)
-    return [tuple(op) for op in log.ops], memory
+    return [tuple(op) for op in log.ops], memory, engine.stats.loss
 
 
 def without_cpu_transport_setup(ops: list[tuple], world: int) -> list[tuple]:
