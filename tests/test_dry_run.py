@@ -106,7 +106,7 @@ def test_a_swapped_pair_of_collectives_is_named(job8, full8):
     assert swapped[k] == ops[k + 1] and swapped[k + 1] == ops[k]
     m = next(m for m in bad.check.mismatches if 1 in m.ranks)
     assert m.ranks == (0, 1) and m.calls == (ops[k].describe(), ops[k + 1].describe())
-    assert m.index == _on_group(ops, ops[k].group).index(ops[k])
+    assert m.index == sum(op.group == ops[k].group for op in ops[:k])
 
 
 def test_a_rank_that_does_not_fit_is_named_with_its_categories(job8):
@@ -138,6 +138,20 @@ def test_cli_dry_run_json_and_bad_world(tmp_path):
     assert report["groups_covered"] >= 9 and report["mismatches"] == [] and len(report["ranks"]) == 8
     bad = subprocess.run(cmd[:-1] + ["6"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--world" in bad.stderr
+
+
+def test_plan_verify_dry_runs_the_best_plans():
+    cmd = [sys.executable, "-m", "threefold", "plan", GPT, "--batch", "8", "--gpus", "4", "--verify", "2",
+           "--top", "3", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    verdicts = [line for line in out.stderr.splitlines() if line.startswith("threefold plan: verified")]
+    assert len(verdicts) == 2 and all("groups" in v and "pairs agree" in v for v in verdicts)
+    plans = json.loads(out.stdout)["plans"]
+    assert [p["plan"] for p in plans[:2]] == [v.split("verified ")[1].split(":")[0] for v in verdicts]
+    no_spec = subprocess.run(cmd[:4] + ["--layers", "2", "--hidden", "64", "--heads", "4"] + cmd[5:],
+                             capture_output=True, text=True, timeout=300)
+    assert no_spec.returncode == 2 and "--verify" in no_spec.stderr and "Traceback" not in no_spec.stderr
 
 
 # ---- real gloo runs ---------------------------------------------------------------------------
