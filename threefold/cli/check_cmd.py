@@ -29,6 +29,8 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=3, help="SGD steps (default 3)")
     p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    from threefold.cli.dry_run_cmd import add_flags
+    add_flags(p)   # --dry-run --world N (cli/dry_run_cmd.py)
     p.set_defaults(func=run)
 
 
@@ -52,6 +54,12 @@ def _rank_losses(spec: str, plan: Plan, state_file: str, steps: int, lr: float) 
 
 
 def run(args) -> int:
+    if getattr(args, "dry_run", False):
+        from threefold.cli import dry_run_cmd
+        return dry_run_cmd.run(args)
+    for flag in ("world", "cluster"):
+        if getattr(args, flag, None) is not None:
+            raise PlanError(f"--{flag} is a --dry-run option: add --dry-run, or leave --{flag} out")
     from threefold.cli.jobs import run_on_ranks
     from threefold.workload import load_spec
     if args.steps < 1:

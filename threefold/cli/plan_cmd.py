@@ -73,6 +73,8 @@ def register(subparsers) -> None:
     p.add_argument("--evaluate", metavar="PLAN",
                    help="score only plans matching a partial plan, e.g. tp=8,pp=64 (keys tp, pp, dp, m, "
                         "b, v, schedule, recompute); plans that do not fit are listed too")
+    from threefold.cli.plan_verify import add_flag
+    add_flag(p)   # --verify K (cli/plan_verify.py)
     p.add_argument("--top", type=int, default=10, help="plans to show (default 10; 0 = all)")
     p.add_argument("--json", action="store_true",
                    help='print only JSON: {"plans": [{tp, pp, dp, microbatch_size, interleave, recompute, '
@@ -119,6 +121,11 @@ def run(args) -> int:
         raise PlanError(f"no plan for {model.name} fits in {cluster.usable_bytes / 2**30:.1f} GiB per GPU "
                         f"on {args.gpus} GPUs of {cluster.name}: add GPUs, lower --batch, allow "
                         "--tp-across-nodes, or use a larger-memory cluster")
+    if getattr(args, "verify", 0):
+        from threefold.cli.plan_verify import verify_plans
+        plans = verify_plans(args, plans)
+        if not plans:
+            raise PlanError(f"every plan dry-run with --verify {args.verify} failed (see above) and none is left")
     shown = plans if args.top == 0 else plans[: args.top]
     if args.svg:
         if plans[0].fits:

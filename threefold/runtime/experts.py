@@ -54,6 +54,8 @@ def run_experts(fn, num_experts: int, offs: torch.Tensor, rows: tuple, weights: 
         return fn(offs, *rows, *weights, *others)
     ep, me = dist.get_world_size(group), dist.get_rank(group)
     local = num_experts // ep
+    if offs.is_meta:   # a dry run (runtime/dry_run.py): no data to route, so routing is balanced
+        return _balanced(fn, offs, rows, weights, others, group, ep, me, local)
     counts = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))
     total = int(offs[-1]) if len(offs) else 0
     n_rows = rows[0].shape[0] if rows else 0
@@ -74,6 +76,20 @@ def run_experts(fn, num_experts: int, offs: torch.Tensor, rows: tuple, weights: 
     outs = fn(local_offs, *there, *weights, *others)
     inverse = torch.argsort(perm)
     return tuple(_AllToAll.apply(y[inverse], send_splits, recv_splits, group, "expert outputs") for y in outs)
+
+
+def _balanced(fn, offs, rows: tuple, weights: tuple, others: tuple, group, ep: int, me: int, local: int) -> tuple:
+    """The exchange of `run_experts` when every rank routes its rows evenly over the ep
+    ranks (the first n % ep ranks take one more): the same collectives, with the splits
+    balanced routing gives, on tensors without data."""
+    n = rows[0].shape[0] if rows else 0
+    send_splits = [n // ep + (1 if j < n % ep else 0) for j in range(ep)]
+    recv_splits = [send_splits[me]] * ep      # every rank holds n rows (its even share of the batch)
+    counts = offs.new_empty((ep, local), dtype=torch.int64)
+    comm.all_to_all(torch.empty_like(counts), counts, [1] * ep, [1] * ep, group, "tokens per expert")
+    there = [_AllToAll.apply(x, recv_splits, send_splits, group, "expert tokens") for x in rows]
+    outs = fn(offs.new_empty((local,)), *there, *weights, *others)
+    return tuple(_AllToAll.apply(y, send_splits, recv_splits, group, "expert outputs") for y in outs)
 
 
 def _past_last_expert(fn, offs, rows: tuple, total: int, weights: tuple, others: tuple) -> tuple:

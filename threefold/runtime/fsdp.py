@@ -193,9 +193,11 @@ class ShardedParams:
                 units[_key(s.param)] = u
 
         def pack(t):
-            if t.device.type != "meta" and t.untyped_storage()._cdata in units and t.requires_grad:
-                return (units[t.untyped_storage()._cdata], t)
-            return (None, t)
+            try:   # (meta tensors too: a dry run's backward gathers again as a real one does)
+                unit = units.get(t.untyped_storage()._cdata) if t.requires_grad else None
+            except (RuntimeError, NotImplementedError):   # a tensor without a storage of its own
+                unit = None
+            return (unit, t)
 
         def unpack(packed):
             u, t = packed

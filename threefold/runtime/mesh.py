@@ -31,6 +31,8 @@ explicitly (runtime/comm.py), never kept globally.
 """
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from math import prod
@@ -269,14 +271,10 @@ class Mesh:
         return out
 
     def groups(self, names) -> list[list[int]]:
-        """Every group along `names`: a partition of all ranks, in a fixed order."""
-        seen, out = set(), []
-        for r in range(self.world_size):
-            g = self.group(r, names)
-            if g[0] not in seen:
-                seen.add(g[0])
-                out.append(g)
-        return out
+        """Every group along `names`: a partition of all ranks, in a fixed order (by first
+        rank; each as `group` orders it). Every rank builds every group at start-up, so this
+        is one array transpose, not a walk over the world per group."""
+        return [list(g) for g in _partition(self.axes, self._expand(names))]
 
     def stage_ranks(self, stage: int) -> list[int]:
         """Every rank of one pipeline stage, ascending."""
@@ -295,6 +293,19 @@ class Mesh:
 
 # Axes that other meshes may have (added by plans with more parallelism): absent, size 1.
 _KNOWN_ELSEWHERE = ("ep", "edp", "cp")
+
+
+@functools.lru_cache(maxsize=64)
+def _partition(axes: tuple, spanned: tuple) -> tuple:
+    """The rank grid with the spanned axes moved last (each keeping mesh order), one row per
+    group: rows come in ascending first rank, members in their index along the spanned axes."""
+    import torch
+    sizes = [s for _, s in axes]
+    other = [i for i, (n, _) in enumerate(axes) if n not in spanned]
+    span = [i for i, (n, _) in enumerate(axes) if n in spanned]
+    grid = torch.arange(prod(sizes), dtype=torch.int64).reshape(sizes)
+    rows = grid.permute(other + span).reshape(-1, prod(sizes[i] for i in span))
+    return tuple(tuple(row) for row in rows.tolist())
 
 
 def _digits(k: int, sizes: list[int]) -> list[int]:
