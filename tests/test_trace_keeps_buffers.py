@@ -1,7 +1,9 @@
 """Tracing must leave the user's module as it was: a model that caches a tensor with
 register_buffer in forward (PaLM-pytorch's causal mask) kept the fake tensor export computed,
 so the module broke afterwards (parallelize failed on '.numpy() is not supported for tensor
-subclasses' while agreeing weights across ranks)."""
+subclasses' while agreeing weights across ranks), and the batch-dim probe's restore failed on
+the buffer it had not seen (KeyError)."""
+import pytest
 import torch
 
 from threefold.compiler.api import compile_workload
@@ -29,12 +31,14 @@ class CachedMaskLM(torch.nn.Module):
         return self.head(scores.softmax(-1) @ h)
 
 
-def test_compile_leaves_buffers_registered_in_forward_untouched():
+# tp=2: torch.export's trace; pp=2,m=2: also the eager batch-dim probe (passes/batch_dims.py)
+@pytest.mark.parametrize("plan", ["tp=2", "pp=2,m=2"])
+def test_compile_leaves_buffers_registered_in_forward_untouched(plan):
     torch.manual_seed(0)
     model = CachedMaskLM()
     inputs, target = token_batch(vocab=32, batch=2, seq=6)
     before = dict(model.named_buffers())
-    compile_workload(workload(model, (inputs,), target, lm_loss), "tp=2")
+    compile_workload(workload(model, (inputs,), target, lm_loss), plan)
     after = dict(model.named_buffers())
     assert after.keys() == before.keys() and all(after[k] is before[k] for k in before), after.keys()
     assert model.mask is None

@@ -6,9 +6,9 @@ packages are the `zoo` extra in pyproject.toml; a factory whose package is missi
 `MissingPackage`, which tests/test_zoo_external.py turns into a one-line skip.
 
 Versions tested (2026-12-06): x-transformers 2.31.10, PaLM-pytorch 0.2.2, st-moe-pytorch
-0.1.8, mixture-of-experts 0.2.3 (all MIT, all by lucidrains on GitHub).
+0.1.8, mixture-of-experts 0.2.3, soft-moe-pytorch 0.1.9 (all MIT, all by lucidrains on GitHub).
 
-The two MoE packages ship an MoE layer, not a language model: their factories wrap the
+The three MoE packages ship an MoE layer, not a language model: their factories wrap the
 package's own block in the smallest LM shell (embedding, the block twice with a residual,
 norm, head) and add the package's own auxiliary loss to the LM loss.
 """
@@ -32,6 +32,7 @@ PACKAGES = {
     "palm": ("palm_pytorch", "PaLM-pytorch", "MIT", "github.com/lucidrains/PaLM-pytorch"),
     "st_moe": ("st_moe_pytorch", "st-moe-pytorch", "MIT", "github.com/lucidrains/st-moe-pytorch"),
     "sgmoe": ("mixture_of_experts", "mixture-of-experts", "MIT", "github.com/lucidrains/mixture-of-experts"),
+    "soft_moe": ("soft_moe_pytorch", "soft-moe-pytorch", "MIT", "github.com/lucidrains/soft-moe-pytorch"),
 }
 
 
@@ -67,7 +68,7 @@ def _own_loss(loss, target):
 
 
 def xt_autoregressive(seed: int = 0):
-    """x-transformers' AutoregressiveWrapper: forward takes seq+1 tokens, shifts them itself and
+    """x-transformers' AutoregressiveWrapper: forward takes the whole token row, shifts them itself and
     returns its own cross-entropy (the target argument is unused)."""
     xt = _package("xt_autoregressive")
     torch.manual_seed(seed)
@@ -75,7 +76,7 @@ def xt_autoregressive(seed: int = 0):
                                 attn_layers=xt.Decoder(dim=HIDDEN, depth=LAYERS, heads=4, rotary_pos_emb=True))
     model = xt.AutoregressiveWrapper(net).train()
     g = torch.Generator().manual_seed(seed + 1)
-    tokens = torch.randint(0, VOCAB, (4, SEQ + 1), generator=g)
+    tokens = torch.randint(0, VOCAB, (4, SEQ), generator=g)   # SEQ - 1 positions after its shift
     return workload(model, (tokens,), tokens[:, 1:], _own_loss)
 
 
@@ -90,7 +91,8 @@ def palm(seed: int = 0):
 
 
 class _MoELM(torch.nn.Module):
-    """The smallest LM around a package's MoE block: it returns (logits, summed aux loss)."""
+    """The smallest LM around a package's MoE block: it returns (logits, summed aux loss); a
+    block that returns only its output adds no aux loss."""
 
     def __init__(self, blocks):
         super().__init__()
@@ -103,7 +105,8 @@ class _MoELM(torch.nn.Module):
         h, aux = self.embed(input_ids), 0.0
         for block in self.blocks:
             out = block(h)
-            h, aux = h + out[0], aux + out[1]
+            out, extra = (out, 0.0) if isinstance(out, torch.Tensor) else (out[0], out[1])
+            h, aux = h + out, aux + extra
         return self.head(self.norm(h)), aux
 
 
@@ -137,9 +140,22 @@ def sgmoe(seed: int = 0):
     return workload(_MoELM(blocks).train(), (inputs,), target, _lm_plus_aux)
 
 
+def soft_moe(seed: int = 0):
+    """soft-moe-pytorch's SoftMoE (Soft MoE): every slot is a softmax-weighted mix of all
+    tokens of its sequence, experts are a ModuleList applied per expert, outputs mixed back by a
+    second softmax; no discrete routing. It mixes positions (not causal): cp cannot split it.
+    is_distributed=False keeps its own all_gather out; no CPU offload of unused experts."""
+    sm = _package("soft_moe")
+    torch.manual_seed(seed)
+    blocks = [sm.SoftMoE(dim=HIDDEN, seq_len=SEQ, num_experts=4, expert_mult=2, is_distributed=False,
+                         offload_unused_experts_to_cpu=False) for _ in range(LAYERS)]
+    inputs, target = token_batch(seed=seed)
+    return workload(_MoELM(blocks).train(), (inputs,), target, _lm_plus_aux)
+
+
 FACTORIES = {"xt_decoder": xt_decoder, "xt_autoregressive": xt_autoregressive, "palm": palm,
-             "st_moe": st_moe, "sgmoe": sgmoe}
-MOE = ["st_moe", "sgmoe"]
+             "st_moe": st_moe, "sgmoe": sgmoe, "soft_moe": soft_moe}
+MOE = ["st_moe", "sgmoe", "soft_moe"]
 
 
 def missing_reason(arch: str) -> str | None:
