@@ -77,7 +77,8 @@ def xt_autoregressive(seed: int = 0):
     model = xt.AutoregressiveWrapper(net).train()
     g = torch.Generator().manual_seed(seed + 1)
     tokens = torch.randint(0, VOCAB, (4, SEQ), generator=g)   # SEQ - 1 positions after its shift
-    return workload(model, (tokens,), tokens[:, 1:], _own_loss)
+    # a scalar is all it returns, so no output rows show which input dim is the batch: declared
+    return {**workload(model, (tokens,), tokens[:, 1:], _own_loss), "batch_dims": (0, 0)}
 
 
 def palm(seed: int = 0):
@@ -91,11 +92,12 @@ def palm(seed: int = 0):
 
 
 class _MoELM(torch.nn.Module):
-    """The smallest LM around a package's MoE block: it returns (logits, summed aux loss); a
-    block that returns only its output adds no aux loss."""
+    """The smallest LM around a package's MoE block: it returns (logits, summed aux loss), or
+    the logits alone when the blocks return only their output (aux=False)."""
 
-    def __init__(self, blocks):
+    def __init__(self, blocks, aux: bool = True):
         super().__init__()
+        self.aux = aux
         self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
         self.blocks = torch.nn.ModuleList(blocks)
         self.norm = torch.nn.LayerNorm(HIDDEN)
@@ -105,9 +107,12 @@ class _MoELM(torch.nn.Module):
         h, aux = self.embed(input_ids), 0.0
         for block in self.blocks:
             out = block(h)
-            out, extra = (out, 0.0) if isinstance(out, torch.Tensor) else (out[0], out[1])
-            h, aux = h + out, aux + extra
-        return self.head(self.norm(h)), aux
+            if self.aux:
+                h, aux = h + out[0], aux + out[1]
+            else:
+                h = h + out
+        logits = self.head(self.norm(h))
+        return (logits, aux) if self.aux else logits
 
 
 def _lm_plus_aux(out, target):
@@ -125,7 +130,8 @@ def st_moe(seed: int = 0):
                                        threshold_train=1e-9, capacity_factor_train=2.0, is_distributed=False),
                                 add_ff_after=True) for _ in range(LAYERS)]
     inputs, target = token_batch(seed=seed)
-    return workload(_MoELM(blocks).train(), (inputs,), target, _lm_plus_aux)
+    # without attention every position is computed alone: the sequence dim would split as well
+    return {**workload(_MoELM(blocks).train(), (inputs,), target, _lm_plus_aux), "batch_dims": (0, 0)}
 
 
 def sgmoe(seed: int = 0):
@@ -137,7 +143,7 @@ def sgmoe(seed: int = 0):
     blocks = [moe.MoE(dim=HIDDEN, num_experts=4, hidden_dim=2 * HIDDEN, second_policy_train="all",
                       capacity_factor_train=2.0) for _ in range(LAYERS)]
     inputs, target = token_batch(seed=seed)
-    return workload(_MoELM(blocks).train(), (inputs,), target, _lm_plus_aux)
+    return {**workload(_MoELM(blocks).train(), (inputs,), target, _lm_plus_aux), "batch_dims": (0, 0)}
 
 
 def soft_moe(seed: int = 0):
@@ -150,7 +156,7 @@ def soft_moe(seed: int = 0):
     blocks = [sm.SoftMoE(dim=HIDDEN, seq_len=SEQ, num_experts=4, expert_mult=2, is_distributed=False,
                          offload_unused_experts_to_cpu=False) for _ in range(LAYERS)]
     inputs, target = token_batch(seed=seed)
-    return workload(_MoELM(blocks).train(), (inputs,), target, _lm_plus_aux)
+    return workload(_MoELM(blocks, aux=False).train(), (inputs,), target)
 
 
 FACTORIES = {"xt_decoder": xt_decoder, "xt_autoregressive": xt_autoregressive, "palm": palm,
