@@ -16,6 +16,7 @@ from tests.zoo import handwritten_moe_interleaved as _hwmoei
 from tests.zoo import handwritten_semantics as _hws
 from tests.zoo import handwritten_uneven as _hwu
 from tests.zoo import ctc as _ctc
+from tests.zoo import external as _ext
 from tests.zoo import hf_cached as _hfc
 from tests.zoo import hf_decoders as _hf
 from tests.zoo import hf_share as _hfs
@@ -116,6 +117,9 @@ ZOO = {
     "hw_moe_interleaved": _hwmoei.interleaved_moe,  # gate/up interleaved in one [E, C, 2F] weight: w[..., ::2]
     # issue 40: recent Hugging Face architectures (tests/zoo/hf_recent.py says what each brings)
     **_hfr.FACTORIES,
+    # issue 40 item 6: other projects' models used as is from their PyPI packages (the `zoo`
+    # extra); tests/zoo/external.py says what each brings, test_zoo_external.py skips when absent
+    **_ext.FACTORIES,
 }
 
 # Cases judged by distribution instead of exact parity (random masks differ from one process):

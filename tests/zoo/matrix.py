@@ -67,7 +67,7 @@ def _run_cell(arch: str, plan: str, steps: int, lr: float, optimizer: str = "sgd
         w = ZOO[arch]()
         with tempfile.TemporaryDirectory(prefix="zoo-") as workdir:
             pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"],
-                                       workdir=workdir)
+                                       workdir=workdir, batch_dims=w.get("batch_dims"))
             p = Plan.parse(plan)
             share = sharded_share(pm, w["model"]) if p.tp > 1 and p.pp == 1 else None
             opt = pm.optimizer(OPTIMIZERS[optimizer], lr=lr)   # the plan's form (ZeRO: sharded)

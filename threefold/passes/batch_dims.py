@@ -134,8 +134,14 @@ def _slice_matches(model, inputs, dims, parts, full_cache: list | None = None) -
     # forward may write buffers (a step counter): both runs start from the model's values,
     # which are put back afterwards (this check must not change the user's model)
     buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
+    # a buffer registered in forward (a cached causal mask) is dropped again: every module's
+    # buffer table goes back to what it held before
+    tables = [(m, dict(m._buffers)) for m in model.modules()]
 
     def restore():
+        for module, table in tables:
+            module._buffers.clear()
+            module._buffers.update(table)
         with torch.no_grad():
             for k, b in model.named_buffers():
                 b.copy_(buffers[k])
@@ -175,8 +181,14 @@ def _loss_pairs(model, batch: tuple, num_model_inputs: int, dims: list, parts: i
     was_training = model.training
     model.eval()
     buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
+    # a buffer registered in forward (a cached causal mask) is dropped again: every module's
+    # buffer table goes back to what it held before
+    tables = [(m, dict(m._buffers)) for m in model.modules()]
 
     def restore():
+        for module, table in tables:
+            module._buffers.clear()
+            module._buffers.update(table)
         with torch.no_grad():
             for k, b in model.named_buffers():
                 b.copy_(buffers[k])
