@@ -39,8 +39,10 @@ def _fifo(p):
 def _silent_spec(p):
     """A SPEC whose tokenizer turns any prompt into no ids."""
     with open(p, "w") as f:
-        f.write(f"import sys\nsys.path.insert(0, {os.path.join(ROOT, 'tests')!r})\n"
-                "from train_specs import stepped\n\n"
+        # the repository root on the path only where it is not (a rank or a CLI process):
+        # this SPEC also loads inside the test session, whose sys.path it must leave alone
+        f.write(f"import sys\nif {ROOT!r} not in sys.path:\n    sys.path.insert(0, {ROOT!r})\n"
+                "from tests.train_specs import stepped\n\n"
                 "class Silent:\n    def encode(self, text):\n        return []\n\n"
                 "    def decode(self, ids):\n        return ''\n\n"
                 "def silent():\n    w = stepped()\n    w['tokenizer'] = Silent()\n    return w\n")
