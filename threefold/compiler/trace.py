@@ -33,6 +33,7 @@ from threefold.compiler.program import TensorMeta, tf
 from threefold.compiler.stages import Traced
 from threefold.errors import PlanError
 from threefold.model_loss import model_loss
+from threefold.model_state import buffer_tables_kept
 from threefold.plan import Plan
 from threefold.runtime.output_tree import describe
 
@@ -133,7 +134,7 @@ def _export(wrapper: torch.nn.Module, args: tuple, name: str):
     custom: list[tuple[type, str]] = []
     try:
         with contextlib.redirect_stderr(held), _recording_custom_functions(wrapper, custom), \
-                _buffers_kept(wrapper):
+                buffer_tables_kept(wrapper):   # PaLM's cached mask: no fake tensor left in the model
             ep = torch.export.export(wrapper, args, strict=False)
     except PlanError:
         raise
@@ -155,21 +156,6 @@ def _export(wrapper: torch.nn.Module, args: tuple, name: str):
         sys.stderr.write(held.getvalue())
     ep._threefold_export_seconds = time.perf_counter() - start
     return ep
-
-
-@contextlib.contextmanager
-def _buffers_kept(wrapper: torch.nn.Module):
-    """Every module's buffer table as it was before export ran forward. A model that caches a
-    tensor with register_buffer in forward (PaLM's causal mask and rotary table) would
-    otherwise keep the fake tensor export computed, and the user's module would be broken
-    (export restores plain attributes, not entries added to or replaced in `_buffers`)."""
-    saved = [(m, dict(m._buffers)) for m in wrapper.modules()]
-    try:
-        yield
-    finally:
-        for module, buffers in saved:
-            module._buffers.clear()
-            module._buffers.update(buffers)
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ import itertools
 import torch
 
 from threefold.errors import PlanError
+from threefold.model_state import probing
 
 
 def find_batch_dims(model: torch.nn.Module, batch: tuple, num_model_inputs: int, parts: int,
@@ -128,25 +129,10 @@ def split(t, dim, parts: int, index: int):
 
 def _slice_matches(model, inputs, dims, parts, full_cache: list | None = None) -> bool:
     """Does the last slice along `dims` give the matching slice of the full batch's output?
-    `full_cache`: an empty list the first call fills with the full output, later calls reuse."""
-    was_training = model.training
-    model.eval()
-    # forward may write buffers (a step counter): both runs start from the model's values,
-    # which are put back afterwards (this check must not change the user's model)
-    buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
-    # a buffer registered in forward (a cached causal mask) is dropped again: every module's
-    # buffer table goes back to what it held before
-    tables = [(m, dict(m._buffers)) for m in model.modules()]
-
-    def restore():
-        for module, table in tables:
-            module._buffers.clear()
-            module._buffers.update(table)
-        with torch.no_grad():
-            for k, b in model.named_buffers():
-                b.copy_(buffers[k])
+    `full_cache`: an empty list the first call fills with the full output, later calls reuse.
+    Both runs start from the user's model state, which is put back afterwards."""
     try:
-        with torch.no_grad():
+        with probing(model) as restore:
             if full_cache:
                 full = full_cache[0]
             else:
@@ -157,9 +143,6 @@ def _slice_matches(model, inputs, dims, parts, full_cache: list | None = None) -
             part = _flat(model(*(split(t, d, parts, parts - 1) for t, d in zip(inputs, dims))))
     except Exception:
         return False
-    finally:
-        restore()
-        model.train(was_training)
     if len(full) != len(part) or not full:
         return False
     # a scalar (a loss the model returns beside its logits) has no rows to show; the
@@ -178,54 +161,28 @@ def _loss_pairs(model, batch: tuple, num_model_inputs: int, dims: list, parts: i
     outputs paired with its own slice of the target along `dims`? (A target cut along
     another dim of the same length pairs outputs with other rows' targets: generically
     neither.)"""
-    was_training = model.training
-    model.eval()
-    buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
-    # a buffer registered in forward (a cached causal mask) is dropped again: every module's
-    # buffer table goes back to what it held before
-    tables = [(m, dict(m._buffers)) for m in model.modules()]
-
-    def restore():
-        for module, table in tables:
-            module._buffers.clear()
-            module._buffers.update(table)
-        with torch.no_grad():
-            for k, b in model.named_buffers():
-                b.copy_(buffers[k])
     try:
-        with torch.no_grad():
+        with probing(model) as restore:
             inputs, targets = batch[:num_model_inputs], batch[num_model_inputs:]
             whole = float(loss_fn(model(*inputs), *targets))
-            restore()
             losses = []
             for k in range(parts):
+                restore()
                 part = [split(t, d, parts, k) for t, d in zip(batch, dims)]
                 losses.append(float(loss_fn(model(*part[:num_model_inputs]), *part[num_model_inputs:])))
-                restore()
     except Exception:
         return False
-    finally:
-        restore()
-        model.train(was_training)
     scale = max(abs(whole), 1e-12)
     return abs(sum(losses) / parts - whole) <= 1e-5 * scale or abs(sum(losses) - whole) <= 1e-5 * scale
 
 
 def _scalar_outputs_only(model, inputs) -> bool:
     """Does the model return only scalars (its loss), so no split can be checked by value?"""
-    was_training = model.training
-    buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
-    model.eval()
     try:
-        with torch.no_grad():
+        with probing(model):
             out = _flat(model(*inputs))
     except Exception:
         return False
-    finally:
-        with torch.no_grad():
-            for k, b in model.named_buffers():
-                b.copy_(buffers[k])
-        model.train(was_training)
     return bool(out) and all(t.dim() == 0 for t in out)
 
 
