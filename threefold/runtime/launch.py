@@ -200,12 +200,29 @@ def _report(conn, item) -> None:
     conn.send_bytes(pickle.dumps(item))
 
 
-def _worker(rank: int, world: int, port: int, secret: str, fn, args, queue, threads: int,
-            parent_pid: int, environ: dict) -> None:
-    _die_with_parent(parent_pid)
-    if os.environ != environ:       # a forkserver's environment is the one it started with
+def _set_environ(environ: dict) -> dict:
+    if os.environ != environ:
         os.environ.clear()
         os.environ.update(environ)
+    return environ
+
+
+class _Environ:
+    """The launcher's environment, put in place in the rank as it is unpickled. It is the
+    worker's first argument, so it is in place before the function and its arguments are
+    unpickled (which may import modules that read it): a forkserver's own environment is
+    the one it started with, the rank gets the launcher's of the moment, as if spawned."""
+
+    def __init__(self):
+        self.environ = dict(os.environ)
+
+    def __reduce__(self):
+        return _set_environ, (self.environ,)
+
+
+def _worker(environ: dict, rank: int, world: int, port: int, secret: str, fn, args, queue, threads: int,
+            parent_pid: int) -> None:
+    _die_with_parent(parent_pid)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if os.path.isdir("/sys/class/net/lo"):
@@ -292,8 +309,8 @@ def launch(fn, nprocs: int, *args, threads: int = 1, timeout: float | None = Non
     secret = new_secret()                   # the job's own store (runtime/job_store.py)
     server, port = _store_server(nprocs)
     store = JobStore(server, secret)
-    procs = [ctx.Process(target=_worker, args=(r, nprocs, port, secret, fn, args, queue.writers[r], threads,
-                                               os.getpid(), dict(os.environ)),
+    procs = [ctx.Process(target=_worker, args=(_Environ(), r, nprocs, port, secret, fn, args, queue.writers[r],
+                                               threads, os.getpid()),
                          daemon=True) for r in range(nprocs)]
     results: dict[int, tuple[str, object]] = {}
     causes: dict[int, str] = {}             # what the parent saw: a rank died or stopped
