@@ -10,10 +10,11 @@ results in rank order. Faults are bounded:
 - The store is the job's own: a per-job secret, handed to the ranks with their arguments,
   namespaces its keys and authenticates its values (runtime/job_store.py), so another
   local process that writes rendezvous keys is ignored (or named), not obeyed.
-- Ranks start from a forkserver (Linux; spawned elsewhere) that imported torch once for all
-  of them, with the launcher's environment of the moment. Every rank asks the kernel to kill
-  it when its parent (the launcher or its forkserver, which ends with the launcher) dies
-  (PR_SET_PDEATHSIG) and also polls both, so a killed launcher leaves no orphans.
+- Ranks are spawned, or, after prestart() (the CLI's `train`, Linux), forked from a
+  forkserver that imported torch once for all of them; either way with the launcher's
+  environment of the moment. Every rank asks the kernel to kill it when its parent (the
+  launcher or its forkserver, which ends with the launcher) dies (PR_SET_PDEATHSIG) and also
+  polls both, so a killed launcher leaves no orphans.
 - When a rank fails or dies, the others get a short grace to fail on their own (they name
   the rank they lost; none for bad input, whose cause is already known), then every rank
   left is sent SIGTERM and, after a second, SIGKILL (which also ends stopped ranks).
@@ -125,13 +126,15 @@ def _die_with_parent(launcher_pid: int) -> None:
 # What a forkserver imports once for every rank it starts: torch, and torch._dynamo, which
 # every torch.optim optimizer imports when it is built (about a second each per process).
 PRELOAD = ["torch", "torch._dynamo", "threefold.runtime.launch"]
+_forkserver_owned = False       # prestart() ran: this process's launches start ranks from it
 
 
 def start_context():
-    """How ranks start: from a forkserver with PRELOAD imported (Linux), else spawned.
-    Either way a rank is a fresh process image that never shares the launcher's threads or
-    state: the forkserver is a clean interpreter of its own, started once per launcher process."""
-    if sys.platform.startswith("linux") and "forkserver" in mp.get_all_start_methods():
+    """How ranks start: spawned, or, once prestart() has run (the CLI's `train`), forked
+    from a forkserver with PRELOAD imported (Linux). Either way a rank is a fresh process
+    image that never shares the launcher's threads or state: the forkserver is a clean
+    interpreter of its own."""
+    if _forkserver_owned:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
         return ctx
@@ -139,14 +142,20 @@ def start_context():
 
 
 def prestart() -> None:
-    """Start the forkserver now, so that its imports overlap the caller's own work (the
-    parent's compile in `threefold train`) instead of delaying the ranks. It is killed when
-    this process exits (bad input found by that work included), not left to finish its imports."""
-    if start_context().get_start_method() == "forkserver":
-        import atexit
-        from multiprocessing import forkserver
-        forkserver.ensure_running()
-        atexit.register(_kill_forkserver)
+    """Start the ranks' forkserver now, so that its imports overlap the caller's own work
+    (the parent's compile in `threefold train`) instead of delaying every rank. It is killed
+    and reaped when this process exits (bad input found by that work included): nothing
+    outlives the command, and the ranks' CPU time is accounted to it as a spawned rank's is."""
+    global _forkserver_owned
+    if _forkserver_owned or not sys.platform.startswith("linux") or \
+            "forkserver" not in mp.get_all_start_methods():
+        return
+    import atexit
+    from multiprocessing import forkserver
+    _forkserver_owned = True
+    start_context()             # its preload list, before it starts
+    forkserver.ensure_running()
+    atexit.register(_kill_forkserver)
 
 
 def _kill_forkserver() -> None:
@@ -155,6 +164,7 @@ def _kill_forkserver() -> None:
     if pid:
         try:
             os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
         except OSError:
             pass
 
