@@ -32,16 +32,31 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
 def ranks_of(pid: int) -> list[int]:
-    """The job's rank processes: spawned children running multiprocessing's spawn_main."""
+    """The job's rank processes: spawned children running multiprocessing's spawn_main, or
+    the children of the job's forkserver (runtime/launch.py: `train` starts ranks from one)."""
     found = []
     for c in descendants(pid):
-        try:
-            with open(f"/proc/{c}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
-                    found.append(c)
-        except OSError:
-            pass
+        cmd = _cmdline(c)
+        if b"spawn_main" in cmd or (b"multiprocessing.forkserver" in cmd
+                                    and b"multiprocessing.forkserver" in _cmdline(_ppid(c))):
+            found.append(c)
     return sorted(found)
 
 

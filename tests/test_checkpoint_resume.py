@@ -22,19 +22,6 @@ def _train(out_dir, *extra, timeout=240):
         return json.load(f), out.stderr
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        kids.append(int(d))
-            except (OSError, ValueError, IndexError):
-                pass
-    return kids
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_killed_run_resumes_and_reproduces_the_losses(tmp_path):
@@ -47,7 +34,8 @@ def test_killed_run_resumes_and_reproduces_the_losses(tmp_path):
     while not (ckpt / "step_000000006" / "threefold.json").exists():
         assert job.poll() is None and time.monotonic() < deadline, "no checkpoint at step 6"
         time.sleep(0.05)
-    victim = max(_children(job.pid))            # the newest child: a spawned rank
+    from tests.elastic_job import ranks_of
+    victim = max(ranks_of(job.pid))              # the newest rank
     os.kill(victim, signal.SIGKILL)
     assert job.wait(timeout=120) != 0, "the run finished before the kill: nothing to resume"
     resumed, err = _train(tmp_path / "run2", "--ckpt-dir", str(ckpt), "--resume")

@@ -77,7 +77,8 @@ def test_soak_four_ranks_killed_at_five_random_points(tmp_path):
     """Kills at random ranks and moments, some during a save or a restart: the job still
     ends with the uninterrupted run's losses, bit for bit, and leaves nothing behind."""
     rnd = random.Random(43)
-    common = ["--plan", "pp=2,dp=2,m=2", "--steps", "30"]
+    # long enough that every kill lands before the job ends, however quick the ranks start
+    common = ["--plan", "pp=2,dp=2,m=2", "--steps", "60"]
     reference = train(tmp_path / "ref", *common)["losses"]
     ckpt = tmp_path / "ckpt"
     job = Job(tmp_path / "run", *common, "--save-every", "3", "--ckpt-dir", str(ckpt), "--max-restarts", "5")
@@ -86,7 +87,7 @@ def test_soak_four_ranks_killed_at_five_random_points(tmp_path):
         # after the previous restart began: some kills land while the ranks start or resume,
         # some mid-step, some during a background save
         job.wait_for(lambda k=kill: restarts() >= k and len(ranks_of(job.proc.pid)) == 4, timeout=600)
-        time.sleep(rnd.uniform(0.0, 6.0))
+        time.sleep(rnd.uniform(0.0, 3.0))
         job.signal_rank(rnd.randrange(4), signal.SIGKILL)
         job.wait_for(lambda k=kill: restarts() > k, timeout=600)
     got = job.finish(timeout=1500)

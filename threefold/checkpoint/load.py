@@ -15,7 +15,6 @@ import torch
 from threefold.checkpoint import files, state
 from threefold.checkpoint.collective import gather_all, quiet as _quiet, rank_world
 from threefold.checkpoint.groups import restore_groups
-from threefold.checkpoint.safe_read import unwrapped
 from threefold.errors import PlanError
 
 
@@ -66,6 +65,7 @@ def load(pm, optimizer, directory: str) -> dict:
     if rng_key in md.state_dict_metadata:
         sd[rng_key] = None
     from threefold.checkpoint.planners import LoadShards
+    from threefold.checkpoint.safe_read import unwrapped
     try:
         with torch.no_grad():
             with _quiet(world), unwrapped():

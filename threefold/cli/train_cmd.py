@@ -255,7 +255,9 @@ def _train(cfg, plan, ckpt_dir: str, resume: str | None, run_record: dict | None
            restart: dict | None = None) -> int:
     from threefold.cli.jobs import command_plan, run_on_ranks, tell, under_torchrun
     if not under_torchrun():     # under torchrun every process is a rank: no parent to check in
+        from threefold.runtime.launch import prestart
         from threefold.train.progress import compiling_status
+        prestart()               # the ranks' forkserver imports torch while this process compiles
         with compiling_status(f"compiling for plan {plan} (checking it before starting "
                               f"{plan.world_size} ranks)", enabled=not cfg.json):
             plan = validate_in_parent(cfg)

@@ -10,8 +10,11 @@ results in rank order. Faults are bounded:
 - The store is the job's own: a per-job secret, handed to the ranks with their arguments,
   namespaces its keys and authenticates its values (runtime/job_store.py), so another
   local process that writes rendezvous keys is ignored (or named), not obeyed.
-- Every rank asks the kernel to kill it when the parent dies (PR_SET_PDEATHSIG) and also
-  polls its parent, so a killed launcher leaves no orphans.
+- Ranks are spawned, or, after prestart() (the CLI's `train`, Linux), forked from a
+  forkserver that imported torch once for all of them; either way with the launcher's
+  environment of the moment. Every rank asks the kernel to kill it when its parent (the
+  launcher or its forkserver, which ends with the launcher) dies (PR_SET_PDEATHSIG) and also
+  polls both, so a killed launcher leaves no orphans.
 - When a rank fails or dies, the others get a short grace to fail on their own (they name
   the rank they lost; none for bad input, whose cause is already known), then every rank
   left is sent SIGTERM and, after a second, SIGKILL (which also ends stopped ranks).
@@ -88,23 +91,82 @@ def init_from_env(backend: str | None = None) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=default_timeout())
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """End this rank when the launcher ends, however it ends (no orphans)."""
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _die_with_parent(launcher_pid: int) -> None:
+    """End this rank when the launcher ends, however it ends (no orphans). The rank's parent
+    is the launcher (spawn) or the launcher's forkserver, which exits when the launcher does:
+    the kernel's parent-death signal covers both, and the watch also polls the launcher."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(1, signal.SIGKILL, 0, 0, 0)          # PR_SET_PDEATHSIG = 1
         except Exception:
             pass
-    if os.getppid() != parent_pid:                          # parent already gone
+    parent = os.getppid()
+    if parent == 1 or not _alive(launcher_pid):             # launcher (or forkserver) already gone
         os._exit(1)
 
     def watch():                                            # portable fallback
         while True:
             time.sleep(1.0)
-            if os.getppid() != parent_pid:
+            if os.getppid() != parent or not _alive(launcher_pid):
                 os._exit(1)
     threading.Thread(target=watch, name="threefold-parent-watch", daemon=True).start()
+
+
+# What a forkserver imports once for every rank it starts: torch, and torch._dynamo, which
+# every torch.optim optimizer imports when it is built (about a second each per process).
+PRELOAD = ["torch", "torch._dynamo", "threefold.runtime.launch"]
+_forkserver_owned = False       # prestart() ran: this process's launches start ranks from it
+
+
+def start_context():
+    """How ranks start: spawned, or, once prestart() has run (the CLI's `train`), forked
+    from a forkserver with PRELOAD imported (Linux). Either way a rank is a fresh process
+    image that never shares the launcher's threads or state: the forkserver is a clean
+    interpreter of its own."""
+    if _forkserver_owned:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        return ctx
+    return mp.get_context("spawn")
+
+
+def prestart() -> None:
+    """Start the ranks' forkserver now, so that its imports overlap the caller's own work
+    (the parent's compile in `threefold train`) instead of delaying every rank. It is killed
+    and reaped when this process exits (bad input found by that work included): nothing
+    outlives the command, and the ranks' CPU time is accounted to it as a spawned rank's is."""
+    global _forkserver_owned
+    if _forkserver_owned or not sys.platform.startswith("linux") or \
+            "forkserver" not in mp.get_all_start_methods():
+        return
+    import atexit
+    from multiprocessing import forkserver
+    _forkserver_owned = True
+    start_context()             # its preload list, before it starts
+    forkserver.ensure_running()
+    atexit.register(_kill_forkserver)
+
+
+def _kill_forkserver() -> None:
+    from multiprocessing import forkserver
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
 
 
 class _Reports:
@@ -148,7 +210,27 @@ def _report(conn, item) -> None:
     conn.send_bytes(pickle.dumps(item))
 
 
-def _worker(rank: int, world: int, port: int, secret: str, fn, args, queue, threads: int,
+def _set_environ(environ: dict) -> dict:
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+    return environ
+
+
+class _Environ:
+    """The launcher's environment, put in place in the rank as it is unpickled. It is the
+    worker's first argument, so it is in place before the function and its arguments are
+    unpickled (which may import modules that read it): a forkserver's own environment is
+    the one it started with, the rank gets the launcher's of the moment, as if spawned."""
+
+    def __init__(self):
+        self.environ = dict(os.environ)
+
+    def __reduce__(self):
+        return _set_environ, (self.environ,)
+
+
+def _worker(environ: dict, rank: int, world: int, port: int, secret: str, fn, args, queue, threads: int,
             parent_pid: int) -> None:
     _die_with_parent(parent_pid)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
@@ -232,13 +314,13 @@ def launch(fn, nprocs: int, *args, threads: int = 1, timeout: float | None = Non
     from threefold.runtime.capacity import check_local_capacity
     check_local_capacity(nprocs)   # the CLI's guard: 16 ranks on 2 cores is refused, not thrashed
     affinity.mode()     # a bad THREEFOLD_PIN is a PlanError here, before any rank starts
-    ctx = mp.get_context("spawn")
+    ctx = start_context()
     queue = _Reports(ctx, nprocs)
     secret = new_secret()                   # the job's own store (runtime/job_store.py)
     server, port = _store_server(nprocs)
     store = JobStore(server, secret)
-    procs = [ctx.Process(target=_worker, args=(r, nprocs, port, secret, fn, args, queue.writers[r], threads,
-                                               os.getpid()),
+    procs = [ctx.Process(target=_worker, args=(_Environ(), r, nprocs, port, secret, fn, args, queue.writers[r],
+                                               threads, os.getpid()),
                          daemon=True) for r in range(nprocs)]
     results: dict[int, tuple[str, object]] = {}
     causes: dict[int, str] = {}             # what the parent saw: a rank died or stopped
