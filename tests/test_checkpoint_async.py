@@ -12,6 +12,7 @@ from threefold.checkpoint import files
 from threefold.checkpoint.async_save import AsyncSaver, stage
 from threefold.checkpoint.save import _collect
 from tests.parity import load_workload
+from tests.test_checkpoint_files import _snapshot, _train
 
 KW = {"n_layer": 2, "n_embd": 32, "n_head": 2, "seq": 8, "batch": 4}
 
@@ -22,21 +23,10 @@ def _build(seed=0, plan="tp=1"):
     return pm, torch.optim.AdamW(pm.parameters(), lr=1e-2), w
 
 
-def _train(pm, opt, w, n=1):
-    for _ in range(n):
-        opt.zero_grad()
-        pm.step(*w["inputs"], target=w["target"])
-        opt.step()
-
-
-def _params(pm):
-    return {k: v.detach().clone() for k, v in pm.engine.params.items()}
-
-
 def test_the_background_write_keeps_the_state_at_the_save_while_training_goes_on(tmp_path):
     pm, opt, w = _build()
     _train(pm, opt, w, 2)
-    at_save = _params(pm)
+    at_save = _snapshot(pm)
     moments = {k: opt.state[p]["exp_avg"].clone() for k, p in pm.engine.params.items()}
     saver = AsyncSaver()
     saver.save(pm, opt, str(tmp_path), step=2, extra={"pos": 2}, keep=2)
@@ -66,7 +56,7 @@ def test_async_and_blocking_saves_load_the_same_state(tmp_path):
     for d in ("a", "b"):
         fresh, o, _ = _build(seed=9)
         threefold.load(fresh, o, str(tmp_path / d))
-        loaded.append(_params(fresh))
+        loaded.append(_snapshot(fresh))
     assert all(torch.equal(loaded[0][k], loaded[1][k]) for k in loaded[0])
 
 
