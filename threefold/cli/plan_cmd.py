@@ -99,7 +99,7 @@ def model_from_args(args):
         from threefold.planner.moe import moe_model_cost
         ffn = args.expert_ffn or 4 * args.hidden // max(1, args.top_k)
         return moe_model_cost(args.layers, args.hidden, args.heads, args.experts, args.top_k, ffn,
-                              args.vocab, args.seq, kv_heads=args.kv_heads, tied=args.tied,
+                              args.vocab, args.seq, kv_heads=args.kv_heads, tied=args.tied, mlp=args.mlp,
                               attention=args.attention or ("flash" if args.kv_heads or not args.tied else None))
     return gpt_model_cost(args.layers, args.hidden, args.heads, args.vocab, args.seq, ffn=args.ffn,
                           kv_heads=args.kv_heads, mlp=args.mlp, tied=args.tied,

@@ -235,7 +235,8 @@ def node_cost(node: fx.Node) -> NodeCost:
         flops = int(rule(node, ins, outs)) if outs or rule is not _elementwise_flops else 0
     except (IndexError, TypeError):
         flops = _elementwise_flops(node, ins, outs)
-    is_view = name in _VIEW_OPS and name not in ("embedding", "cat", "index", "gather",
+    # a view moves no bytes, and neither does a dtype assert (it only checks metadata)
+    is_view = name == "_assert_tensor_metadata" or name in _VIEW_OPS and name not in ("embedding", "cat", "index", "gather",
                                                  "index_select", "repeat", "_to_copy", "clone",
                                                  "copy", "contiguous")
     read = 0 if is_view else sum(m.nbytes for m in ins)

@@ -8,7 +8,7 @@ slower per FLOP. Activations follow Korthikanti et al. 2022, sec. 4.1.
 from __future__ import annotations
 
 from threefold.errors import PlanError
-from threefold.planner.model_cost import ACT_BYTES, ModelCost, Op
+from threefold.planner.model_cost import ACT_BYTES, ModelCost, Op, cross_entropy_bytes
 
 
 def eq3_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int, recompute: bool = True) -> float:
@@ -53,14 +53,25 @@ def gpt_model_cost(layers: int, hidden: int, heads: int, vocab: int = 51200, seq
     gated = mlp == "swiglu"
     up = 2 * f if gated else f   # fc1's output width: gate and up side by side
     qkv = h + 2 * kvh
+    # GPT: learned positions and dropout (a 1-byte mask per residual add); the gated
+    # (Llama-like) models: rotary embeddings and no dropout
+    rotary = gated
+    mask = 0 if gated else h
     ops = (
         # name                      flops/token     bytes sharded            bytes replicated    weights
         Op("layernorm1",            bytes_repl=2 * B * h),
         Op("qkv_gemm",              flops_split=2 * h * qkv, bytes_split=B * qkv, bytes_repl=B * h,
            weight_bytes=B * qkv * h, matmul=True),
     ) + ((
-        # one fused kernel: reads q, k, v, writes the context; scores never reach memory
-        Op("flash_attention",       flops_split=4 * s * h, bytes_split=B * (2 * h + 2 * kvh), matmul=True, selective=True),
+        # rotary embeddings: one fused kernel each for q and k (read, write; cos and sin rows)
+        Op("rotary_q",              bytes_split=2 * B * h, bytes_repl=2 * B * (h // a)),
+        Op("rotary_k",              bytes_split=2 * B * kvh, bytes_repl=2 * B * (h // a)),
+    ) if rotary else ()) + ((
+        # one fused kernel: reads q, k, v, writes the context; scores never reach memory, so
+        # recompute=selective has nothing to rerun (the recompute pass's rule finds no region
+        # larger than the residual stream to drop)
+        Op("flash_attention",       flops_split=4 * s * h, bytes_split=B * (2 * h + 2 * kvh), matmul=True),
+        Op("context_transpose",     bytes_split=2 * B * h),                 # [b,a,s,d] -> [b,s,h]
     ) if flash else (
         Op("scores_bmm",            flops_split=2 * s * h, bytes_split=B * (h + kvh + A), matmul=True, selective=True),
         Op("scale_mask_softmax",    bytes_split=2 * B * A, selective=True),                 # fused: read + write
@@ -70,7 +81,7 @@ def gpt_model_cost(layers: int, hidden: int, heads: int, vocab: int = 51200, seq
     )) + (
         Op("dense_gemm",            flops_split=2 * h * h, bytes_split=B * h, bytes_repl=B * h,
            weight_bytes=B * h * h, matmul=True),
-        Op("bias_dropout_add1",     bytes_repl=3 * B * h + h),              # fused: out, residual -> sum, mask
+        Op("bias_dropout_add1",     bytes_repl=3 * B * h + mask),           # fused: out, residual -> sum, mask
         Op("layernorm2",            bytes_repl=2 * B * h),
         Op("fc1_gemm",              flops_split=2 * h * up, bytes_split=B * up, bytes_repl=B * h,
            weight_bytes=B * h * up, matmul=True),
@@ -78,14 +89,15 @@ def gpt_model_cost(layers: int, hidden: int, heads: int, vocab: int = 51200, seq
         Op("swiglu" if gated else "bias_gelu", bytes_split=(3 if gated else 2) * B * f),
         Op("fc2_gemm",              flops_split=2 * f * h, bytes_split=B * f, bytes_repl=B * h,
            weight_bytes=B * f * h, matmul=True),
-        Op("bias_dropout_add2",     bytes_repl=3 * B * h + h),
+        Op("bias_dropout_add2",     bytes_repl=3 * B * h + mask),
     )
-    pre = (Op("embedding", bytes_repl=3 * B * h + h),)                      # gather, + position, dropout
+    # gather (GPT: + position, dropout)
+    pre = (Op("embedding", bytes_repl=B * h if rotary else 3 * B * h + h),)
     post = (
         Op("final_layernorm", bytes_repl=2 * B * h),
         Op("logits_gemm", flops_split=2 * h * V, bytes_split=B * V, bytes_repl=B * h,
            weight_bytes=B * h * V, matmul=True),
-        Op("vocab_parallel_cross_entropy", bytes_split=3 * 4 * V),          # fp32: max, exp-sum, normalise
+        Op("vocab_parallel_cross_entropy", bytes_split=cross_entropy_bytes(V)),
     )
     # qkv, dense, fc1 (+gate), fc2 with biases, norms: 12h^2+13h for GPT
     layer_params = qkv * h + qkv + h * h + h + up * h + up + f * h + h + 4 * h

@@ -20,6 +20,13 @@ OPTIMIZER_BYTES_PER_PARAM = 32  # Adam step traffic: read/write master, m, v; re
 ACT_BYTES = 2                 # fp16/bf16 activations
 
 
+def cross_entropy_bytes(vocab: float) -> float:
+    """HBM bytes per token of the loss over `vocab` logits (local to a tp rank): the row is
+    read three times in fp32 (max, exp-sum, normalise), Megatron's vocab-parallel kernel.
+    One fact for both descriptions: the shape flags' loss op and a SPEC's loss node."""
+    return 3 * 4 * vocab
+
+
 @dataclass(frozen=True)
 class Op:
     """One kernel of a layer's forward, costed per token (per microbatch for weights).

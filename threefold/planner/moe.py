@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from threefold.planner.model_cost import Op
+
 
 @dataclass(frozen=True)
 class MoeShape:
@@ -95,11 +97,38 @@ def moe_seconds(moe: MoeLayer, tokens: float, tp: int, ep: int, cluster,
     return compute, a2a
 
 
+# A dropless top-k router's bookkeeping, one small kernel each (as Hugging Face's Mixtral runs
+# it): softmax over E, top-k, renormalise, sort the rows by expert, expert and token of each
+# row, per-expert counts and offsets, the inverse permutation (allocate, fill).
+ROUTING_KERNELS = ("softmax", "topk", "renormalise", "sort", "expert_of_row", "token_of_row", "counts",
+                   "offsets", "inverse_alloc", "inverse_fill", "row_ids")
+
+
+def routing_ops(hidden: int, experts: int, top_k: int, dtype_bytes: int = 2) -> tuple:
+    """The kernels of one MoE layer around its expert GEMMs, per token (every tp rank runs
+    them whole): the router's bookkeeping (launch-bound), then the rows' data movement:
+    gather each token's row k times in expert order, scale by the router weight, scatter back
+    to token order, and sum the k rows. A SPEC's graph holds the same kernels
+    (spec_cost.py prices them node by node), so both descriptions agree."""
+    h, k, b = hidden, top_k, dtype_bytes
+    small = tuple(Op(f"router_{name}", bytes_repl=2 * b * experts) for name in ROUTING_KERNELS)
+    return small + (
+        Op("moe_permute", bytes_repl=b * (h + k * h)),
+        Op("moe_scale", bytes_repl=2 * b * k * h),
+        Op("moe_unpermute", bytes_repl=2 * b * k * h),
+        Op("moe_combine", bytes_repl=b * (k * h + h)),
+    )
+
+
 def moe_model_cost(layers: int, hidden: int, heads: int, experts: int, top_k: int, ffn: int,
                    vocab: int = 51200, seq: int = 2048, kv_heads: int | None = None, tied: bool = True,
-                   attention: str | None = None):
-    """The GPT shape's ModelCost with each MLP (fc1, GeLU, fc2) replaced by this MoE: the
-    expert GEMMs are priced by `moe_seconds` in the estimate, their parameters by E/ep."""
+                   attention: str | None = None, mlp: str = "gelu"):
+    """The dense shape's ModelCost (gpt_cost.gpt_model_cost: GPT's by default, `mlp="swiglu"`
+    for the Llama-like rest of a Mixtral: rotary, no dropout, flash attention) with each MLP
+    replaced by this MoE: the expert GEMMs are priced by `moe_seconds` in the estimate,
+    their parameters by E/ep, the kernels around them by `routing_ops`. Under tp the expert
+    rows are all-reduced before the k of each token are summed (the tensor-parallel pass's
+    choice: k rows of h per token, where attention's all-reduce moves one)."""
     import dataclasses
     from threefold.errors import PlanError
     from threefold.planner.gpt_cost import gpt_model_cost
@@ -109,15 +138,25 @@ def moe_model_cost(layers: int, hidden: int, heads: int, experts: int, top_k: in
     if top_k > experts:
         raise PlanError(f"model top_k={top_k} exceeds experts={experts}: route to at most E experts")
     # the attention and embeddings as the dense shape flags describe them (GQA, untied)
-    dense = gpt_model_cost(layers, hidden, heads, vocab, seq, kv_heads=kv_heads, tied=tied, attention=attention)
+    dense = gpt_model_cost(layers, hidden, heads, vocab, seq, kv_heads=kv_heads, tied=tied, attention=attention,
+                           mlp=mlp)
     h, f = hidden, 4 * hidden
+    up = 2 * f if mlp == "swiglu" else f
     moe = MoeLayer(experts, top_k, ffn, hidden)
-    ops = tuple(op for op in dense.layer_ops if op.name not in ("fc1_gemm", "bias_gelu", "fc2_gemm"))
-    router = h * experts                                       # replicated: every rank routes its tokens
+    dense_mlp = ("fc1_gemm", "bias_gelu", "swiglu", "fc2_gemm")
+    ops = tuple(op for op in dense.layer_ops if op.name not in dense_mlp)
+    # the router: every rank scores its tokens against the E experts (replicated), then a
+    # softmax and top-k over E per token (one fused kernel)
+    router = h * experts
+    ops += (Op("router_gemm", flops_repl=2 * h * experts, bytes_repl=2 * h + 2 * experts,
+               weight_bytes_repl=2 * router, matmul=True),) + routing_ops(h, experts, top_k)
     flops = 2 * 3 * h * ffn * top_k                            # expert GEMM FLOPs per token, forward
+    mlp_flops = sum(op.flops for op in dense.layer_ops if op.name in dense_mlp and op.matmul)
     return dataclasses.replace(
-        dense, name=f"moe(l={layers},h={h},a={heads},E={experts},k={top_k},f={ffn})", layer_ops=ops,
-        layer_params=dense.layer_params - (2 * h * f + f + h) + router, layer_params_repl=dense.layer_params_repl + router,
-        tp_divides=(heads, ffn), moe=moe,
+        dense, tp_allreduce_bytes=dense.tp_allreduce_bytes / 2 * (1 + top_k),
+        name=f"moe(l={layers},h={h},a={heads},E={experts},k={top_k},f={ffn})", layer_ops=ops,
+        layer_params=dense.layer_params - (h * up + up + f * h + h) + router,
+        layer_params_repl=dense.layer_params_repl + router,
+        tp_divides=tuple(sorted({heads, kv_heads or heads, ffn})), moe=moe,
         flops_per_iteration_fn=lambda batch, recompute: dense.flops_per_iteration(batch, recompute)
-        - batch * seq * layers * (2 * 2 * h * f - flops) * (4 if recompute else 3))
+        - batch * seq * layers * (mlp_flops - flops - 2 * h * experts) * (4 if recompute else 3))

@@ -29,8 +29,11 @@ from threefold.compiler import cost as cost_mod
 from threefold.compiler.program import Program, compute_nodes, meta_of, tf
 from threefold.errors import PlanError
 from threefold.planner import tp_decisions as tpd
-from threefold.planner.model_cost import ACT_BYTES, ModelCost, Op
+from threefold.planner.model_cost import ACT_BYTES, ModelCost, Op, cross_entropy_bytes
 
+# the loss over a row of logits (vocab-parallel under tp): priced by model_cost.cross_entropy_bytes
+LOSS_OPS = {"vocab_parallel_cross_entropy", "vocab_parallel_cross_entropy_full", "cross_entropy",
+            "cross_entropy_loss"}
 MATMUL_OPS = {"linear", "mm", "bmm", "matmul", "addmm", "baddbmm", "scaled_dot_product_attention",
               "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
               "convolution", "conv1d", "conv2d"}
@@ -90,7 +93,11 @@ def model_cost_from_program(traced: Program, inputs: tuple, name: str) -> ModelC
     # -- tensor parallelism, from the compiler's pass ---------------------------------------
     sharded, t = tpd.shard_program(traced)
     split_params = tpd.sharded_params(sharded)
-    local = _groups([n for n in compute_nodes(sharded.graph) if not tpd.is_communication(n)], pattern)
+    # ops are priced as the kernels a GPU run executes: the fusion pass's regions (each one
+    # kernel that reads its inputs and writes its outputs once), as the shape flags price
+    # Megatron's fused kernels (gpt_cost.py); saved activations stay the unfused graph's
+    fused = _fused_graph(sharded.gm)
+    local = _groups([n for n in compute_nodes(fused.graph) if not tpd.is_communication(n)], pattern)
     block0_all = [n for n in compute_nodes(sharded.graph) if _layer(n, pattern) == indices[0]]
     costing = _Costing(t, tokens, scale, split_params)
 
@@ -107,6 +114,9 @@ def model_cost_from_program(traced: Program, inputs: tuple, name: str) -> ModelC
     # planner/moe.py (E/ep per rank, GEMMs and all-to-alls), not as the block's own ops
     from threefold.planner.spec_moe import block_moe
     moe, expert_fqns, expert_nodes = block_moe(traced, block0, tokens)
+    if moe is not None:   # the same regions in the sharded graph (tp renames a row-parallel GEMM)
+        from threefold.passes.experts import expert_regions
+        expert_nodes = expert_nodes | {name for r in expert_regions(sharded.graph) for name in r["nodes"]}
     layer_params = {f: p for f, p in layer_params.items() if f not in expert_fqns}
     tied = {f for group in traced.ties.values() for f in group} | set(traced.ties)
     tied_embedding = any(f in tied for f in pre_params) and any(f in tied for f in post_params)
@@ -162,6 +172,16 @@ def model_cost_from_program(traced: Program, inputs: tuple, name: str) -> ModelC
     return dataclasses.replace(cost, moe=moe, flops_per_iteration_fn=flops)
 
 
+def _fused_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of the sharded graph with the fusion pass's regions (passes/fusion.py) made one
+    node each, as codegen runs them on a GPU."""
+    from threefold.compiler.stages import copy_graph_module
+    from threefold.passes.fusion import fuse_graph
+    copy = copy_graph_module(gm)
+    fuse_graph(copy)
+    return copy
+
+
 def _layer(node: fx.Node, pattern: re.Pattern) -> int | None:
     m = pattern.match(tf(node).get("module", "") or "")
     return int(m.group(1)) if m else None
@@ -209,6 +229,12 @@ class _Costing:
                     weights_repl += meta_of(a).nbytes * self.scale
         if c.flops == 0 and moved <= 0:
             return None
+        if cost_mod.op_name(node) in LOSS_OPS and acts and meta_of(acts[0]).shape:
+            # the loss over the logits: the same kernel bytes the shape flags price
+            logits = meta_of(acts[0])
+            rows = logits.numel // int(logits.shape[-1])
+            moved_split = moved = cross_entropy_bytes(int(logits.shape[-1])) * rows / self.scale
+            split = split or tpd.is_split(acts[0])
         flops = c.flops / self.tokens
         return Op(cost_mod.op_name(node), flops_split=flops * t if split else 0.0,
                   flops_repl=0.0 if split else flops, bytes_split=moved_split * t * per_token,

@@ -1,0 +1,94 @@
+"""The planner's two descriptions of one model side by side: shape flags (gpt_cost.py,
+moe.py) against the SPEC path (spec_cost.py, the traced graph and the compiler's own
+tensor-parallel and fusion passes), on the same Llama-like or Mixtral-like model built on
+the meta device. For every plan the search ranks, the ratio of the two predicted times
+(the model's own sum, before the measured ceiling); printed per (tp, pp).
+
+    python bench/planner_flags_vs_spec.py [--model llama7b|llama3-70b|mixtral] [--layers N]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+
+SHAPES = {   # layers, hidden, heads, kv heads, ffn, vocab, seq, experts, top-k
+    "llama7b": (32, 4096, 32, 8, 14336, 32000, 4096, 0, 0),
+    "llama3-70b": (80, 8192, 64, 8, 28672, 128256, 4096, 0, 0),
+    "mixtral": (32, 4096, 32, 8, 14336, 32000, 4096, 8, 2),
+}
+
+
+def hf_model(shape: tuple, layers: int):
+    """A Hugging Face Llama (or Mixtral, with experts) of this shape on the meta device, with a
+    one-sequence batch: the SPEC path's input."""
+    import torch
+    import transformers
+    _, h, a, kv, f, V, s, E, k = shape
+    common = dict(hidden_size=h, num_attention_heads=a, num_key_value_heads=kv, intermediate_size=f,
+                  num_hidden_layers=layers, vocab_size=V, max_position_embeddings=s, use_cache=False,
+                  tie_word_embeddings=False, attn_implementation="sdpa")
+    if E:
+        cfg = transformers.MixtralConfig(num_local_experts=E, num_experts_per_tok=k, **common)
+        cls = transformers.MixtralForCausalLM
+    else:
+        cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    from examples.hf import LogitsOnly, lm_loss
+    with torch.device("meta"):
+        model = LogitsOnly(cls(cfg))
+    tokens = torch.zeros(1, s, dtype=torch.long, device="meta")
+    return {"model": model, "inputs": (tokens,), "target": tokens, "loss_fn": lm_loss}
+
+
+def both_costs(shape: tuple, layers: int):
+    """(SPEC ModelCost, flags ModelCost) of the same model."""
+    from threefold.compiler.trace import trace
+    from threefold.planner.gpt_cost import gpt_model_cost
+    from threefold.planner.moe import moe_model_cost
+    from threefold.planner.spec_cost import model_cost_from_program
+    _, h, a, kv, f, V, s, E, k = shape
+    w = hf_model(shape, layers)
+    spec = model_cost_from_program(trace(w["model"], w["inputs"], w["target"], w["loss_fn"]), w["inputs"], "spec")
+    if E:
+        flags = moe_model_cost(layers, h, a, E, k, f, V, s, kv_heads=kv, tied=False, mlp="swiglu")
+    else:
+        flags = gpt_model_cost(layers, h, a, V, s, ffn=f, kv_heads=kv, mlp="swiglu", tied=False)
+    return spec, flags
+
+
+def ratios(spec, flags, batch: int, gpus: int, cluster) -> dict:
+    """{(tp, pp): [flags / SPEC predicted time for each plan both rank]}."""
+    from threefold.planner.estimate import estimate
+    from threefold.planner.search import legal_configs
+    out = defaultdict(list)
+    for cfg in legal_configs(spec, batch, gpus, cluster):
+        a, b = estimate(spec, cfg, cluster), estimate(flags, cfg, cluster)
+        out[(cfg.tp, cfg.pp)].append(b.model_s / a.model_s)
+    return dict(out)
+
+
+def main(argv=None) -> int:
+    from threefold.planner.cluster import load_cluster
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=sorted(SHAPES), default="llama7b")
+    p.add_argument("--layers", type=int, default=4, help="layers to trace (default 4; pp up to it)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--gpus", type=int, default=64)
+    p.add_argument("--cluster", default="h100-80gb")
+    args = p.parse_args(argv)
+    spec, flags = both_costs(SHAPES[args.model], args.layers)
+    print(f"{args.model} ({args.layers} layers): parameters flags {flags.params / 1e9:.3f}B, "
+          f"SPEC {spec.params / 1e9:.3f}B")
+    print("| tp | pp | plans | flags/SPEC min | max | worst |")
+    print("|---|---|---|---|---|---|")
+    worst = 0.0
+    for (tp, pp), r in sorted(ratios(spec, flags, args.batch, args.gpus, load_cluster(args.cluster)).items()):
+        w = max(abs(x - 1) for x in r)
+        worst = max(worst, w)
+        print(f"| {tp} | {pp} | {len(r)} | {min(r):.3f} | {max(r):.3f} | {w:.1%} |")
+    print(f"largest difference over every plan: {worst:.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
