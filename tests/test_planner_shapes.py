@@ -83,3 +83,51 @@ def test_zero3_across_nodes_pays_each_layers_ring_latency():
     slow = estimate(gpt3, Config(plan, batch=1536), a100)
     quick = estimate(gpt3, Config(plan, batch=1536), dataclasses.replace(a100, inter_node_latency_s=0.0))
     assert slow.shares["dp"] * slow.iteration_s > quick.shares["dp"] * quick.iteration_s
+
+
+def test_the_ceiling_is_the_clusters_own_device_figure_and_the_note_names_the_device():
+    """The cap is a fraction of the chosen cluster's device peak: an H100 cluster is held at
+    Megatron-LM's H100 figure and its note says H100 and 989 TFLOP/s, never the A100's 312."""
+    from threefold.cli.plan_cmd import ceiling_note
+    a100, h100 = load_cluster("a100-80gb"), load_cluster("h100-80gb")
+    assert a100.measured_best_fraction == pytest.approx(163 / 312, abs=1e-4)
+    assert h100.measured_best_fraction != a100.measured_best_fraction
+    llama70 = gpt_model_cost(80, 8192, 64, 128256, 4096, ffn=28672, kv_heads=8, mlp="swiglu", tied=False)
+    plans = rank_plans(llama70, 512, 64, h100)
+    assert any(e.capped for e in plans)
+    assert all(e.peak_fraction <= h100.measured_best_fraction + 1e-9 for e in plans)
+    assert max(e.peak_fraction for e in plans) == pytest.approx(h100.measured_best_fraction)
+    note = ceiling_note(h100, "bf16")
+    assert "H100" in note and "989 TFLOP/s bf16" in note and f"{h100.measured_best_fraction:.0%}" in note
+    assert "A100" not in note and "312" not in note
+    note = ceiling_note(a100, "bf16")
+    assert "A100" in note and "312 TFLOP/s bf16" in note and "163" in note
+
+
+def test_a_cluster_file_states_its_own_ceiling_with_a_source():
+    from threefold.errors import PlanError
+    from threefold.planner.cluster import cluster_from_toml
+    base = ("gpus_per_node = 4\nhbm_bytes = 40e9\nhbm_bandwidth = 1.5e12\nintra_node_bandwidth = 100e9\n"
+            "inter_node_bandwidth = 10e9\nmatmul_fraction = 0.6\ndevice = \"X1\"\n{extra}[peak_flops]\nbf16 = 100e12\n")
+    mine = cluster_from_toml(base.format(extra='measured_best_fraction = 0.4\nmeasured_best_source = "our runs"\n'))
+    assert mine.measured_best_fraction == 0.4 and mine.device_name == "X1"
+    default = cluster_from_toml(base.format(extra=""))   # no figure: the paper's A100 one, said so
+    assert default.measured_best_fraction == 163 / 312 and "A100" in default.measured_best_source
+    with pytest.raises(PlanError, match="measured_best_source"):
+        cluster_from_toml(base.format(extra="measured_best_fraction = 0.4\n"))
+    with pytest.raises(PlanError, match="measured_best_fraction = 1.5"):
+        cluster_from_toml(base.format(extra='measured_best_fraction = 1.5\nmeasured_best_source = "x"\n'))
+
+
+def test_plan_cli_on_h100_cites_the_h100_ceiling(capsys):
+    import json
+    from threefold.cli.main import main
+    args = ["plan", "--layers", "80", "--hidden", "8192", "--heads", "64", "--kv-heads", "8", "--ffn", "28672",
+            "--mlp", "swiglu", "--no-tied", "--vocab", "128256", "--seq", "4096", "--batch", "512", "--gpus", "64",
+            "--cluster", "h100-80gb", "--top", "3"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "* held at 47% of the H100 80GB SXM5's 989 TFLOP/s bf16 peak" in out and "312" not in out
+    assert main(args + ["--json"]) == 0
+    ceiling = json.loads(capsys.readouterr().out)["ceiling"]
+    assert ceiling["device"].startswith("H100") and ceiling["peak_fraction"] == 0.47

@@ -138,8 +138,12 @@ def run(args) -> int:
         else:
             print(f"threefold plan: no timeline written to {args.svg}: no matching plan fits", file=sys.stderr)
     if args.json:
+        peak = cluster.peak(args.dtype)
         print(dumps({"model": model.name, "params": model.params, "cluster": cluster.name,
                           "gpus": args.gpus, "batch": args.batch, "dtype": args.dtype,
+                          "ceiling": {"device": cluster.device_name, "peak_fraction": cluster.measured_best_fraction,
+                                      "tflops_per_gpu": round(cluster.measured_best_fraction * peak / 1e12, 3),
+                                      "source": cluster.measured_best_source},
                           "plans": [plan_record(e) for e in shown]}, indent=2))
     else:
         _print_report(model, cluster, args, plans, shown, where)
@@ -180,9 +184,7 @@ def _print_report(model, cluster, args, plans, shown, where) -> None:
     why = explain(plans, where) if best.fits else []
     footer = [LEGEND, f"best: {best.config.plan} (microbatch size {best.config.microbatch_size})"] + why
     if any(e.capped for e in shown):
-        from threefold.planner.estimate import MEASURED_BEST_PEAK_FRACTION
-        footer.append(f"* held at {MEASURED_BEST_PEAK_FRACTION:.0%} of peak, the best efficiency measured for this "
-                      "training (Narayanan et al. SC'21, Table 1: 163 of 312 TFLOP/s); the model's own sum was higher")
+        footer.append(ceiling_note(cluster, args.dtype))
     if sys.stdout.isatty():
         from rich.console import Console
         from rich.table import Table
@@ -206,6 +208,15 @@ def _print_report(model, cluster, args, plans, shown, where) -> None:
     for r in rows:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
     print("\n".join(footer))
+
+
+def ceiling_note(cluster, dtype: str) -> str:
+    """The footnote of a plan held at the measured ceiling: the cap as a fraction of this
+    cluster's device peak, naming the device and who measured it."""
+    peak, frac = cluster.peak(dtype), cluster.measured_best_fraction
+    return (f"* held at {frac:.0%} of the {cluster.device_name}'s {peak / 1e12:.0f} TFLOP/s {dtype} peak "
+            f"({frac * peak / 1e12:.0f} TFLOP/s per GPU), the best measured for this training on it "
+            f"({cluster.measured_best_source}); the model's own sum was higher")
 
 
 def explain(plans, where: Constraints = Constraints()) -> list[str]:

@@ -39,7 +39,14 @@ OPTIONAL = {
     "reserved_bytes": 2 * 2**30,      # CUDA context, cuBLAS workspace, NCCL buffers
     "name": "",
     "description": "",
+    "device": "",                     # the GPU, as the plan report names it ("H100 80GB SXM5")
+    # The best whole-step efficiency measured for dense transformer training of this kind on
+    # this device, as a fraction of its peak: no plan is predicted above it. Without one, the
+    # paper's A100 figure (Narayanan et al., SC'21, Table 1: 163 of 312 TFLOP/s).
+    "measured_best_fraction": 163 / 312,
+    "measured_best_source": "",
 }
+PAPER_A100_SOURCE = "Narayanan et al. SC'21, Table 1: 163 of an A100's 312 TFLOP/s"
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,13 @@ class Cluster:
     inter_node_latency_s: float = 10e-6
     reserved_bytes: float = 2 * 2**30
     description: str = ""
+    device: str = ""
+    measured_best_fraction: float = 163 / 312
+    measured_best_source: str = PAPER_A100_SOURCE
+
+    @property
+    def device_name(self) -> str:
+        return self.device or self.name
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -111,16 +125,20 @@ def cluster_from_toml(data: bytes | str, source: str = "cluster TOML") -> Cluste
         raise PlanError(f"{source} has unknown key(s) {', '.join(unknown)}: "
                         f"known keys are {', '.join(list(REQUIRED) + list(OPTIONAL))}")
     values = {k: raw.get(k, default) for k, default in OPTIONAL.items()}
-    for key in [k for k in REQUIRED if k != "peak_flops"] + [k for k in OPTIONAL if k not in ("name", "description")]:
+    texts = ("name", "description", "device", "measured_best_source")
+    for key in [k for k in REQUIRED if k != "peak_flops"] + [k for k in OPTIONAL if k not in texts]:
         value = raw.get(key, OPTIONAL.get(key))
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
                 value == 0 and key in REQUIRED):
             raise PlanError(f"{source}: {key} = {value!r} is invalid: it must be a positive number "
                             f"({REQUIRED.get(key, 'see OPTIONAL in threefold/planner/cluster.py')})")
         values[key] = value
-    if values["matmul_fraction"] > 1:
-        raise PlanError(f"{source}: matmul_fraction = {values['matmul_fraction']} is invalid: "
-                        "it is a fraction of peak, in (0, 1]")
+    for key in ("matmul_fraction", "measured_best_fraction"):
+        if not 0 < values[key] <= 1:
+            raise PlanError(f"{source}: {key} = {values[key]} is invalid: it is a fraction of peak, in (0, 1]")
+    if "measured_best_fraction" in raw and not raw.get("measured_best_source"):
+        raise PlanError(f"{source}: measured_best_fraction needs measured_best_source: say who measured it "
+                        "(the plan report cites it when a prediction is held there)")
     if int(values["gpus_per_node"]) != values["gpus_per_node"]:
         raise PlanError(f"{source}: gpus_per_node = {values['gpus_per_node']} is invalid: use a whole number")
     peaks = raw["peak_flops"]
@@ -140,4 +158,6 @@ def cluster_from_toml(data: bytes | str, source: str = "cluster TOML") -> Cluste
         intra_node_latency_s=float(values["intra_node_latency_s"]),
         inter_node_latency_s=float(values["inter_node_latency_s"]),
         reserved_bytes=float(values["reserved_bytes"]),
+        device=str(values["device"]), measured_best_fraction=float(values["measured_best_fraction"]),
+        measured_best_source=str(values["measured_best_source"] or PAPER_A100_SOURCE),
     )

@@ -86,7 +86,7 @@ class Estimate:
     # schedules; the rest is B, the input gradients)
     weight_times: list = field(default_factory=list)
     transfer_s: float = 0.0         # one boundary transfer between stages
-    # the model's sum came out above MEASURED_BEST_PEAK_FRACTION of peak: held there
+    # the model's sum came out above the cluster's measured_best_fraction of peak: held there
     capped: bool = False
     model_s: float = 0.0            # the model's own sum before the ceiling (ranks the plans)
 
@@ -95,9 +95,11 @@ class Estimate:
         return self.config.batch / self.iteration_s
 
 
-# The best whole-step efficiency measured for dense transformer training with these methods:
-# Narayanan et al. (SC'21), Table 1, 163 of 312 TFLOP/s per A100 (the 530B and 1T rows). Their
-# GPT-3 175B run reached 140 (45%). No plan is predicted above it (bench/planner_table1.py).
+# The best whole-step efficiency measured for dense transformer training with these methods
+# on an A100: Narayanan et al. (SC'21), Table 1, 163 of 312 TFLOP/s (the 530B and 1T rows).
+# Their GPT-3 175B run reached 140 (45%). Each cluster carries its own device's figure
+# (Cluster.measured_best_fraction: this one for A100s, Megatron-LM's 47% for H100s); no plan
+# is predicted above it (bench/planner_table1.py).
 MEASURED_BEST_PEAK_FRACTION = 163 / 312
 
 
@@ -246,8 +248,9 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
     world = t * p * cfg.dp * cp
     # Never above the best efficiency anyone measured for this kind of training: the model
     # prices each piece from its own bound, and such sums drift high on the biggest plans
-    # (Narayanan et al.'s best row ran at 52% of peak). A capped plan says so (`capped`).
-    floor_s = flops / (world * MEASURED_BEST_PEAK_FRACTION * cluster.peak(dtype))
+    # (Narayanan et al.'s best row ran at 52% of an A100's peak; Megatron-LM reports 47% on
+    # H100s): the cluster's device's figure. A capped plan says so (`capped`).
+    floor_s = flops / (world * cluster.measured_best_fraction * cluster.peak(dtype))
     capped = total < floor_s
     model_s = total
     extra_s = max(0.0, floor_s - total)

@@ -17,7 +17,7 @@ def plan_record(e: Estimate) -> dict:
         "fits": e.fits,
         "microbatches": c.microbatches,
         "peak_fraction": round(e.peak_fraction, 6),
-        # held at the best measured efficiency (planner/estimate.MEASURED_BEST_PEAK_FRACTION)
+        # held at the best measured efficiency of the cluster's device (Cluster.measured_best_fraction)
         "capped_at_measured_best": e.capped,
         "model_tflops_per_gpu": round(e.flops_per_iteration / (e.model_s or e.iteration_s) / c.plan.world_size / 1e12, 3),
         "iteration_s": e.iteration_s,
