@@ -4,9 +4,13 @@ For each of the ten GPT models (V=51200, s=2048, DGX A100 80GB, the a100-80gb pr
 the reported TFLOP/s per GPU; the model's prediction for the paper's own (tp, pp, dp) with
 recomputation, microbatch size and interleaving left to the planner; and the planner's own
 choice. `--sensitivity` adds how the error moves with the preset's one efficiency
-constant (matmul_fraction), to show that nothing is tuned per row.
+constant (matmul_fraction), to show that nothing is tuned per row. `--fit` fits that
+constant by least squares (planner/calibrate.py) to the ten rows and the paper's GPT-3 175B
+figure and prints each run's predicted (the model's own, before the measured ceiling) and
+measured TFLOP/s at the prior estimate (0.7) and at the fit, with the mean and largest
+errors.
 
-    python bench/planner_table1.py [--sensitivity]
+    python bench/planner_table1.py [--sensitivity] [--fit]
 """
 from __future__ import annotations
 
@@ -59,22 +63,56 @@ def markdown(rows, cluster) -> str:
 
 def sensitivity(cluster) -> str:
     out = ["| matmul_fraction | errors per row (1.7B .. 1008B) | largest |", "|---|---|---|"]
-    for fraction in (0.6, 0.65, 0.7, 0.75, 0.8):
+    for fraction in (0.55, 0.6, 0.612, 0.65, 0.7):
         rows = evaluate_rows(dataclasses.replace(cluster, matmul_fraction=fraction))
         errs = [r[6].tflops_per_gpu / r[5] - 1 for r in rows]
         out.append(f"| {fraction} | {' '.join(f'{e:+.0%}' for e in errs)} | {max(map(abs, errs)):.1%} |")
     return "\n".join(out)
 
 
+PRIOR_MATMUL_FRACTION = 0.7     # the a100-80gb preset's estimate before the fit
+
+
+def fit_report(cluster) -> str:
+    from threefold.planner.calibrate import fit_matmul_fraction, model_tflops, row_prediction
+    from threefold.planner.paper_table1 import MEASURED_ROWS
+    fitted = fit_matmul_fraction(MEASURED_ROWS, cluster)
+    before = dataclasses.replace(cluster, matmul_fraction=PRIOR_MATMUL_FRACTION)
+    after = dataclasses.replace(cluster, matmul_fraction=fitted)
+    out = [f"Least-squares matmul_fraction: {fitted} (prior {PRIOR_MATMUL_FRACTION}; preset "
+           f"{cluster.matmul_fraction})", "",
+           f"| Run | t, p, GPUs, batch | Measured | Predicted at {PRIOR_MATMUL_FRACTION} | Error | "
+           f"Predicted at {fitted} | Error | Plan at the fit |", "|---|---|---|---|---|---|---|---|"]
+    errs = {PRIOR_MATMUL_FRACTION: [], fitted: []}
+    for row in MEASURED_ROWS:
+        cells = []
+        for frac, c in ((PRIOR_MATMUL_FRACTION, before), (fitted, after)):
+            e = row_prediction(row, c)
+            tf = model_tflops(e)
+            errs[frac].append(tf / row[-1] - 1)
+            cells += [f"{tf:.1f}", f"{tf / row[-1] - 1:+.1%}"]
+        out.append(f"| {row[0]}B{' (text)' if row[5] is None else ''} | {row[4]}, {row[5] or '-'}, {row[6]}, "
+                   f"{row[7]} | {row[-1]} | " + " | ".join(cells) + f" | {_plan(e)} |")
+    out.append("")
+    for frac, e in errs.items():
+        out.append(f"matmul_fraction {frac}: mean absolute error {sum(map(abs, e)) / len(e):.1%}, "
+                   f"largest {max(map(abs, e)):.1%}")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sensitivity", action="store_true", help="also sweep the matmul_fraction constant")
+    parser.add_argument("--fit", action="store_true", help="fit matmul_fraction (least squares), rows before/after")
     args = parser.parse_args(argv)
     cluster = load_cluster("a100-80gb")
     print(markdown(evaluate_rows(cluster), cluster))
     if args.sensitivity:
         print()
         print(sensitivity(cluster))
+    if args.fit:
+        print()
+        print(fit_report(cluster))
     return 0
 
 

@@ -4,6 +4,7 @@ efficiency without saying so; ZeRO-3 pays per-layer ring latency across nodes.""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -131,3 +132,22 @@ def test_plan_cli_on_h100_cites_the_h100_ceiling(capsys):
     assert main(args + ["--json"]) == 0
     ceiling = json.loads(capsys.readouterr().out)["ceiling"]
     assert ceiling["device"].startswith("H100") and ceiling["peak_fraction"] == 0.47
+
+
+@pytest.mark.slow
+def test_a100_matmul_fraction_is_the_least_squares_fit_to_the_measured_runs():
+    """The preset's one fitted constant is the minimum of planner/calibrate.loss over the
+    paper's Table 1 and its 175B figure (not a hand-tuned number): moving it either way by
+    0.005 fits worse; at it every run is predicted within 8% (mean under 3%) where the prior
+    0.7 was 11% off on average; the ceiling holds every prediction at or below 163 TFLOP/s."""
+    from threefold.planner.calibrate import loss, row_errors, row_prediction
+    from threefold.planner.paper_table1 import MEASURED_ROWS
+    a100 = load_cluster("a100-80gb")
+    f = a100.matmul_fraction
+    errors = row_errors(MEASURED_ROWS, a100)
+    at = sum(math.log(1 + e) ** 2 for e in errors)
+    assert at <= loss(MEASURED_ROWS, a100, f - 0.005) and at <= loss(MEASURED_ROWS, a100, f + 0.005)
+    assert max(map(abs, errors)) < 0.08 and sum(map(abs, errors)) / len(errors) < 0.03
+    prior = row_errors(MEASURED_ROWS, dataclasses.replace(a100, matmul_fraction=0.7))
+    assert sum(map(abs, prior)) / len(prior) > 0.10
+    assert all(row_prediction(r, a100).tflops_per_gpu <= 163.0 + 1e-6 for r in MEASURED_ROWS[-3:])

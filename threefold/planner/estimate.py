@@ -30,10 +30,11 @@ It follows the paper (Narayanan et al., SC'21, arXiv 2104.04473) and adds only p
 * Memory per GPU: `memory.py` (parameters, optimizer state, and the activations the
   runtime's schedule keeps in flight).
 
-Nothing here is fitted to the paper's Table 1, row by row or otherwise: constants are
-datasheet figures, the paper's bandwidths, and Megatron's byte counts. The one estimate is
-the cluster's `matmul_fraction` (see threefold/planner/clusters/a100-80gb.toml), one number per
-GPU type; bench/planner_table1.py --sensitivity shows what it does to the Table 1 errors.
+Nothing here is fitted row by row: constants are datasheet figures, the paper's bandwidths,
+and Megatron's byte counts. The one fitted number is the cluster's `matmul_fraction`, one
+per GPU type: for A100s a least-squares fit to the paper's Table 1 and its 175B figure
+(planner/calibrate.py, `bench/planner_table1.py --fit`); --sensitivity shows what it does
+to the errors.
 """
 from __future__ import annotations
 

@@ -18,3 +18,9 @@ TABLE1 = [
 ]
 SEQ = 2048
 VOCAB = 51200
+
+# The paper's text (sec. 5.1): GPT-3 175B (96 layers, hidden 12288, 96 heads) trained on 1024
+# A100s at batch 1536 ran at 140 TFLOP/s per GPU. The text gives no (t, p): t=8 as in every
+# row from 18B up, p left to the planner (pp=None). Same layout as the rows above.
+TEXT_175B = (175.0, 96, 12288, 96, 8, None, 1024, 1536, 140)
+MEASURED_ROWS = TABLE1 + [TEXT_175B]
