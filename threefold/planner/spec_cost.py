@@ -34,6 +34,8 @@ from threefold.planner.model_cost import ACT_BYTES, ModelCost, Op, cross_entropy
 # the loss over a row of logits (vocab-parallel under tp): priced by model_cost.cross_entropy_bytes
 LOSS_OPS = {"vocab_parallel_cross_entropy", "vocab_parallel_cross_entropy_full", "cross_entropy",
             "cross_entropy_loss"}
+# lookups of rows of a parameter table by index (the embedding, under tp its vocab-parallel form)
+GATHER_OPS = {"embedding", "vocab_parallel_embedding"}
 MATMUL_OPS = {"linear", "mm", "bmm", "matmul", "addmm", "baddbmm", "scaled_dot_product_attention",
               "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
               "convolution", "conv1d", "conv2d"}
@@ -229,6 +231,11 @@ class _Costing:
                     weights_repl += meta_of(a).nbytes * self.scale
         if c.flops == 0 and moved <= 0:
             return None
+        if cost_mod.op_name(node) in GATHER_OPS and meta_of(node) is not None:
+            # a lookup reads the rows it gathers, not the whole table: rows in, rows out, the
+            # output whole on every tp rank (vocab-parallel: partial rows, zeros elsewhere)
+            weights_split = weights_repl = 0.0
+            moved, moved_split = 2 * meta_of(node).nbytes, 0
         if cost_mod.op_name(node) in LOSS_OPS and acts and meta_of(acts[0]).shape:
             # the loss over the logits: the same kernel bytes the shape flags price
             logits = meta_of(acts[0])
