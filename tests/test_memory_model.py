@@ -149,7 +149,8 @@ def test_planner_spec_costs_use_graph_saved_bytes():
     # + 8: two layer norms' fp32 mean and rstd per token (2 x 2 x 4 bytes, scaled to 16 bits)
     assert (m.act_split, m.act_repl) == (56 * h, 8.5 * h + 8)
     assert m.act_split - m.act_selective_split == 2 * a * s
-    assert any(op.selective and op.name == "softmax" for op in m.layer_ops)
+    # (the softmax is priced as the fusion pass's kernel, which reruns as selective says)
+    assert any(op.selective and "softmax" in op.name for op in m.layer_ops)
 
 
 def test_inspect_memory_json_and_fits(capsys):

@@ -53,7 +53,8 @@ def register(subparsers) -> None:
     shape.add_argument("--kv-heads", type=int, help="key/value heads (grouped-query attention; default --heads)")
     shape.add_argument("--ffn", type=int, help="MLP intermediate size (default 4h; Llama-3-70B: 28672)")
     shape.add_argument("--mlp", choices=("gelu", "swiglu"), default="gelu",
-                       help="gelu: GPT's fc1, GeLU, fc2 (default); swiglu: Llama's gate, up, down (and rotary positions)")
+                       help="gelu: GPT's fc1, GeLU, fc2 (default); swiglu: Llama's gate, up, down (and rotary positions, "
+                       "no dropout; with --experts the rest of a Mixtral)")
     shape.add_argument("--attention", choices=("eager", "flash"), default=None,
                        help="eager: s x s scores in memory (the paper's GPT; default with gelu); flash: one fused "
                        "kernel (default with swiglu)")

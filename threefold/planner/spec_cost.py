@@ -147,7 +147,7 @@ def model_cost_from_program(traced: Program, inputs: tuple, name: str) -> ModelC
     rerun = {name for seg in selective for name in seg}
     cost = ModelCost(
         name=name, layers=len(indices), seq_len=seq,
-        layer_ops=tuple(dataclasses.replace(op, selective=True) if n.name in rerun else op
+        layer_ops=tuple(dataclasses.replace(op, selective=True) if _members(n) & rerun else op
                         for n in local["block0"] if n.name not in expert_nodes and (op := costing.op(n)) is not None),
         pre_ops=costing.ops(local["pre"]),
         post_ops=costing.ops(local["post"]),
@@ -172,6 +172,11 @@ def model_cost_from_program(traced: Program, inputs: tuple, name: str) -> ModelC
         return (cost.flops_per_iteration(batch, recompute)
                 + batch * seq * cost.layers * expert_flops * (4 if recompute else 3))
     return dataclasses.replace(cost, moe=moe, flops_per_iteration_fn=flops)
+
+
+def _members(node: fx.Node) -> set[str]:
+    """The traced nodes a (fused) node stands for: a fused region's members, else itself."""
+    return set(getattr(node.target, "source_nodes", None) or ()) | {node.name}
 
 
 def _fused_graph(gm: fx.GraphModule) -> fx.GraphModule:
