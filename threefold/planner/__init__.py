@@ -16,5 +16,6 @@ the compiler or runtime side imports it.
     search.py        legal configurations, ranked
     record.py        the JSON form of one ranked plan
     timeline.py      a plan's pipeline picture, from the runtime's schedule and simulator
-    paper_table1.py  the paper's Table 1, which the model is validated against
+    paper_table1.py  the paper's Table 1 (and its 175B figure), which the model is validated against
+    calibrate.py     the one fitted constant (matmul_fraction), least squares against those runs
 """
