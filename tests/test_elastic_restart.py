@@ -35,6 +35,33 @@ def test_a_killed_rank_restarts_on_the_same_world_bit_for_bit(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+def test_a_kill_during_a_background_write_loses_at_most_the_interval(tmp_path):
+    """The save of step 8 is staged in /dev/shm (checkpoint/staging.py) and sealed by both
+    ranks; a rank killed while it is written: the restart commits it and resumes at step 8
+    (in memory only, the job fell back to step 4), with the uninterrupted run's losses."""
+    import os
+
+    from threefold.checkpoint.staging import stage_dir
+    common = ["--plan", "pp=2,m=2", "--steps", "16"]
+    reference = train(tmp_path / "ref", *common)["losses"]
+    ckpt = tmp_path / "ckpt"
+    staged = [os.path.join(stage_dir(str(ckpt)), f"step_000000008.rank_{r}.json") for r in (0, 1)]
+    job = Job(tmp_path / "run", *common, "--save-every", "4", "--ckpt-dir", str(ckpt), "--max-restarts", "1")
+    job.wait_for(lambda: all(os.path.exists(p) for p in staged), timeout=600)
+    job.signal_rank(1, signal.SIGKILL)
+    published = newest_step(ckpt).endswith("step_000000008")     # the write may have won the race
+    used = job.wait_for(RESTARTING).group(1)
+    got = job.finish()
+    assert used.endswith("step_000000008"), used      # the resumed step: the staged save's
+    if not published:
+        assert any("committed from the snapshot staged" in line for line in job.lines), job.lines[-5:]
+    assert got["losses"] == reference            # bit for bit
+    (restart,) = got["restarts"]
+    assert restart["step"] == 8 and 0 <= restart["steps_lost"] <= 4, restart
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_a_stopped_rank_is_restarted_like_a_dead_one(tmp_path):
     common = ["--plan", "pp=2,m=2", "--steps", "12"]
     reference = train(tmp_path / "ref", *common)["losses"]

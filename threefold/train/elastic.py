@@ -47,15 +47,44 @@ def run_elastic(cfg, plan, resume, live: str | None, ckpt_dir: str, start, check
             old = plan
             if lost:
                 cfg, plan, why = _smaller(cfg, plan, plan.world_size - len(lost), check_plan, exc)
+            committed = _settle(ckpt_dir)   # a save killed mid-write: its staged copy (checkpoint/staging.py)
             resume = _newest(ckpt_dir) or resume    # none saved yet: where this run itself began
             restart = {"old_plan": str(old), "old_world": old.world_size, "new_world": plan.world_size,
                        "failed_at": failed_at, "reached_step": _reached_step(live),
                        "cause": _first_line(exc), "restarts_left": left}
             where = f"from {resume}" if resume else "from the start (no checkpoint yet)"
+            if committed and resume == committed:
+                where += " (committed from the snapshot staged before the failure)"
             shape = (f"on plan {plan} ({why}; lost rank(s) {', '.join(map(str, lost))})" if plan != old
                      else f"on the same {plan.world_size} ranks")
             print(f"threefold train: {restart['cause']}; restarting {where} {shape} "
                   f"({left} restart(s) left)", file=sys.stderr)
+
+
+def _settle(ckpt_dir: str) -> str | None:
+    """Commit the staged snapshot of a save the failure interrupted, if every rank sealed
+    it (the newest checkpoint then), and remove the staged files; its path or None."""
+    from threefold.checkpoint.staging import settle
+    return settle(ckpt_dir)
+
+
+def settle_under_torchrun(ckpt_dir: str) -> None:
+    """Under torchrun every restarted process comes here before any resumes: the first on
+    this host to take the lock settles the snapshots the failed attempt staged here (the
+    others wait for it, then find nothing left)."""
+    import fcntl
+
+    from threefold.checkpoint.staging import settle, stage_dir
+    directory = stage_dir(ckpt_dir)
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC) if directory else None
+    except OSError:          # none staged here (or another process settled them already)
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        settle(ckpt_dir)
+    finally:
+        os.close(fd)
 
 
 def _lost_ranks(exc) -> list[int]:
@@ -120,6 +149,7 @@ def torchrun_resume(cfg, ckpt_dir: str):
     count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if count <= 0 or not cfg.save_every:
         return cfg, None, None, None
+    settle_under_torchrun(ckpt_dir)
     newest = _newest(ckpt_dir)
     if newest is None:
         return cfg, None, None, None
