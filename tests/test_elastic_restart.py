@@ -164,3 +164,28 @@ def _is_threefold(pid: int) -> bool:
     except OSError:
         return False
     return b"threefold" in args and b"torch.distributed.run" not in args
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_where_the_shape_must_change_the_planners_pick_equals_a_hand_resume_on_it(tmp_path):
+    """tp=2,pp=2 losing a rank: no dp fits 3 ranks, so the shape changes on 2; the planner
+    picks among every smaller cut (train/elastic_plan.planner_order: plain dp for this small
+    model, where the fixed order took tp=2,pp=1), prints why, and the run equals a hand
+    resume of the same checkpoint on that plan."""
+    common = ["--plan", "tp=2,pp=2,m=2", "--steps", "8"]
+    ckpt = tmp_path / "ckpt"
+    job = Job(tmp_path / "run", *common, "--save-every", "4", "--ckpt-dir", str(ckpt), "--max-restarts", "1",
+              "--min-world", "2", env={"THREEFOLD_ELASTIC_DROP_DEAD": "1"})
+    job.wait_for(lambda: newest_step(ckpt).endswith("step_000000004"))
+    job.signal_rank(2, signal.SIGKILL)
+    line = job.wait_for(r"restarting from (\S+) .*the planner's pick")
+    kept = tmp_path / "kept"
+    shutil.copytree(line.group(1), kept)
+    got = job.finish()
+    (restart,) = got["restarts"]
+    assert restart["new_world"] == 2 and restart["new_plan"].startswith("tp=1,pp=1,dp=2"), restart
+    by_hand = train(tmp_path / "hand", "--plan", restart["new_plan"], "--steps", "8", "--resume", str(kept),
+                    "--ckpt-dir", str(tmp_path / "hand.ckpt"))
+    assert len(got["losses"]) == len(by_hand["losses"]) == 8
+    assert max_rel_diff(got["losses"], by_hand["losses"]) < 1e-5, (got["losses"], by_hand["losses"])

@@ -100,7 +100,7 @@ def _smaller(cfg, plan, world: int, check_plan, exc):
     from threefold.train.elastic_plan import smaller_plans
     floor = cfg.min_world or plan.world_size
     tried = []
-    for candidate, why in smaller_plans(plan, world, floor, cfg.batch if cfg.spec is None else None):
+    for candidate, why in smaller_plans(plan, world, floor, cfg.batch if cfg.spec is None else None, ranker(cfg)):
         trial = dataclasses.replace(cfg, plan=str(candidate))
         try:
             checked = check_plan(trial)
@@ -110,6 +110,41 @@ def _smaller(cfg, plan, world: int, check_plan, exc):
     detail = f" (tried {'; '.join(tried[:2])})" if tried else ""
     raise PlanError(f"{_first_line(exc)}; {world} rank(s) left, and no plan derived from {plan} runs on "
                     f"{world} down to --min-world {floor} ranks{detail}: lower --min-world or bring the ranks back")
+
+
+PLANNER_CLUSTER = "a100-80gb"     # `threefold plan`'s default cluster: the planner's prices
+
+
+def ranker(cfg):
+    """`rank(plans, world)` for smaller_plans: the planner's order (elastic_plan.planner_order)
+    over this job's model cost and global batch; None (the fixed order) where the model
+    cannot be priced, said once on stderr."""
+    try:
+        model, batch = _model_cost(cfg)
+        from threefold.planner.cluster import load_cluster
+        cluster = load_cluster(PLANNER_CLUSTER)
+    except Exception as exc:     # the planner is advice: without it the fixed order still works
+        print(f"threefold train: the planner cannot price this model ({type(exc).__name__}: "
+              f"{str(exc).strip()[:160]}); smaller plans in the fixed order (pp, then tp, halved)", file=sys.stderr)
+        return None
+    from threefold.train.elastic_plan import planner_order
+    return lambda plans, world: planner_order(plans, model, batch, cluster)
+
+
+def _model_cost(cfg):
+    """(ModelCost, global batch) of the job: the embedded GPT's shape, or the SPEC traced."""
+    if cfg.spec is None:
+        from threefold.dataset import load_data
+        from threefold.planner.gpt_cost import gpt_model_cost
+        vocab = load_data(cfg).vocab_size
+        return gpt_model_cost(cfg.n_layer, cfg.n_embd, cfg.n_head, vocab, cfg.seq), cfg.batch
+    from threefold.compiler.trace import trace
+    from threefold.planner.spec_cost import model_cost_from_program
+    from threefold.train.source import given_sizes
+    from threefold.workload import load_spec
+    work = load_spec(cfg.spec, given_sizes(cfg))
+    traced = trace(work.model, work.inputs, work.target, work.loss_fn)
+    return model_cost_from_program(traced, work.inputs, cfg.spec), int(work.inputs[0].shape[0])
 
 
 def _newest(ckpt_dir: str) -> str | None:
@@ -162,7 +197,7 @@ def torchrun_resume(cfg, ckpt_dir: str):
                "cause": f"torchrun's agent restarted the job (restart {count})"}
     if old.world_size == world:
         return dataclasses.replace(cfg, plan=str(old)), newest, None, restart
-    plan, why = plan_for_world(old, world, cfg.batch if cfg.spec is None else None)
+    plan, why = plan_for_world(old, world, cfg.batch if cfg.spec is None else None, ranker(cfg))
     return (dataclasses.replace(cfg, plan=str(plan)), newest, f"plan {old} -> {plan} on {world} ranks ({why})",
             restart)
 
