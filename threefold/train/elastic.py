@@ -117,18 +117,26 @@ PLANNER_CLUSTER = "a100-80gb"     # `threefold plan`'s default cluster: the plan
 
 def ranker(cfg):
     """`rank(plans, world)` for smaller_plans: the planner's order (elastic_plan.planner_order)
-    over this job's model cost and global batch; None (the fixed order) where the model
-    cannot be priced, said once on stderr."""
-    try:
-        model, batch = _model_cost(cfg)
-        from threefold.planner.cluster import load_cluster
-        cluster = load_cluster(PLANNER_CLUSTER)
-    except Exception as exc:     # the planner is advice: without it the fixed order still works
-        print(f"threefold train: the planner cannot price this model ({type(exc).__name__}: "
-              f"{str(exc).strip()[:160]}); smaller plans in the fixed order (pp, then tp, halved)", file=sys.stderr)
-        return None
-    from threefold.train.elastic_plan import planner_order
-    return lambda plans, world: planner_order(plans, model, batch, cluster)
+    over this job's model cost and global batch, priced on first use (a dp shrink needs no
+    model cost); [] (the fixed order) where the model cannot be priced, said once on stderr."""
+    priced: list = []
+
+    def rank(plans, world):
+        if not priced:
+            try:
+                from threefold.planner.cluster import load_cluster
+                priced.append((*_model_cost(cfg), load_cluster(PLANNER_CLUSTER)))
+            except Exception as exc:     # the planner is advice: without it the fixed order still works
+                priced.append(None)
+                print(f"threefold train: the planner cannot price this model ({type(exc).__name__}: "
+                      f"{str(exc).strip()[:160]}); smaller plans in the fixed order (pp, then tp, halved)",
+                      file=sys.stderr)
+        if priced[0] is None:
+            return []
+        from threefold.train.elastic_plan import planner_order
+        model, batch, cluster = priced[0]
+        return planner_order(plans, model, batch, cluster)
+    return rank
 
 
 def _model_cost(cfg):

@@ -120,7 +120,8 @@ def smaller_plans(old: Plan, world: int, min_world: int, batch: int | None,
             plan = _with_dp(old, w // per_replica, batch)
             if plan is not None:
                 yield plan, f"dp {old.dp} -> {plan.dp}, m {old.microbatches} -> {plan.microbatches} (global batch kept)"
-        ranked = rank(reshapes(old, w, batch), w) if rank is not None else []
+        cuts = reshapes(old, w, batch)
+        ranked = rank(cuts, w) if rank is not None and cuts else []
         yield from (ranked or fixed_order(old, w, batch))
 
 
