@@ -33,14 +33,13 @@ class Staged(Sharded):
     """A host-memory copy of one value's pieces (a `Sharded` or ZeRO `RowsOf`), with the
     write items of the original: DCP writes it exactly as it would have written the live one."""
 
-    def __init__(self, fqn: str, live: Sharded, pieces: dict | None = None):
+    def __init__(self, fqn: str, live: Sharded):
         self.full_shape = live.full_shape
         self.dim = live.dim
         self.parts = []
         self._items = live.__create_write_items__(fqn, live)
         self._chunks = live.__create_chunk_list__()
-        self._pieces = pieces if pieces is not None else {
-            tuple(offs): _host_copy(view) for offs, _, view in live.regions()}
+        self._pieces = {tuple(offs): _host_copy(view) for offs, _, view in live.regions()}
         self.local = next(iter(self._pieces.values()), torch.empty(0, dtype=live.dtype))
 
     def piece_at(self, offsets) -> torch.Tensor:

@@ -117,17 +117,12 @@ class Snapshot:
     def stage(self, sd: dict, fields: dict | None, keep: int | None) -> dict:
         """Copy `sd` into this snapshot's file; the state dict the writer writes (its
         tensors view the file). Raises OSError when /dev/shm cannot take it."""
-        from threefold.checkpoint.async_save import Staged
         plan, objects, at = [], {}, 0
         for key, value in sd.items():
-            if isinstance(value, Sharded):
-                items = value.__create_write_items__(key, value)
-                views = {tuple(offs): view for offs, _, view in value.regions()}
+            if isinstance(value, Sharded):     # its regions are its write items' chunks (layout.py)
                 pieces = []
-                for item in items:
-                    offs = tuple(item.index.offset)
-                    view = views[offs]
-                    pieces.append((offs, list(item.tensor_data.chunk.sizes), view, at))
+                for offs, sizes, view in value.regions():
+                    pieces.append((tuple(offs), list(sizes), view, at))
                     at += _align(view.numel() * view.element_size())
                 plan.append(("sharded", key, value, pieces))
             elif isinstance(value, torch.Tensor):
@@ -155,14 +150,14 @@ class Snapshot:
         self.buffer = buf
         out, entries = {}, []
         for kind, key, value, where in plan:
-            if kind == "sharded":
+            if kind == "sharded":      # write items made by the writer, not here (ShmPieces)
                 staged_pieces, described = {}, []
                 for offs, sizes, view, a in where:
                     dest = _view(buf, a, view.dtype, view.shape)
                     dest.copy_(view.detach())
-                    staged_pieces[offs] = dest
+                    staged_pieces[offs] = (dest, sizes)
                     described.append({"offsets": list(offs), "sizes": sizes, "shape": list(view.shape), "at": a})
-                out[key] = Staged(key, value, staged_pieces)
+                out[key] = ShmPieces(value.full_shape, value.dtype, staged_pieces)
                 entries.append({"key": key, "kind": "sharded", "full_shape": list(value.full_shape),
                                 "dtype": _dtype_name(value.dtype), "pieces": described})
             else:
