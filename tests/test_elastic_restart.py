@@ -62,6 +62,27 @@ def test_a_kill_during_a_background_write_loses_at_most_the_interval(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+def test_a_job_that_fails_mid_write_commits_the_staged_save_and_leaves_nothing_in_dev_shm(tmp_path):
+    """Without --max-restarts a rank killed during the background write of step 8 fails the
+    job; the parent still commits the sealed save, so a hand resume starts at step 8."""
+    import os
+
+    from threefold.checkpoint import files
+    from threefold.checkpoint.staging import stage_dir
+    ckpt = tmp_path / "ckpt"
+    staged = [os.path.join(stage_dir(str(ckpt)), f"step_000000008.rank_{r}.json") for r in (0, 1)]
+    job = Job(tmp_path / "run", "--plan", "pp=2,m=2", "--steps", "16", "--save-every", "4", "--ckpt-dir", str(ckpt))
+    job.wait_for(lambda: all(os.path.exists(p) for p in staged), timeout=600)
+    job.signal_rank(1, signal.SIGKILL)
+    job.proc.communicate(timeout=300)
+    assert job.proc.returncode != 0
+    assert files.resolve(str(ckpt)).endswith("step_000000008"), files.list_steps(str(ckpt))
+    files.read_index(files.resolve(str(ckpt)))            # the restricted reader accepts it
+    assert not os.path.exists(stage_dir(str(ckpt)))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_a_stopped_rank_is_restarted_like_a_dead_one(tmp_path):
     common = ["--plan", "pp=2,m=2", "--steps", "12"]
     reference = train(tmp_path / "ref", *common)["losses"]
