@@ -83,3 +83,20 @@ def test_async_saves_leave_nothing_staged(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         saver.wait()
     assert not os.path.exists(staging.stage_dir(root))     # alone: nobody else can settle it
+
+
+def test_a_full_dev_shm_stages_in_memory_and_still_saves(tmp_path, monkeypatch, capsys):
+    import errno
+    pm, opt, w = _build()
+    _train(pm, opt, w, 1)
+
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    saver = AsyncSaver()
+    saver.save(pm, opt, str(tmp_path), step=1)
+    assert saver.wait() == os.path.join(str(tmp_path), files.step_name(1))
+    assert "staging them in memory" in capsys.readouterr().err and saver.shm is False
+    assert not os.path.exists(staging.stage_dir(str(tmp_path)))
+    _, params, _ = _loaded(str(tmp_path))
+    assert all(torch.equal(params[k], v) for k, v in _snapshot(pm).items())

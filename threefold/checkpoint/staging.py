@@ -143,9 +143,12 @@ class Snapshot:
                 if attempt == 2:
                     raise
         try:
-            os.ftruncate(fd, size)
-        finally:
+            _reserve(fd, size)
+        except OSError:
             os.close(fd)
+            os.unlink(self.data_path)
+            raise
+        os.close(fd)
         buf = torch.from_file(self.data_path, shared=True, size=size, dtype=torch.uint8)
         self.buffer = buf
         out, entries = {}, []
@@ -194,6 +197,23 @@ class Snapshot:
             os.rmdir(self.directory)     # the last rank's drop leaves nothing in /dev/shm
         except OSError:
             pass
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Give the file its pages now: /dev/shm too full is an OSError here (the caller stages
+    in memory instead), never a SIGBUS when the copy touches a page tmpfs cannot supply."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return
+    except OSError as exc:
+        import errno
+        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+    st = os.fstatvfs(fd)             # no fallocate here: at least check the free space
+    if st.f_bavail * st.f_frsize < size:
+        import errno
+        raise OSError(errno.ENOSPC, f"{size} bytes do not fit in {SHM}")
+    os.ftruncate(fd, size)
 
 
 def _view(buf: torch.Tensor, at: int, dtype: torch.dtype, shape) -> torch.Tensor:
