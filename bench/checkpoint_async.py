@@ -6,8 +6,10 @@ local gloo ranks) runs --steps steps three ways, alternating, --reps times each;
 and the end-of-run sample are off so only the checkpoints differ. The time per step is the
 wall time between the starts of consecutive steps (so a save's time counts in the step it
 follows), averaged over every step but the first (warm-up) and the last (the final save,
-which the run waits for whatever the mode). Prints the ratio of each mode to none, and how
-long each save held the loop (median).
+which the run waits for whatever the mode). Prints, side by side for the three modes of one
+run: the step time and its ratio to none, the step-time cost of the saves (median and worst
+of the reps), how long each save held the loop, and the load average before and after
+(`os.getloadavg()`: quiet or loaded, against the core count).
 
     python bench/checkpoint_async.py [--steps 100] [--every 20] [--reps 2] [--json]
 """
@@ -62,6 +64,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     sys.path.insert(0, ROOT)
+    load_before = os.getloadavg()
     root = tempfile.mkdtemp(prefix="threefold-bench-ckpt-")
     runs: dict[str, list[dict]] = {"none": [], "blocking": [], "async": []}
     try:
@@ -74,21 +77,32 @@ def main() -> int:
     held = {m: statistics.median(r["held_s"] for r in rs) for m, rs in runs.items()}
     # on a busy machine whole runs differ more than the saves cost: the robust figure is each
     # run's own excess per save over its own typical step, as a share of K steps
-    cost = {m: statistics.median(r["excess_per_save_s"] / (args.every * r["typical_s"]) for r in rs)
-            for m, rs in runs.items()}
+    shares = {m: [r["excess_per_save_s"] / (args.every * r["typical_s"]) for r in rs] for m, rs in runs.items()}
+    cost = {m: statistics.median(v) for m, v in shares.items()}
+    worst = {m: max(v) for m, v in shares.items()}
+    worst_step = {m: max(r["step_s"] for r in rs) for m, rs in runs.items()}
+    load_after, cores = os.getloadavg(), os.cpu_count() or 1
+    loaded = max(load_before[0], load_after[0]) > 0.5 * cores
     out = {"plan": args.plan, "steps": args.steps, "every": args.every, "reps": args.reps,
-           "step_s": step, "save_held_s": held, "cost_share": cost,
+           "loadavg_before": load_before, "loadavg_after": load_after, "cores": cores,
+           "machine": "loaded" if loaded else "quiet",
+           "step_s": step, "worst_step_s": worst_step, "save_held_s": held, "cost_share": cost,
+           "worst_cost_share": worst,
            "blocking_over_none": step["blocking"] / step["none"], "async_over_none": step["async"] / step["none"],
            "async_over_blocking": step["async"] / step["blocking"]}
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
     print(f"default job ({args.plan}), a checkpoint every {args.every} steps, {args.steps} steps, "
-          f"median of {args.reps} runs per mode")
+          f"{args.reps} runs per mode (alternating); {out['machine']}: load average "
+          f"{' '.join(f'{x:.1f}' for x in load_before)} before, {' '.join(f'{x:.1f}' for x in load_after)} after, "
+          f"{cores} cores")
+    print(f"  {'mode':<9} {'ms/step':>9} {'worst':>9} {'x none':>7} {'cost':>8} {'worst':>8} {'held/save':>10}")
     for m in runs:
-        print(f"  {m:<9} {step[m] * 1e3:8.2f} ms/step  ({step[m] / step['none']:.3f}x none); step-time cost "
-              f"of the saves {cost[m]:+.1%} (each run's excess over its median step)"
-              + (f"; each save held the loop {held[m] * 1e3:.1f} ms" if m != "none" else ""))
+        print(f"  {m:<9} {step[m] * 1e3:9.2f} {worst_step[m] * 1e3:9.2f} {step[m] / step['none']:7.3f} "
+              f"{cost[m]:+8.1%} {worst[m]:+8.1%} " + (f"{held[m] * 1e3:8.1f}ms" if m != "none" else f"{'-':>10}"))
+    print("  cost: each run's excess over its own median step in the steps after a save, as a share of "
+          f"{args.every} steps (median and worst of the reps)")
     print(f"  async/blocking step time: {out['async_over_blocking']:.3f}")
     return 0
 

@@ -75,7 +75,11 @@ def _mapped() -> set[str]:
         if d.isdigit():
             try:
                 with open(f"/proc/{d}/maps") as f:
-                    names.update(line.split()[-1].rsplit("/", 1)[-1] for line in f if "/dev/shm/" in line)
+                    # a file's name, and the folder under /dev/shm it is in (a staging folder:
+                    # checkpoint/staging.py)
+                    names.update(n for line in f if "/dev/shm/" in line
+                                 for n in (line.split()[-1].rsplit("/", 1)[-1],
+                                           line.split()[-1].split("/dev/shm/", 1)[-1].split("/", 1)[0]))
             except OSError:
                 pass
     return names

@@ -35,6 +35,54 @@ def test_a_killed_rank_restarts_on_the_same_world_bit_for_bit(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+def test_a_kill_during_a_background_write_loses_at_most_the_interval(tmp_path):
+    """The save of step 8 is staged in /dev/shm (checkpoint/staging.py) and sealed by both
+    ranks; a rank killed while it is written: the restart commits it and resumes at step 8
+    (in memory only, the job fell back to step 4), with the uninterrupted run's losses."""
+    import os
+
+    from threefold.checkpoint.staging import stage_dir
+    common = ["--plan", "pp=2,m=2", "--steps", "16"]
+    reference = train(tmp_path / "ref", *common)["losses"]
+    ckpt = tmp_path / "ckpt"
+    staged = [os.path.join(stage_dir(str(ckpt)), f"step_000000008.rank_{r}.json") for r in (0, 1)]
+    job = Job(tmp_path / "run", *common, "--save-every", "4", "--ckpt-dir", str(ckpt), "--max-restarts", "1")
+    job.wait_for(lambda: all(os.path.exists(p) for p in staged), timeout=600)
+    job.signal_rank(1, signal.SIGKILL)
+    published = newest_step(ckpt).endswith("step_000000008")     # the write may have won the race
+    used = job.wait_for(RESTARTING).group(1)
+    got = job.finish()
+    assert used.endswith("step_000000008"), used      # the resumed step: the staged save's
+    if not published:
+        assert any("committed from the snapshot staged" in line for line in job.lines), job.lines[-5:]
+    assert got["losses"] == reference            # bit for bit
+    (restart,) = got["restarts"]
+    assert restart["step"] == 8 and 0 <= restart["steps_lost"] <= 4, restart
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_job_that_fails_mid_write_commits_the_staged_save_and_leaves_nothing_in_dev_shm(tmp_path):
+    """Without --max-restarts a rank killed during the background write of step 8 fails the
+    job; the parent still commits the sealed save, so a hand resume starts at step 8."""
+    import os
+
+    from threefold.checkpoint import files
+    from threefold.checkpoint.staging import stage_dir
+    ckpt = tmp_path / "ckpt"
+    staged = [os.path.join(stage_dir(str(ckpt)), f"step_000000008.rank_{r}.json") for r in (0, 1)]
+    job = Job(tmp_path / "run", "--plan", "pp=2,m=2", "--steps", "16", "--save-every", "4", "--ckpt-dir", str(ckpt))
+    job.wait_for(lambda: all(os.path.exists(p) for p in staged), timeout=600)
+    job.signal_rank(1, signal.SIGKILL)
+    job.proc.communicate(timeout=300)
+    assert job.proc.returncode != 0
+    assert files.resolve(str(ckpt)).endswith("step_000000008"), files.list_steps(str(ckpt))
+    files.read_index(files.resolve(str(ckpt)))            # the restricted reader accepts it
+    assert not os.path.exists(stage_dir(str(ckpt)))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_a_stopped_rank_is_restarted_like_a_dead_one(tmp_path):
     common = ["--plan", "pp=2,m=2", "--steps", "12"]
     reference = train(tmp_path / "ref", *common)["losses"]
@@ -137,3 +185,28 @@ def _is_threefold(pid: int) -> bool:
     except OSError:
         return False
     return b"threefold" in args and b"torch.distributed.run" not in args
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_where_the_shape_must_change_the_planners_pick_equals_a_hand_resume_on_it(tmp_path):
+    """tp=2,pp=2 losing a rank: no dp fits 3 ranks, so the shape changes on 2; the planner
+    picks among every smaller cut (train/elastic_plan.planner_order: plain dp for this small
+    model, where the fixed order took tp=2,pp=1), prints why, and the run equals a hand
+    resume of the same checkpoint on that plan."""
+    common = ["--plan", "tp=2,pp=2,m=2", "--steps", "8"]
+    ckpt = tmp_path / "ckpt"
+    job = Job(tmp_path / "run", *common, "--save-every", "4", "--ckpt-dir", str(ckpt), "--max-restarts", "1",
+              "--min-world", "2", env={"THREEFOLD_ELASTIC_DROP_DEAD": "1"})
+    job.wait_for(lambda: newest_step(ckpt).endswith("step_000000004"))
+    job.signal_rank(2, signal.SIGKILL)
+    line = job.wait_for(r"restarting from (\S+) .*the planner's pick")
+    kept = tmp_path / "kept"
+    shutil.copytree(line.group(1), kept)
+    got = job.finish()
+    (restart,) = got["restarts"]
+    assert restart["new_world"] == 2 and restart["new_plan"].startswith("tp=1,pp=1,dp=2"), restart
+    by_hand = train(tmp_path / "hand", "--plan", restart["new_plan"], "--steps", "8", "--resume", str(kept),
+                    "--ckpt-dir", str(tmp_path / "hand.ckpt"))
+    assert len(got["losses"]) == len(by_hand["losses"]) == 8
+    assert max_rel_diff(got["losses"], by_hand["losses"]) < 1e-5, (got["losses"], by_hand["losses"])

@@ -1,12 +1,15 @@
 """Checkpoints that do not stop training: stage on the step loop, write in the background.
 
 `AsyncSaver.save(...)` blocks only while it copies this rank's pieces into host memory
-(`stage`: every shard piece and optimizer moment cloned to the CPU, the small values deep
-copied); a background thread then runs the same write as `threefold.save`
+(every shard piece and optimizer moment copied, one copy per tensor, into a file in
+/dev/shm that outlives a killed process: checkpoint/staging.py; where /dev/shm cannot take
+it, `stage` clones them in this process); a background thread then runs the same write as `threefold.save`
 (checkpoint/save.write_checkpoint: temporary directory, DCP, per-file CRC32 index, atomic
 rename, `latest`, keep), so every guarantee of a blocking save holds: a checkpoint is
 published only once complete and verified, and a process killed mid-write leaves the
-previous checkpoints intact and only a temporary directory the next save or resume drops.
+previous checkpoints intact and only a temporary directory the next save or resume drops;
+the staged copy then lets the restart commit the interrupted save (staging.settle), so a
+kill mid-write loses at most the checkpoint interval.
 
 The background write's collectives run over a process group of their own (gloo, made once
 by every rank together), so they never interleave with the step's collectives on the
@@ -96,6 +99,7 @@ class AsyncSaver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_path: str | None = None
+        self.shm = True          # stage in /dev/shm (checkpoint/staging.py) while it takes them
         self.stage_seconds: list[float] = []     # how long each save held the step loop
 
     def save(self, pm, optimizer, directory: str, step: int, extra=None, keep: int | None = 3,
@@ -107,23 +111,55 @@ class AsyncSaver:
         check_keep(keep)
         started = time.perf_counter()
         self.wait()
-        sd = stage(_collect(pm, optimizer, step, extra, rank_world()[0]))
+        rank = rank_world()[0]
+        live = _collect(pm, optimizer, step, extra, rank)
         fields = index_fields(pm, optimizer, step, run)
+        sd, snapshot = self._stage(live, fields, directory, step, keep, rank)
         self._thread = threading.Thread(target=self._write, name=f"threefold-ckpt-{step}", daemon=True,
-                                        args=(write_checkpoint, sd, fields, directory, step, keep))
+                                        args=(write_checkpoint, sd, fields, directory, step, keep, snapshot))
         self._thread.start()
         held = time.perf_counter() - started
         self.stage_seconds.append(held)
         return held
 
-    def _write(self, write, sd, fields, directory, step, keep) -> None:
+    def _stage(self, live: dict, fields: dict, directory: str, step: int, keep, rank: int):
+        """(the state dict to write, its /dev/shm snapshot or None): staged in /dev/shm where
+        it can be (checkpoint/staging.py: a kill mid-write then loses nothing), else in this
+        process's memory (a kill mid-write falls back to the previous checkpoint)."""
+        from threefold.checkpoint.staging import Snapshot, stage_dir
+        where = stage_dir(directory) if self.shm else None
+        if where is not None:
+            snapshot = Snapshot(where, step, rank, self.world)
+            try:
+                return snapshot.stage(live, fields, keep), snapshot
+            except OSError as exc:      # /dev/shm full or missing: stage in memory from now on
+                snapshot.drop()
+                self.shm = False
+                print(f"threefold: cannot stage checkpoints in {where} ({exc.strerror or exc}); staging them in "
+                      "memory (a rank killed mid-write falls back to the previous checkpoint)", file=sys.stderr)
+        return stage(live), None
+
+    def _write(self, write, sd, fields, directory, step, keep, snapshot=None) -> None:
         _yield_to_the_loop()
         switch = sys.getswitchinterval()
         sys.setswitchinterval(min(switch, SWITCH_S))
         try:
+            if snapshot is not None:
+                try:
+                    snapshot.seal()         # complete from here on: a restart can commit it
+                except OSError:
+                    snapshot.drop()
+                    snapshot = None
             self.last_path = write(sd, fields, directory, step, keep, self.group)
+            if snapshot is not None:
+                snapshot.drop()             # published: the staged copy is not needed
         except BaseException as exc:   # raised on the step loop's thread by wait()
             self._error = exc
+            # a failure of another rank (killed mid-write) fails this write too: the snapshot
+            # stays for whoever restarts the job (staging.settle commits or removes it); alone,
+            # nobody else can have failed, so it is removed now
+            if snapshot is not None and self.world == 1:
+                snapshot.drop()
         finally:
             sys.setswitchinterval(switch)
 

@@ -88,7 +88,8 @@ def write_checkpoint(sd: dict, fields: dict, directory: str, step: int, keep: in
         outcome = None
         if rank == 0:
             try:
-                files.write_index(tmp, {"format": files.FORMAT, "version": 1, **fields, "world": world,
+                # fields may name the world (staging.settle commits what another world staged)
+                files.write_index(tmp, {"format": files.FORMAT, "version": 1, "world": world, **fields,
                                         "files": written, "seconds": time.perf_counter() - started})
                 outcome = files.publish(directory, tmp, name, keep, (fields.get("run") or {}).get("id"))
             except OSError as exc:   # every rank raises it, none waits for a path that never comes

@@ -269,6 +269,9 @@ def _train(cfg, plan, ckpt_dir: str, resume: str | None, run_record: dict | None
         import dataclasses
         cfg = dataclasses.replace(cfg, plan=str(plan))
     live = _live_dir(cfg.out)
+    from threefold.checkpoint.staging import drop_all, settle
+    if not under_torchrun():
+        drop_all(ckpt_dir)       # what a job killed whole staged (never committed: another run's state)
     try:
         if cfg.max_restarts and not under_torchrun():    # under torchrun its agent restarts us
             result = _elastic(cfg, plan, ckpt_dir, resume, live, run_record)
@@ -277,8 +280,12 @@ def _train(cfg, plan, ckpt_dir: str, resume: str | None, run_record: dict | None
             result = run_on_ranks(_train_rank, plan.world_size, cfg, not cfg.json, ckpt_dir, resume, live,
                                   run_record, restart)[0]
     except BaseException:
+        if not under_torchrun():
+            settle(ckpt_dir)     # a save the failure interrupted: committed if every rank staged it whole
         _keep_or_drop(live, ckpt_dir)
         raise
+    if not under_torchrun():
+        drop_all(ckpt_dir)
     from threefold.cli.jobs import is_main_rank
     if not is_main_rank():
         return 1 if result["stopped"] else 0

@@ -47,15 +47,44 @@ def run_elastic(cfg, plan, resume, live: str | None, ckpt_dir: str, start, check
             old = plan
             if lost:
                 cfg, plan, why = _smaller(cfg, plan, plan.world_size - len(lost), check_plan, exc)
+            committed = _settle(ckpt_dir)   # a save killed mid-write: its staged copy (checkpoint/staging.py)
             resume = _newest(ckpt_dir) or resume    # none saved yet: where this run itself began
             restart = {"old_plan": str(old), "old_world": old.world_size, "new_world": plan.world_size,
                        "failed_at": failed_at, "reached_step": _reached_step(live),
                        "cause": _first_line(exc), "restarts_left": left}
             where = f"from {resume}" if resume else "from the start (no checkpoint yet)"
+            if committed and resume == committed:
+                where += " (committed from the snapshot staged before the failure)"
             shape = (f"on plan {plan} ({why}; lost rank(s) {', '.join(map(str, lost))})" if plan != old
                      else f"on the same {plan.world_size} ranks")
             print(f"threefold train: {restart['cause']}; restarting {where} {shape} "
                   f"({left} restart(s) left)", file=sys.stderr)
+
+
+def _settle(ckpt_dir: str) -> str | None:
+    """Commit the staged snapshot of a save the failure interrupted, if every rank sealed
+    it (the newest checkpoint then), and remove the staged files; its path or None."""
+    from threefold.checkpoint.staging import settle
+    return settle(ckpt_dir)
+
+
+def settle_under_torchrun(ckpt_dir: str) -> None:
+    """Under torchrun every restarted process comes here before any resumes: the first on
+    this host to take the lock settles the snapshots the failed attempt staged here (the
+    others wait for it, then find nothing left)."""
+    import fcntl
+
+    from threefold.checkpoint.staging import settle, stage_dir
+    directory = stage_dir(ckpt_dir)
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC) if directory else None
+    except OSError:          # none staged here (or another process settled them already)
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        settle(ckpt_dir)
+    finally:
+        os.close(fd)
 
 
 def _lost_ranks(exc) -> list[int]:
@@ -71,7 +100,7 @@ def _smaller(cfg, plan, world: int, check_plan, exc):
     from threefold.train.elastic_plan import smaller_plans
     floor = cfg.min_world or plan.world_size
     tried = []
-    for candidate, why in smaller_plans(plan, world, floor, cfg.batch if cfg.spec is None else None):
+    for candidate, why in smaller_plans(plan, world, floor, cfg.batch if cfg.spec is None else None, ranker(cfg)):
         trial = dataclasses.replace(cfg, plan=str(candidate))
         try:
             checked = check_plan(trial)
@@ -81,6 +110,49 @@ def _smaller(cfg, plan, world: int, check_plan, exc):
     detail = f" (tried {'; '.join(tried[:2])})" if tried else ""
     raise PlanError(f"{_first_line(exc)}; {world} rank(s) left, and no plan derived from {plan} runs on "
                     f"{world} down to --min-world {floor} ranks{detail}: lower --min-world or bring the ranks back")
+
+
+PLANNER_CLUSTER = "a100-80gb"     # `threefold plan`'s default cluster: the planner's prices
+
+
+def ranker(cfg):
+    """`rank(plans, world)` for smaller_plans: the planner's order (elastic_plan.planner_order)
+    over this job's model cost and global batch, priced on first use (a dp shrink needs no
+    model cost); [] (the fixed order) where the model cannot be priced, said once on stderr."""
+    priced: list = []
+
+    def rank(plans, world):
+        if not priced:
+            try:
+                from threefold.planner.cluster import load_cluster
+                priced.append((*_model_cost(cfg), load_cluster(PLANNER_CLUSTER)))
+            except Exception as exc:     # the planner is advice: without it the fixed order still works
+                priced.append(None)
+                print(f"threefold train: the planner cannot price this model ({type(exc).__name__}: "
+                      f"{str(exc).strip()[:160]}); smaller plans in the fixed order (pp, then tp, halved)",
+                      file=sys.stderr)
+        if priced[0] is None:
+            return []
+        from threefold.train.elastic_plan import planner_order
+        model, batch, cluster = priced[0]
+        return planner_order(plans, model, batch, cluster)
+    return rank
+
+
+def _model_cost(cfg):
+    """(ModelCost, global batch) of the job: the embedded GPT's shape, or the SPEC traced."""
+    if cfg.spec is None:
+        from threefold.dataset import load_data
+        from threefold.planner.gpt_cost import gpt_model_cost
+        vocab = load_data(cfg).vocab_size
+        return gpt_model_cost(cfg.n_layer, cfg.n_embd, cfg.n_head, vocab, cfg.seq), cfg.batch
+    from threefold.compiler.trace import trace
+    from threefold.planner.spec_cost import model_cost_from_program
+    from threefold.train.source import given_sizes
+    from threefold.workload import load_spec
+    work = load_spec(cfg.spec, given_sizes(cfg))
+    traced = trace(work.model, work.inputs, work.target, work.loss_fn)
+    return model_cost_from_program(traced, work.inputs, cfg.spec), int(work.inputs[0].shape[0])
 
 
 def _newest(ckpt_dir: str) -> str | None:
@@ -120,6 +192,7 @@ def torchrun_resume(cfg, ckpt_dir: str):
     count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if count <= 0 or not cfg.save_every:
         return cfg, None, None, None
+    settle_under_torchrun(ckpt_dir)
     newest = _newest(ckpt_dir)
     if newest is None:
         return cfg, None, None, None
@@ -132,7 +205,7 @@ def torchrun_resume(cfg, ckpt_dir: str):
                "cause": f"torchrun's agent restarted the job (restart {count})"}
     if old.world_size == world:
         return dataclasses.replace(cfg, plan=str(old)), newest, None, restart
-    plan, why = plan_for_world(old, world, cfg.batch if cfg.spec is None else None)
+    plan, why = plan_for_world(old, world, cfg.batch if cfg.spec is None else None, ranker(cfg))
     return (dataclasses.replace(cfg, plan=str(plan)), newest, f"plan {old} -> {plan} on {world} ranks ({why})",
             restart)
 
