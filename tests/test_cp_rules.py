@@ -1,4 +1,4 @@
-"""Context parallelism's sequence rules (passes/cp_rules.py) over the op registry
+"""Context parallelism's sequence rules (passes/cp_rules/) over the op registry
 (threefold/ops/families.py): arguments read by name from the op's schema, every op tp knows
 has a cp decision, ops that run along the sequence (topk, sort, scans) take the all-gather
 fallback and equal one process at cp=2."""

@@ -13,7 +13,7 @@ they treat positions independently. This pass rewrites the ones that are not and
    any other mask is a PlanError.
 2. `arange(n)` over the sequence becomes `cp_ops.positions(n)`: this rank's global positions,
    so learned position embeddings and rotary tables see where the tokens really are.
-3. Every op is checked by the sequence rules (passes/cp_rules.py): position-local ops keep
+3. Every op is checked by the sequence rules (passes/cp_rules/): position-local ops keep
    the sequence placement; one that mixes positions runs on the all-gathered sequence
    (passes/cp_fallback.py) where its family allows, else is a PlanError naming it.
 """
@@ -73,7 +73,7 @@ def context_parallel(stage: Sharded) -> Sharded:
 
 def check_sequence(gm: fx.GraphModule, stage, fallbacks: list | None = None, tables: list | None = None) -> dict:
     """Every node's sequence placement (name -> Seq | PARTIAL | None), from the rules'
-    decisions (passes/cp_rules.py): Place keeps it, Gather runs the op on the all-gathered
+    decisions (passes/cp_rules/): Place keeps it, Gather runs the op on the all-gathered
     sequence (passes/cp_fallback.py, appended to `fallbacks`), Refuse is a PlanError unless
     what it meets is a position table sliced to the local length (then this rank's rows)."""
     fallbacks = [] if fallbacks is None else fallbacks

@@ -5,7 +5,7 @@ first model input that has a dim besides its batch dim: its one such dim whose s
 divides (the load-balanced layout cuts each sequence into 2*cp blocks); where it has several,
 the workload must say (a PlanError). Every input (and the target) is split along its one
 non-batch dim of size S; an input without one is not split, one with two is refused. The
-graph check (passes/cp_rules.py) then proves the choice: a wrong dim meets an op with no rule.
+graph check (passes/cp_rules/) then proves the choice: a wrong dim meets an op with no rule.
 """
 from __future__ import annotations
 

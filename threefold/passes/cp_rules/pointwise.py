@@ -1,0 +1,72 @@
+"""cp rules for values carried position by position: pointwise ops, copies, and the runtime ops
+cp itself inserts (ring attention, key-side biases, halo convolutions, cuts of the gathered
+sequence)."""
+from __future__ import annotations
+
+import torch
+
+from threefold.ops import families as fam
+from threefold.passes.cp_rules.core import RULES, Call, Seq, _fail, _val, rule
+
+
+@rule("getitem")
+def _getitem(c: Call):
+    s = c.place(c.node.args[0])
+    return s[c.node.args[1]] if isinstance(s, tuple) else s
+
+
+@rule("_assert_tensor_metadata")
+def _no_value(c: Call):
+    return None
+
+
+@rule("ring_attention")
+def _ring(c: Call):
+    return Seq(c.out.dim() - 2)
+
+
+@rule("key_bias")
+def _key_bias(c: Call):
+    """A key-side padding mask: split along its last (key) dim."""
+    if any(c.place(a) != Seq(_val(a).dim() - 1) for a in c.node.all_input_nodes):
+        _fail(c, "takes a mask that is not split along its key dim")
+    return Seq(c.out.dim() - 1)
+
+
+@rule("causal_conv1d")
+def _causal_conv(c: Call):
+    s0 = c.place(c.x)
+    if s0 is None or s0.dim != _val(c.x).dim() - 1:
+        _fail(c, "convolves along a dim that is not the sequence")
+    return s0
+
+
+@rule("shard_seq")
+def _shard_seq(c: Call):
+    return Seq(c.args["dim"])
+
+
+@rule(family="pointwise")
+def _pointwise(c: Call):
+    out = c.out
+    several = isinstance(out, (tuple, list))
+    out = out[0] if several else out
+    r = out.dim() if isinstance(out, torch.Tensor) else 0
+    operands = [a for v in c.args.values() for a in (v if isinstance(v, (list, tuple)) else [v])]
+    places = {c.place(a).at(c.place(a).dim + r - _val(a).dim()) for a in operands if isinstance(c.place(a), Seq)}
+    if len(places) != 1:
+        _fail(c, "combines values split along different dims")
+    s = places.pop()
+    d = s.dim
+    for a in operands:
+        v = _val(a)
+        if c.place(a) is None and isinstance(v, torch.Tensor):
+            i = d - (r - v.dim())
+            if i >= 0 and v.shape[i] != 1:
+                _fail(c, "combines the sequence with a value that varies per position but is not computed "
+                      "from the inputs (a table sliced to the sequence length?)", a)
+    return tuple(s for _ in c.out) if several else s
+
+
+RULES.update({n: _pointwise for n in fam.COPIES | fam.LIKE_FACTORIES | {"copy", "copy_"}})
+
