@@ -86,12 +86,29 @@ def test_ops_that_run_along_one_dim_may_fall_back():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sequence_ops_cp2_match_one_process():
-    modes = ["kmax", "sort", "cumprod", "router", "gqa"]
+    modes = ["kmax", "sort", "cumprod", "router", "gqa", "route"]
     got = launch(mixing_parity, 2, modes, "cp=2", 3, timeout=550)
     for i, mode in enumerate(modes):
         ref = sgd_losses(mixing_workload(mode), 3)
         for rank in got:
             assert max_rel_diff(rank[i], ref) < 1e-5, (mode, rank[i], ref)
+
+
+def test_routing_sort_keeps_each_ranks_rows():
+    """A MoE's argsort of token-expert rows by expert over the merged [b*t*k] dim: once refused
+    (it cannot be gathered); each rank now routes its own rows and puts them back (no fallback)."""
+    prog = compile_workload(mixing_workload("route"), "cp=2")
+    assert _fallbacks(prog) == []
+    code = build_sources(prog)["chunk00.py"]
+    assert "gather_seq" not in code and "zoo_moe.gmm" in code
+
+
+def test_sorted_rows_read_as_positions_are_refused_not_trained_wrong():
+    """The same sorted rows added back as if they were this rank's positions: one process
+    mixes tokens across the whole sequence there, so cp refuses in one line."""
+    import threefold
+    with pytest.raises(threefold.PlanError, match="sorted on this rank"):
+        compile_workload(mixing_workload("route_leak"), "cp=2")
 
 
 @pytest.mark.parametrize("mode", ["learned", "ids", "rotary"])

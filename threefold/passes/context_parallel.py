@@ -33,6 +33,7 @@ from threefold.passes.cp_masks import input_free, key_bias_val as _key_bias_val,
 from threefold.ops.families import COPIES, VIEWS, args_of
 from threefold.passes.cp_fallback import gather_around
 from threefold.passes.cp_rules import PARTIAL, Gather, Place, Refuse, Seq, decide, op_name
+from threefold.passes.cp_rules.core import is_local
 from threefold.runtime import cp_ops
 from threefold.runtime.tp_ops import GroupRef
 
@@ -89,6 +90,8 @@ def check_sequence(gm: fx.GraphModule, stage, fallbacks: list | None = None, tab
             for out in node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]:
                 if stage.has_loss and isinstance(state.get(out), Seq):
                     _refuse(node, stage, "the loss is not reduced over the sequence")
+                if is_local(state.get(out)):
+                    _refuse(node, stage, "returns rows sorted on this rank (a routing sort) or counted on it")
         elif node.op == "call_function":
             d = _place(node, state, stage, fallbacks)
             if isinstance(d, Refuse) and d.table is not None:
@@ -249,6 +252,14 @@ def _indexes_an_input(arange: fx.Node) -> bool:
             else:
                 return False
     return found
+
+
+def _numbers_rows(arange: fx.Node) -> bool:
+    """The arange only numbers rows put at permuted places (inverse[perm] = arange(m), a
+    routing sort's inverse): row numbers on this rank, not positions (cp_rules/permutations)."""
+    users = _users(arange)
+    return bool(users) and all(op_name(u) in ("index_put", "index_put_") and args_of(u)["values"] is arange
+                               and args_of(u)["self"] is not arange for u in users)
 
 
 _args = args_of   # an ATen call's arguments by schema name (defaults filled in)
@@ -455,7 +466,8 @@ def _global_positions(gm: fx.GraphModule, n: int) -> int:
             start, end, step = args[0], args[1], args[2]
         else:
             continue
-        if (start, end, step) != (0, n, 1) or node.meta["val"].is_floating_point() or _indexes_an_input(node):
+        if (start, end, step) != (0, n, 1) or node.meta["val"].is_floating_point() or _indexes_an_input(node) \
+                or _numbers_rows(node):
             continue
         kwargs = {k: v for k, v in node.kwargs.items() if k in ("dtype", "device")}
         with gm.graph.inserting_before(node):

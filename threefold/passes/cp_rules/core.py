@@ -28,7 +28,7 @@ from threefold.compiler.program import tf
 from threefold.ops import families as fam
 from threefold.ops.families import args_of, op_name
 
-__all__ = ["Seq", "PARTIAL", "Call", "Place", "Gather", "Refuse", "decide", "decision_for", "op_name",
+__all__ = ["Seq", "PARTIAL", "Perm", "Ptr", "RANK_LOCAL", "is_local", "Call", "Place", "Gather", "Refuse", "decide", "decision_for", "op_name",
            "RULES", "FAMILY_RULES", "REFUSALS", "GATHERABLE", "rule", "where"]
 
 
@@ -43,6 +43,38 @@ class Seq:
 
 
 PARTIAL = "partial"
+
+
+@dataclass(frozen=True)
+class Perm:
+    """This rank's rows along `dim` in the order a sort (`key`, the sort node) put them: a
+    routing sort over tokens (MoE: token-expert rows by expert). Exact as long as every op
+    treats rows alone until they are put back in token order (cp_rules/permutations.py).
+    `src` is the sorted value's Seq placement; `ptr`: the values are row numbers into it."""
+    dim: int
+    key: object
+    src: Seq
+    ptr: bool = False
+
+    def at(self, dim: int) -> "Perm":
+        return Perm(dim, self.key, self.src, self.ptr)
+
+
+@dataclass(frozen=True)
+class Ptr:
+    """Laid out as `seq` (token order); the values are row numbers into Perm(key) rows (the
+    inverse permutation)."""
+    seq: Seq
+    key: object
+
+
+# A value made from this rank's rows alone but not along the sequence (rows per expert, the
+# expert matmul's offsets): it differs between ranks, so it may only meet Perm rows.
+RANK_LOCAL = "rank-local"
+
+
+def is_local(p) -> bool:
+    return isinstance(p, (Perm, Ptr)) or p == RANK_LOCAL
 
 
 @dataclass(frozen=True)
@@ -111,6 +143,7 @@ FAMILY_RULES: dict[str, Callable] = {}   # family -> rule
 REFUSALS: dict[str, str] = {}            # op name -> why cp has no rule (reasoned refusal)
 # families whose ops are exact on the gathered sequence when no position-wise rule applies
 GATHERABLE = {"reduction", "softmax", "scan", "sort", "conv", "pool", "matmul", "pad", "attention"}
+ROWS_RULE: list = []   # the rule for calls that read Perm / Ptr / RANK_LOCAL values (permutations.py)
 
 
 def rule(*names: str, family: str | None = None):
@@ -144,16 +177,23 @@ def decide(node: fx.Node, state: dict, stage):
     call = Call(node, name, args_of(node) if node.op == "call_function" else {}, state, stage)
     if any(state.get(a) == PARTIAL for a in node.all_input_nodes) and node.target is not operator.getitem:
         return _partial(call)
+    if ROWS_RULE and any(is_local(state.get(a)) for a in node.all_input_nodes):
+        return _decided(ROWS_RULE[0], call, "")
     r = decision_for(name, node)
     if isinstance(r, str):
         return Gather(r) if fam.family(node) in GATHERABLE else Refuse(r)
+    return _decided(r, call, fam.family(node))
+
+
+def _decided(r, call: Call, family):
+    name = call.name
     try:
         d = r(call)
     except _NoRule as exc:
-        return Gather(str(exc)) if fam.family(node) in GATHERABLE else Refuse(str(exc), exc.table)
+        return Gather(str(exc)) if family in GATHERABLE else Refuse(str(exc), exc.table)
     except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:   # arguments it cannot read
         why = f"has arguments cp's {name} rule cannot read ({type(exc).__name__}: {exc})"
-        return Gather(why) if fam.family(node) in GATHERABLE else Refuse(why)
+        return Gather(why) if family in GATHERABLE else Refuse(why)
     return d if isinstance(d, (Place, Gather, Refuse)) else Place(d)
 
 
@@ -163,7 +203,7 @@ def _partial(call: Call):
     ins = n.all_input_nodes
     linear = {"mul", "div", "neg", "add", "sub", "squeeze", "unsqueeze"} | fam.VIEWS | fam.COPIES
     if call.name in linear and sum(call.place(a) == PARTIAL for a in ins) == 1 \
-            and not any(isinstance(call.place(a), Seq) for a in ins):
+            and not any(isinstance(call.place(a), Seq) or is_local(call.place(a)) for a in ins):
         if call.name in ("add", "sub") and any(isinstance(a, fx.Node) and call.place(a) is None and _val(a) is not None
                                                for a in n.args[:2]):
             return Refuse("adds a whole value to a per-rank partial loss")

@@ -70,3 +70,8 @@ def _pointwise(c: Call):
 
 RULES.update({n: _pointwise for n in fam.COPIES | fam.LIKE_FACTORIES | {"copy", "copy_"}})
 
+# element by element, though ATen does not tag them pointwise: floor_divide (a routing sort's
+# row numbers // top_k), polar / complex (rotary tables as complex numbers, DeepSeek-V2),
+# real / imag / conj, isin and bucketize (a lookup per element)
+RULES.update({n: _pointwise for n in ("floor_divide", "polar", "complex", "real", "imag", "conj", "isin",
+                                      "bucketize")})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from threefold.ops.families import op_name
 from threefold.passes.cp_rules.core import PARTIAL, Call, Seq, _fail, _norm, _val, rule
+from threefold.passes.cp_rules.permutations import counts, feeds_offsets, routes_rows, sorted_rows
 from threefold.passes.loss_form import _arg, _reduction_index
 
 
@@ -28,6 +29,8 @@ def _reduce(c: Call):
     if s0.dim in dims:
         if c.name in ("sum", "mean") and len(dims) == src.dim() and _loss_path(c.node):
             return PARTIAL
+        if c.name == "sum" and feeds_offsets(c.node):
+            return counts(c)                               # rows per expert of this rank's tokens
         _fail(c, f"reduces along the sequence (dim {s0.dim})")
     s = s0.at(s0.dim if c.args.get("keepdim") else s0.dim - sum(d < s0.dim for d in dims))
     return tuple(s for _ in c.out) if isinstance(c.out, (tuple, list)) else s
@@ -45,6 +48,8 @@ def _along_dim(c: Call):
     d = c.args.get("dim")
     d = _norm((0 if c.name == "msort" else -1) if d is None else d, src.dim())
     if d == s0.dim:
+        if c.name in ("sort", "argsort") and routes_rows(c.node):
+            return sorted_rows(c, s0)                      # a routing sort: this rank's rows, sorted
         _fail(c, f"runs along the sequence (dim {d})")
     if c.name == "kthvalue" and not c.args.get("keepdim"):
         s0 = s0.at(s0.dim - (d < s0.dim))
