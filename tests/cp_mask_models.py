@@ -166,7 +166,9 @@ class PositionTables(nn.Module):
     `mode` learned (a learned table of 32 rows, `x + self.pos[:T]`), ids (a buffer of
     position ids [1, 32] sliced [:, :T] -> an embedding, as BERT writes it), rotary (cos/sin
     caches of 32 rows built in __init__ with outer + cat, sliced [:T], as HF's older rotary
-    embeddings did). A causal attention layer after it mixes positions."""
+    embeddings did); whole (a learned table of exactly the sequence's 16 positions added whole,
+    `x + self.vit_pos`, as every ViT does: its width is 16 too, so only the trace tells which
+    dim is the positions'). A causal attention layer after it mixes positions."""
 
     def __init__(self, mode: str, vocab: int = 32, width: int = 16, rows: int = 32):
         super().__init__()
@@ -175,6 +177,7 @@ class PositionTables(nn.Module):
         self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
         self.pos = nn.Parameter(torch.randn(rows, width) * 0.1)
         self.pos_emb = nn.Embedding(rows, width)
+        self.vit_pos = nn.Parameter(torch.randn(1, 16, width) * 0.1)
         self.register_buffer("position_ids", torch.arange(rows)[None], persistent=False)
         freqs = torch.outer(torch.arange(rows).float(), 1.0 / 100 ** (torch.arange(0, width, 2).float() / width))
         ang = torch.cat([freqs, freqs], dim=-1)
@@ -188,6 +191,8 @@ class PositionTables(nn.Module):
             x = x + self.pos[:t]
         elif self.mode == "ids":
             x = x + self.pos_emb(self.position_ids[:, :t])
+        elif self.mode == "whole":
+            x = x + self.vit_pos
         else:
             half = x.shape[-1] // 2
             rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)

@@ -94,6 +94,26 @@ def test_sequence_ops_cp2_match_one_process():
             assert max_rel_diff(rank[i], ref) < 1e-5, (mode, rank[i], ref)
 
 
+def test_full_length_table_that_cannot_be_read_locally_is_one_line():
+    """A parameter of the whole length used whole where cp cannot read it at this rank's
+    positions (it is contracted with the sequence, not added): a PlanError naming it and the fix."""
+    import threefold
+
+    class Mixer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.mix = torch.nn.Embedding(32, 8), torch.nn.Parameter(torch.randn(16, 16))
+
+        def forward(self, idx):
+            return torch.einsum("ts,bsc->btc", self.mix, self.emb(idx)) @ self.emb.weight.T
+
+    idx = torch.randint(0, 32, (2, 17))
+    w = {"model": Mixer(), "inputs": (idx[:, :-1],), "target": idx[:, 1:],
+         "loss_fn": lambda y, t: torch.nn.functional.cross_entropy(y.reshape(-1, 32), t.reshape(-1))}
+    with pytest.raises(threefold.PlanError, match="parameter `mix`.*slice it to the input's length"):
+        compile_workload(w, "cp=2")
+
+
 def test_routing_sort_keeps_each_ranks_rows():
     """A MoE's argsort of token-expert rows by expert over the merged [b*t*k] dim: once refused
     (it cannot be gathered); each rank now routes its own rows and puts them back (no fallback)."""
@@ -111,10 +131,11 @@ def test_sorted_rows_read_as_positions_are_refused_not_trained_wrong():
         compile_workload(mixing_workload("route_leak"), "cp=2")
 
 
-@pytest.mark.parametrize("mode", ["learned", "ids", "rotary"])
+@pytest.mark.parametrize("mode", ["learned", "ids", "rotary", "whole"])
 def test_position_tables_sliced_to_the_sequence_read_this_ranks_rows(mode):
     """t[:T] of a table of parameters/buffers that meets the sequence: once refused ("varies
-    per position"); now t.index_select(dim, positions) (found by data flow, not op name)."""
+    per position"); now t.index_select(dim, positions) (found by data flow, not op name).
+    whole (`x + self.pos` of the full length): once an export failure (a broadcast error)."""
     prog = compile_workload(position_workload(mode), "cp=2")
     tables = 2 if mode == "rotary" else 1
     assert any(f"{tables} position table(s) sliced to the sequence" in n for n in prog.notes), prog.notes
@@ -124,7 +145,7 @@ def test_position_tables_sliced_to_the_sequence_read_this_ranks_rows(mode):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_position_tables_cp2_match_one_process():
-    modes = ["learned", "ids", "rotary"]
+    modes = ["learned", "ids", "rotary", "whole"]
     got = launch(position_parity, 2, modes, "cp=2", 3, timeout=550)
     for i, mode in enumerate(modes):
         ref = sgd_losses(position_workload(mode), 3)

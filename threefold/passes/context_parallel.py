@@ -59,9 +59,11 @@ def context_parallel(stage: Sharded) -> Sharded:
     check_sequence(gm, stage, fallbacks, tables)
     gm.graph.lint()
     gm.recompile()
+    names = sorted({tf(t.args[0]).get("fqn") for t in tables if tf(t.args[0]).get("fqn")})
     note = (f"cp={stage.plan.cp}: {rings} attention op(s) run as ring attention over the cp group; "
             f"{moved} sequence arange(s) give global positions; {len(tables)} position table(s) sliced to the "
-            f"sequence read this rank's rows; {convs} causal conv1d(s) exchange halos; "
+            f"sequence read this rank's rows{' (' + ', '.join(f'`{x}`' for x in names) + ')' if names else ''}; "
+            f"{convs} causal conv1d(s) exchange halos; "
             "sequence split in blocks r, 2cp-1-r")
     m = stage.plan.microbatches
     notes = tuple(f"cp fallback: {f['op']} ({f['node']}) at {f['module']} mixes sequence positions: the sequence "
