@@ -114,6 +114,15 @@ def test_full_length_table_that_cannot_be_read_locally_is_one_line():
         compile_workload(w, "cp=2")
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v3", "bert_mlm", "qwen3_moe"])
+def test_zoo_models_once_refused_compile_position_wise(arch):
+    """new_empty filled by slices (DeepSeek's key), a buffer gathered at position ids (BERT's
+    token types), a routing sort (Qwen3-MoE): no fallback, no refusal (parity: -m zoo)."""
+    from tests.cp_jobs import zoo_batch2
+    prog = compile_workload(zoo_batch2(arch), "cp=2")
+    assert _fallbacks(prog) == []
+
+
 def test_routing_sort_keeps_each_ranks_rows():
     """A MoE's argsort of token-expert rows by expert over the merged [b*t*k] dim: once refused
     (it cannot be gathered); each rank now routes its own rows and puts them back (no fallback)."""

@@ -29,9 +29,11 @@ def find_seq_dims(batch: tuple, batch_dims: list, num_model_inputs: int, cp: int
         if len(cands) != 1:
             others = [d for d in range(t.dim()) if d != batch_dims[i]]
             if len(others) == 1:
+                first = " (if dim 0 is the sequence, seq-first, declare the batch dim: batch_dims=1)" \
+                    if t.shape[batch_dims[i]] % (2 * cp) == 0 else ""
                 raise PlanError(f"{name}: cp={cp} splits the sequence into 2*cp={2 * cp} blocks, but input "
                                 f"{i} has {t.shape[others[0]]} positions (dim {others[0]}); use a sequence "
-                                f"length that is a multiple of {2 * cp}")
+                                f"length that is a multiple of {2 * cp}{first}")
             raise PlanError(f"{name}: cp={cp} cannot tell the sequence dim of input {i} {tuple(t.shape)} "
                             f"(candidates {cands}); pass the sequence as the one non-batch dim divisible by {2 * cp}")
         length = t.shape[cands[0]]

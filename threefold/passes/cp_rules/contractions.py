@@ -125,8 +125,12 @@ def _index(c: Call):
 @rule("gather", "scatter")
 def _gather_scatter(c: Call):
     """aten.gather / scatter along a dim other than the sequence, index split like the source;
-    or the runtime's tp scatter / gather (dim named too)."""
+    a whole table gathered at split positions along the gathered dim; or the runtime's tp
+    scatter / gather (dim named too)."""
     s0, d = c.place(c.x), _norm(c.args["dim"], c.out.dim())
+    si = c.place(c.args.get("index"))
+    if c.name == "gather" and s0 is None and isinstance(si, Seq) and si.dim == d and si.inner == 1:
+        return si      # table.gather(d, positions): a lookup at this rank's positions (BERT's token types)
     if s0 is not None and d == s0.dim:
         _fail(c, "gathers or scatters along the sequence")
     others = [c.place(c.args[k]) for k in ("index", "src") if isinstance(c.args.get(k), fx.Node)]

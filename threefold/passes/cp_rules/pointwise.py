@@ -22,7 +22,12 @@ def _no_value(c: Call):
 
 @rule("ring_attention")
 def _ring(c: Call):
-    return Seq(c.out.dim() - 2)
+    """Ring attention rotates key/value blocks along dim -2: q, k and v must be split there."""
+    d = c.out.dim() - 2
+    if any(not isinstance(c.place(a), Seq) or c.place(a).inner != 1 or c.place(a).dim != _val(a).dim() - 2
+           for a in (c.args["q"], c.args["k"], c.args["v"])):
+        _fail(c, "is attention over a dim that is not the split sequence (q, k, v must be split along dim -2)")
+    return Seq(d)
 
 
 @rule("key_bias")
@@ -75,3 +80,18 @@ RULES.update({n: _pointwise for n in fam.COPIES | fam.LIKE_FACTORIES | {"copy", 
 # real / imag / conj, isin and bucketize (a lookup per element)
 RULES.update({n: _pointwise for n in ("floor_divide", "polar", "complex", "real", "imag", "conj", "isin",
                                       "bucketize")})
+
+
+@rule("new_empty", "new_zeros", "new_ones", "new_full")
+def _new_like(c: Call):
+    """x.new_empty(size): a fresh value that reads nothing of x. Laid out like x (same rank,
+    x's local length on its sequence dim) it is a buffer the model fills position by position
+    (DeepSeek's key = k_nope.new_empty(...); key[..., :a] = ...; the copy_ rules check what
+    is written): split like x. Of another shape it is a whole value, unless it has the local
+    length somewhere (then it would be the wrong size on the whole sequence)."""
+    s0, src, out = c.place(c.x), _val(c.x), c.out
+    if isinstance(s0, Seq) and out.dim() == src.dim() and out.shape[s0.dim] == src.shape[s0.dim]:
+        return s0
+    if c.stage.seq_len in tuple(out.shape):
+        _fail(c, "makes a value of the local sequence length not laid out like its input")
+    return None
