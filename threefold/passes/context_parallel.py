@@ -344,13 +344,19 @@ def _handwritten(sm: fx.Node):
         scale = scale * x.args[1] if op_name(x) == "mul" else scale / x.args[1]
         chain.append(x)
         x = x.args[0]
-    if not (isinstance(x, fx.Node) and op_name(x) in ("matmul", "bmm")):
+    if not (isinstance(x, fx.Node) and op_name(x) in ("matmul", "bmm", "einsum")):
         return None
     qk = x
-    q, kt = qk.args[0], qk.args[1]
-    k = _untransposed(kt)
-    if k is None:
-        return None
+    if op_name(qk) == "einsum":
+        found = _einsum_qk(qk)
+        if found is None:
+            return None
+        (q, k), kt = found, None
+    else:
+        q, kt = qk.args[0], qk.args[1]
+        k = _untransposed(kt)
+        if k is None:
+            return None
     # forward: softmax -> casts / dropout(0) -> matmul(p, v)
     y, after = sm, []
     while True:
@@ -371,13 +377,68 @@ def _handwritten(sm: fx.Node):
             y = u
             continue
         if name in ("matmul", "bmm") and u.args[0] is y:
-            pv = u
+            pv, v = u, u.args[1]
+            break
+        if name == "einsum" and _args(u)["tensors"][0] is y and _einsum_pv(u) is not None:
+            pv, v = u, _einsum_pv(u)
             break
         return None
     if any(len(_users(c)) != 1 for c in chain[1:] + [qk]):
         return None   # an intermediate (scores, probabilities) is used elsewhere: not rewritable
-    dead = after[::-1] + chain + [qk, kt]
-    return q, k, pv.args[1], scale, masks, False, pv, dead
+    dead = after[::-1] + chain + [qk] + ([kt] if kt is not None else [])
+    k, v = (_with_heads(x, q, pv) for x in (k, v))
+    return q, k, v, scale, masks, False, pv, dead
+
+
+def _letters(node: fx.Node):
+    """(operand letters, output letters) of a two-operand einsum without ellipses, or None."""
+    eq = _args(node)["equation"].replace(" ", "")
+    ins, arrow, out = eq.partition("->")
+    subs = ins.split(",")
+    if not arrow or len(subs) != 2 or "." in eq:
+        return None
+    return subs, out
+
+
+def _einsum_qk(node: fx.Node):
+    """einsum('b h i d, b h j d -> b h i j', q, k) (k may lack the head letter, multi-query):
+    (q, k), else None."""
+    found = _letters(node)
+    if found is None:
+        return None
+    (qs, ks), out = found
+    if len(qs) < 3 or len(ks) < 2 or qs[-1] != ks[-1] or qs[-1] in out or out != qs[:-1] + ks[-2] \
+            or ks[:-2] not in (qs[:-2], qs[:-3]):
+        return None
+    return tuple(_args(node)["tensors"])
+
+
+def _einsum_pv(node: fx.Node):
+    """einsum('b h i j, b h j d -> b h i d', p, v): v, else None."""
+    found = _letters(node)
+    if found is None:
+        return None
+    (ps, vs), out = found
+    if len(ps) < 3 or len(vs) < 2 or vs[-2] != ps[-1] or ps[-1] in out or out != ps[:-1] + vs[-1] \
+            or vs[:-2] not in (ps[:-2], ps[:-3]):
+        return None
+    return _args(node)["tensors"][1]
+
+
+def _with_heads(kv: fx.Node, q: fx.Node, before: fx.Node) -> fx.Node:
+    """A key/value without the head dim (multi-query, [b, j, d]) expanded over q's heads, as
+    the einsum broadcasts it."""
+    qv, val = q.meta["val"], kv.meta["val"]
+    if val.dim() == qv.dim():
+        return kv
+    graph = before.graph
+    shape = list(qv.shape[:-2]) + list(val.shape[-2:])
+    with graph.inserting_before(before):
+        u = graph.call_function(torch.ops.aten.unsqueeze.default, (kv, -3))
+        e = graph.call_function(torch.ops.aten.expand.default, (u, shape))
+    u.meta = {"val": val.unsqueeze(-3), "tf": dict(tf(before))}
+    e.meta = {"val": val.unsqueeze(-3).expand(shape), "tf": dict(tf(before))}
+    return e
 
 
 def _untransposed(kt: fx.Node):
@@ -468,7 +529,7 @@ def _global_positions(gm: fx.GraphModule, n: int) -> int:
             start, end, step = args[0], args[1], args[2]
         else:
             continue
-        if (start, end, step) != (0, n, 1) or node.meta["val"].is_floating_point() or _indexes_an_input(node) \
+        if (start, end, step) != (0, n, 1) or _indexes_an_input(node) \
                 or _numbers_rows(node):
             continue
         kwargs = {k: v for k, v in node.kwargs.items() if k in ("dtype", "device")}

@@ -57,7 +57,9 @@ def _pointwise(c: Call):
     several = isinstance(out, (tuple, list))
     out = out[0] if several else out
     r = out.dim() if isinstance(out, torch.Tensor) else 0
-    operands = [a for v in c.args.values() for a in (v if isinstance(v, (list, tuple)) else [v])]
+    # type_as(x, other) / to(x, other) read only other's dtype and device, not its values
+    skip = ("other",) if c.name in ("type_as", "to") else ()
+    operands = [a for k, v in c.args.items() if k not in skip for a in (v if isinstance(v, (list, tuple)) else [v])]
     places = {c.place(a).at(c.place(a).dim + r - _val(a).dim()) for a in operands if isinstance(c.place(a), Seq)}
     if len(places) != 1:
         _fail(c, "combines values split along different dims")

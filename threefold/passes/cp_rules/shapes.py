@@ -74,7 +74,9 @@ def _slicing(c: Call):
     if s0 is None or any(isinstance(c.place(v), Seq) for k, v in a.items() if k not in ("self", "input")):
         _fail(c, "slices with split positions")
     if d == s0.dim:
-        if name == "slice" and a.get("start") in (0, None) and (a.get("end") is None or a["end"] >= src.shape[d]) \
+        start = a.get("start") or 0
+        start = start + src.shape[d] if isinstance(start, int) and start < 0 else start   # t[-n:] of n rows
+        if name == "slice" and start <= 0 and (a.get("end") is None or a["end"] >= src.shape[d]) \
                 and a.get("step", 1) == 1:
             return s0
         _fail(c, f"slices along the sequence (dim {d})")
