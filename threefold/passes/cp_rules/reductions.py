@@ -2,8 +2,10 @@
 norms) and losses: position-wise unless the dim is the sequence."""
 from __future__ import annotations
 
+import torch
+
 from threefold.ops.families import op_name
-from threefold.passes.cp_rules.core import PARTIAL, Call, Seq, _fail, _norm, _val, rule
+from threefold.passes.cp_rules.core import PARTIAL, Call, Gather, Seq, _fail, _norm, _val, rule
 from threefold.passes.cp_rules.permutations import counts, feeds_offsets, routes_rows, sorted_rows
 from threefold.passes.loss_form import _arg, _reduction_index
 
@@ -96,3 +98,16 @@ def _loss_path(node) -> bool:
         x = users[0]
     return False
 
+
+
+@rule("batch_norm", "_native_batch_norm_legit_functional", "native_batch_norm", "group_norm", "native_group_norm",
+      "instance_norm")
+def _stats_norm(c: Call):
+    """Norms whose statistics run over the batch and every position (batch norm over [B, C, L];
+    group and instance norm over the positions of each row): exact on the gathered sequence."""
+    s0 = c.place(c.x)
+    if isinstance(s0, Seq) and s0.dim == 1 and c.name in ("batch_norm", "_native_batch_norm_legit_functional",
+                                                          "native_batch_norm"):
+        return tuple(s0 if isinstance(o, torch.Tensor) and o.dim() == _val(c.x).dim() else None for o in c.out) \
+            if isinstance(c.out, (tuple, list)) else s0      # the sequence is the channel dim: per channel
+    return Gather("normalizes with statistics over every position")
