@@ -101,7 +101,7 @@ def _finish(traced, workload, dims, sliced, seq_dims, batch, parts, plan, notes,
 
 
 def _compile_reading(workload, table, length, plan, inputs, target, own_loss, progress, *rest):
-    """Compile with one full-length table read at the local length (seq_dims.read_at_local_length);
+    """Compile with one full-length table read at the local length (seq_dims.read_at_local_length):
     the program if cp then read it at this rank's global positions, else None."""
     try:
         with read_at_local_length(workload.model, [table], length // plan.cp):
