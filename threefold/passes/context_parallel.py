@@ -28,9 +28,9 @@ from threefold.compiler.contracts import stage_pass
 from threefold.compiler.program import tf
 from threefold.compiler.stages import Sharded, copy_graph_module
 from threefold.errors import PlanError
-from threefold.passes.cp_masks import input_free, key_bias_val as _key_bias_val, param_free as _param_free, \
-    split_mask as _split_mask
-from threefold.ops.families import COPIES, VIEWS, args_of
+from threefold.passes.cp_masks import evaluate, free, input_free, key_bias_val as _key_bias_val, \
+    param_free as _param_free, split_mask as _split_mask
+from threefold.ops.families import COPIES, RESHAPES, VIEWS, args_of
 from threefold.passes.cp_fallback import gather_around
 from threefold.passes.cp_rules import PARTIAL, Gather, Place, Refuse, Seq, decide, op_name
 from threefold.passes.cp_rules.core import is_local
@@ -54,6 +54,7 @@ def context_parallel(stage: Sharded) -> Sharded:
     rings = _rewrite_attention(gm, stage, n)
     convs = _causal_convolutions(gm, stage, n)
     moved = _global_positions(gm, n)
+    _drop_unread(gm.graph)   # a mask the model builds and never reads (Qwen2-MoE) is not checked
     fallbacks: list = []
     tables: list = []
     check_sequence(gm, stage, fallbacks, tables)
@@ -70,6 +71,18 @@ def context_parallel(stage: Sharded) -> Sharded:
                   f"is all-gathered around it, {2 * m * f['bytes']} bytes per rank per step (all-gather forward, "
                   f"reduce-scatter backward; strict=true refuses it)" for f in fallbacks)
     return stage.evolve(gm=gm, notes=stage.notes + (note,) + notes)
+
+
+def _drop_unread(graph: fx.Graph) -> None:
+    """Erase values nothing reads (but metadata asserts): pure calls only, last first."""
+    for node in reversed(list(graph.nodes)):
+        if node.op != "call_function" or op_name(node) == "_assert_tensor_metadata" or node.is_impure():
+            continue
+        users = list(node.users)
+        if all(op_name(u) == "_assert_tensor_metadata" and not u.users for u in users):
+            for u in users:
+                graph.erase_node(u)
+            graph.erase_node(node)
 
 
 # -- the sequence rules' decisions, applied ------------------------------------------------------
@@ -204,7 +217,7 @@ def _rewrite_attention(gm: fx.GraphModule, stage, n: int) -> int:
         if name in _SDPA:
             found = _sdpa(node)
         elif name in ("softmax", "_softmax"):
-            found = _handwritten(node)
+            found = _handwritten(node, stage)
         else:
             continue
         if found is None:
@@ -304,7 +317,34 @@ def _single_user(node: fx.Node):
     return users[0] if len(users) == 1 else None
 
 
-def _handwritten(sm: fx.Node):
+def _same_tail(x: fx.Node) -> bool:
+    """A reshape of the scores' leading dims only ([b, h, i, j] <-> [b*h, i, j]: Bloom, XGLM)."""
+    if op_name(x) not in RESHAPES or not isinstance(x.args[0], fx.Node):
+        return False
+    a, b = x.args[0].meta.get("val"), x.meta.get("val")
+    return a is not None and b is not None and a.dim() >= 2 and b.dim() >= 2 and a.shape[-2:] == b.shape[-2:]
+
+
+def _floor(x: fx.Node, stage) -> bool:
+    """max(scores, finfo.min): a floor that changes no score a softmax keeps (XGLM)."""
+    return op_name(x) in ("max", "maximum", "clamp_min") and len(x.args) == 2 and isinstance(x.args[0], fx.Node) \
+        and x.args[0].meta.get("val") is not None and x.meta.get("val") is not None \
+        and x.args[0].meta["val"].shape == x.meta["val"].shape and _hides(x.args[1], stage)
+
+
+def _hides(x, stage) -> bool:
+    """A score of -inf (or finfo.min), given as a number or as a constant tensor of one value."""
+    if isinstance(x, (int, float)):
+        return x <= -1e30
+    if not isinstance(x, fx.Node) or not free(x) or x.meta.get("val") is None or x.meta["val"].numel() != 1:
+        return False
+    try:
+        return float(evaluate(x, stage)) <= -1e30
+    except Exception:
+        return False
+
+
+def _handwritten(sm: fx.Node, stage=None):
     """matmul(q, k^T) [scale] [mask] -> softmax(-1) [casts, dropout(0)] -> matmul(., v), or None."""
     val = sm.meta.get("val")
     dim = sm.args[1] if len(sm.args) > 1 else sm.kwargs.get("dim")
@@ -312,19 +352,27 @@ def _handwritten(sm: fx.Node):
         return None
     chain = [sm]
     x = sm.args[0]
-    while isinstance(x, fx.Node) and op_name(x) in _CASTS:
+    while isinstance(x, fx.Node) and (op_name(x) in _CASTS or _same_tail(x) or _floor(x, stage)):
         chain.append(x)
         x = x.args[0]
     masks = []   # (kind, node): masked_fill(-inf) masks hide where True; added masks are biases
     while isinstance(x, fx.Node):
         name = op_name(x)
-        if name in _CASTS:
+        if name in _CASTS or _same_tail(x) or _floor(x, stage):
             chain.append(x)
             x = x.args[0]
         elif name == "masked_fill" and isinstance(x.args[2], (int, float)) and x.args[2] <= -1e30:
             masks.append(("hidden", x.args[1]))
             chain.append(x)
             x = x.args[0]
+        elif name == "where" and len(x.args) == 3 and _hides(x.args[2], stage) and isinstance(x.args[1], fx.Node):
+            masks.append(("visible", x.args[0]))        # where(visible, scores, -inf) (GPT-Neo)
+            chain.append(x)
+            x = x.args[1]
+        elif name == "where" and len(x.args) == 3 and _hides(x.args[1], stage) and isinstance(x.args[2], fx.Node):
+            masks.append(("hidden", x.args[0]))         # where(hidden, -inf, scores)
+            chain.append(x)
+            x = x.args[2]
         elif name == "add" and len(x.args) == 2 and all(isinstance(a, fx.Node) for a in x.args):
             left, right = x.args
             if _param_free(right) and not _param_free(left):
@@ -364,7 +412,7 @@ def _handwritten(sm: fx.Node):
         if u is None:
             return None
         name = op_name(u)
-        if name in _CASTS:
+        if name in _CASTS or _same_tail(u):
             after.append(u)
             y = u
             continue

@@ -94,11 +94,13 @@ def split_mask(masks: list, is_causal: bool, stage, node: fx.Node, n: int):
     if not _same(local, whole[..., :n, :n]):
         raise PlanError(f"cp: the mask of {where} over the first s/cp positions differs from its corner over "
                         "the whole sequence (it depends on the length, not only on positions); use cp=1")
+    lo, hi, slopes, intercepts = _fit(whole.reshape(-1, s, s), where)
+    if len(set(slopes)) <= 1 and len(set(intercepts)) <= 1:   # the same for every batch row / head
+        slopes, intercepts, lead = slopes[:1], intercepts[:1], ()
     heads = tuple(node.meta["val"].shape[:-2])   # the scores' leading dims (batch, heads)
     if len(lead) > len(heads) or torch.broadcast_shapes(tuple(lead), heads) != heads:
         raise PlanError(f"cp: the mask of {where} has leading dims {tuple(lead)} that do not broadcast to "
                         f"the attention's {heads}; use cp=1")
-    lo, hi, slopes, intercepts = _fit(whole.reshape(-1, s, s), where)
     causal = hi is not None and hi <= 0
     if lo is None and hi in (0, None) and not any(slopes) and not any(intercepts):
         return causal, None, keyside   # plain causal or all-visible: the ring's own masks
