@@ -162,9 +162,9 @@ def test_cp2_in_bf16_matches_single_process_autocast_within_rounding_noise():
 # DeepSeek-V3's key buffer filled by slices (new_empty + copy_), BERT's token types gathered
 # at position ids, BatchNorm over merged tokens (all-gather through its digits), GPT-Neo's
 # where(mask, scores, finfo.min), a mask built and never read (Qwen2-MoE), XGLM's [b*h] score
-# views and finfo.min floor; batch 2
+# views and finfo.min floor, Bloom's baddbmm with ALiBi of key positions; batch 2
 # (tests/cp_jobs.zoo_batch2).
-CP_ZOO = ["mixtral", "olmoe", "hw_moe_top2", "deepseek_v3", "bert_mlm", "hw_batchnorm", "gpt_neo", "qwen2_moe", "xglm",
+CP_ZOO = ["mixtral", "olmoe", "hw_moe_top2", "deepseek_v3", "bert_mlm", "hw_batchnorm", "gpt_neo", "qwen2_moe", "xglm", "bloom",
           "gpt2", "gptj", "codegen", "cohere", "glm", "nn_multihead_attention", "nn_decoder",
           "hw_gqa_repeat_interleave", "hw_flat_mlp", "hw_einsum", "llama_cache", "qwen2_cache", "meta_llama",
           "falcon", "llama", "qwen2", "gemma", "phi3"]

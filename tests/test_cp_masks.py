@@ -130,3 +130,21 @@ def test_a_per_head_bias_sliced_over_tp_is_refused_not_guessed():
     with pytest.raises(threefold.PlanError, match="split over tp ranks") as err:
         compile_workload(w, "cp=2,tp=2")
     assert "\n" not in str(err.value)
+
+
+def test_alibi_of_key_positions_fits_as_relative_per_query():
+    """Bloom's ALiBi is slope * j (key positions only): per query it differs from slope * (j - i)
+    by a constant the softmax does not see, so it fits with that slope; a bias that varies
+    otherwise per query is still refused."""
+    import threefold
+    from threefold.passes.cp_masks import _fit
+    s = 8
+    j = torch.arange(s, dtype=torch.float64)
+    causal = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)
+    slopes = [0.5, 0.25]
+    m = torch.stack([(sl * j).expand(s, s).masked_fill(causal, float("-inf")) for sl in slopes])
+    lo, hi, got, _ = _fit(m, "attention")
+    assert (lo, hi) == (None, 0) and got == slopes
+    odd = (j[:, None] * j[None, :]).masked_fill(causal, float("-inf"))[None]
+    with pytest.raises(threefold.PlanError, match="not slope"):
+        _fit(odd, "attention")

@@ -227,7 +227,7 @@ def _rewrite_attention(gm: fx.GraphModule, stage, n: int) -> int:
             k, v = (_repeat_heads(gm.graph, x, q, last) for x in (k, v))
         kwargs = {"ranks": stage.plan.cp}
         if masks or causal:
-            causal, rel, keyside = _split_mask(masks, causal, stage, node, n)
+            causal, rel, keyside = _split_mask(masks, causal, stage, last, n)   # leading dims as the ring sees them
             if rel is not None:
                 kwargs["rel"] = rel
             if keyside:
@@ -392,10 +392,21 @@ def _handwritten(sm: fx.Node, stage=None):
         scale = scale * x.args[1] if op_name(x) == "mul" else scale / x.args[1]
         chain.append(x)
         x = x.args[0]
-    if not (isinstance(x, fx.Node) and op_name(x) in ("matmul", "bmm", "einsum")):
+    if not (isinstance(x, fx.Node) and op_name(x) in ("matmul", "bmm", "einsum", "baddbmm")):
         return None
     qk = x
-    if op_name(qk) == "einsum":
+    if op_name(qk) == "baddbmm":   # beta * bias + alpha * q k^T (Bloom's ALiBi): the bias is a mask
+        a = _args(qk)
+        if a["beta"] != 1 or not isinstance(a["alpha"], (int, float)) or not isinstance(a["self"], fx.Node) \
+                or not _param_free(a["self"]):
+            return None
+        masks.append(("add", a["self"]))
+        scale *= a["alpha"]
+        q, kt = a["batch1"], a["batch2"]
+        k = _untransposed(kt)
+        if k is None:
+            return None
+    elif op_name(qk) == "einsum":
         found = _einsum_qk(qk)
         if found is None:
             return None
