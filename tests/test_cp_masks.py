@@ -148,3 +148,21 @@ def test_alibi_of_key_positions_fits_as_relative_per_query():
     odd = (j[:, None] * j[None, :]).masked_fill(causal, float("-inf"))[None]
     with pytest.raises(threefold.PlanError, match="not slope"):
         _fit(odd, "attention")
+
+
+def test_ring_attention_soft_caps_scores_forward_and_backward():
+    """Gemma 2's logit soft-capping, cap * tanh(s / cap) before the mask, in the ring's own
+    forward and hand-written backward (one rank: the same code every step runs)."""
+    from threefold.runtime.cp_ops import ring_attention
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 8, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    cap, scale = 2.0, 0.9
+    out = ring_attention(q, k, v, scale, True, None, softcap=cap)
+    s = torch.tanh(q @ k.transpose(-2, -1) * scale / cap) * cap
+    s = s.masked_fill(torch.triu(torch.ones(8, 8, dtype=torch.bool), 1), float("-inf"))
+    ref = torch.softmax(s, -1) @ v
+    assert torch.allclose(out, ref, atol=1e-10)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((out * w).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    assert all(torch.allclose(a, b, atol=1e-10) for a, b in zip(got, want))

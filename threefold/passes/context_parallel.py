@@ -222,10 +222,12 @@ def _rewrite_attention(gm: fx.GraphModule, stage, n: int) -> int:
             continue
         if found is None:
             continue
-        q, k, v, scale, masks, causal, last, dead = found
+        q, k, v, scale, masks, causal, last, dead, softcap = found
         if name in _SDPA and _args(node).get("enable_gqa"):
             k, v = (_repeat_heads(gm.graph, x, q, last) for x in (k, v))
         kwargs = {"ranks": stage.plan.cp}
+        if softcap is not None:
+            kwargs["softcap"] = softcap
         if masks or causal:
             causal, rel, keyside = _split_mask(masks, causal, stage, last, n)   # leading dims as the ring sees them
             if rel is not None:
@@ -292,7 +294,7 @@ def _sdpa(node: fx.Node):
         scale = 1.0 / math.sqrt(q.meta["val"].shape[-1])
     mask = a.get("attn_mask")
     masks = [] if mask is None else [("visible" if mask.meta["val"].dtype == torch.bool else "add", mask)]
-    return q, k, v, scale, masks, bool(a.get("is_causal")), node, []
+    return q, k, v, scale, masks, bool(a.get("is_causal")), node, [], None
 
 
 def _repeat_heads(graph: fx.Graph, kv: fx.Node, q: fx.Node, before: fx.Node) -> fx.Node:
@@ -315,6 +317,19 @@ def _users(node: fx.Node) -> list:
 def _single_user(node: fx.Node):
     users = _users(node)
     return users[0] if len(users) == 1 else None
+
+
+def _softcap(x):
+    """((cap, [its nodes]), scores) for cap * tanh(scores / cap) (Gemma 2's logit soft-capping),
+    else ((None, []), x)."""
+    if isinstance(x, fx.Node) and op_name(x) == "mul" and isinstance(x.args[1], (int, float)) \
+            and isinstance(x.args[0], fx.Node) and op_name(x.args[0]) == "tanh":
+        t = x.args[0]
+        inner = t.args[0]
+        if isinstance(inner, fx.Node) and op_name(inner) == "div" and inner.args[1] == x.args[1] \
+                and len(_users(t)) == 1 and len(_users(inner)) == 1:
+            return (float(x.args[1]), [x, t, inner]), inner.args[0]
+    return (None, []), x
 
 
 def _same_tail(x: fx.Node) -> bool:
@@ -387,6 +402,7 @@ def _handwritten(sm: fx.Node, stage=None):
                 return None
         else:
             break
+    cap, x = _softcap(x)
     scale = 1.0
     while isinstance(x, fx.Node) and op_name(x) in ("mul", "div") and isinstance(x.args[1], (int, float)):
         scale = scale * x.args[1] if op_name(x) == "mul" else scale / x.args[1]
@@ -446,7 +462,7 @@ def _handwritten(sm: fx.Node, stage=None):
         return None   # an intermediate (scores, probabilities) is used elsewhere: not rewritable
     dead = after[::-1] + chain + [qk] + ([kt] if kt is not None else [])
     k, v = (_with_heads(x, q, pv) for x in (k, v))
-    return q, k, v, scale, masks, False, pv, dead
+    return q, k, v, scale, masks, False, pv, dead + cap[1], cap[0]
 
 
 def _letters(node: fx.Node):
