@@ -107,7 +107,7 @@ def _compile_reading(workload, table, length, plan, inputs, target, own_loss, pr
         with read_at_local_length(workload.model, [table], length // plan.cp):
             traced = trace(workload.model, inputs, target, workload.loss_fn, plan, own_loss=own_loss)
         prog = _finish(traced, workload, *rest[:5], plan, rest[5], progress)
-    except PlanError:
+    except Exception:   # this candidate is not the position table (a pass failed on it): try the next
         return None
     return prog if f"`{table[1]}`" in " ".join(prog.notes) else None
 
