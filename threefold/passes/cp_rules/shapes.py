@@ -79,7 +79,8 @@ def _slicing(c: Call):
         if name == "slice" and start <= 0 and (a.get("end") is None or a["end"] >= src.shape[d]) \
                 and a.get("step", 1) == 1:
             return s0
-        _fail(c, f"slices along the sequence (dim {d})")
+        _fail(c, f"slices along the sequence (dim {d}; a shift such as x[:, :-1] inside the model? shift the "
+              "tokens in the data instead)")
     if name in ("select", "unbind"):
         s = s0.at(s0.dim - (1 if d < s0.dim else 0))
         return tuple(s for _ in c.out) if name == "unbind" else s
