@@ -175,10 +175,10 @@ CP_ZOO = ["mixtral", "olmoe", "hw_moe_top2", "deepseek_v3", "bert_mlm", "hw_batc
 @pytest.mark.timeout(900)
 def test_sliding_windows_and_soft_capping_at_seq16_match_one_process():
     """Sliding windows of 4 (at seq 8 the local length s/cp is 4 too, a coincidence refused),
-    Gemma 2's logit soft-capping in the ring, at seq 16."""
+    Gemma 2's logit soft-capping and gpt-oss's attention sinks in the ring, at seq 16."""
     from tests.cp_jobs import zoo_batch2, zoo_parity
     from tests.parity import max_rel_diff, sgd_losses
-    archs = ["gemma2", "mistral", "cohere2"]
+    archs = ["gemma2", "mistral", "cohere2", "gpt_oss"]
     got = launch(zoo_parity, 2, archs, "cp=2", 3, 16, timeout=850)
     for arch in archs:
         ref = sgd_losses(zoo_batch2(arch, 16), 3)

@@ -166,3 +166,21 @@ def test_ring_attention_soft_caps_scores_forward_and_backward():
     got = torch.autograd.grad((out * w).sum(), (q, k, v))
     want = torch.autograd.grad((ref * w).sum(), (q, k, v))
     assert all(torch.allclose(a, b, atol=1e-10) for a, b in zip(got, want))
+
+
+def test_ring_attention_with_a_sink_logit_forward_and_backward():
+    """Attention sinks (gpt-oss): one more key per query with a learned logit and a zero value,
+    merged after the ring; the sink's gradient too."""
+    from threefold.runtime.cp_ops import ring_attention
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 3, 8, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    sinks = torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True)
+    sink = sinks.reshape(1, 3, 1, 1).expand(2, 3, 8, 1)
+    out = ring_attention(q, k, v, 0.7, True, None, sink=sink)
+    s = (q @ k.transpose(-2, -1) * 0.7).masked_fill(torch.triu(torch.ones(8, 8, dtype=torch.bool), 1), float("-inf"))
+    ref = torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1] @ v
+    assert torch.allclose(out, ref, atol=1e-10)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((out * w).sum(), (q, k, v, sinks))
+    want = torch.autograd.grad((ref * w).sum(), (q, k, v, sinks))
+    assert all(torch.allclose(a, b, atol=1e-10) for a, b in zip(got, want))

@@ -20,6 +20,7 @@ they treat positions independently. This pass rewrites the ones that are not and
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.fx as fx
@@ -222,12 +223,14 @@ def _rewrite_attention(gm: fx.GraphModule, stage, n: int) -> int:
             continue
         if found is None:
             continue
-        q, k, v, scale, masks, causal, last, dead, softcap = found
+        q, k, v, scale, masks, causal, last, dead, (softcap, sink) = found
         if name in _SDPA and _args(node).get("enable_gqa"):
             k, v = (_repeat_heads(gm.graph, x, q, last) for x in (k, v))
         kwargs = {"ranks": stage.plan.cp}
         if softcap is not None:
             kwargs["softcap"] = softcap
+        if sink is not None:
+            kwargs["sink"] = sink
         if masks or causal:
             causal, rel, keyside = _split_mask(masks, causal, stage, last, n)   # leading dims as the ring sees them
             if rel is not None:
@@ -294,7 +297,7 @@ def _sdpa(node: fx.Node):
         scale = 1.0 / math.sqrt(q.meta["val"].shape[-1])
     mask = a.get("attn_mask")
     masks = [] if mask is None else [("visible" if mask.meta["val"].dtype == torch.bool else "add", mask)]
-    return q, k, v, scale, masks, bool(a.get("is_causal")), node, [], None
+    return q, k, v, scale, masks, bool(a.get("is_causal")), node, [], (None, None)
 
 
 def _repeat_heads(graph: fx.Graph, kv: fx.Node, q: fx.Node, before: fx.Node) -> fx.Node:
@@ -317,6 +320,34 @@ def _users(node: fx.Node) -> list:
 def _single_user(node: fx.Node):
     users = _users(node)
     return users[0] if len(users) == 1 else None
+
+
+def _sink(x):
+    """(scores, sink, [nodes]) for cat([scores, sink], -1) [- max(., -1, keepdim)] with a sink
+    [..., n, 1] of parameters (attention sinks, gpt-oss; the max is the softmax's own
+    stabiliser), else (x, None, [])."""
+    orig, nodes = x, []
+    if isinstance(x, fx.Node) and op_name(x) == "sub" and isinstance(x.args[1], fx.Node):
+        m = x.args[1]
+        base = m.args[0] if m.target is operator.getitem and m.args[1] == 0 else m
+        if op_name(base) in ("max", "amax") and base.args[0] is x.args[0] and _args(base).get("keepdim"):
+            nodes, x = ([x, m, base] if base is not m else [x, m]), x.args[0]
+    if not (isinstance(x, fx.Node) and op_name(x) == "cat" and x.meta.get("val") is not None):
+        return orig, None, []
+    a, val = _args(x), x.meta["val"]
+    if len(a["tensors"]) != 2 or a["dim"] % val.dim() != val.dim() - 1:
+        return orig, None, []
+    scores, sink = a["tensors"]
+    if sink.meta["val"].shape[-1] != 1 or not input_free(sink) or len(_users(x)) != (2 if nodes else 1):
+        return orig, None, []
+    return scores, sink, nodes + [x]
+
+
+def _drops_last(u: fx.Node, y: fx.Node) -> bool:
+    """u = y[..., :-1] (the last column of the last dim dropped)."""
+    a, n = _args(u), y.meta["val"].shape[-1]
+    return a["dim"] % y.meta["val"].dim() == y.meta["val"].dim() - 1 and (a["start"] or 0) == 0 \
+        and a["end"] in (-1, n - 1) and a["step"] == 1
 
 
 def _softcap(x):
@@ -370,6 +401,7 @@ def _handwritten(sm: fx.Node, stage=None):
     while isinstance(x, fx.Node) and (op_name(x) in _CASTS or _same_tail(x) or _floor(x, stage)):
         chain.append(x)
         x = x.args[0]
+    x, sink, extra = _sink(x)   # softmax(cat([scores, sink]) - max) (gpt-oss): the ring merges the sink
     masks = []   # (kind, node): masked_fill(-inf) masks hide where True; added masks are biases
     while isinstance(x, fx.Node):
         name = op_name(x)
@@ -439,6 +471,10 @@ def _handwritten(sm: fx.Node, stage=None):
         if u is None:
             return None
         name = op_name(u)
+        if sink is not None and y is sm and name == "slice" and _drops_last(u, y):
+            after.append(u)   # probabilities[..., :-1]: the sink's column dropped
+            y = u
+            continue
         if name in _CASTS or _same_tail(u):
             after.append(u)
             y = u
@@ -462,7 +498,9 @@ def _handwritten(sm: fx.Node, stage=None):
         return None   # an intermediate (scores, probabilities) is used elsewhere: not rewritable
     dead = after[::-1] + chain + [qk] + ([kt] if kt is not None else [])
     k, v = (_with_heads(x, q, pv) for x in (k, v))
-    return q, k, v, scale, masks, False, pv, dead + cap[1], cap[0]
+    if sink is not None and tuple(sink.meta["val"].shape[:-1]) != tuple(pv.meta["val"].shape[:-1]):
+        return None   # the sink's rows are not the ring's queries (scores viewed over their leading dims)
+    return q, k, v, scale, masks, False, pv, dead + cap[1] + extra, (cap[0], sink)
 
 
 def _letters(node: fx.Node):
