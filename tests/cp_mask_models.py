@@ -7,6 +7,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import tests.zoo.handwritten_moe  # noqa: F401  (registers torch.ops.zoo_moe.gmm, a grouped matmul)
+
 
 class MaskedAttention(nn.Module):
     """Embedding -> one attention layer (2 heads) with mask `mode` -> head.
@@ -73,7 +75,9 @@ class Mixing(nn.Module):
     time, indices used too), cumprod / logcumsumexp (scans over time); and position-wise
     ones cp must keep local: router (topk(k=2, dim=-1) over [tokens, 4 experts], a
     top-2 mixture of expert projections), gqa (SDPA enable_gqa=True, 4 query heads on 2 kv
-    heads, causal)."""
+    heads, causal), route (a top-2 MoE: token-expert rows argsorted by expert over the merged
+    [b*t*2] dim, a grouped matmul, index_add back: this rank's rows alone); route_leak (the
+    same sorted rows read back as if they were positions: refused)."""
 
     def __init__(self, mode: str, vocab: int = 32, width: int = 16):
         super().__init__()
@@ -82,6 +86,7 @@ class Mixing(nn.Module):
         self.conv = nn.Conv1d(width, width, 3, padding=1)
         self.router, self.expert_proj = nn.Linear(width, 4), nn.Linear(width, 4 * width)
         self.q, self.kv = nn.Linear(width, width), nn.Linear(width, width)
+        self.w_experts = nn.Parameter(torch.randn(4, width, width) * width ** -0.5)
 
     def forward(self, idx):
         x = self.emb(idx)
@@ -105,6 +110,16 @@ class Mixing(nn.Module):
             ex = self.expert_proj(tokens).view(tokens.shape[0], 4, -1)                     # [b*t, 4, w]
             picked = torch.gather(ex, 1, sel[..., None].expand(*sel.shape, ex.shape[-1]))
             x = x + (w[..., None] * picked).sum(dim=1).view(x.shape)
+        elif self.mode in ("route", "route_leak"):
+            tokens = x.reshape(-1, x.shape[-1])                                        # [b*t, w]
+            gate, expert = torch.topk(torch.softmax(self.router(tokens), dim=-1), k=2, dim=-1)
+            order = expert.reshape(-1).argsort(stable=True)                            # rows by expert
+            rows = tokens[order // 2]
+            if self.mode == "route_leak":
+                return self.head(x + rows[::2].view(x.shape))                          # sorted rows as positions
+            offs = F.one_hot(expert.reshape(-1), 4).sum(0).cumsum(0).to(torch.int32)
+            y = torch.ops.zoo_moe.gmm(rows, self.w_experts, offs) * gate.reshape(-1)[order].unsqueeze(-1)
+            x = x + torch.zeros_like(tokens).index_add(0, order // 2, y).view(x.shape)
         elif self.mode == "gqa":
             b, t, c = x.shape
             q = self.q(x).view(b, t, 4, c // 4).transpose(1, 2)                      # [b, 4, t, d]
@@ -151,7 +166,9 @@ class PositionTables(nn.Module):
     `mode` learned (a learned table of 32 rows, `x + self.pos[:T]`), ids (a buffer of
     position ids [1, 32] sliced [:, :T] -> an embedding, as BERT writes it), rotary (cos/sin
     caches of 32 rows built in __init__ with outer + cat, sliced [:T], as HF's older rotary
-    embeddings did). A causal attention layer after it mixes positions."""
+    embeddings did); whole (a learned table of exactly the sequence's 16 positions added whole,
+    `x + self.vit_pos`, as every ViT does: its width is 16 too, so only the trace tells which
+    dim is the positions'). A causal attention layer after it mixes positions."""
 
     def __init__(self, mode: str, vocab: int = 32, width: int = 16, rows: int = 32):
         super().__init__()
@@ -160,6 +177,7 @@ class PositionTables(nn.Module):
         self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
         self.pos = nn.Parameter(torch.randn(rows, width) * 0.1)
         self.pos_emb = nn.Embedding(rows, width)
+        self.vit_pos = nn.Parameter(torch.randn(1, 16, width) * 0.1)
         self.register_buffer("position_ids", torch.arange(rows)[None], persistent=False)
         freqs = torch.outer(torch.arange(rows).float(), 1.0 / 100 ** (torch.arange(0, width, 2).float() / width))
         ang = torch.cat([freqs, freqs], dim=-1)
@@ -173,6 +191,8 @@ class PositionTables(nn.Module):
             x = x + self.pos[:t]
         elif self.mode == "ids":
             x = x + self.pos_emb(self.position_ids[:, :t])
+        elif self.mode == "whole":
+            x = x + self.vit_pos
         else:
             half = x.shape[-1] // 2
             rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)

@@ -40,3 +40,23 @@ def test_fallback_cp2_matches_one_process():
         ref = sgd_losses(mixing_workload(mode), 3)
         for rank in got:
             assert max_rel_diff(rank[i], ref) < 1e-5, (mode, rank[i], ref)
+
+
+def test_batch_norm_over_merged_tokens_is_gathered_through_its_digits():
+    """BatchNorm1d over [b*t, C] tokens (the sequence merged with the batch): its statistics
+    run over every token, so the [b, n] digits are gathered to [b, s] and cut back
+    (was a refusal: "merged with another dim")."""
+    from tests.cp_jobs import zoo_batch2
+    prog = compile_workload(zoo_batch2("hw_batchnorm"), "cp=2")
+    notes = [n for n in prog.notes if n.startswith("cp fallback:")]
+    assert len(notes) == 1 and notes[0].startswith("cp fallback: batch_norm ("), notes
+
+
+def test_capacity_queue_over_merged_tokens_is_refused_not_trained_wrong():
+    """An expert capacity queue (cumsum over every token of the batch, compared with a capacity
+    the model computes from its token count): gathering the cumsum alone trained 1.5e-3 off
+    (the capacity was the local one), so cp refuses it in one line."""
+    import threefold
+    from tests.cp_jobs import zoo_batch2
+    with pytest.raises(threefold.PlanError, match="capacity queue"):
+        compile_workload(zoo_batch2("hw_moe_capacity"), "cp=2")

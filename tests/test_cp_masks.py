@@ -130,3 +130,57 @@ def test_a_per_head_bias_sliced_over_tp_is_refused_not_guessed():
     with pytest.raises(threefold.PlanError, match="split over tp ranks") as err:
         compile_workload(w, "cp=2,tp=2")
     assert "\n" not in str(err.value)
+
+
+def test_alibi_of_key_positions_fits_as_relative_per_query():
+    """Bloom's ALiBi is slope * j (key positions only): per query it differs from slope * (j - i)
+    by a constant the softmax does not see, so it fits with that slope; a bias that varies
+    otherwise per query is still refused."""
+    import threefold
+    from threefold.passes.cp_masks import _fit
+    s = 8
+    j = torch.arange(s, dtype=torch.float64)
+    causal = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)
+    slopes = [0.5, 0.25]
+    m = torch.stack([(sl * j).expand(s, s).masked_fill(causal, float("-inf")) for sl in slopes])
+    lo, hi, got, _ = _fit(m, "attention")
+    assert (lo, hi) == (None, 0) and got == slopes
+    odd = (j[:, None] * j[None, :]).masked_fill(causal, float("-inf"))[None]
+    with pytest.raises(threefold.PlanError, match="not slope"):
+        _fit(odd, "attention")
+
+
+def test_ring_attention_soft_caps_scores_forward_and_backward():
+    """Gemma 2's logit soft-capping, cap * tanh(s / cap) before the mask, in the ring's own
+    forward and hand-written backward (one rank: the same code every step runs)."""
+    from threefold.runtime.cp_ops import ring_attention
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 8, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    cap, scale = 2.0, 0.9
+    out = ring_attention(q, k, v, scale, True, None, softcap=cap)
+    s = torch.tanh(q @ k.transpose(-2, -1) * scale / cap) * cap
+    s = s.masked_fill(torch.triu(torch.ones(8, 8, dtype=torch.bool), 1), float("-inf"))
+    ref = torch.softmax(s, -1) @ v
+    assert torch.allclose(out, ref, atol=1e-10)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((out * w).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    assert all(torch.allclose(a, b, atol=1e-10) for a, b in zip(got, want))
+
+
+def test_ring_attention_with_a_sink_logit_forward_and_backward():
+    """Attention sinks (gpt-oss): one more key per query with a learned logit and a zero value,
+    merged after the ring; the sink's gradient too."""
+    from threefold.runtime.cp_ops import ring_attention
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 3, 8, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    sinks = torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True)
+    sink = sinks.reshape(1, 3, 1, 1).expand(2, 3, 8, 1)
+    out = ring_attention(q, k, v, 0.7, True, None, sink=sink)
+    s = (q @ k.transpose(-2, -1) * 0.7).masked_fill(torch.triu(torch.ones(8, 8, dtype=torch.bool), 1), float("-inf"))
+    ref = torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1] @ v
+    assert torch.allclose(out, ref, atol=1e-10)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((out * w).sum(), (q, k, v, sinks))
+    want = torch.autograd.grad((ref * w).sum(), (q, k, v, sinks))
+    assert all(torch.allclose(a, b, atol=1e-10) for a, b in zip(got, want))

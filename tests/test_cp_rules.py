@@ -1,4 +1,4 @@
-"""Context parallelism's sequence rules (passes/cp_rules.py) over the op registry
+"""Context parallelism's sequence rules (passes/cp_rules/) over the op registry
 (threefold/ops/families.py): arguments read by name from the op's schema, every op tp knows
 has a cp decision, ops that run along the sequence (topk, sort, scans) take the all-gather
 fallback and equal one process at cp=2."""
@@ -86,7 +86,7 @@ def test_ops_that_run_along_one_dim_may_fall_back():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sequence_ops_cp2_match_one_process():
-    modes = ["kmax", "sort", "cumprod", "router", "gqa"]
+    modes = ["kmax", "sort", "cumprod", "router", "gqa", "route"]
     got = launch(mixing_parity, 2, modes, "cp=2", 3, timeout=550)
     for i, mode in enumerate(modes):
         ref = sgd_losses(mixing_workload(mode), 3)
@@ -94,10 +94,57 @@ def test_sequence_ops_cp2_match_one_process():
             assert max_rel_diff(rank[i], ref) < 1e-5, (mode, rank[i], ref)
 
 
-@pytest.mark.parametrize("mode", ["learned", "ids", "rotary"])
+def test_full_length_table_that_cannot_be_read_locally_is_one_line():
+    """A parameter of the whole length used whole where cp cannot read it at this rank's
+    positions (it is contracted with the sequence, not added): a PlanError naming it and the fix."""
+    import threefold
+
+    class Mixer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.mix = torch.nn.Embedding(32, 8), torch.nn.Parameter(torch.randn(16, 16))
+
+        def forward(self, idx):
+            return torch.einsum("ts,bsc->btc", self.mix, self.emb(idx)) @ self.emb.weight.T
+
+    idx = torch.randint(0, 32, (2, 17))
+    w = {"model": Mixer(), "inputs": (idx[:, :-1],), "target": idx[:, 1:],
+         "loss_fn": lambda y, t: torch.nn.functional.cross_entropy(y.reshape(-1, 32), t.reshape(-1))}
+    with pytest.raises(threefold.PlanError, match="parameter `mix`.*slice it to the input's length"):
+        compile_workload(w, "cp=2")
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "bert_mlm", "qwen3_moe"])
+def test_zoo_models_once_refused_compile_position_wise(arch):
+    """new_empty filled by slices (DeepSeek's key), a buffer gathered at position ids (BERT's
+    token types), a routing sort (Qwen3-MoE): no fallback, no refusal (parity: -m zoo)."""
+    from tests.cp_jobs import zoo_batch2
+    prog = compile_workload(zoo_batch2(arch), "cp=2")
+    assert _fallbacks(prog) == []
+
+
+def test_routing_sort_keeps_each_ranks_rows():
+    """A MoE's argsort of token-expert rows by expert over the merged [b*t*k] dim: once refused
+    (it cannot be gathered); each rank now routes its own rows and puts them back (no fallback)."""
+    prog = compile_workload(mixing_workload("route"), "cp=2")
+    assert _fallbacks(prog) == []
+    code = build_sources(prog)["chunk00.py"]
+    assert "gather_seq" not in code and "zoo_moe.gmm" in code
+
+
+def test_sorted_rows_read_as_positions_are_refused_not_trained_wrong():
+    """The same sorted rows added back as if they were this rank's positions: one process
+    mixes tokens across the whole sequence there, so cp refuses in one line."""
+    import threefold
+    with pytest.raises(threefold.PlanError, match="sorted on this rank"):
+        compile_workload(mixing_workload("route_leak"), "cp=2")
+
+
+@pytest.mark.parametrize("mode", ["learned", "ids", "rotary", "whole"])
 def test_position_tables_sliced_to_the_sequence_read_this_ranks_rows(mode):
     """t[:T] of a table of parameters/buffers that meets the sequence: once refused ("varies
-    per position"); now t.index_select(dim, positions) (found by data flow, not op name)."""
+    per position"); now t.index_select(dim, positions) (found by data flow, not op name).
+    whole (`x + self.pos` of the full length): once an export failure (a broadcast error)."""
     prog = compile_workload(position_workload(mode), "cp=2")
     tables = 2 if mode == "rotary" else 1
     assert any(f"{tables} position table(s) sliced to the sequence" in n for n in prog.notes), prog.notes
@@ -107,7 +154,7 @@ def test_position_tables_sliced_to_the_sequence_read_this_ranks_rows(mode):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_position_tables_cp2_match_one_process():
-    modes = ["learned", "ids", "rotary"]
+    modes = ["learned", "ids", "rotary", "whole"]
     got = launch(position_parity, 2, modes, "cp=2", 3, timeout=550)
     for i, mode in enumerate(modes):
         ref = sgd_losses(position_workload(mode), 3)

@@ -233,3 +233,33 @@ def test_data_dependent_expert_loop_is_one_line_plan_error():
     from threefold.compiler.api import compile_workload
     with pytest.raises(threefold.PlanError, match=r"where in 1 makes a tensor whose size depends on the data"):
         compile_workload(loop_moe(), "dp=2,ep=2")
+
+
+def test_experts_as_a_module_list_are_refused_in_one_line_naming_the_loop():
+    """Experts held as a ModuleList, each applied to its piece of the slots (soft-MoE style):
+    ep has no stacked weight to place per rank; the refusal names the loop and the rewrite."""
+    import re
+
+    import torch.nn as nn
+    import threefold
+    from threefold.compiler.api import compile_workload
+
+    class SlotExperts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
+            self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+        def forward(self, idx):
+            x = self.emb(idx)                                          # [b, 8 slots, 16]
+            pieces = x.chunk(4, dim=1)                                 # 2 slots per expert
+            return self.head(torch.cat([e(p) for e, p in zip(self.experts, pieces)], dim=1))
+
+    idx = torch.randint(0, 32, (4, 9))
+    w = {"model": SlotExperts(), "inputs": (idx[:, :-1],), "target": idx[:, 1:],
+         "loss_fn": lambda y, t: torch.nn.functional.cross_entropy(y.reshape(-1, 32), t.reshape(-1))}
+    with pytest.raises(threefold.PlanError) as err:
+        compile_workload(w, "dp=2,ep=2")
+    msg = str(err.value)
+    assert "\n" not in msg and re.search(r"4 separate modules applied one by one .*weight \[16, 16\]", msg), msg
+    assert "stacked [experts, in, out] parameter" in msg

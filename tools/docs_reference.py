@@ -226,7 +226,7 @@ def ops_page() -> str:
              "| rule | ATen ops |", "|---|---|"]
     for rule, ops in sorted(by_rule.items()):
         lines.append(f"| `{rule}` | {', '.join(f'`{o}`' for o in ops)} |")
-    lines += ["", "## Context parallelism (`threefold/passes/cp_rules.py`)", "",
+    lines += ["", "## Context parallelism (`threefold/passes/cp_rules/`)", "",
               "| family | ATen ops |", "|---|---|"]
     for name, value in sorted(vars(cp_rules).items()):
         if name.isupper() or (name.startswith("_") and name[1:].isupper()):

@@ -26,7 +26,7 @@ def bert_mlm(seed: int = 0):
     model = MaskedLMLogits(BertForMaskedLM(cfg)).train()
     inputs, tokens = token_batch(seed=seed)
     labels = torch.full_like(tokens, -100)
-    for row, count in enumerate((1, 2, 4, 7)[:BATCH]):
+    for row, count in enumerate((1, 2, 4, 7)[:tokens.shape[0]]):   # the batch's rows (2 in bench/cp_zoo_survey.py)
         labels[row, :count] = tokens[row, :count]
     return workload(model, (inputs,), labels, masked_lm_loss)
 

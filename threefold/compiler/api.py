@@ -10,7 +10,8 @@ from threefold.compiler.stages import Fused, Traced
 from threefold.compiler.trace import trace
 from threefold.errors import PlanError
 from threefold.passes.batch_dims import AmbiguousBatch, find_batch_dims
-from threefold.passes.seq_dims import find_seq_dims, local_share
+from threefold.passes.seq_dims import find_seq_dims, full_length_refusal, full_length_tables, local_share, \
+    read_at_local_length
 from threefold.plan import Plan
 from threefold.workload import Workload, load_spec
 
@@ -68,7 +69,24 @@ def compile_workload(workload: Workload | str, plan: Plan | str | None = None,
     inputs, target = (sliced[:-1], sliced[-1]) if has_target else (sliced, None)
     if progress is not None:
         progress("trace")
-    traced = trace(workload.model, inputs, target, workload.loss_fn, plan, own_loss=own_loss)
+    try:
+        traced = trace(workload.model, inputs, target, workload.loss_fn, plan, own_loss=own_loss)
+    except PlanError as exc:   # a full-length position table used whole (x + self.pos, ViT)?
+        whole = [batch[i].shape[d] for i, d in enumerate(seq_dims) if d is not None]
+        refusal = full_length_refusal(workload.model, whole[0], plan.cp, name, str(exc)) \
+            if plan.cp > 1 and whole else None
+        if refusal is None:
+            raise
+        for table in full_length_tables(workload.model, whole[0], plan.cp, str(exc))[:4]:
+            prog = _compile_reading(workload, table, whole[0], plan, inputs, target, own_loss, progress,
+                                    dims, sliced, seq_dims, batch, parts, notes)
+            if prog is not None:
+                return prog
+        raise refusal from None
+    return _finish(traced, workload, dims, sliced, seq_dims, batch, parts, plan, notes, progress)
+
+
+def _finish(traced, workload, dims, sliced, seq_dims, batch, parts, plan, notes, progress):
     rows = [sliced[i].shape[d] for i, d in enumerate(dims) if d is not None]
     lengths = [sliced[i].shape[d] for i, d in enumerate(seq_dims) if d is not None]
     traced = traced.evolve(batch_dims=list(dims), micro_rows=rows[0] if rows else None,
@@ -80,6 +98,18 @@ def compile_workload(workload: Workload | str, plan: Plan | str | None = None,
     if eager is not None and parts > 1:   # how the eager loss combines rows, measured once
         tf(eager)["eager_reduction"] = loss_reduction(workload.model, batch, dims, workload.loss_fn)
     return run_passes(traced, progress=progress)
+
+
+def _compile_reading(workload, table, length, plan, inputs, target, own_loss, progress, *rest):
+    """Compile with one full-length table read at the local length (seq_dims.read_at_local_length):
+    the program if cp then read it at this rank's global positions, else None."""
+    try:
+        with read_at_local_length(workload.model, [table], length // plan.cp):
+            traced = trace(workload.model, inputs, target, workload.loss_fn, plan, own_loss=own_loss)
+        prog = _finish(traced, workload, *rest[:5], plan, rest[5], progress)
+    except Exception:   # this candidate is not the position table (a pass failed on it): try the next
+        return None
+    return prog if f"`{table[1]}`" in " ".join(prog.notes) else None
 
 
 def _name_coupling(workload: Workload, batch: tuple, parts: int, plan: Plan, exc, own_loss: bool = False) -> list | None:

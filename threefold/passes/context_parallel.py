@@ -13,13 +13,14 @@ they treat positions independently. This pass rewrites the ones that are not and
    any other mask is a PlanError.
 2. `arange(n)` over the sequence becomes `cp_ops.positions(n)`: this rank's global positions,
    so learned position embeddings and rotary tables see where the tokens really are.
-3. Every op is checked by the sequence rules (passes/cp_rules.py): position-local ops keep
+3. Every op is checked by the sequence rules (passes/cp_rules/): position-local ops keep
    the sequence placement; one that mixes positions runs on the all-gathered sequence
    (passes/cp_fallback.py) where its family allows, else is a PlanError naming it.
 """
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.fx as fx
@@ -28,11 +29,12 @@ from threefold.compiler.contracts import stage_pass
 from threefold.compiler.program import tf
 from threefold.compiler.stages import Sharded, copy_graph_module
 from threefold.errors import PlanError
-from threefold.passes.cp_masks import input_free, key_bias_val as _key_bias_val, param_free as _param_free, \
-    split_mask as _split_mask
-from threefold.ops.families import COPIES, VIEWS, args_of
+from threefold.passes.cp_masks import evaluate, free, input_free, key_bias_val as _key_bias_val, \
+    param_free as _param_free, split_mask as _split_mask
+from threefold.ops.families import COPIES, RESHAPES, VIEWS, args_of
 from threefold.passes.cp_fallback import gather_around
 from threefold.passes.cp_rules import PARTIAL, Gather, Place, Refuse, Seq, decide, op_name
+from threefold.passes.cp_rules.core import is_local
 from threefold.runtime import cp_ops
 from threefold.runtime.tp_ops import GroupRef
 
@@ -53,14 +55,17 @@ def context_parallel(stage: Sharded) -> Sharded:
     rings = _rewrite_attention(gm, stage, n)
     convs = _causal_convolutions(gm, stage, n)
     moved = _global_positions(gm, n)
+    _drop_unread(gm.graph)   # a mask the model builds and never reads (Qwen2-MoE) is not checked
     fallbacks: list = []
     tables: list = []
     check_sequence(gm, stage, fallbacks, tables)
     gm.graph.lint()
     gm.recompile()
+    names = sorted({tf(t.args[0]).get("fqn") for t in tables if tf(t.args[0]).get("fqn")})
     note = (f"cp={stage.plan.cp}: {rings} attention op(s) run as ring attention over the cp group; "
             f"{moved} sequence arange(s) give global positions; {len(tables)} position table(s) sliced to the "
-            f"sequence read this rank's rows; {convs} causal conv1d(s) exchange halos; "
+            f"sequence read this rank's rows{' (' + ', '.join(f'`{x}`' for x in names) + ')' if names else ''}; "
+            f"{convs} causal conv1d(s) exchange halos; "
             "sequence split in blocks r, 2cp-1-r")
     m = stage.plan.microbatches
     notes = tuple(f"cp fallback: {f['op']} ({f['node']}) at {f['module']} mixes sequence positions: the sequence "
@@ -69,11 +74,23 @@ def context_parallel(stage: Sharded) -> Sharded:
     return stage.evolve(gm=gm, notes=stage.notes + (note,) + notes)
 
 
+def _drop_unread(graph: fx.Graph) -> None:
+    """Erase values nothing reads (but metadata asserts): pure calls only, last first."""
+    for node in reversed(list(graph.nodes)):
+        if node.op != "call_function" or op_name(node) == "_assert_tensor_metadata" or node.is_impure():
+            continue
+        users = list(node.users)
+        if all(op_name(u) == "_assert_tensor_metadata" and not u.users for u in users):
+            for u in users:
+                graph.erase_node(u)
+            graph.erase_node(node)
+
+
 # -- the sequence rules' decisions, applied ------------------------------------------------------
 
 def check_sequence(gm: fx.GraphModule, stage, fallbacks: list | None = None, tables: list | None = None) -> dict:
     """Every node's sequence placement (name -> Seq | PARTIAL | None), from the rules'
-    decisions (passes/cp_rules.py): Place keeps it, Gather runs the op on the all-gathered
+    decisions (passes/cp_rules/): Place keeps it, Gather runs the op on the all-gathered
     sequence (passes/cp_fallback.py, appended to `fallbacks`), Refuse is a PlanError unless
     what it meets is a position table sliced to the local length (then this rank's rows)."""
     fallbacks = [] if fallbacks is None else fallbacks
@@ -89,6 +106,8 @@ def check_sequence(gm: fx.GraphModule, stage, fallbacks: list | None = None, tab
             for out in node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]:
                 if stage.has_loss and isinstance(state.get(out), Seq):
                     _refuse(node, stage, "the loss is not reduced over the sequence")
+                if is_local(state.get(out)):
+                    _refuse(node, stage, "returns rows sorted on this rank (a routing sort) or counted on it")
         elif node.op == "call_function":
             d = _place(node, state, stage, fallbacks)
             if isinstance(d, Refuse) and d.table is not None:
@@ -199,17 +218,21 @@ def _rewrite_attention(gm: fx.GraphModule, stage, n: int) -> int:
         if name in _SDPA:
             found = _sdpa(node)
         elif name in ("softmax", "_softmax"):
-            found = _handwritten(node)
+            found = _handwritten(node, stage)
         else:
             continue
         if found is None:
             continue
-        q, k, v, scale, masks, causal, last, dead = found
+        q, k, v, scale, masks, causal, last, dead, (softcap, sink) = found
         if name in _SDPA and _args(node).get("enable_gqa"):
             k, v = (_repeat_heads(gm.graph, x, q, last) for x in (k, v))
         kwargs = {"ranks": stage.plan.cp}
+        if softcap is not None:
+            kwargs["softcap"] = softcap
+        if sink is not None:
+            kwargs["sink"] = sink
         if masks or causal:
-            causal, rel, keyside = _split_mask(masks, causal, stage, node, n)
+            causal, rel, keyside = _split_mask(masks, causal, stage, last, n)   # leading dims as the ring sees them
             if rel is not None:
                 kwargs["rel"] = rel
             if keyside:
@@ -251,6 +274,14 @@ def _indexes_an_input(arange: fx.Node) -> bool:
     return found
 
 
+def _numbers_rows(arange: fx.Node) -> bool:
+    """The arange only numbers rows put at permuted places (inverse[perm] = arange(m), a
+    routing sort's inverse): row numbers on this rank, not positions (cp_rules/permutations)."""
+    users = _users(arange)
+    return bool(users) and all(op_name(u) in ("index_put", "index_put_") and args_of(u)["values"] is arange
+                               and args_of(u)["self"] is not arange for u in users)
+
+
 _args = args_of   # an ATen call's arguments by schema name (defaults filled in)
 
 
@@ -266,7 +297,7 @@ def _sdpa(node: fx.Node):
         scale = 1.0 / math.sqrt(q.meta["val"].shape[-1])
     mask = a.get("attn_mask")
     masks = [] if mask is None else [("visible" if mask.meta["val"].dtype == torch.bool else "add", mask)]
-    return q, k, v, scale, masks, bool(a.get("is_causal")), node, []
+    return q, k, v, scale, masks, bool(a.get("is_causal")), node, [], (None, None)
 
 
 def _repeat_heads(graph: fx.Graph, kv: fx.Node, q: fx.Node, before: fx.Node) -> fx.Node:
@@ -291,7 +322,75 @@ def _single_user(node: fx.Node):
     return users[0] if len(users) == 1 else None
 
 
-def _handwritten(sm: fx.Node):
+def _sink(x):
+    """(scores, sink, [nodes]) for cat([scores, sink], -1) [- max(., -1, keepdim)] with a sink
+    [..., n, 1] of parameters (attention sinks, gpt-oss; the max is the softmax's own
+    stabiliser), else (x, None, [])."""
+    orig, nodes = x, []
+    if isinstance(x, fx.Node) and op_name(x) == "sub" and isinstance(x.args[1], fx.Node):
+        m = x.args[1]
+        base = m.args[0] if m.target is operator.getitem and m.args[1] == 0 else m
+        if op_name(base) in ("max", "amax") and base.args[0] is x.args[0] and _args(base).get("keepdim"):
+            nodes, x = ([x, m, base] if base is not m else [x, m]), x.args[0]
+    if not (isinstance(x, fx.Node) and op_name(x) == "cat" and x.meta.get("val") is not None):
+        return orig, None, []
+    a, val = _args(x), x.meta["val"]
+    if len(a["tensors"]) != 2 or a["dim"] % val.dim() != val.dim() - 1:
+        return orig, None, []
+    scores, sink = a["tensors"]
+    if sink.meta["val"].shape[-1] != 1 or not input_free(sink) or len(_users(x)) != (2 if nodes else 1):
+        return orig, None, []
+    return scores, sink, nodes + [x]
+
+
+def _drops_last(u: fx.Node, y: fx.Node) -> bool:
+    """u = y[..., :-1] (the last column of the last dim dropped)."""
+    a, n = _args(u), y.meta["val"].shape[-1]
+    return a["dim"] % y.meta["val"].dim() == y.meta["val"].dim() - 1 and (a["start"] or 0) == 0 \
+        and a["end"] in (-1, n - 1) and a["step"] == 1
+
+
+def _softcap(x):
+    """((cap, [its nodes]), scores) for cap * tanh(scores / cap) (Gemma 2's logit soft-capping),
+    else ((None, []), x)."""
+    if isinstance(x, fx.Node) and op_name(x) == "mul" and isinstance(x.args[1], (int, float)) \
+            and isinstance(x.args[0], fx.Node) and op_name(x.args[0]) == "tanh":
+        t = x.args[0]
+        inner = t.args[0]
+        if isinstance(inner, fx.Node) and op_name(inner) == "div" and inner.args[1] == x.args[1] \
+                and len(_users(t)) == 1 and len(_users(inner)) == 1:
+            return (float(x.args[1]), [x, t, inner]), inner.args[0]
+    return (None, []), x
+
+
+def _same_tail(x: fx.Node) -> bool:
+    """A reshape of the scores' leading dims only ([b, h, i, j] <-> [b*h, i, j]: Bloom, XGLM)."""
+    if op_name(x) not in RESHAPES or not isinstance(x.args[0], fx.Node):
+        return False
+    a, b = x.args[0].meta.get("val"), x.meta.get("val")
+    return a is not None and b is not None and a.dim() >= 2 and b.dim() >= 2 and a.shape[-2:] == b.shape[-2:]
+
+
+def _floor(x: fx.Node, stage) -> bool:
+    """max(scores, finfo.min): a floor that changes no score a softmax keeps (XGLM)."""
+    return op_name(x) in ("max", "maximum", "clamp_min") and len(x.args) == 2 and isinstance(x.args[0], fx.Node) \
+        and x.args[0].meta.get("val") is not None and x.meta.get("val") is not None \
+        and x.args[0].meta["val"].shape == x.meta["val"].shape and _hides(x.args[1], stage)
+
+
+def _hides(x, stage) -> bool:
+    """A score of -inf (or finfo.min), given as a number or as a constant tensor of one value."""
+    if isinstance(x, (int, float)):
+        return x <= -1e30
+    if not isinstance(x, fx.Node) or not free(x) or x.meta.get("val") is None or x.meta["val"].numel() != 1:
+        return False
+    try:
+        return float(evaluate(x, stage)) <= -1e30
+    except Exception:
+        return False
+
+
+def _handwritten(sm: fx.Node, stage=None):
     """matmul(q, k^T) [scale] [mask] -> softmax(-1) [casts, dropout(0)] -> matmul(., v), or None."""
     val = sm.meta.get("val")
     dim = sm.args[1] if len(sm.args) > 1 else sm.kwargs.get("dim")
@@ -299,19 +398,28 @@ def _handwritten(sm: fx.Node):
         return None
     chain = [sm]
     x = sm.args[0]
-    while isinstance(x, fx.Node) and op_name(x) in _CASTS:
+    while isinstance(x, fx.Node) and (op_name(x) in _CASTS or _same_tail(x) or _floor(x, stage)):
         chain.append(x)
         x = x.args[0]
+    x, sink, extra = _sink(x)   # softmax(cat([scores, sink]) - max) (gpt-oss): the ring merges the sink
     masks = []   # (kind, node): masked_fill(-inf) masks hide where True; added masks are biases
     while isinstance(x, fx.Node):
         name = op_name(x)
-        if name in _CASTS:
+        if name in _CASTS or _same_tail(x) or _floor(x, stage):
             chain.append(x)
             x = x.args[0]
         elif name == "masked_fill" and isinstance(x.args[2], (int, float)) and x.args[2] <= -1e30:
             masks.append(("hidden", x.args[1]))
             chain.append(x)
             x = x.args[0]
+        elif name == "where" and len(x.args) == 3 and _hides(x.args[2], stage) and isinstance(x.args[1], fx.Node):
+            masks.append(("visible", x.args[0]))        # where(visible, scores, -inf) (GPT-Neo)
+            chain.append(x)
+            x = x.args[1]
+        elif name == "where" and len(x.args) == 3 and _hides(x.args[1], stage) and isinstance(x.args[2], fx.Node):
+            masks.append(("hidden", x.args[0]))         # where(hidden, -inf, scores)
+            chain.append(x)
+            x = x.args[2]
         elif name == "add" and len(x.args) == 2 and all(isinstance(a, fx.Node) for a in x.args):
             left, right = x.args
             if _param_free(right) and not _param_free(left):
@@ -326,18 +434,36 @@ def _handwritten(sm: fx.Node):
                 return None
         else:
             break
+    cap, x = _softcap(x)
     scale = 1.0
     while isinstance(x, fx.Node) and op_name(x) in ("mul", "div") and isinstance(x.args[1], (int, float)):
         scale = scale * x.args[1] if op_name(x) == "mul" else scale / x.args[1]
         chain.append(x)
         x = x.args[0]
-    if not (isinstance(x, fx.Node) and op_name(x) in ("matmul", "bmm")):
+    if not (isinstance(x, fx.Node) and op_name(x) in ("matmul", "bmm", "einsum", "baddbmm")):
         return None
     qk = x
-    q, kt = qk.args[0], qk.args[1]
-    k = _untransposed(kt)
-    if k is None:
-        return None
+    if op_name(qk) == "baddbmm":   # beta * bias + alpha * q k^T (Bloom's ALiBi): the bias is a mask
+        a = _args(qk)
+        if a["beta"] != 1 or not isinstance(a["alpha"], (int, float)) or not isinstance(a["self"], fx.Node) \
+                or not _param_free(a["self"]):
+            return None
+        masks.append(("add", a["self"]))
+        scale *= a["alpha"]
+        q, kt = a["batch1"], a["batch2"]
+        k = _untransposed(kt)
+        if k is None:
+            return None
+    elif op_name(qk) == "einsum":
+        found = _einsum_qk(qk)
+        if found is None:
+            return None
+        (q, k), kt = found, None
+    else:
+        q, kt = qk.args[0], qk.args[1]
+        k = _untransposed(kt)
+        if k is None:
+            return None
     # forward: softmax -> casts / dropout(0) -> matmul(p, v)
     y, after = sm, []
     while True:
@@ -345,7 +471,11 @@ def _handwritten(sm: fx.Node):
         if u is None:
             return None
         name = op_name(u)
-        if name in _CASTS:
+        if sink is not None and y is sm and name == "slice" and _drops_last(u, y):
+            after.append(u)   # probabilities[..., :-1]: the sink's column dropped
+            y = u
+            continue
+        if name in _CASTS or _same_tail(u):
             after.append(u)
             y = u
             continue
@@ -358,13 +488,70 @@ def _handwritten(sm: fx.Node):
             y = u
             continue
         if name in ("matmul", "bmm") and u.args[0] is y:
-            pv = u
+            pv, v = u, u.args[1]
+            break
+        if name == "einsum" and _args(u)["tensors"][0] is y and _einsum_pv(u) is not None:
+            pv, v = u, _einsum_pv(u)
             break
         return None
     if any(len(_users(c)) != 1 for c in chain[1:] + [qk]):
         return None   # an intermediate (scores, probabilities) is used elsewhere: not rewritable
-    dead = after[::-1] + chain + [qk, kt]
-    return q, k, pv.args[1], scale, masks, False, pv, dead
+    dead = after[::-1] + chain + [qk] + ([kt] if kt is not None else [])
+    k, v = (_with_heads(x, q, pv) for x in (k, v))
+    if sink is not None and tuple(sink.meta["val"].shape[:-1]) != tuple(pv.meta["val"].shape[:-1]):
+        return None   # the sink's rows are not the ring's queries (scores viewed over their leading dims)
+    return q, k, v, scale, masks, False, pv, dead + cap[1] + extra, (cap[0], sink)
+
+
+def _letters(node: fx.Node):
+    """(operand letters, output letters) of a two-operand einsum without ellipses, or None."""
+    eq = _args(node)["equation"].replace(" ", "")
+    ins, arrow, out = eq.partition("->")
+    subs = ins.split(",")
+    if not arrow or len(subs) != 2 or "." in eq:
+        return None
+    return subs, out
+
+
+def _einsum_qk(node: fx.Node):
+    """einsum('b h i d, b h j d -> b h i j', q, k) (k may lack the head letter, multi-query):
+    (q, k), else None."""
+    found = _letters(node)
+    if found is None:
+        return None
+    (qs, ks), out = found
+    if len(qs) < 3 or len(ks) < 2 or qs[-1] != ks[-1] or qs[-1] in out or out != qs[:-1] + ks[-2] \
+            or ks[:-2] not in (qs[:-2], qs[:-3]):
+        return None
+    return tuple(_args(node)["tensors"])
+
+
+def _einsum_pv(node: fx.Node):
+    """einsum('b h i j, b h j d -> b h i d', p, v): v, else None."""
+    found = _letters(node)
+    if found is None:
+        return None
+    (ps, vs), out = found
+    if len(ps) < 3 or len(vs) < 2 or vs[-2] != ps[-1] or ps[-1] in out or out != ps[:-1] + vs[-1] \
+            or vs[:-2] not in (ps[:-2], ps[:-3]):
+        return None
+    return _args(node)["tensors"][1]
+
+
+def _with_heads(kv: fx.Node, q: fx.Node, before: fx.Node) -> fx.Node:
+    """A key/value without the head dim (multi-query, [b, j, d]) expanded over q's heads, as
+    the einsum broadcasts it."""
+    qv, val = q.meta["val"], kv.meta["val"]
+    if val.dim() == qv.dim():
+        return kv
+    graph = before.graph
+    shape = list(qv.shape[:-2]) + list(val.shape[-2:])
+    with graph.inserting_before(before):
+        u = graph.call_function(torch.ops.aten.unsqueeze.default, (kv, -3))
+        e = graph.call_function(torch.ops.aten.expand.default, (u, shape))
+    u.meta = {"val": val.unsqueeze(-3), "tf": dict(tf(before))}
+    e.meta = {"val": val.unsqueeze(-3).expand(shape), "tf": dict(tf(before))}
+    return e
 
 
 def _untransposed(kt: fx.Node):
@@ -455,7 +642,8 @@ def _global_positions(gm: fx.GraphModule, n: int) -> int:
             start, end, step = args[0], args[1], args[2]
         else:
             continue
-        if (start, end, step) != (0, n, 1) or node.meta["val"].is_floating_point() or _indexes_an_input(node):
+        if (start, end, step) != (0, n, 1) or _indexes_an_input(node) \
+                or _numbers_rows(node):
             continue
         kwargs = {k: v for k, v in node.kwargs.items() if k in ("dtype", "device")}
         with gm.graph.inserting_before(node):

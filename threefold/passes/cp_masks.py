@@ -94,11 +94,13 @@ def split_mask(masks: list, is_causal: bool, stage, node: fx.Node, n: int):
     if not _same(local, whole[..., :n, :n]):
         raise PlanError(f"cp: the mask of {where} over the first s/cp positions differs from its corner over "
                         "the whole sequence (it depends on the length, not only on positions); use cp=1")
+    lo, hi, slopes, intercepts = _fit(whole.reshape(-1, s, s), where)
+    if len(set(slopes)) <= 1 and len(set(intercepts)) <= 1:   # the same for every batch row / head
+        slopes, intercepts, lead = slopes[:1], intercepts[:1], ()
     heads = tuple(node.meta["val"].shape[:-2])   # the scores' leading dims (batch, heads)
-    if len(lead) > len(heads) or torch.broadcast_shapes(tuple(lead), heads) != heads:
+    if len(lead) > len(heads) or _broadcast(tuple(lead), heads) != heads:
         raise PlanError(f"cp: the mask of {where} has leading dims {tuple(lead)} that do not broadcast to "
                         f"the attention's {heads}; use cp=1")
-    lo, hi, slopes, intercepts = _fit(whole.reshape(-1, s, s), where)
     causal = hi is not None and hi <= 0
     if lo is None and hi in (0, None) and not any(slopes) and not any(intercepts):
         return causal, None, keyside   # plain causal or all-visible: the ring's own masks
@@ -175,8 +177,17 @@ def _additive(fixed: list, is_causal: bool, stage, where: str, n: int, length: i
         if v.dim() < 2 or v.shape[-2] not in (1, length) or v.shape[-1] != length:
             raise PlanError(f"cp: the mask of {where} is {tuple(v.shape)}, not over the sequence "
                             f"({length} x {length}); use cp=1")
+        while v.dim() > 2 and bool((v == v[:1]).all()):   # the same for every batch row: broadcast it
+            v = v[0]                                        # (HF's [b, 1, s, s] beside Bloom's [b*h, 1, s])
         total = total + v
     return total
+
+
+def _broadcast(a: tuple, b: tuple):
+    try:
+        return torch.broadcast_shapes(a, b)
+    except RuntimeError:
+        return None
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -208,12 +219,27 @@ def _fit(m: torch.Tensor, where: str):
         y = row[vis]
         coef = torch.linalg.lstsq(design, y[:, None]).solution[:, 0]
         if not bool(torch.allclose(design @ coef, y, rtol=1e-6, atol=1e-6 * (1 + float(y.abs().max())))):
-            raise PlanError(f"cp: the additive mask of {where} is not slope * (j - i) + c per head (not an "
-                            "ALiBi-style bias); ring attention cannot recompute it: use cp=1")
+            coef = _fit_per_query(row, d, vis, where)
         slope, icpt = (_snap(float(c)) for c in coef)
         slopes.append(slope if abs(slope) > 1e-12 else 0.0)
         intercepts.append(icpt if abs(icpt) > 1e-12 else 0.0)
     return (None if lo == -(s - 1) else lo), (None if hi == s - 1 else hi), slopes, intercepts
+
+
+def _fit_per_query(row: torch.Tensor, d: torch.Tensor, vis: torch.Tensor, where: str) -> torch.Tensor:
+    """(slope, 0) for a bias slope * (j - i) + r_i, r_i any number per query (Bloom's ALiBi is
+    slope * j): the softmax over each query's keys does not see r_i, so slope * (j - i) is the
+    same attention. A PlanError if the row is not of that form."""
+    y = torch.where(vis, row.to(torch.float64), torch.zeros((), dtype=torch.float64))
+    x = torch.where(vis, d.to(torch.float64), torch.zeros((), dtype=torch.float64))
+    count = vis.sum(-1, keepdim=True).clamp(min=1)
+    yc = torch.where(vis, y - y.sum(-1, keepdim=True) / count, torch.zeros((), dtype=torch.float64))[vis]
+    xc = torch.where(vis, x - x.sum(-1, keepdim=True) / count, torch.zeros((), dtype=torch.float64))[vis]
+    slope = float((xc * yc).sum() / (xc * xc).sum()) if bool((xc != 0).any()) else 0.0
+    if not bool(torch.allclose(slope * xc, yc, rtol=1e-6, atol=1e-6 * (1 + float(y.abs().max())))):
+        raise PlanError(f"cp: the additive mask of {where} is not slope * (j - i) + c per head (not an "
+                        "ALiBi-style bias); ring attention cannot recompute it: use cp=1")
+    return torch.tensor([slope, 0.0], dtype=torch.float64)
 
 
 class _PerRank(Exception):

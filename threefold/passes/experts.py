@@ -22,6 +22,8 @@ ChunkModule.experts runs on the ranks holding its experts (runtime/experts.py).
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -62,13 +64,43 @@ def find_experts(prog: Partitioned) -> Partitioned:
                                 f"divide; choose an ep that divides {r['experts']}")
         chunks.append(chunk.evolve(experts=tuple(regions)))
     if ep > 1 and not found:
-        raise PlanError(f"plan ep={ep}: no expert computation found in {prog.name} (grouped matmuls over "
-                        "[experts, in, out] parameter weights with per-expert row offsets); drop ep, or "
-                        "write the experts as one stacked weight applied with a grouped matmul")
+        loop = next((d for d in (per_module_experts(c.gm.graph) for c in prog.chunks) if d), None)
+        why = (f": its experts are {loop[0]} separate modules applied one by one ({loop[0]} linear layers of "
+               f"weight {loop[1]} over pieces of one tensor at {loop[2]}), which ep cannot place per rank"
+               if loop else "")
+        raise PlanError(f"plan ep={ep}: no expert computation found in {prog.name}{why} (ep splits grouped matmuls "
+                        "over [experts, in, out] parameter weights with per-expert row offsets); drop ep (tp and "
+                        "dp shard the experts as they are), or write each projection as one stacked [experts, in, "
+                        "out] parameter applied with a grouped matmul to rows sorted by expert")
     if ep > 1 and getattr(prog.plan, "recompute", "none") != "none":
         raise PlanError(f"plan ep={ep} with recompute={prog.plan.recompute} is not supported yet "
                         "(an expert region inside a recomputed segment); use recompute=none with ep")
     return prog.evolve(chunks=tuple(chunks))
+
+
+def per_module_experts(graph: fx.Graph):
+    """(count, weight shape, module) where two or more linear layers of one weight shape, each
+    its own parameter, read the pieces of one tensor (split / chunk / unbind, then getitem):
+    experts held as a ModuleList and applied in a loop (soft-MoE's slots per expert); else None."""
+    groups: dict = {}
+    for n in graph.nodes:
+        if n.op != "call_function" or op_name(n) != "linear":
+            continue
+        x, w = n.args[0], n.args[1]
+        src = x
+        while isinstance(src, fx.Node) and op_name(src) in ("view", "reshape", "contiguous", "clone", "_to_copy",
+                                                              "squeeze", "unsqueeze", "transpose"):
+            src = src.args[0]
+        if not (isinstance(src, fx.Node) and src.target is operator.getitem
+                and op_name(src.args[0]) in ("split", "split_with_sizes", "chunk", "unbind", "tensor_split")):
+            continue
+        if not (isinstance(w, fx.Node) and w.op == "placeholder" and _val(w) is not None):
+            continue
+        groups.setdefault((src.args[0], tuple(_val(w).shape)), set()).add(w)
+    for (whole, shape), weights in groups.items():
+        if len(weights) >= 2:
+            return len(weights), list(shape), tf(whole).get("module") or "<top>"
+    return None
 
 
 def expert_matmul(node: fx.Node):

@@ -5,9 +5,11 @@ first model input that has a dim besides its batch dim: its one such dim whose s
 divides (the load-balanced layout cuts each sequence into 2*cp blocks); where it has several,
 the workload must say (a PlanError). Every input (and the target) is split along its one
 non-batch dim of size S; an input without one is not split, one with two is refused. The
-graph check (passes/cp_rules.py) then proves the choice: a wrong dim meets an op with no rule.
+graph check (passes/cp_rules/) then proves the choice: a wrong dim meets an op with no rule.
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
@@ -27,9 +29,11 @@ def find_seq_dims(batch: tuple, batch_dims: list, num_model_inputs: int, cp: int
         if len(cands) != 1:
             others = [d for d in range(t.dim()) if d != batch_dims[i]]
             if len(others) == 1:
+                first = " (if dim 0 is the sequence, seq-first, declare the batch dim: batch_dims=1)" \
+                    if t.shape[batch_dims[i]] % (2 * cp) == 0 else ""
                 raise PlanError(f"{name}: cp={cp} splits the sequence into 2*cp={2 * cp} blocks, but input "
                                 f"{i} has {t.shape[others[0]]} positions (dim {others[0]}); use a sequence "
-                                f"length that is a multiple of {2 * cp}")
+                                f"length that is a multiple of {2 * cp}{first}")
             raise PlanError(f"{name}: cp={cp} cannot tell the sequence dim of input {i} {tuple(t.shape)} "
                             f"(candidates {cands}); pass the sequence as the one non-batch dim divisible by {2 * cp}")
         length = t.shape[cands[0]]
@@ -54,3 +58,61 @@ def local_share(values: tuple, dims: list, cp: int) -> tuple:
     from threefold.runtime.cp_ops import local_blocks
     return tuple(local_blocks(v, d, cp, 0) if d is not None and isinstance(v, torch.Tensor) else v
                  for v, d in zip(values, dims))
+
+
+def full_length_tables(model, length: int, cp: int, cause: str = "") -> list:
+    """Parameters and buffers with a dim of the whole sequence length (a learned position
+    table added whole, `x + self.pos` as in ViT): (kind, name, shape, dim) per such dim, the
+    ones whose shape the trace's error names first (a width equal to the length is a
+    coincidence the caller rules out by tracing)."""
+    found = []
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for fqn, t in named:
+            for d in range(t.dim()):
+                if t.shape[d] == length and length % (2 * cp) == 0:
+                    found.append((kind, fqn, tuple(t.shape), d))
+    return sorted(found, key=lambda f: f"torch.Size({list(f[2])})" not in cause)
+
+
+def full_length_refusal(model, length: int, cp: int, name: str, cause: str):
+    """The cp decision for a model that cannot be traced on this rank's share of the sequence
+    because a table of the whole length meets it (a PlanError naming the table and the fix),
+    or None where no such table explains `cause`."""
+    tables = full_length_tables(model, length, cp, cause)
+    if not tables or "broadcast" not in cause:
+        return None
+    kind, fqn, shape, d = tables[0]
+    return PlanError(f"{name}: cp={cp} traces each rank's {length // cp} of the {length} positions, but {kind} "
+                     f"`{fqn}` {shape} holds all {length} positions on dim {d} and is used whole (a learned "
+                     f"position table added as `x + self.{fqn.rsplit('.', 1)[-1]}`?); slice it to the input's "
+                     f"length (`self.{fqn.rsplit('.', 1)[-1]}[:, :x.shape[1]]`: cp then reads this rank's rows "
+                     "at their global positions) or use cp=1")
+
+
+@contextmanager
+def read_at_local_length(model, tables: list, n: int):
+    """While tracing this rank's share: each full-length table (full_length_tables) reads as
+    its first n positions inside its module's forward (`self.pos` is `pos[:, :n]`, a slice of
+    the parameter in the graph, under its own name). passes/context_parallel.py finds such
+    slices by data flow and reads this rank's rows at their global positions instead; the
+    caller checks that every one of them was (else the slice would be wrong)."""
+    handles, owners = [], []
+    for kind, fqn, _, d in tables:
+        owner, _, attr = fqn.rpartition(".")
+        mod = model.get_submodule(owner)
+        store = mod._parameters if kind == "parameter" else mod._buffers
+
+        def before(m, args, attr=attr, d=d, store=store):
+            m.__dict__[attr] = store[attr][(slice(None),) * d + (slice(0, n),)]
+
+        def after(m, args, out, attr=attr):
+            m.__dict__.pop(attr, None)
+        handles += [mod.register_forward_pre_hook(before), mod.register_forward_hook(after)]
+        owners.append((mod, attr))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for mod, attr in owners:
+            mod.__dict__.pop(attr, None)

@@ -56,17 +56,19 @@ def positions(n: int, group, device=None, dtype=torch.int64, layout=None, pin_me
 
 # -- ring attention -------------------------------------------------------------------------
 
-def _block(q, k, v, scale, allowed, bias=None):
+def _block(q, k, v, scale, allowed, bias=None, cap=None):
     """Attention of q against one K/V block: (output, log-sum-exp per query); rows with no
     allowed key give output 0 and lse -inf. `bias` is added to the scores (-inf hides)."""
-    s = _scores(q, k, scale, allowed, bias)
+    s = _scores(q, k, scale, allowed, bias, cap)
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
     p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
     return torch.matmul(p, v), lse
 
 
-def _scores(q, k, scale, allowed, bias):
+def _scores(q, k, scale, allowed, bias, cap=None):
     s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if cap is not None:   # logit soft-capping (Gemma 2): cap * tanh(s / cap), before the mask
+        s = torch.tanh(s / cap) * cap
     if bias is not None:
         s = s + bias
     if allowed is not None:
@@ -164,7 +166,7 @@ class _Ring:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, group, kbias=None, rel=None):
+    def forward(ctx, q, k, v, scale, causal, group, kbias=None, rel=None, cap=None, sink=None):
         ring = _Ring(group)
         cp, r, n = ring.cp, ring.r, q.shape[-2]
         out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
@@ -175,12 +177,16 @@ class _RingAttention(torch.autograd.Function):
             qs, ks, mask = _pieces(step, r, cp, n, causal)
             allowed = _diag_mask(n, cp, r, q.device) if mask == "diag" else None
             bias = _step_bias(kv, rel, step, r, cp, n, qs, ks, q)
-            o, l = _block(q[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :], scale, allowed, bias)
+            o, l = _block(q[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :], scale, allowed, bias, cap)
             out[..., qs, :], lse[..., qs, :] = _merge(out[..., qs, :], lse[..., qs, :], o, l)
             if wait is not None:
                 kv = wait()
-        ctx.save_for_backward(q, k, v, out, lse, *([kbias] if kbias is not None else []))
-        ctx.scale, ctx.causal, ctx.group, ctx.rel = scale, causal, group, rel
+        if sink is not None:   # a sink logit per query with a zero value (gpt-oss): one more key, after the ring
+            out, lse = _merge(out, lse, torch.zeros_like(out), sink.to(lse.dtype).expand_as(lse))
+        ctx.sink = sink is not None
+        ctx.save_for_backward(q, k, v, out, lse, *([kbias] if kbias is not None else []),
+                              *([sink] if sink is not None else []))
+        ctx.scale, ctx.causal, ctx.group, ctx.rel, ctx.cap = scale, causal, group, rel, cap
         return out
 
     @staticmethod
@@ -188,7 +194,8 @@ class _RingAttention(torch.autograd.Function):
     @torch.autocast("cuda", enabled=False)
     def backward(ctx, dout):
         q, k, v, out, lse, *kb = ctx.saved_tensors
-        scale, causal, rel = ctx.scale, ctx.causal, ctx.rel
+        sink = kb.pop() if ctx.sink else None
+        scale, causal, rel, cap = ctx.scale, ctx.causal, ctx.rel, ctx.cap
         ring = _Ring(ctx.group)
         cp, r, n = ring.cp, ring.r, q.shape[-2]
         dout = dout.contiguous()
@@ -202,10 +209,12 @@ class _RingAttention(torch.autograd.Function):
             kb_, vb = kv[0][..., ks, :], kv[1][..., ks, :]
             qb, dob = q[..., qs, :], dout[..., qs, :]
             allowed = _diag_mask(n, cp, r, q.device) if mask == "diag" else None
-            s = _scores(qb, kb_, scale, allowed, _step_bias(kv, rel, step, r, cp, n, qs, ks, q))
+            s = _scores(qb, kb_, scale, allowed, _step_bias(kv, rel, step, r, cp, n, qs, ks, q), cap)
             p = torch.exp(s - lse[..., qs, :])
             dv = torch.matmul(p.transpose(-2, -1), dob)
             ds = p * (torch.matmul(dob, vb.transpose(-2, -1)) - delta[..., qs, :])
+            if cap is not None:   # through cap * tanh(raw / cap): d/draw = 1 - tanh^2
+                ds = ds * (1 - torch.tanh(torch.matmul(qb, kb_.transpose(-2, -1)) * scale / cap) ** 2)
             dq[..., qs, :] += torch.matmul(ds, kb_) * scale
             dk = torch.matmul(ds.transpose(-2, -1), qb) * scale
             acc[0][..., ks, :] += _reduce_to(dk, acc[0][..., ks, :].shape)
@@ -216,7 +225,10 @@ class _RingAttention(torch.autograd.Function):
                 acc = ring.shift(acc, "key and value gradients")()
             if wait_kv is not None:
                 kv = wait_kv()
-        return dq, _reduce_to(acc[0], k.shape), _reduce_to(acc[1], v.shape), None, None, None, None, None
+        dsink = None
+        if sink is not None:   # d lse / d sink = p_sink; the sink's value is 0: d sink = -p_sink * delta
+            dsink = _reduce_to(-(torch.exp(sink.to(lse.dtype).expand_as(lse) - lse) * delta), sink.shape)
+        return dq, _reduce_to(acc[0], k.shape), _reduce_to(acc[1], v.shape), None, None, None, None, None, None, dsink
 
 
 def _step_bias(kv: list, rel, step: int, r: int, cp: int, n: int, qs: slice, ks: slice, q: torch.Tensor):
@@ -247,14 +259,17 @@ def _reduce_to(g: torch.Tensor, shape) -> torch.Tensor:
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                   group, ranks: int = 1, kbias: torch.Tensor | None = None, rel=None) -> torch.Tensor:
+                   group, ranks: int = 1, kbias: torch.Tensor | None = None, rel=None,
+                   softcap: float | None = None, sink: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale [causal over global positions]) v over the whole sequence, with
     q, k, v [..., n_local, d] this rank's blocks. `ranks` is the cp size the code was compiled
     for (the cost model reads it). Saved for backward: q, k, v, the output and the
     log-sum-exp, never the n x n probabilities. A mask comes as `rel` (a bias of j - i from
     global positions, see relative_bias) and `kbias` (an additive key-side bias [..., 1, n],
     e.g. padding; it travels with K/V); `causal` then says the mask hides at least the
-    future, so the ring skips the blocks causality hides."""
+    future, so the ring skips the blocks causality hides. `softcap`: the scores are
+    softcap * tanh(scores / softcap) before the mask (Gemma 2). `sink` [..., n, 1]: a logit per
+    query for one more key whose value is zero (attention sinks, gpt-oss)."""
     if group is not None and _size(group) != ranks:
         raise RuntimeError(f"ring attention was compiled for cp={ranks} but runs on a group of {_size(group)}")
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
@@ -265,7 +280,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     with torch.autocast(q.device.type, enabled=False):
         # group None: one rank's view (cp=1, or the memory model running the op alone on
         # fakes): the same autograd function, so it saves what a real rank saves
-        o = _RingAttention.apply(q, k, v, scale, causal, group, kbias, rel)
+        o = _RingAttention.apply(q, k, v, scale, causal, group, kbias, rel, softcap,
+                                 sink.to(work) if sink is not None else None)
     return o.to(dtype)
 
 

@@ -1,0 +1,159 @@
+"""cp rules for ops that move, view, slice, join, repeat or pad a value: where its positions land."""
+from __future__ import annotations
+
+from math import prod
+
+from threefold.passes.cp_rules.core import Call, Seq, _fail, _norm, _val, rule
+
+
+@rule(family="dim_move")
+def _dim_move(c: Call):
+    s0, a, name = c.place(c.x), c.args, c.name
+    out, rin = c.out, _val(c.x).dim()
+    if not isinstance(s0, Seq):
+        _fail(c, "moves dims of a whole value by a split one")
+    if name in ("expand", "expand_as", "broadcast_to"):
+        return s0.at(s0.dim + out.dim() - rin)
+    if name == "unsqueeze":
+        d = _norm(a["dim"], out.dim())
+        return s0.at(s0.dim + (1 if d <= s0.dim else 0))
+    if name == "squeeze":
+        shape = _val(c.x).shape
+        dims = a.get("dim")
+        dims = [i for i, n in enumerate(shape) if n == 1] if dims is None else [dims] if isinstance(dims, int) else dims
+        dims = [_norm(d, len(shape)) for d in dims if shape[_norm(d, len(shape))] == 1]
+        return s0.at(s0.dim - sum(d < s0.dim for d in dims))
+    if name in ("transpose", "swapaxes"):
+        x0, x1 = (a["dim0"], a["dim1"]) if "dim0" in a else (a["axis0"], a["axis1"])
+        x0, x1 = _norm(x0, rin), _norm(x1, rin)
+        return s0.at({x0: x1, x1: x0}.get(s0.dim, s0.dim))
+    if name == "t":
+        return s0.at(1 - s0.dim) if out.dim() == 2 else s0
+    if name == "permute":
+        return s0.at([_norm(d, rin) for d in a["dims"]].index(s0.dim))
+    if name == "movedim":
+        order = [d for d in range(rin)]
+        src, dst = a["source"], a["destination"]
+        src, dst = ([src], [dst]) if isinstance(src, int) else (list(src), list(dst))
+        perm = [None] * rin
+        for s_, d_ in zip(src, dst):
+            perm[_norm(d_, rin)] = _norm(s_, rin)
+        rest = iter(d for d in order if d not in {_norm(s_, rin) for s_ in src})
+        perm = [p if p is not None else next(rest) for p in perm]
+        return s0.at(perm.index(s0.dim))
+    _fail(c, "moves dims in a way cp does not know")
+
+
+@rule(family="view")
+def _view(c: Call):
+    """The output dim that holds the positions digit (n positions, `inner` elements each) whole."""
+    s0 = c.place(c.x)
+    if not isinstance(s0, Seq):
+        _fail(c, "views a whole value by a split one")
+    shape_in, d, shape_out, n = _val(c.x).shape, s0.dim, c.out.shape, c.stage.seq_len
+    stride = s0.inner * prod(shape_in[d + 1:])      # elements per position, in the flat order
+    for e in reversed(range(len(shape_out))):
+        after = prod(shape_out[e + 1:])
+        if stride % after == 0 and shape_out[e] % (stride // after * n) == 0:
+            return Seq(e, stride // after)
+    _fail(c, f"reshapes {tuple(shape_in)} -> {tuple(shape_out)} across the sequence dim {d}")
+
+
+@rule(family="slicing")
+def _slicing(c: Call):
+    name, a = c.name, c.args
+    s0, src = c.place(c.x), _val(c.x)
+    d = _norm(a.get("dim", 0) if a.get("dim") is not None else 0, src.dim())
+    if name == "index_select":
+        si = c.place(a["index"])
+        if s0 is None and isinstance(si, Seq):    # table.index_select(d, positions): a lookup
+            return si.at(d)
+        if s0 is None or d == s0.dim or si is not None:
+            _fail(c, "indexes along the sequence")
+        return s0
+    if s0 is None or any(isinstance(c.place(v), Seq) for k, v in a.items() if k not in ("self", "input")):
+        _fail(c, "slices with split positions")
+    if d == s0.dim:
+        start = a.get("start") or 0
+        start = start + src.shape[d] if isinstance(start, int) and start < 0 else start   # t[-n:] of n rows
+        if name == "slice" and start <= 0 and (a.get("end") is None or a["end"] >= src.shape[d]) \
+                and a.get("step", 1) == 1:
+            return s0
+        _fail(c, f"slices along the sequence (dim {d}; a shift such as x[:, :-1] inside the model? shift the "
+              "tokens in the data instead)")
+    if name in ("select", "unbind"):
+        s = s0.at(s0.dim - (1 if d < s0.dim else 0))
+        return tuple(s for _ in c.out) if name == "unbind" else s
+    if isinstance(c.out, (tuple, list)):
+        return tuple(s0 for _ in c.out)
+    return s0
+
+
+@rule(family="join")
+def _join(c: Call):
+    tensors = c.args["tensors"]
+    rank_in = max(_val(t).dim() for t in tensors)
+    d = _norm(c.args.get("dim", 0), rank_in + (c.name == "stack"))
+    if c.name == "cat":   # empty operands (a KV cache that starts empty, cat([], k)) add nothing
+        tensors = [t for t in tensors if _val(t).numel() > 0 or isinstance(c.place(t), Seq)]
+    places = {c.place(t) for t in tensors if isinstance(c.place(t), Seq)}
+    if len(places) != 1 or any(c.place(t) is None for t in tensors):
+        _fail(c, "joins values split along the sequence with others")
+    s0 = places.pop()
+    if c.name == "cat":
+        if d == s0.dim and len(tensors) > 1:
+            _fail(c, "concatenates along the sequence")
+        return s0
+    return s0.at(s0.dim + (1 if d <= s0.dim else 0))
+
+
+@rule(family="repeat")
+def _repeat(c: Call):
+    """repeat / tile (whole-tensor repeats) and repeat_interleave along one dim: position-wise
+    unless they repeat along the sequence (GQA's repeat of K/V heads is along heads)."""
+    s0, src = c.place(c.x), _val(c.x)
+    if s0 is None or c.name == "repeat_interleave" and "self" not in c.args:
+        _fail(c, "repeats split positions")
+    if c.name == "repeat_interleave":
+        if c.args.get("dim") is None:
+            _fail(c, "repeats the flattened sequence")
+        if isinstance(c.place(c.args.get("repeats")), Seq) or _norm(c.args["dim"], src.dim()) == s0.dim:
+            _fail(c, "repeats along the sequence")
+        return s0
+    reps = list(c.args.get("repeats") or c.args.get("dims"))
+    e = s0.dim + len(reps) - src.dim() if len(reps) >= src.dim() else s0.dim
+    if len(reps) >= src.dim() and reps[e] != 1 or len(reps) < src.dim() and s0.dim >= src.dim() - len(reps) \
+            and reps[s0.dim - (src.dim() - len(reps))] != 1:
+        _fail(c, "repeats along the sequence")
+    return s0.at(e)
+
+
+
+@rule(family="pad")
+def _pad(c: Call):
+    """Padding of other dims keeps positions; padding (shifting) the sequence is gathered."""
+    s0, pad = c.place(c.x), list(c.args.get("pad") or [])
+    if not isinstance(s0, Seq):
+        _fail(c, "pads a whole value by a split one")
+    k = _val(c.x).dim() - 1 - s0.dim            # pad pairs run from the last dim backwards
+    if 2 * k + 1 < len(pad) and (pad[2 * k] or pad[2 * k + 1]):
+        _fail(c, "pads (shifts) along the sequence")
+    if s0.inner != 1 and k < len(pad) // 2:
+        _fail(c, "pads a dim the sequence is merged into")
+    return s0
+
+
+@rule("one_hot")
+def _one_hot(c: Call):
+    """one_hot(x, classes): a new last dim of classes; each position's row alone."""
+    return c.place(c.x)
+
+
+@rule("view_as_complex", "view_as_real")
+def _complex_view(c: Call):
+    s0, rin = c.place(c.x), _val(c.x).dim()
+    if c.name == "view_as_complex" and s0.dim == rin - 1:
+        _fail(c, "views the sequence as complex pairs")
+    return s0
+
+
