@@ -2,7 +2,8 @@
 moe.py) against the SPEC path (spec_cost.py, the traced graph and the compiler's own
 tensor-parallel and fusion passes), on the same Llama-like or Mixtral-like model built on
 the meta device. For every plan the search ranks, the ratio of the two predicted times
-(the model's own sum, before the measured ceiling); printed per (tp, pp).
+(the model's own sum, before the measured ceiling) and of the two predicted memories per
+GPU; printed per (tp, pp).
 
     python bench/planner_flags_vs_spec.py [--model llama7b|llama3-70b|mixtral] [--layers N]
 """
@@ -70,6 +71,17 @@ def ratios(spec, flags, batch: int, gpus: int, cluster, ranked_only: bool = Fals
     return dict(out)
 
 
+def memory_ratios(spec, flags, batch: int, gpus: int, cluster) -> dict:
+    """{(tp, pp): [flags / SPEC predicted memory per GPU (the fullest stage) of each legal plan]}."""
+    from threefold.planner.estimate import estimate
+    from threefold.planner.search import legal_configs
+    out = defaultdict(list)
+    for cfg in legal_configs(spec, batch, gpus, cluster):
+        out[(cfg.tp, cfg.pp)].append(estimate(flags, cfg, cluster).memory_bytes
+                                     / estimate(spec, cfg, cluster).memory_bytes)
+    return dict(out)
+
+
 def best_plans(spec, flags, batch: int, gpus: int, cluster) -> list[str]:
     """Each description's best plan, its predicted TFLOP/s (shown, and the model's own) and memory."""
     from threefold.planner.search import rank_plans
@@ -105,6 +117,12 @@ def main(argv=None) -> int:
         rr = ranked.get(key, [])
         print(f"| {key[0]} | {key[1]} | {len(r)} ({len(rr)}) | {min(r):.3f} | {max(r):.3f} | "
               f"{max(abs(x - 1) for x in r):.1%} | {max((abs(x - 1) for x in rr), default=0):.1%} |")
+    memory = memory_ratios(spec, flags, args.batch, args.gpus, cluster)
+    print("\n| tp | pp | plans | memory flags/SPEC min | max |")
+    print("|---|---|---|---|---|")
+    for key, r in sorted(memory.items()):
+        print(f"| {key[0]} | {key[1]} | {len(r)} | {min(r):.3f} | {max(r):.3f} |")
+    print(f"memory: largest difference {max(abs(x - 1) for r in memory.values() for x in r):.1%} over every legal plan")
     worst = max(abs(x - 1) for r in every.values() for x in r)
     worst_ranked = max((abs(x - 1) for r in ranked.values() for x in r), default=0)
     print(f"largest difference: {worst:.1%} over every legal plan, {worst_ranked:.1%} over the ranked ones")

@@ -3,7 +3,9 @@
 The op table's GEMM FLOPs sum to exactly the paper's Eq. 3 (Narayanan et al., SC'21), and
 the byte counts are those of Megatron's kernels (fused softmax, bias-GeLU and
 bias-dropout-add; unfused attention dropout), which is what makes small-hidden models
-slower per FLOP. Activations follow Korthikanti et al. 2022, sec. 4.1.
+slower per FLOP. GPT's activations follow Korthikanti et al. 2022, sec. 4.1 (what Megatron's
+layers keep, the paper's measured runs); a Llama-like shape's (--mlp swiglu) are what the
+traced graph of that decoder keeps (planner/reference_layer.py), the SPEC path's count.
 """
 from __future__ import annotations
 
@@ -105,6 +107,16 @@ def gpt_model_cost(layers: int, hidden: int, heads: int, vocab: int = 51200, seq
     # split part is q (2h), k and v (4 kv_heads*d), the projection's input (2h) and the MLP's
     # GeLU input and output (4f); SwiGLU keeps gate, up and the product (6f)
     act_split = 4 * h + 4 * kvh + (6 if gated else 4) * f
+    activations = dict(act_split=act_split + (0 if flash else 5 * A), act_repl=10 * h, act_input=B * h,
+                       act_selective_split=act_split, act_selective_repl=10 * h,   # no 5as/(ht)
+                       post_act=(B + 4) * V, post_act_split=True)                  # fp16 logits + fp32 softmax
+    if gated and flash:
+        # A Llama-like model is one threefold compiles from its PyTorch code, not Megatron's
+        # hand-written layers: what it keeps for backward is counted as for a SPEC, by
+        # planner/saved_bytes.py on the graph of the decoder these flags describe
+        # (planner/reference_layer.py), so both descriptions share one count.
+        from threefold.planner.reference_layer import flags_activations
+        activations = flags_activations(h, a, kv, f, V, s, tied)
     return ModelCost(
         name=f"gpt(l={layers},h={hidden},a={heads},V={vocab},s={seq})" if gpt else
              f"decoder(l={layers},h={hidden},a={heads},kv={kv},ffn={f},{mlp},{attention},"
@@ -115,9 +127,7 @@ def gpt_model_cost(layers: int, hidden: int, heads: int, vocab: int = 51200, seq
         post_params=0.0 if tied else V * h, tied_embedding=tied,
         tp_allreduce_bytes=2 * B * h, tp_allreduces_per_layer=2,
         boundary_bytes=B * h,
-        act_split=act_split + (0 if flash else 5 * A), act_repl=10 * h, act_input=B * h,
-        act_selective_split=act_split, act_selective_repl=10 * h,          # no 5as/(ht)
-        post_act=(B + 4) * V, post_act_split=True,                          # fp16 logits + fp32 softmax
+        **activations,
         tp_divides=tuple(sorted({heads, kv, f})),                           # vocab is padded
         # GPT: the paper's Eq. 3 exactly; otherwise the GEMM FLOPs of the op table
         flops_per_iteration_fn=(lambda batch, recompute: eq3_flops(batch, s, layers, h, V, recompute)) if gpt else None,
