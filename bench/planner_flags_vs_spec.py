@@ -57,6 +57,20 @@ def both_costs(shape: tuple, layers: int):
     return spec, flags
 
 
+def full_depth(spec, flags, shape: tuple):
+    """(SPEC, flags) ModelCosts at the shape's real layer count: the SPEC's traced per-layer
+    figures for every layer, the flags given that depth."""
+    import dataclasses
+    from threefold.planner.gpt_cost import gpt_model_cost
+    from threefold.planner.moe import moe_model_cost
+    L, h, a, kv, f, V, s, E, k = shape
+    if E:
+        deep = moe_model_cost(L, h, a, E, k, f, V, s, kv_heads=kv, tied=False, mlp="swiglu")
+    else:
+        deep = gpt_model_cost(L, h, a, V, s, ffn=f, kv_heads=kv, mlp="swiglu", tied=False)
+    return dataclasses.replace(spec, layers=L), deep
+
+
 def ratios(spec, flags, batch: int, gpus: int, cluster, ranked_only: bool = False) -> dict:
     """{(tp, pp): [flags / SPEC predicted time of each legal plan]}; `ranked_only`: only the
     plans the search ranks (those that fit in memory by either description)."""
@@ -109,6 +123,10 @@ def main(argv=None) -> int:
           f"SPEC {spec.params / 1e9:.3f}B")
     cluster = load_cluster(args.cluster)
     print("\n".join(best_plans(spec, flags, args.batch, args.gpus, cluster)))
+    depth = SHAPES[args.model][0]
+    if depth != args.layers:   # the real depth: the traced per-layer figures, every layer
+        print(f"at the model's {depth} layers:")
+        print("\n".join(best_plans(*full_depth(spec, flags, SHAPES[args.model]), args.batch, args.gpus, cluster)))
     every = ratios(spec, flags, args.batch, args.gpus, cluster)
     ranked = ratios(spec, flags, args.batch, args.gpus, cluster, ranked_only=True)
     print("| tp | pp | plans (ranked) | flags/SPEC min | max | worst | worst ranked |")
