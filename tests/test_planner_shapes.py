@@ -39,7 +39,7 @@ def test_flags_agree_with_the_spec_path_on_the_same_llama_like_model():
               device="meta", attn="sdpa")
     spec = model_cost_from_program(trace(w["model"], w["inputs"], w["target"], w["loss_fn"]), w["inputs"], "llama")
     flags = gpt_model_cost(L, H, A, V, S, ffn=F, kv_heads=KV, mlp="swiglu", tied=False)
-    assert flags.params == pytest.approx(spec.params, rel=1e-3)
+    assert flags.params == spec.params
     h100 = load_cluster("h100-80gb")
     best = [rank_plans(m, 64, 8, h100)[0] for m in (spec, flags)]
     assert str(best[0].config.plan) == str(best[1].config.plan)
@@ -60,7 +60,7 @@ def test_flags_and_spec_agree_within_5_percent_on_every_plan_at_every_tp_and_pp(
     from tests.bench_scripts import load
     bench = load("planner_flags_vs_spec")
     spec, flags = bench.both_costs(bench.SHAPES[model], layers=4)
-    assert flags.params == pytest.approx(spec.params, rel=2e-3)
+    assert flags.params == spec.params        # no biases in a swiglu layer, RMSNorm weights of h
     ratios = bench.ratios(spec, flags, batch=64, gpus=64, cluster=load_cluster("h100-80gb"))
     assert set(ratios) == {(t, p) for t in (1, 2, 4, 8) for p in (1, 2, 4)}
     worst = {tp_pp: max(abs(r - 1) for r in rs) for tp_pp, rs in ratios.items()}

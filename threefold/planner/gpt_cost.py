@@ -101,8 +101,12 @@ def gpt_model_cost(layers: int, hidden: int, heads: int, vocab: int = 51200, seq
            weight_bytes=B * h * V, matmul=True),
         Op("vocab_parallel_cross_entropy", bytes_split=cross_entropy_bytes(V)),
     )
-    # qkv, dense, fc1 (+gate), fc2 with biases, norms: 12h^2+13h for GPT
+    # qkv, dense, fc1 (+gate), fc2 with biases, norms: 12h^2+13h for GPT; a Llama-like
+    # (swiglu) layer has no biases and two RMSNorm weights of h, and a final norm of h
     layer_params = qkv * h + qkv + h * h + h + up * h + up + f * h + h + 4 * h
+    norms_repl = 6 * h                        # 2 norms (2h each), 2 row-parallel biases
+    if gated:
+        layer_params, norms_repl = qkv * h + h * h + up * h + f * h + 2 * h, 2 * h
     # Korthikanti et al. 2022, sec. 4.1: sbh(10 + 24/t + 5as/(ht)) per layer for GPT; its 24h
     # split part is q (2h), k and v (4 kv_heads*d), the projection's input (2h) and the MLP's
     # GeLU input and output (4f); SwiGLU keeps gate, up and the product (6f)
@@ -122,9 +126,9 @@ def gpt_model_cost(layers: int, hidden: int, heads: int, vocab: int = 51200, seq
              f"decoder(l={layers},h={hidden},a={heads},kv={kv},ffn={f},{mlp},{attention},"
              f"{'tied' if tied else 'untied'},V={vocab},s={seq})",
         layers=layers, seq_len=seq, layer_ops=ops, pre_ops=pre, post_ops=post,
-        layer_params=layer_params, layer_params_repl=6 * h,  # 2 norms (2h each), 2 row-parallel biases
+        layer_params=layer_params, layer_params_repl=norms_repl,
         pre_params=V * h, pre_params_repl=s * h if not gated else 0,   # learned positions (GPT); rotary
-        post_params=0.0 if tied else V * h, tied_embedding=tied,
+        post_params=0.0 if tied else V * h, tied_embedding=tied, post_params_repl=h if gated else 0.0,
         tp_allreduce_bytes=2 * B * h, tp_allreduces_per_layer=2,
         boundary_bytes=B * h,
         **activations,

@@ -164,7 +164,8 @@ def moe_model_cost(layers: int, hidden: int, heads: int, experts: int, top_k: in
     return dataclasses.replace(
         dense, **activations, tp_allreduce_bytes=dense.tp_allreduce_bytes / 2 * (1 + top_k),
         name=f"moe(l={layers},h={h},a={heads},E={experts},k={top_k},f={ffn})", layer_ops=ops,
-        layer_params=dense.layer_params - (h * up + up + f * h + h) + router,
+        # the dense MLP's weights (and GPT's biases: a swiglu layer has none) out, the router in
+        layer_params=dense.layer_params - (h * up + f * h + (0 if mlp == "swiglu" else up + h)) + router,
         layer_params_repl=dense.layer_params_repl + router,
         tp_divides=tuple(sorted({heads, kv_heads or heads, ffn})), moe=moe,
         flops_per_iteration_fn=lambda batch, recompute: dense.flops_per_iteration(batch, recompute)
