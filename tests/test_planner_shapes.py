@@ -73,7 +73,6 @@ def test_flags_and_spec_agree_within_5_percent_on_every_plan_at_every_tp_and_pp(
     assert max(worst.values()) < 0.05, worst
 
 
-@pytest.mark.slow
 def test_flags_and_spec_pick_the_same_best_plan_for_llama3_70b_on_64_h100():
     """Llama-3-70B, batch 512 on 64 H100s: the shape flags and the SPEC path (four traced
     layers of the real width, the per-layer figures applied to all 80) rank the same plan
