@@ -2,7 +2,8 @@
 moe.py) against the SPEC path (spec_cost.py, the traced graph and the compiler's own
 tensor-parallel and fusion passes), on the same Llama-like or Mixtral-like model built on
 the meta device. For every plan the search ranks, the ratio of the two predicted times
-(the model's own sum, before the measured ceiling); printed per (tp, pp).
+(the model's own sum, before the measured ceiling) and of the two predicted memories per
+GPU; printed per (tp, pp).
 
     python bench/planner_flags_vs_spec.py [--model llama7b|llama3-70b|mixtral] [--layers N]
 """
@@ -56,6 +57,20 @@ def both_costs(shape: tuple, layers: int):
     return spec, flags
 
 
+def full_depth(spec, flags, shape: tuple):
+    """(SPEC, flags) ModelCosts at the shape's real layer count: the SPEC's traced per-layer
+    figures for every layer, the flags given that depth."""
+    import dataclasses
+    from threefold.planner.gpt_cost import gpt_model_cost
+    from threefold.planner.moe import moe_model_cost
+    L, h, a, kv, f, V, s, E, k = shape
+    if E:
+        deep = moe_model_cost(L, h, a, E, k, f, V, s, kv_heads=kv, tied=False, mlp="swiglu")
+    else:
+        deep = gpt_model_cost(L, h, a, V, s, ffn=f, kv_heads=kv, mlp="swiglu", tied=False)
+    return dataclasses.replace(spec, layers=L), deep
+
+
 def ratios(spec, flags, batch: int, gpus: int, cluster, ranked_only: bool = False) -> dict:
     """{(tp, pp): [flags / SPEC predicted time of each legal plan]}; `ranked_only`: only the
     plans the search ranks (those that fit in memory by either description)."""
@@ -67,6 +82,17 @@ def ratios(spec, flags, batch: int, gpus: int, cluster, ranked_only: bool = Fals
         if ranked_only and not (a.fits or b.fits):
             continue
         out[(cfg.tp, cfg.pp)].append(b.model_s / a.model_s)
+    return dict(out)
+
+
+def memory_ratios(spec, flags, batch: int, gpus: int, cluster) -> dict:
+    """{(tp, pp): [flags / SPEC predicted memory per GPU (the fullest stage) of each legal plan]}."""
+    from threefold.planner.estimate import estimate
+    from threefold.planner.search import legal_configs
+    out = defaultdict(list)
+    for cfg in legal_configs(spec, batch, gpus, cluster):
+        out[(cfg.tp, cfg.pp)].append(estimate(flags, cfg, cluster).memory_bytes
+                                     / estimate(spec, cfg, cluster).memory_bytes)
     return dict(out)
 
 
@@ -97,6 +123,10 @@ def main(argv=None) -> int:
           f"SPEC {spec.params / 1e9:.3f}B")
     cluster = load_cluster(args.cluster)
     print("\n".join(best_plans(spec, flags, args.batch, args.gpus, cluster)))
+    depth = SHAPES[args.model][0]
+    if depth != args.layers:   # the real depth: the traced per-layer figures, every layer
+        print(f"at the model's {depth} layers:")
+        print("\n".join(best_plans(*full_depth(spec, flags, SHAPES[args.model]), args.batch, args.gpus, cluster)))
     every = ratios(spec, flags, args.batch, args.gpus, cluster)
     ranked = ratios(spec, flags, args.batch, args.gpus, cluster, ranked_only=True)
     print("| tp | pp | plans (ranked) | flags/SPEC min | max | worst | worst ranked |")
@@ -105,6 +135,12 @@ def main(argv=None) -> int:
         rr = ranked.get(key, [])
         print(f"| {key[0]} | {key[1]} | {len(r)} ({len(rr)}) | {min(r):.3f} | {max(r):.3f} | "
               f"{max(abs(x - 1) for x in r):.1%} | {max((abs(x - 1) for x in rr), default=0):.1%} |")
+    memory = memory_ratios(spec, flags, args.batch, args.gpus, cluster)
+    print("\n| tp | pp | plans | memory flags/SPEC min | max |")
+    print("|---|---|---|---|---|")
+    for key, r in sorted(memory.items()):
+        print(f"| {key[0]} | {key[1]} | {len(r)} | {min(r):.3f} | {max(r):.3f} |")
+    print(f"memory: largest difference {max(abs(x - 1) for r in memory.values() for x in r):.1%} over every legal plan")
     worst = max(abs(x - 1) for r in every.values() for x in r)
     worst_ranked = max((abs(x - 1) for r in ranked.values() for x in r), default=0)
     print(f"largest difference: {worst:.1%} over every legal plan, {worst_ranked:.1%} over the ranked ones")

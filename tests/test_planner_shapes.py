@@ -39,7 +39,7 @@ def test_flags_agree_with_the_spec_path_on_the_same_llama_like_model():
               device="meta", attn="sdpa")
     spec = model_cost_from_program(trace(w["model"], w["inputs"], w["target"], w["loss_fn"]), w["inputs"], "llama")
     flags = gpt_model_cost(L, H, A, V, S, ffn=F, kv_heads=KV, mlp="swiglu", tied=False)
-    assert flags.params == pytest.approx(spec.params, rel=1e-3)
+    assert flags.params == spec.params
     h100 = load_cluster("h100-80gb")
     best = [rank_plans(m, 64, 8, h100)[0] for m in (spec, flags)]
     assert str(best[0].config.plan) == str(best[1].config.plan)
@@ -60,11 +60,37 @@ def test_flags_and_spec_agree_within_5_percent_on_every_plan_at_every_tp_and_pp(
     from tests.bench_scripts import load
     bench = load("planner_flags_vs_spec")
     spec, flags = bench.both_costs(bench.SHAPES[model], layers=4)
-    assert flags.params == pytest.approx(spec.params, rel=2e-3)
+    assert flags.params == spec.params        # no biases in a swiglu layer, RMSNorm weights of h
     ratios = bench.ratios(spec, flags, batch=64, gpus=64, cluster=load_cluster("h100-80gb"))
     assert set(ratios) == {(t, p) for t in (1, 2, 4, 8) for p in (1, 2, 4)}
     worst = {tp_pp: max(abs(r - 1) for r in rs) for tp_pp, rs in ratios.items()}
     assert max(worst.values()) < 0.05, worst
+    # memory per GPU too: both count saved activations by planner/saved_bytes.py's rules on a
+    # graph (the flags on the decoder they describe, planner/reference_layer.py)
+    memory = bench.memory_ratios(spec, flags, batch=64, gpus=64, cluster=load_cluster("h100-80gb"))
+    assert set(memory) == set(ratios)
+    worst = {tp_pp: max(abs(r - 1) for r in rs) for tp_pp, rs in memory.items()}
+    assert max(worst.values()) < 0.05, worst
+
+
+def test_flags_and_spec_pick_the_same_best_plan_for_llama3_70b_on_64_h100():
+    """Llama-3-70B, batch 512 on 64 H100s: the shape flags and the SPEC path (four traced
+    layers of the real width, the per-layer figures applied to all 80) rank the same plan
+    first, predict it within 5% and give it the same memory within 5% (before they shared
+    one count of saved activations the flags chose tp=2,pp=1 at 0.69-1.76x the SPEC's
+    memory)."""
+    from tests.bench_scripts import load
+    bench = load("planner_flags_vs_spec")
+    spec, flags = bench.both_costs(bench.SHAPES["llama3-70b"], layers=4)
+    spec, flags = bench.full_depth(spec, flags, bench.SHAPES["llama3-70b"])
+    assert spec.layers == flags.layers == 80
+    assert flags.params == pytest.approx(spec.params, rel=2e-3)
+    h100 = load_cluster("h100-80gb")
+    best = [rank_plans(m, 512, 64, h100)[0] for m in (spec, flags)]
+    assert str(best[0].config.plan) == str(best[1].config.plan)
+    assert best[0].config.microbatch_size == best[1].config.microbatch_size
+    assert best[1].model_s == pytest.approx(best[0].model_s, rel=0.05)
+    assert best[1].memory_bytes == pytest.approx(best[0].memory_bytes, rel=0.05)
 
 
 def test_no_plan_is_predicted_above_the_best_measured_efficiency_and_capped_plans_say_so():
@@ -121,10 +147,12 @@ def test_a_cluster_file_states_its_own_ceiling_with_a_source():
 
 
 def test_plan_cli_on_h100_cites_the_h100_ceiling(capsys):
+    # batch 1024: its best plans are held at the ceiling (at 512 the best fitting plan is
+    # predicted just under it, so no note)
     import json
     from threefold.cli.main import main
     args = ["plan", "--layers", "80", "--hidden", "8192", "--heads", "64", "--kv-heads", "8", "--ffn", "28672",
-            "--mlp", "swiglu", "--no-tied", "--vocab", "128256", "--seq", "4096", "--batch", "512", "--gpus", "64",
+            "--mlp", "swiglu", "--no-tied", "--vocab", "128256", "--seq", "4096", "--batch", "1024", "--gpus", "64",
             "--cluster", "h100-80gb", "--top", "3"]
     assert main(args) == 0
     out = capsys.readouterr().out

@@ -3,7 +3,9 @@
 The op table's GEMM FLOPs sum to exactly the paper's Eq. 3 (Narayanan et al., SC'21), and
 the byte counts are those of Megatron's kernels (fused softmax, bias-GeLU and
 bias-dropout-add; unfused attention dropout), which is what makes small-hidden models
-slower per FLOP. Activations follow Korthikanti et al. 2022, sec. 4.1.
+slower per FLOP. GPT's activations follow Korthikanti et al. 2022, sec. 4.1 (what Megatron's
+layers keep, the paper's measured runs); a Llama-like shape's (--mlp swiglu) are what the
+traced graph of that decoder keeps (planner/reference_layer.py), the SPEC path's count.
 """
 from __future__ import annotations
 
@@ -99,25 +101,37 @@ def gpt_model_cost(layers: int, hidden: int, heads: int, vocab: int = 51200, seq
            weight_bytes=B * h * V, matmul=True),
         Op("vocab_parallel_cross_entropy", bytes_split=cross_entropy_bytes(V)),
     )
-    # qkv, dense, fc1 (+gate), fc2 with biases, norms: 12h^2+13h for GPT
+    # qkv, dense, fc1 (+gate), fc2 with biases, norms: 12h^2+13h for GPT; a Llama-like
+    # (swiglu) layer has no biases and two RMSNorm weights of h, and a final norm of h
     layer_params = qkv * h + qkv + h * h + h + up * h + up + f * h + h + 4 * h
+    norms_repl = 6 * h                        # 2 norms (2h each), 2 row-parallel biases
+    if gated:
+        layer_params, norms_repl = qkv * h + h * h + up * h + f * h + 2 * h, 2 * h
     # Korthikanti et al. 2022, sec. 4.1: sbh(10 + 24/t + 5as/(ht)) per layer for GPT; its 24h
     # split part is q (2h), k and v (4 kv_heads*d), the projection's input (2h) and the MLP's
     # GeLU input and output (4f); SwiGLU keeps gate, up and the product (6f)
     act_split = 4 * h + 4 * kvh + (6 if gated else 4) * f
+    activations = dict(act_split=act_split + (0 if flash else 5 * A), act_repl=10 * h, act_input=B * h,
+                       act_selective_split=act_split, act_selective_repl=10 * h,   # no 5as/(ht)
+                       post_act=(B + 4) * V, post_act_split=True)                  # fp16 logits + fp32 softmax
+    if gated and flash:
+        # A Llama-like model is one threefold compiles from its PyTorch code, not Megatron's
+        # hand-written layers: what it keeps for backward is counted as for a SPEC, by
+        # planner/saved_bytes.py on the graph of the decoder these flags describe
+        # (planner/reference_layer.py), so both descriptions share one count.
+        from threefold.planner.reference_layer import flags_activations
+        activations = flags_activations(h, a, kv, f, V, s, tied)
     return ModelCost(
         name=f"gpt(l={layers},h={hidden},a={heads},V={vocab},s={seq})" if gpt else
              f"decoder(l={layers},h={hidden},a={heads},kv={kv},ffn={f},{mlp},{attention},"
              f"{'tied' if tied else 'untied'},V={vocab},s={seq})",
         layers=layers, seq_len=seq, layer_ops=ops, pre_ops=pre, post_ops=post,
-        layer_params=layer_params, layer_params_repl=6 * h,  # 2 norms (2h each), 2 row-parallel biases
+        layer_params=layer_params, layer_params_repl=norms_repl,
         pre_params=V * h, pre_params_repl=s * h if not gated else 0,   # learned positions (GPT); rotary
-        post_params=0.0 if tied else V * h, tied_embedding=tied,
+        post_params=0.0 if tied else V * h, tied_embedding=tied, post_params_repl=h if gated else 0.0,
         tp_allreduce_bytes=2 * B * h, tp_allreduces_per_layer=2,
         boundary_bytes=B * h,
-        act_split=act_split + (0 if flash else 5 * A), act_repl=10 * h, act_input=B * h,
-        act_selective_split=act_split, act_selective_repl=10 * h,          # no 5as/(ht)
-        post_act=(B + 4) * V, post_act_split=True,                          # fp16 logits + fp32 softmax
+        **activations,
         tp_divides=tuple(sorted({heads, kv, f})),                           # vocab is padded
         # GPT: the paper's Eq. 3 exactly; otherwise the GEMM FLOPs of the op table
         flops_per_iteration_fn=(lambda batch, recompute: eq3_flops(batch, s, layers, h, V, recompute)) if gpt else None,

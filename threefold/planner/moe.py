@@ -152,10 +152,20 @@ def moe_model_cost(layers: int, hidden: int, heads: int, experts: int, top_k: in
                weight_bytes_repl=2 * router, matmul=True),) + routing_ops(h, experts, top_k)
     flops = 2 * 3 * h * ffn * top_k                            # expert GEMM FLOPs per token, forward
     mlp_flops = sum(op.flops for op in dense.layer_ops if op.name in dense_mlp and op.matmul)
+    activations = {}
+    if mlp == "swiglu" and (attention or "flash") == "flash":
+        # what the layer keeps for backward (router, the k rows of each token through their
+        # expert, ...): counted on the traced graph of this MoE decoder by the SPEC path's
+        # rules (planner/reference_layer.py), as for the dense Llama-like shape
+        from threefold.planner.reference_layer import ACTIVATION_FIELDS, flags_activations
+        kv = kv_heads or heads
+        found = flags_activations(hidden, heads, kv, ffn, vocab, seq, tied, experts, top_k)
+        activations = {k: found[k] for k in ACTIVATION_FIELDS}
     return dataclasses.replace(
-        dense, tp_allreduce_bytes=dense.tp_allreduce_bytes / 2 * (1 + top_k),
+        dense, **activations, tp_allreduce_bytes=dense.tp_allreduce_bytes / 2 * (1 + top_k),
         name=f"moe(l={layers},h={h},a={heads},E={experts},k={top_k},f={ffn})", layer_ops=ops,
-        layer_params=dense.layer_params - (h * up + up + f * h + h) + router,
+        # the dense MLP's weights (and GPT's biases: a swiglu layer has none) out, the router in
+        layer_params=dense.layer_params - (h * up + f * h + (0 if mlp == "swiglu" else up + h)) + router,
         layer_params_repl=dense.layer_params_repl + router,
         tp_divides=tuple(sorted({heads, kv_heads or heads, ffn})), moe=moe,
         flops_per_iteration_fn=lambda batch, recompute: dense.flops_per_iteration(batch, recompute)

@@ -270,17 +270,43 @@ class _Costing:
         return split * self.scale / self.tokens, repl * self.scale / self.tokens
 
 
+# The attention kernels a GPU runs (flash / memory-efficient): backward keeps the inputs q, k,
+# v (and a mask), the output and one fp32 logsumexp per query row; nothing else of their own.
+ATTENTION_OPS = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention"}
+
+
 class _GraphSaved:
-    """Per-token (split, replicated) bytes a part of the sharded graph keeps for backward."""
+    """Per-token (split, replicated) bytes a part of the sharded graph keeps for backward.
+
+    The rules are planner/saved_bytes.py's (exact for autograd on this machine), with one
+    change for the GPU cluster the planner prices: an attention op keeps what the GPU's fused
+    kernel keeps (ATTENTION_OPS), not the CPU kernel's own extra tensors (given a mask, torch's
+    CPU path keeps 2h elements per token of its own: a CPU-only workspace)."""
 
     def __init__(self, gm: fx.GraphModule, t: int, scale: float, tokens: int):
         self.gm, self.t, self.scale, self.tokens = gm, t, scale, tokens
         self.by_name = {n.name: n for n in gm.graph.nodes}
 
+    def _gpu_kept(self, kept: dict) -> dict:
+        """`kept` ({value: (bytes, owner)}) with each attention op's own tensors replaced by
+        its logsumexp: fp32, one per (batch, head, query)."""
+        out = {}
+        for value, (nbytes, owner) in kept.items():
+            node = self.by_name.get(owner)
+            if "#" in value and node is not None and cost_mod.op_name(node) in ATTENTION_OPS:
+                meta = meta_of(node)
+                if meta is not None and meta.shape:
+                    lse = meta.numel // int(meta.shape[-1]) * 4 / self.scale   # stays fp32 in 16-bit runs
+                    out[f"{owner}#logsumexp"] = (lse, owner)
+                continue
+            out[value] = (nbytes, owner)
+        return out
+
     def per_token(self, names, segments=()) -> tuple[float, float]:
         from threefold.planner.saved_bytes import nodes_saved
         split = repl = 0
-        for nbytes, owner in nodes_saved(self.gm, names, segments).values():
+        for nbytes, owner in self._gpu_kept(nodes_saved(self.gm, names, segments)).values():
             node = self.by_name.get(owner)
             if node is not None and tpd.is_split(node):
                 split += nbytes
