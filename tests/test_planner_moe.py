@@ -70,3 +70,24 @@ def test_a_traced_moe_spec_is_priced_as_moe_and_the_search_includes_ep_with_zero
     best = next(e for e in plans if e.config.plan.ep == 2 and e.config.plan.zero == 0)
     same = next(e for e in plans if e.config.plan == best.config.plan.replace(ep=1))
     assert best.memory_bytes < same.memory_bytes
+
+
+def test_ffn_with_experts_is_the_experts_width_and_a_second_different_width_is_refused():
+    """`--ffn` with `--experts` was silently ignored (each expert priced at 4h/k): with experts
+    every MLP is an expert, so `--ffn` is its width; `--ffn` and `--expert-ffn` that disagree
+    are one PlanError."""
+    import argparse
+    import pytest
+    from threefold.cli.plan_cmd import model_from_args, register
+    from threefold.errors import PlanError
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    flags = ["plan", "--batch", "8", "--gpus", "8", "--layers", "2", "--hidden", "256", "--heads", "4",
+             "--experts", "8", "--top-k", "2"]
+    by_ffn = model_from_args(parser.parse_args(flags + ["--ffn", "96"]))
+    by_expert_ffn = model_from_args(parser.parse_args(flags + ["--expert-ffn", "96"]))
+    default = model_from_args(parser.parse_args(flags))
+    assert by_ffn.moe.ffn == by_expert_ffn.moe.ffn == 96 and default.moe.ffn == 4 * 256 // 2
+    assert by_ffn.params == by_expert_ffn.params != default.params
+    with pytest.raises(PlanError, match="--ffn 96 and --expert-ffn 64 disagree"):
+        model_from_args(parser.parse_args(flags + ["--ffn", "96", "--expert-ffn", "64"]))

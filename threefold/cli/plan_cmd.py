@@ -63,7 +63,7 @@ def register(subparsers) -> None:
     shape.add_argument("--experts", type=int, help="MoE: experts E per layer (each MLP becomes a top-k "
                        "mixture of SwiGLU experts; the search then includes ep)")
     shape.add_argument("--top-k", type=int, default=2, help="MoE: experts per token k (default 2)")
-    shape.add_argument("--expert-ffn", type=int, help="MoE: one expert's intermediate size (default 4h/k)")
+    shape.add_argument("--expert-ffn", type=int, help="MoE: one expert's intermediate size (default --ffn, else 4h/k)")
     p.add_argument("--batch", type=int, required=True, help="global batch size in sequences B")
     p.add_argument("--gpus", type=int, required=True, help="GPUs to use (tp*cp*pp*dp)")
     p.add_argument("--cluster", default="a100-80gb",
@@ -98,7 +98,11 @@ def model_from_args(args):
         raise PlanError(f"plan needs a model: give a SPEC, or {', '.join(missing)} for a GPT shape")
     if args.experts is not None:
         from threefold.planner.moe import moe_model_cost
-        ffn = args.expert_ffn or 4 * args.hidden // max(1, args.top_k)
+        if args.ffn is not None and args.expert_ffn is not None and args.ffn != args.expert_ffn:
+            raise PlanError(f"--ffn {args.ffn} and --expert-ffn {args.expert_ffn} disagree: with --experts "
+                            "every MLP is an expert, so give its width once (--expert-ffn)")
+        # with --experts every MLP is an expert: --ffn is its width (Mixtral's intermediate_size)
+        ffn = args.expert_ffn or args.ffn or 4 * args.hidden // max(1, args.top_k)
         return moe_model_cost(args.layers, args.hidden, args.heads, args.experts, args.top_k, ffn,
                               args.vocab, args.seq, kv_heads=args.kv_heads, tied=args.tied, mlp=args.mlp,
                               attention=args.attention or ("flash" if args.kv_heads or not args.tied else None))
