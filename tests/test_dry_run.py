@@ -123,8 +123,8 @@ def test_memory_categories_equal_the_memory_model(job8, full8):
     model = {m.rank: m for m in program_memory(compile_workload(load_spec(GPT), "tp=2,pp=2,dp=2,m=4"))}
     for r, run in full8.runs.items():
         mem, m = run.memory, model[r]
-        assert mem["params"] + mem["buffers"] == m.params
-        assert mem["grads"] == m.grads and mem["optimizer"] == m.optimizer
+        assert mem["params"] == m.params and mem["optimizer"] == m.optimizer   # AdamW's state in place
+        assert mem["grads"] in (0, m.grads)   # the peak is before the first backward or after it
         # the model adds each component's own peak; the step's peak is never above it
         assert 0.85 * m.total <= mem["total"] <= m.total
 
@@ -172,7 +172,7 @@ def test_the_dry_run_issues_what_a_real_gloo_run_issues(spec, plan, monkeypatch)
     # the CPU-only shared-memory transports off: what remains is what a GPU job's ranks issue
     monkeypatch.setenv("THREEFOLD_LOCAL_P2P", "0")
     monkeypatch.setenv("THREEFOLD_LOCAL_REDUCE", "0")
-    real = launch(real_rank, 4, spec, plan, timeout=600)
+    real = launch(real_rank, 4, spec, plan, None, -1, None, True, timeout=600)   # the second step measured
     dry = _job(compile_for_dry_run(spec, plan), all_ranks=True)
     assert dry.ok
     for r in range(4):

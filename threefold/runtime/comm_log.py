@@ -52,6 +52,7 @@ class CommLog:
         self.ops: list[CommOp] = []
         self.groups_built = 0          # dist.new_group calls (each rank builds every group)
         self.groups_joined = 0         # of those, the ones this rank is a member of
+        self.joined: list[tuple] = []  # their ranks, in build order
         self._ranks: dict[int, tuple] = {}     # id(group) -> (ranks, occurrence)
         self._seen: dict[tuple, int] = {}      # ranks -> groups built over them so far
 
@@ -71,6 +72,7 @@ class CommLog:
         self.groups_built += 1
         if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
             self.groups_joined += 1
+            self.joined.append(ranks)
             self._ranks[id(group)] = (ranks, k)
 
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from threefold.runtime.comm_log import CommLog, CommOp, record_comm
+from threefold.runtime.meta_attention import SDPA_FUNCS, sdpa_on_meta
 
 # Timing in a dry run means nothing; THREEFOLD_* knobs that open shared memory are off.
 _ENV = {"THREEFOLD_LOCAL_P2P": "0", "THREEFOLD_LOCAL_REDUCE": "0"}
@@ -40,7 +41,7 @@ class RankRun:
     ops: list[CommOp]
     groups_built: int            # dist.new_group calls on this rank
     groups_joined: int           # groups this rank is a member of
-    store_ops: dict[str, int]    # store calls by kind during init + assembly + step
+    store_ops: dict[str, int]    # store calls by kind during init + assembly + step (runtime/store_rounds.py)
     memory: dict[str, int] = field(default_factory=dict)   # category -> bytes at the peak
     error: str | None = None     # the rank failed to assemble or step (one line)
 
@@ -50,12 +51,14 @@ class RankRun:
 
 
 class CountingStore(dist.Store):
-    """A store that counts the calls made on it (store round trips of a real job), over an
-    in-memory HashStore (a fake world has no peers to wait for)."""
+    """A store that counts the calls made on it (a job's store round trips) by kind, over
+    `inner`; without one (a dry run: a fake world has no peers to wait for), over an
+    in-memory HashStore whose waits return at once."""
 
-    def __init__(self):
+    def __init__(self, inner=None):
         super().__init__()
-        self.inner = dist.HashStore()
+        self.fake = inner is None
+        self.inner = dist.HashStore() if inner is None else inner
         self.calls: dict[str, int] = {}
 
     def _n(self, kind: str) -> None:
@@ -83,17 +86,18 @@ class CountingStore(dist.Store):
 
     def wait(self, keys, *args):
         self._n("wait")
-        return True
+        return True if self.fake else self.inner.wait(keys, *args)
 
     def delete_key(self, key):
         self._n("delete_key")
         return self.inner.delete_key(key)
 
     def num_keys(self):
+        self._n("num_keys")
         return self.inner.num_keys()
 
     def set_timeout(self, timeout):
-        return None
+        return None if self.fake else self.inner.set_timeout(timeout)
 
 
 _SCALAR_READS = {torch.Tensor.item: 1, torch.Tensor.__float__: 1.0, torch.Tensor.__int__: 1,
@@ -102,7 +106,8 @@ _SCALAR_READS = {torch.Tensor.item: 1, torch.Tensor.__float__: 1.0, torch.Tensor
 
 class _MetaScalars(TorchFunctionMode):
     """Scalars read from meta tensors: 1 (a loss, a count, a flag) and lists of ones, so a
-    step on meta tensors runs its data-independent path. Real tensors are untouched."""
+    step on meta tensors runs its data-independent path; attention on meta takes the kernel a
+    real device takes (runtime/meta_attention.py). Real tensors are untouched."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -111,6 +116,8 @@ class _MetaScalars(TorchFunctionMode):
                 return _SCALAR_READS[func]
             if func is torch.Tensor.tolist:
                 return torch.ones(args[0].shape, dtype=torch.int64).tolist()
+            if func in SDPA_FUNCS:
+                return sdpa_on_meta(func, *args, **kwargs)
         return func(*args, **kwargs)
 
 
@@ -159,9 +166,10 @@ def meta_batch(batch: tuple) -> tuple:
 
 
 def dry_run_rank(manifest, source, rank: int, batch: tuple, optimizer_cls=torch.optim.Adam,
-                 memory: bool = True, swap_at: int | None = None) -> RankRun:
+                 memory: bool = True, swap_at: int | None = None, backend: str = "gloo") -> RankRun:
     """One training step of `rank` in a fake world of the plan's size (see the module doc).
-    `swap_at` (fault injection, tests): runtime/comm_log.record_comm's."""
+    `swap_at` (fault injection, tests): runtime/comm_log.record_comm's. `backend`: whose
+    rendezvous the store counts include (gloo or nccl)."""
     from threefold.runtime.assemble import assemble_rank
     from threefold.runtime.optimizers import make_optimizer
     world = manifest.mesh.world_size
@@ -186,7 +194,7 @@ def dry_run_rank(manifest, source, rank: int, batch: tuple, optimizer_cls=torch.
                 run.error = f"{type(exc).__name__}: {text[:300]}"
             finally:
                 dist.destroy_process_group()
-        _fill(run, log, store)
+        _fill(run, log, store, backend)
     finally:
         for k, v in saved_env.items():
             if v is None:
@@ -196,10 +204,15 @@ def dry_run_rank(manifest, source, rank: int, batch: tuple, optimizer_cls=torch.
     return run
 
 
-def _fill(run: RankRun, log: CommLog, store: CountingStore) -> None:
+def _fill(run: RankRun, log: CommLog, store: CountingStore, backend: str) -> None:
+    """What the rank issued, and its store calls: those made through the store (threefold's
+    own, c10d's) plus the real backend's rendezvous of every group it joined, the default
+    group first (the fake backend makes none: runtime/store_rounds.py)."""
+    from threefold.runtime.store_rounds import add_ops, backend_store_ops
     run.ops = log.ops
     run.groups_built, run.groups_joined = log.groups_built, log.groups_joined
-    run.store_ops = dict(store.calls)
+    joined = [tuple(range(log.world))] + log.joined
+    run.store_ops = add_ops(store.calls, backend_store_ops(joined, run.rank, backend))
 
 
 def _step(engine, opt, batch: tuple) -> None:
@@ -208,24 +221,50 @@ def _step(engine, opt, batch: tuple) -> None:
     opt.step()
 
 
+def warm_optimizer_state(opt) -> None:
+    """Give the optimizer the state it holds from its second step on (AdamW's moments): one
+    update of the torch optimizer inside the wrappers with zero gradients, on the tensors it
+    updates and nothing else (no collective). A step's peak is measured with it in place,
+    as every step but the first runs (the first allocates it after backward, when the
+    activations are gone, so measuring the first step alone misses it)."""
+    from threefold.runtime.memory_meter import torch_optimizer
+    inner = torch_optimizer(opt)
+    if inner is None:
+        return
+    cold = [p for g in inner.param_groups for p in g["params"] if p not in inner.state and p.grad is None]
+    if not cold:
+        return
+    for p in cold:
+        p.grad = torch.zeros_like(p)
+    try:
+        with torch.no_grad():
+            inner.step()
+    finally:
+        for p in cold:
+            p.grad = None
+
+
 def _step_memory(engine, opt, batch: tuple) -> dict[str, int]:
-    """One step with every tensor it allocates counted (meta tensors count their full
-    size): bytes by category at the step's peak. Parameters and buffers exist before the
-    step; of what the step allocates, gradients and optimizer state are read off the
-    parameters and the optimizer when the peak is reached, the rest is activations and
-    temporaries."""
-    from threefold.runtime.memory_meter import StepMeter
+    """One steady-state step (the optimizer's state in place: `warm_optimizer_state`) with
+    every tensor it allocates counted (meta tensors count their full size): bytes at the
+    step's peak in the memory model's categories (planner/memory.py): params (parameters
+    and module buffers), grads, optimizer, activations (autograd's saved values and the
+    step's temporaries) and buffers (communication; runtime/memory_meter.py says which)."""
+    from threefold.runtime.memory_meter import StepMeter, state_bytes
+    warm_optimizer_state(opt)
     params = {id(p): p for m in engine.modules.values() for p in m.parameters()}
     buffers = {id(b): b for m in engine.modules.values() for b in m.buffers()}
+    held_state = state_bytes(opt)
     meter = StepMeter(list(params.values()), opt)
     with meter:
         _step(engine, opt, batch)
-    static = {"params": sum(p.numel() * p.element_size() for p in params.values()),
-              "buffers": sum(b.numel() * b.element_size() for b in buffers.values())}
+    static = (sum(p.numel() * p.element_size() for p in params.values())
+              + sum(b.numel() * b.element_size() for b in buffers.values()))
     at_peak = meter.at_peak
-    out = {**static, "grads": at_peak["grads"], "optimizer": at_peak["optimizer"],
-           "activations": max(0, meter.peak - at_peak["grads"] - at_peak["optimizer"])}
-    out["total"] = static["params"] + static["buffers"] + meter.peak
+    out = {"params": static, "grads": at_peak["grads"], "optimizer": held_state + at_peak["optimizer"],
+           "activations": max(0, meter.peak - at_peak["grads"] - at_peak["optimizer"] - at_peak["buffers"]),
+           "buffers": at_peak["buffers"]}
+    out["total"] = static + held_state + meter.peak
     return out
 
 
