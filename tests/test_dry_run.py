@@ -109,6 +109,32 @@ def test_a_swapped_pair_of_collectives_is_named(job8, full8):
     assert m.index == sum(op.group == ops[k].group for op in ops[:k])
 
 
+def reversed_groups_index(ops) -> int:
+    """The first k where blocking collectives k and k+1 are on two different groups that
+    share this rank and another: swapped on one rank, each group's list still agrees, but
+    the rank enters the two groups in the opposite order of its peer."""
+    ops = [op for op in ops if op.op not in P2P]
+    return next(i for i in range(len(ops) - 1) if ops[i].blocking and ops[i + 1].blocking
+                and ops[i].group != ops[i + 1].group and len(set(ops[i].group[0]) & set(ops[i + 1].group[0])) >= 2)
+
+
+def test_groups_entered_in_opposite_orders_are_a_named_deadlock(full8):
+    assert full8.check.deadlock is None
+    job = compile_for_dry_run(GPT, "tp=2,dp=2")   # rank 1: the world's broadcast, then its tp pair's all-reduce
+    clean = _job(job, all_ranks=True)
+    assert clean.ok and clean.check.deadlock is None
+    ops = [op for op in clean.runs[1].ops if op.op not in P2P]
+    k = reversed_groups_index(ops)
+    bad = _job(job, all_ranks=True, swaps={1: k})
+    # every group's own list still agrees: only the order across groups is wrong
+    assert not bad.check.mismatches and not bad.ok
+    d = bad.check.deadlock
+    assert 1 in d.ranks and d.ranks[0] != d.ranks[1]
+    assert d.calls[d.ranks.index(1)] == ops[k + 1].describe()
+    assert ops[k].describe() in d.calls
+    assert "opposite orders" in str(d) and f"rank {d.ranks[0]}" in str(d)
+
+
 def test_a_rank_that_does_not_fit_is_named_with_its_categories(job8):
     rep = _job(job8, all_ranks=False, capacity_bytes=2 ** 20)
     assert not rep.ok and len(rep.too_big) == 4

@@ -92,7 +92,7 @@ def summarize(report, prog, plan, compiled_s: float, capacity) -> dict:
             "ranks_run": len(report.runs), "compile_s": compiled_s, "dry_run_s": report.seconds,
             "groups_covered": check.groups, "group_comparisons": check.group_checks,
             "collective_calls": check.collectives, "p2p_pairs": check.pairs, "messages": check.messages,
-            "mismatches": [str(m) for m in check.mismatches],
+            "mismatches": [str(m) for m in check.mismatches] + ([str(check.deadlock)] if check.deadlock else []),
             "class_mismatches": [str(m) for m in report.class_mismatches],
             "errors": {str(r): e for r, e in report.errors.items()},
             "capacity_bytes": capacity, "over_capacity": report.too_big, "ranks": ranks}

@@ -327,11 +327,28 @@ def dry_run_job(manifest, source, batch: tuple, all_ranks: bool | None = None, o
         check = CheckResult()
     else:
         check = check_job(rel, class_of, digits)
+        if check.ok:
+            check.deadlock = order_check(rel, class_of, digits)
     report = JobReport(digits.world, runs, not all_ranks, check, class_mismatches)
     if capacity_bytes is not None:
         report.too_big = over_capacity(runs, capacity_bytes)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def order_check(rel: dict[int, list], class_of, digits):
+    """The collectives of every rank run in their issue orders (runtime/dry_order.py): a
+    Deadlock naming two ranks, or None."""
+    from threefold.runtime.dry_check import P2P, _describe_rel
+    from threefold.runtime.dry_order import find_deadlock, job_groups
+    colls: dict[int, list] = {}
+
+    def describe(rank: int, i: int) -> str:
+        q = class_of(rank)
+        if q not in colls:
+            colls[q] = [op for op in rel[q] if op[0] not in P2P and op[6]]
+        return _describe_rel(colls[q][i], rank, digits) if i < len(colls[q]) else "nothing"
+    return find_deadlock(job_groups(rel, class_of, digits), describe)
 
 
 def over_capacity(runs: dict[int, RankRun], capacity_bytes: int) -> list[str]:
