@@ -231,3 +231,27 @@ def test_the_fault_the_dry_run_names_fails_a_real_run(fault, monkeypatch):
     except LaunchError:
         return
     assert [b[2] for b in bad] != [c[2] for c in clean]
+
+
+def test_parallelize_dry_run_returns_the_report_without_starting_ranks():
+    import torch.distributed as dist
+
+    import threefold
+    from threefold.workload import load_spec
+    w = load_spec(GPT)
+    report = threefold.parallelize(w.model, "tp=2,pp=2,m=2", w.inputs, w.loss_fn, target=w.target,
+                                   dry_run=True, world=8)
+    assert not dist.is_initialized()        # nothing joined, nothing left behind
+    assert report.ok and report.world == 8 and report.mismatches == []
+    assert report.summary["plan"].startswith("tp=2,pp=2,dp=2") and len(report.summary["ranks"]) == 8
+    mem = report.memory(0)
+    assert {"params", "grads", "optimizer", "activations", "buffers", "total"} <= set(mem)
+    assert mem["total"] >= mem["params"] + mem["optimizer"] > 0
+    ops = report.collectives(4)
+    assert ops and any("recv" in op for op in ops) and any("all_reduce" in op for op in ops)
+    assert report.summary["ranks"][0]["store_ops"]["set"] >= 1 + report.summary["ranks"][0]["groups_joined"]
+    assert "OK: every group agrees" in str(report)
+    with pytest.raises(threefold.PlanError, match="world"):
+        threefold.parallelize(w.model, "tp=2,pp=2,m=2", w.inputs, w.loss_fn, target=w.target, dry_run=True, world=6)
+    with pytest.raises(threefold.PlanError, match="dry_run=True"):
+        threefold.parallelize(w.model, "tp=2", w.inputs, w.loss_fn, target=w.target, world=2)
