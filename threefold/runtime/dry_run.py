@@ -104,6 +104,9 @@ _SCALAR_READS = {torch.Tensor.item: 1, torch.Tensor.__float__: 1.0, torch.Tensor
                  torch.Tensor.__index__: 1, torch.Tensor.__bool__: True}
 
 
+_ON_META = frozenset(_SCALAR_READS) | {torch.Tensor.tolist} | frozenset(SDPA_FUNCS)   # what _MetaScalars changes
+
+
 class _MetaScalars(TorchFunctionMode):
     """Scalars read from meta tensors: 1 (a loss, a count, a flag) and lists of ones, so a
     step on meta tensors runs its data-independent path; attention on meta takes the kernel a
@@ -111,13 +114,12 @@ class _MetaScalars(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+        if func in _ON_META and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
             if func in _SCALAR_READS:
                 return _SCALAR_READS[func]
             if func is torch.Tensor.tolist:
                 return torch.ones(args[0].shape, dtype=torch.int64).tolist()
-            if func in SDPA_FUNCS:
-                return sdpa_on_meta(func, *args, **kwargs)
+            return sdpa_on_meta(func, *args, **kwargs)
         return func(*args, **kwargs)
 
 
@@ -313,8 +315,15 @@ def dry_run_job(manifest, source, batch: tuple, all_ranks: bool | None = None, o
         ranks = sorted(set(reps) | {w for ws in witnesses.values() for w in ws})
     runs: dict[int, RankRun] = {}
     rel: dict[int, list] = {}
+    # memory is measured on each class's first witness; its other witness runs the same
+    # program (same chunk modules, shapes and schedule: check_classes proves the same list)
+    # and reports the first's figures
+    unmetered = {w: q for q, ws in witnesses.items() for w in ws}
     for i, r in enumerate(ranks):
-        run = dry_run_rank(manifest, source, r, batch, optimizer_cls, swap_at=(swaps or {}).get(r))
+        run = dry_run_rank(manifest, source, r, batch, optimizer_cls, swap_at=(swaps or {}).get(r),
+                           memory=r not in unmetered)
+        if r in unmetered and unmetered[r] in runs:
+            run.memory = dict(runs[unmetered[r]].memory)
         rel[r] = relative_ops(run.ops, r, digits)
         runs[r] = run
         if progress is not None:

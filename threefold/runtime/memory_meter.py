@@ -23,7 +23,6 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 _COMM_NAMESPACES = ("c10d", "_c10d_functional")
 
@@ -61,13 +60,14 @@ class StepMeter(TorchDispatchMode):
         return t.detach()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        inputs = {_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {_key(t) for t in _tensors(args)}
+        if kwargs:
+            inputs.update(_key(t) for t in _tensors(kwargs.values()))
         if func.namespace in _COMM_NAMESPACES:
             self._comm.update(k for k in inputs if k is not None)
         out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._count(t, inputs)
+        for t in _tensors((out,)):
+            self._count(t, inputs)
         return out
 
     def _count(self, t: torch.Tensor, inputs: set) -> None:
@@ -117,6 +117,18 @@ class StepMeter(TorchDispatchMode):
 
 def _unpack(t):
     return t
+
+
+def _tensors(items):
+    """The tensors in `items` and in the lists, tuples and dicts inside it (what an op's
+    arguments and outputs hold; a plain walk: this runs for every op of a dry run)."""
+    for x in items:
+        if isinstance(x, torch.Tensor):
+            yield x
+        elif isinstance(x, (list, tuple)):
+            yield from _tensors(x)
+        elif isinstance(x, dict):
+            yield from _tensors(x.values())
 
 
 def _key(t: torch.Tensor) -> int | None:
