@@ -142,6 +142,24 @@ def test_a_rank_that_does_not_fit_is_named_with_its_categories(job8):
     assert _job(job8, all_ranks=False, capacity_bytes=2 ** 30).too_big == []
 
 
+@pytest.mark.parametrize("shape", ["long_sequence_gqa", "moe"])
+def test_memory_at_long_sequences_agrees_with_the_model(shape):
+    """Scaled-down Llama-405B- and DeepSeek-V3-shaped jobs (bench/dry_run_scale.py's models)
+    where attention's s x s scores, if a dry run materialised them on meta, would double the
+    activations (+36..+57% here before the fix): each stage's peak within 5% of the model's."""
+    from threefold.compiler.api import compile_workload
+    from threefold.planner.memory import program_memory
+    from threefold.workload import load_spec
+    spec, plan = {"long_sequence_gqa": ("tests/dry_shapes.py:llama", "tp=2,pp=2,dp=2,m=4"),
+                  "moe": ("tests/dry_shapes.py:moe", "pp=2,dp=2,ep=2,m=2")}[shape]
+    job = compile_for_dry_run(spec, plan)
+    rep = _job(job, all_ranks=False)
+    assert rep.ok, (rep.errors, rep.check.mismatches)
+    model = {m.rank: m for m in program_memory(compile_workload(load_spec(spec), plan))}
+    for r, run in rep.runs.items():
+        assert abs(run.memory["total"] / model[r].peak - 1) < 0.05, (r, run.memory, model[r])
+
+
 def test_memory_categories_equal_the_memory_model(job8, full8):
     from threefold.compiler.api import compile_workload
     from threefold.planner.memory import program_memory
@@ -151,8 +169,10 @@ def test_memory_categories_equal_the_memory_model(job8, full8):
         mem, m = run.memory, model[r]
         assert mem["params"] == m.params and mem["optimizer"] == m.optimizer   # AdamW's state in place
         assert mem["grads"] in (0, m.grads)   # the peak is before the first backward or after it
-        # the model adds each component's own peak; the step's peak is never above it
-        assert 0.85 * m.total <= mem["total"] <= m.total
+        # the model's step peak (components that coexist, walked over the schedule) within 5%;
+        # its sum of each component's own peak is never below the measured peak
+        assert abs(mem["total"] / m.peak - 1) < 0.05, (r, mem, m)
+        assert mem["total"] <= m.total
 
 
 def test_cli_dry_run_json_and_bad_world(tmp_path):

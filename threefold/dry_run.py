@@ -94,8 +94,8 @@ def summarize(report, prog, plan, compiled_s: float, capacity) -> dict:
         m = model.get(r)
         if m is not None:
             entry["memory_model"] = m.to_json()
-            if run.peak_bytes:
-                entry["memory_vs_model"] = run.peak_bytes / m.total - 1 if m.total else None
+            if run.peak_bytes:   # against the model's step peak (planner/memory.py: `peak`)
+                entry["memory_vs_model"] = run.peak_bytes / m.peak - 1 if m.peak else None
         ranks[r] = entry
     check = report.check
     return {"plan": str(plan), "world": report.world, "ok": report.ok, "rank_classes": report.classes,
@@ -138,7 +138,7 @@ def report_text(out: dict) -> str:
               f"{sum(e['store_ops'].values()):>5}  "
               + "  ".join(f"{mem.get(k, 0) / scale:6.2f}" for k in ("params", "grads", "optimizer", "activations",
                                                                     "buffers"))
-              + f"  {mem.get('total', 0) / scale:8.2f}  {model.get('total', 0) / scale:9.2f}"
+              + f"  {mem.get('total', 0) / scale:8.2f}  {model.get('peak', 0) / scale:9.2f}"
               + (f"  {diff:+.1%}" if diff is not None else ""))
     for t in out["over_capacity"]:
         add(f"  DOES NOT FIT: {t}")
