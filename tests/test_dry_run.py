@@ -142,7 +142,7 @@ def test_a_rank_that_does_not_fit_is_named_with_its_categories(job8):
     assert _job(job8, all_ranks=False, capacity_bytes=2 ** 30).too_big == []
 
 
-@pytest.mark.parametrize("shape", ["long_sequence_gqa", "moe"])
+@pytest.mark.parametrize("shape", ["long_sequence_gqa", pytest.param("moe", marks=pytest.mark.slow)])
 def test_memory_at_long_sequences_agrees_with_the_model(shape):
     """Scaled-down Llama-405B- and DeepSeek-V3-shaped jobs (bench/dry_run_scale.py's models)
     where attention's s x s scores, if a dry run materialised them on meta, would double the
