@@ -229,6 +229,23 @@ def test_the_dry_run_issues_what_a_real_gloo_run_issues(spec, plan, monkeypatch)
 
 
 @pytest.mark.slow
+def test_groups_entered_in_opposite_orders_hang_a_real_run(monkeypatch):
+    """The deadlock class the dry run names (test above), on 4 real gloo ranks: rank 1
+    enters the world's group and its tp pair's in the opposite order of rank 0 (both
+    all-reduces), and the job fails at the collective timeout instead of finishing."""
+    from threefold.runtime.comm_log import CommOp
+    from threefold.runtime.launch import LaunchError, launch
+    monkeypatch.setenv("THREEFOLD_TIMEOUT", "15")
+    monkeypatch.setenv("THREEFOLD_LOCAL_P2P", "0")
+    monkeypatch.setenv("THREEFOLD_LOCAL_REDUCE", "0")
+    clean = launch(real_rank, 4, GPT, "tp=2,dp=2", timeout=300)
+    k = reversed_groups_index([CommOp(*op) for op in clean[1][0]])
+    with pytest.raises(LaunchError) as err:
+        launch(real_rank, 4, GPT, "tp=2,dp=2", None, 1, k, timeout=300)
+    assert "Timed out" in str(err.value) and "rank" in str(err.value)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["shape", "drop", "swap"])
 def test_the_fault_the_dry_run_names_fails_a_real_run(fault, monkeypatch):
     from threefold.runtime.launch import LaunchError, launch
