@@ -78,12 +78,16 @@ def compile_for_dry_run(spec: str, plan: str):
     return w, sources, build_manifest(prog, sources, {}, with_weights=False)
 
 
-def real_rank(spec: str, plan: str, fault: str | None = None, target: int = -1, swap_at: int | None = None):
+def real_rank(spec: str, plan: str, fault: str | None = None, target: int = -1, swap_at: int | None = None,
+              steady: bool = False):
     """On a gloo rank: the program's one training step with every collective recorded
-    (runtime/comm_log.py), as the dry run records it; (ops, memory by category, loss)."""
+    (runtime/comm_log.py), as the dry run records it; (ops, memory by category, loss).
+    `steady`: a first step runs before, and the second is measured and its ops returned
+    (after the set-up's): the memory of every step but the first, which the dry run's one
+    step with the optimizer's state in place must equal."""
     from threefold.runtime.assemble import assemble_rank
     from threefold.runtime.comm_log import record_comm
-    from threefold.runtime.dry_run import _step_memory
+    from threefold.runtime.dry_run import _step, _step_memory
     from threefold.runtime.optimizers import make_optimizer
     torch.set_num_threads(1)
     w, sources, manifest = compile_for_dry_run(spec, plan)
@@ -94,8 +98,15 @@ def real_rank(spec: str, plan: str, fault: str | None = None, target: int = -1, 
     with record_comm(swap_at=swap_at if dist.get_rank() == target else None) as log:
         engine = assemble_rank(manifest, source, dist.get_rank(), torch.device("cpu"))
         opt = make_optimizer(engine, torch.optim.Adam, None, lr=1e-3, foreach=False)
-        memory = _step_memory(engine, opt, batch)
-    return [tuple(op) for op in log.ops], memory, engine.stats.loss
+        if not steady:
+            memory = _step_memory(engine, opt, batch)
+            return [tuple(op) for op in log.ops], memory, engine.stats.loss
+        set_up = len(log.ops)
+        _step(engine, opt, batch)     # the first step: the optimizer's state is made at its end
+        first = len(log.ops)
+        memory = _step_memory(engine, opt, batch)   # the second: what every later step holds
+    # the set-up's and the measured step's ops (one step, as the dry run issues)
+    return [tuple(op) for op in log.ops[:set_up] + log.ops[first:]], memory, engine.stats.loss
 
 
 def without_cpu_transport_setup(ops: list[tuple], world: int) -> list[tuple]:

@@ -109,11 +109,55 @@ def test_a_swapped_pair_of_collectives_is_named(job8, full8):
     assert m.index == sum(op.group == ops[k].group for op in ops[:k])
 
 
+def reversed_groups_index(ops) -> int:
+    """The first k where blocking collectives k and k+1 are on two different groups that
+    share this rank and another: swapped on one rank, each group's list still agrees, but
+    the rank enters the two groups in the opposite order of its peer."""
+    ops = [op for op in ops if op.op not in P2P]
+    return next(i for i in range(len(ops) - 1) if ops[i].blocking and ops[i + 1].blocking
+                and ops[i].group != ops[i + 1].group and len(set(ops[i].group[0]) & set(ops[i + 1].group[0])) >= 2)
+
+
+def test_groups_entered_in_opposite_orders_are_a_named_deadlock(full8):
+    assert full8.check.deadlock is None
+    job = compile_for_dry_run(GPT, "tp=2,dp=2")   # rank 1: the world's broadcast, then its tp pair's all-reduce
+    clean = _job(job, all_ranks=True)
+    assert clean.ok and clean.check.deadlock is None
+    ops = [op for op in clean.runs[1].ops if op.op not in P2P]
+    k = reversed_groups_index(ops)
+    bad = _job(job, all_ranks=True, swaps={1: k})
+    # every group's own list still agrees: only the order across groups is wrong
+    assert not bad.check.mismatches and not bad.ok
+    d = bad.check.deadlock
+    assert 1 in d.ranks and d.ranks[0] != d.ranks[1]
+    assert d.calls[d.ranks.index(1)] == ops[k + 1].describe()
+    assert ops[k].describe() in d.calls
+    assert "opposite orders" in str(d) and f"rank {d.ranks[0]}" in str(d)
+
+
 def test_a_rank_that_does_not_fit_is_named_with_its_categories(job8):
     rep = _job(job8, all_ranks=False, capacity_bytes=2 ** 20)
     assert not rep.ok and len(rep.too_big) == 4
     assert all("params" in t and "grads" in t and "optimizer" in t and "1.00 GiB" not in t for t in rep.too_big)
     assert _job(job8, all_ranks=False, capacity_bytes=2 ** 30).too_big == []
+
+
+@pytest.mark.parametrize("shape", ["long_sequence_gqa", pytest.param("moe", marks=pytest.mark.slow)])
+def test_memory_at_long_sequences_agrees_with_the_model(shape):
+    """Scaled-down Llama-405B- and DeepSeek-V3-shaped jobs (bench/dry_run_scale.py's models)
+    where attention's s x s scores, if a dry run materialised them on meta, would double the
+    activations (+36..+57% here before the fix): each stage's peak within 5% of the model's."""
+    from threefold.compiler.api import compile_workload
+    from threefold.planner.memory import program_memory
+    from threefold.workload import load_spec
+    spec, plan = {"long_sequence_gqa": ("tests/dry_shapes.py:llama", "tp=2,pp=2,dp=2,m=4"),
+                  "moe": ("tests/dry_shapes.py:moe", "pp=2,dp=2,ep=2,m=2")}[shape]
+    job = compile_for_dry_run(spec, plan)
+    rep = _job(job, all_ranks=False)
+    assert rep.ok, (rep.errors, rep.check.mismatches)
+    model = {m.rank: m for m in program_memory(compile_workload(load_spec(spec), plan))}
+    for r, run in rep.runs.items():
+        assert abs(run.memory["total"] / model[r].peak - 1) < 0.05, (r, run.memory, model[r])
 
 
 def test_memory_categories_equal_the_memory_model(job8, full8):
@@ -123,10 +167,12 @@ def test_memory_categories_equal_the_memory_model(job8, full8):
     model = {m.rank: m for m in program_memory(compile_workload(load_spec(GPT), "tp=2,pp=2,dp=2,m=4"))}
     for r, run in full8.runs.items():
         mem, m = run.memory, model[r]
-        assert mem["params"] + mem["buffers"] == m.params
-        assert mem["grads"] == m.grads and mem["optimizer"] == m.optimizer
-        # the model adds each component's own peak; the step's peak is never above it
-        assert 0.85 * m.total <= mem["total"] <= m.total
+        assert mem["params"] == m.params and mem["optimizer"] == m.optimizer   # AdamW's state in place
+        assert mem["grads"] in (0, m.grads)   # the peak is before the first backward or after it
+        # the model's step peak (components that coexist, walked over the schedule) within 5%;
+        # its sum of each component's own peak is never below the measured peak
+        assert abs(mem["total"] / m.peak - 1) < 0.05, (r, mem, m)
+        assert mem["total"] <= m.total
 
 
 def test_cli_dry_run_json_and_bad_world(tmp_path):
@@ -172,13 +218,31 @@ def test_the_dry_run_issues_what_a_real_gloo_run_issues(spec, plan, monkeypatch)
     # the CPU-only shared-memory transports off: what remains is what a GPU job's ranks issue
     monkeypatch.setenv("THREEFOLD_LOCAL_P2P", "0")
     monkeypatch.setenv("THREEFOLD_LOCAL_REDUCE", "0")
-    real = launch(real_rank, 4, spec, plan, timeout=600)
+    real = launch(real_rank, 4, spec, plan, None, -1, None, True, timeout=600)   # the second step measured
     dry = _job(compile_for_dry_run(spec, plan), all_ranks=True)
     assert dry.ok
     for r in range(4):
         ops, memory, _ = real[r]
         assert _comparable(without_cpu_transport_setup(ops, 4)) == _comparable(dry.runs[r].ops), r
         assert abs(dry.runs[r].memory["total"] / memory["total"] - 1) < 0.05, (r, dry.runs[r].memory, memory)
+        print(f"{plan} rank {r}: dry/real memory {dry.runs[r].memory['total'] / memory['total'] - 1:+.4%}")
+
+
+@pytest.mark.slow
+def test_groups_entered_in_opposite_orders_hang_a_real_run(monkeypatch):
+    """The deadlock class the dry run names (test above), on 4 real gloo ranks: rank 1
+    enters the world's group and its tp pair's in the opposite order of rank 0 (both
+    all-reduces), and the job fails at the collective timeout instead of finishing."""
+    from threefold.runtime.comm_log import CommOp
+    from threefold.runtime.launch import LaunchError, launch
+    monkeypatch.setenv("THREEFOLD_TIMEOUT", "15")
+    monkeypatch.setenv("THREEFOLD_LOCAL_P2P", "0")
+    monkeypatch.setenv("THREEFOLD_LOCAL_REDUCE", "0")
+    clean = launch(real_rank, 4, GPT, "tp=2,dp=2", timeout=300)
+    k = reversed_groups_index([CommOp(*op) for op in clean[1][0]])
+    with pytest.raises(LaunchError) as err:
+        launch(real_rank, 4, GPT, "tp=2,dp=2", None, 1, k, timeout=300)
+    assert "Timed out" in str(err.value) and "rank" in str(err.value)
 
 
 @pytest.mark.slow
@@ -205,3 +269,27 @@ def test_the_fault_the_dry_run_names_fails_a_real_run(fault, monkeypatch):
     except LaunchError:
         return
     assert [b[2] for b in bad] != [c[2] for c in clean]
+
+
+def test_parallelize_dry_run_returns_the_report_without_starting_ranks():
+    import torch.distributed as dist
+
+    import threefold
+    from threefold.workload import load_spec
+    w = load_spec(GPT)
+    report = threefold.parallelize(w.model, "tp=2,pp=2,m=2", w.inputs, w.loss_fn, target=w.target,
+                                   dry_run=True, world=8)
+    assert not dist.is_initialized()        # nothing joined, nothing left behind
+    assert report.ok and report.world == 8 and report.mismatches == []
+    assert report.summary["plan"].startswith("tp=2,pp=2,dp=2") and len(report.summary["ranks"]) == 8
+    mem = report.memory(0)
+    assert {"params", "grads", "optimizer", "activations", "buffers", "total"} <= set(mem)
+    assert mem["total"] >= mem["params"] + mem["optimizer"] > 0
+    ops = report.collectives(4)
+    assert ops and any("recv" in op for op in ops) and any("all_reduce" in op for op in ops)
+    assert report.summary["ranks"][0]["store_ops"]["set"] >= 1 + report.summary["ranks"][0]["groups_joined"]
+    assert "OK: every group agrees" in str(report)
+    with pytest.raises(threefold.PlanError, match="world"):
+        threefold.parallelize(w.model, "tp=2,pp=2,m=2", w.inputs, w.loss_fn, target=w.target, dry_run=True, world=6)
+    with pytest.raises(threefold.PlanError, match="dry_run=True"):
+        threefold.parallelize(w.model, "tp=2", w.inputs, w.loss_fn, target=w.target, world=2)

@@ -162,11 +162,24 @@ class ParallelModule:
 
 
 def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, target=None,
-                device=None, workdir: str | None = None, batch_dims=None, weights: str | None = None):
+                device=None, workdir: str | None = None, batch_dims=None, weights: str | None = None,
+                dry_run: bool = False, world: int | None = None):
     """Compile `model` for `plan` and return this rank's `ParallelModule`.
 
     `weights=PATH` (a .safetensors file or a Hugging Face directory): each rank reads only
     its own slices from it (checkpoint/weights.py), so `model` may be on the meta device.
+
+    `dry_run=True, world=N`: start nothing and train nothing; in this one process, dry-run
+    the whole job of N ranks (dp is filled in from N) on torch's fake process group with
+    meta tensors: every rank's program runs one training step without data, what the ranks
+    issue is cross-checked (every group's collectives agree in order and shape, every send
+    has its receive, no two ranks enter shared groups in opposite orders) and each rank's
+    memory at its step peak is compared with the memory model. Returns a
+    `threefold.dry_run.DryRunReport`: `.ok`, `.mismatches`, `.memory(rank)` (bytes by
+    category: params, grads, optimizer, activations, buffers, total), `.collectives(rank)`,
+    `.summary` (what `threefold check SPEC --plan P --dry-run --world N --json` prints) and
+    `str(report)` (its text). The model may be on the meta device. Above 64 ranks one class
+    per pipeline stage stands for its ranks (runtime/dry_check.py says why that suffices).
 
     As a decorator on a model class or factory, `@parallelize(plan=..., example_inputs=...,
     loss_fn=..., target=...)`, calling the decorated thing builds the model and returns the
@@ -179,7 +192,7 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
             def build(*args, **kwargs):
                 return parallelize(fn(*args, **kwargs), plan, example_inputs, loss_fn,
                                    target=target, device=device, workdir=workdir,
-                                   batch_dims=batch_dims, weights=weights)
+                                   batch_dims=batch_dims, weights=weights, dry_run=dry_run, world=world)
             return build
         return decorate(factory) if callable(factory) else decorate
 
@@ -189,6 +202,12 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
         raise PlanError("parallelize got target=... but no loss_fn: pass loss_fn=(lambda out, target: ...) "
                         "too, or leave target out when forward returns the loss itself")
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    if dry_run:
+        from threefold.dry_run import dry_run_workload
+        return dry_run_workload(Workload(model, example_inputs, target, loss_fn, batch_dims=batch_dims), plan, world)
+    if world is not None:
+        raise PlanError(f"parallelize got world={world} without dry_run=True: a real job's world is its launcher's "
+                        "(torchrun, threefold launch); pass dry_run=True to dry-run a job of that many ranks")
     _join_torchrun_job()
     plan = _resolve(plan, example_inputs, batch_dims)
     mesh = plan.mesh

@@ -17,7 +17,6 @@ import sys
 from threefold.cli.jsonout import dumps
 from threefold.errors import PlanError
 
-GIB = 2 ** 30
 
 
 def add_flags(p) -> None:
@@ -33,69 +32,14 @@ def add_flags(p) -> None:
                    help="with --dry-run: name every rank whose step does not fit this cluster's GPU memory")
 
 
-def prepare(spec: str, plan_text: str, world: int | None):
-    """(workload, plan, program, sources, manifest) for a dry run."""
-    from threefold.codegen.artifact import build_manifest, build_sources
-    from threefold.compiler.api import compile_workload
-    from threefold.plan_defaults import batch_rows, resolve_plan
-    from threefold.workload import load_spec
-    if world is not None and world < 1:
-        raise PlanError(f"--world {world} is invalid: give the job's number of ranks, 1 or more")
-    w = load_spec(spec)
-    plan = resolve_plan(plan_text, world=world, batch=batch_rows(w.inputs, w.batch_dims)).plan
-    if world is not None and plan.world_size != world:
-        raise PlanError(f"plan {plan} needs {plan.world_size} ranks (the product of its mesh axes) but --world is "
-                        f"{world}; change the plan or --world")
-    prog = compile_workload(w, plan)
-    sources = build_sources(prog)
-    manifest = build_manifest(prog, sources, {}, with_weights=False)
-    return w, plan, prog, sources, manifest
-
-
 def dry_run(spec: str, plan_text: str, world: int | None = None, all_ranks: bool | None = None,
             cluster: str | None = None, progress=None) -> dict:
     """The dry run's report as a dict (what `--json` prints)."""
-    import time
-
-    from threefold.runtime.dry_run import DrySource, dry_run_job, meta_batch
-    start = time.perf_counter()
-    w, plan, prog, sources, manifest = prepare(spec, plan_text, world)
-    compiled_s = time.perf_counter() - start
-    capacity = None
-    if cluster:
-        from threefold.planner.cluster import load_cluster
-        capacity = int(load_cluster(cluster).usable_bytes)
-    batch = meta_batch(tuple(w.inputs) + ((w.target,) if w.target is not None else ()))
-    report = dry_run_job(manifest, DrySource(sources), batch, all_ranks=all_ranks, capacity_bytes=capacity,
-                         progress=progress)
-    return summarize(report, prog, plan, compiled_s, capacity)
-
-
-def summarize(report, prog, plan, compiled_s: float, capacity) -> dict:
-    from threefold.planner.memory import program_memory
-    model = {m.rank: m for m in program_memory(prog)} if prog is not None else {}
-    mesh = plan.mesh
-    ranks = {}
-    for r, run in sorted(report.runs.items()):
-        entry = {"stage": mesh.coord(r).pp, "ops": len(run.ops), "groups_built": run.groups_built,
-                 "groups_joined": run.groups_joined, "store_ops": run.store_ops, "memory": run.memory}
-        if run.error:
-            entry["error"] = run.error
-        m = model.get(r)
-        if m is not None:
-            entry["memory_model"] = m.to_json()
-            if run.peak_bytes:
-                entry["memory_vs_model"] = run.peak_bytes / m.total - 1 if m.total else None
-        ranks[r] = entry
-    check = report.check
-    return {"plan": str(plan), "world": report.world, "ok": report.ok, "rank_classes": report.classes,
-            "ranks_run": len(report.runs), "compile_s": compiled_s, "dry_run_s": report.seconds,
-            "groups_covered": check.groups, "group_comparisons": check.group_checks,
-            "collective_calls": check.collectives, "p2p_pairs": check.pairs, "messages": check.messages,
-            "mismatches": [str(m) for m in check.mismatches],
-            "class_mismatches": [str(m) for m in report.class_mismatches],
-            "errors": {str(r): e for r, e in report.errors.items()},
-            "capacity_bytes": capacity, "over_capacity": report.too_big, "ranks": ranks}
+    from threefold.dry_run import dry_run_workload
+    from threefold.workload import load_spec
+    if world is not None and world < 1:
+        raise PlanError(f"--world {world} is invalid: give the job's number of ranks, 1 or more")
+    return dry_run_workload(load_spec(spec), plan_text, world, all_ranks, cluster, progress).summary
 
 
 def run(args) -> int:
@@ -114,28 +58,5 @@ def _progress(i: int, n: int, run) -> None:
 
 
 def print_report(out: dict) -> None:
-    how = "one class per pipeline stage (2 witnesses each)" if out["rank_classes"] else "every rank"
-    print(f"dry run of plan {out['plan']} at world {out['world']}: {out['ranks_run']} ranks run ({how}), "
-          f"compile {out['compile_s']:.1f} s, dry run {out['dry_run_s']:.1f} s")
-    print(f"  checked {out['groups_covered']} process groups ({out['group_comparisons']} distinct comparisons, "
-          f"{out['collective_calls']} collective calls), {out['p2p_pairs']} send/receive pairs "
-          f"({out['messages']} messages)")
-    for r, e in out["errors"].items():
-        print(f"  rank {r} failed: {e}")
-    for m in out["class_mismatches"]:
-        print(f"  CLASS: {m}")
-    for m in out["mismatches"]:
-        print(f"  MISMATCH: {m}")
-    big = max((e["memory"].get("total", 0) for e in out["ranks"].values()), default=0) >= GIB
-    unit, scale = ("GiB", GIB) if big else ("MiB", 2 ** 20)
-    print(f"  rank  stage  groups(built/joined)  ops   params  grads  optim  activ  peak {unit}  model {unit}  diff")
-    for r, e in out["ranks"].items():
-        mem, model = e["memory"], e.get("memory_model", {})
-        diff = e.get("memory_vs_model")
-        print(f"  {r:>4}  {e['stage']:>5}  {e['groups_built']:>8}/{e['groups_joined']:<11} {e['ops']:>5}  "
-              + "  ".join(f"{mem.get(k, 0) / scale:6.2f}" for k in ("params", "grads", "optimizer", "activations"))
-              + f"  {mem.get('total', 0) / scale:8.2f}  {model.get('total', 0) / scale:9.2f}"
-              + (f"  {diff:+.1%}" if diff is not None else ""))
-    for t in out["over_capacity"]:
-        print(f"  DOES NOT FIT: {t}")
-    print("OK: every group agrees and every send has its receive" if out["ok"] else "FAILED")
+    from threefold.dry_run import report_text
+    print(report_text(out))

@@ -282,7 +282,7 @@ def human_bytes(x: float) -> str:
     return _scaled(x, ((" TiB", 2**40), (" GiB", 2**30), (" MiB", 2**20), (" KiB", 2**10)))
 
 
-MEMORY_COLUMNS = ("params", "gathered", "grads", "optimizer", "activations", "recompute", "buffers", "total")
+MEMORY_COLUMNS = ("params", "gathered", "grads", "optimizer", "activations", "recompute", "buffers", "total", "peak")
 
 
 def print_memory(prog, memory: list[dict]) -> None:
@@ -300,7 +300,8 @@ def print_memory(prog, memory: list[dict]) -> None:
                 + ("; gradients too" if prog.plan.zero >= 2 else "")
                 + ("; parameters too, gathered per layer" if prog.plan.zero >= 3 else "") + ")"
                 if getattr(prog.plan, "zero", 0) else "")
-             + "; activations = the schedule's peak of saved-for-backward bytes")
+             + "; activations = the schedule's peak of saved-for-backward bytes; total = the sum of each"
+             + " component's peak, peak = the step's (what coexists; `check --dry-run` measures it)")
     cells = [[_ranks(ranks), str(memory[ranks[0]]["stage"] if ranks[0] < len(memory) else "")]
              + [human_bytes(f[k]) for k in MEMORY_COLUMNS] for ranks, f in rows]
     headers = ["ranks", "stage", *MEMORY_COLUMNS]

@@ -26,6 +26,14 @@ planner's per-layer `ModelCost` (`stage_memory`: a model too large to compile pe
               them until backward) for each in-flight microbatch, one gradient message, and,
               with dp > 1, the flat gradient buckets of the dp all-reduce / reduce-scatter
               (zero>=2: one unit's whole gradients and their reduce-scatter buffer).
+
+`total` adds each component's own peak. `peak` is the step's peak, when they do not all
+coexist (what a dry run measures, runtime/dry_run.py): walking the stage's actions, a
+forward holds the in-flight activations, its chunk's saved values and the values it makes
+that nothing keeps (the generated forward's locals hold them until it returns: on the
+last stage the loss is computed in there), plus the gradients once a backward has run; a
+backward holds the in-flight activations and the gradients (and a recomputed segment's
+values); the dp gradient buckets exist after the last backward, with the gradients only.
 """
 from __future__ import annotations
 
@@ -57,6 +65,7 @@ class RankMemory:
     activations: int = 0
     recompute: int = 0
     buffers: int = 0
+    peak: int = 0            # the step's peak (module doc), not a component
 
     @property
     def total(self) -> int:
@@ -178,6 +187,8 @@ def program_memory(prog) -> list[RankMemory]:
         last = prog.chunks[-1].index
         grad_msg = max((sum(b.nbytes for b in c.outputs) for c in chunks if c.index != last), default=0)
         rerun = max((saved[c.index].recompute_peak_bytes for c in chunks), default=0)
+        walk = _walk_peak(plan, stage, {c.index: saved[c.index].saved_bytes for c in chunks},
+                          {c.index: saved[c.index].unsaved_bytes for c in chunks})
         units = _stage_units(chunks, local) if plan.zero >= 2 else None
         if units is not None:   # zero>=2: one unit's gradients whole, then its send buffer
             largest = max((n for _, layers in units for n in layers), default=0)
@@ -203,11 +214,36 @@ def program_memory(prog) -> list[RankMemory]:
             # cp ranks run the same graph on their share of the sequence (traced at s/cp):
             # the same figures each
             for tp_rank, cp_rank in ((t, c) for t in range(plan.tp) for c in range(plan.cp)):
+                peak = mine_params + gathered + opt + max(
+                    walk(mine_grads, rerun) + unsaved + grad_msg, mine_grads + comm_buffers)
                 out.append(RankMemory(rank=mesh.rank(tp=tp_rank, cp=cp_rank, dp=dp_rank, pp=stage), stage=stage,
                                       params=int(mine_params), gathered=int(gathered), grads=int(mine_grads),
                                       optimizer=int(opt), activations=int(acts), recompute=int(rerun),
-                                      buffers=buffers))
+                                      buffers=buffers, peak=int(peak)))
     return sorted(out, key=lambda r: r.rank)
+
+
+def _walk_peak(plan, stage: int, saved: dict[int, float], unsaved: dict[int, float]):
+    """f(grads, rerun): the most activation and gradient bytes a stage holds at once during
+    its forwards and backwards (module doc: `peak`)."""
+    sched = make_schedule(plan.schedule, plan.pp, plan.microbatches, plan.interleave)
+    actions = [a for a in sched.actions[stage] if a.is_compute or a.kind.value == "W"]
+    last = {(a.chunk, a.mb): i for i, a in enumerate(actions)}
+
+    def walk(grads: float, rerun: float) -> float:
+        live, peak, backward_seen = 0.0, 0.0, False
+        for i, a in enumerate(actions):
+            c = saved.get(a.chunk, 0.0)
+            if a.kind.value == "F":
+                peak = max(peak, live + c + unsaved.get(a.chunk, 0.0) + (grads if backward_seen else 0.0))
+                live += c
+                continue
+            backward_seen = True
+            peak = max(peak, live + grads + rerun)
+            if last[(a.chunk, a.mb)] == i:
+                live -= c
+        return peak
+    return walk
 
 
 def _stage_units(chunks, local: dict) -> list[tuple[int, list[int]]]:

@@ -27,8 +27,11 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, field
 
+import weakref
+
 import torch
 import torch.fx as fx
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _NO_GRAD_KINDS = ("input", "buffer")
 
@@ -40,6 +43,9 @@ class ChunkSaved:
     recompute_peak_bytes: int = 0        # the largest segment's saved values, alive while it reruns
     boundary_bytes: int = 0              # received inputs (held by the engine until backward)
     boundary_unsaved_bytes: int = 0      # ... of which no op keeps (so not in saved_bytes)
+    unsaved_bytes: int = 0               # values the forward makes that no op keeps: alive until
+                                         # the generated forward returns (its locals hold them),
+                                         # and the largest temporaries inside one op
     values: dict = field(default_factory=dict)   # value -> bytes behind saved_bytes
     fallbacks: list = field(default_factory=list)
 
@@ -62,6 +68,7 @@ class _Runner:
         self.autocast = autocast                # e.g. torch.bfloat16: run ops as autocast would
         self.saved: dict[str, list[tuple[str, int]]] = {}   # node -> [(value, bytes)] it keeps
         self.state: set[str] = set()            # roots that are parameters/buffers
+        self.transient: dict[str, int] = {}     # node -> bytes of its own temporaries at their peak
         self.fallbacks: list[str] = []
 
     # -- building fake inputs -------------------------------------------------------
@@ -166,9 +173,12 @@ class _Runner:
             tensors: list = []
             args = self._arg(node.args, tensors)
             kwargs = self._arg(node.kwargs, tensors)
+            temps = _Temporaries()
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                    torch.autocast("cpu", dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+                    torch.autocast("cpu", dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None), \
+                    temps:
                 out = node.target(*args, **kwargs)
+        self.transient[node.name] = temps.peak_beyond(out, packed)
         by_storage = {}
         for t, ref in tensors:
             by_storage.setdefault(_key(t), ref)
@@ -233,6 +243,38 @@ class _Runner:
         self.saved[node.name] = kept
 
 
+class _Temporaries(TorchDispatchMode):
+    """The bytes an op allocates inside itself (a runtime op made of several aten ops: a
+    vocabulary-parallel cross entropy's exp and masks): the peak of its new storages alive,
+    less what it returns and keeps (those are counted as values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self.sizes = 0, 0, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                key = _key(t)
+                if key not in self.sizes:
+                    n = t.untyped_storage().nbytes()
+                    self.sizes[key] = n
+                    self.live += n
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(t, self._free, key)
+        return out
+
+    def _free(self, key) -> None:
+        self.live -= self.sizes.get(key, 0)
+        self.sizes[key] = 0
+
+    def peak_beyond(self, out, packed) -> int:
+        mine = {_key(t) for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)}
+        mine |= {_key(t) for t in packed}
+        return max(0, self.peak - sum(n for k, n in self.sizes.items() if k in mine))
+
+
 def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
@@ -284,6 +326,10 @@ def chunk_saved(gm: fx.GraphModule, autocast: torch.dtype | None = None, segment
                                    default=0)
     out.boundary_bytes = sum(runner.nbytes.get(b, 0) for b in boundary)
     out.boundary_unsaved_bytes = sum(runner.nbytes.get(b, 0) for b in boundary if b not in kept)
+    inputs = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
+    out.unsaved_bytes = sum(b for v, b in runner.nbytes.items()
+                            if v not in inputs and v not in runner.state and v not in kept) + max(
+        runner.transient.values(), default=0)
     return out
 
 

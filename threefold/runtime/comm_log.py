@@ -29,6 +29,7 @@ class CommOp(NamedTuple):
     dtype: str
     peer: int = -1            # send/recv: the other rank (global); broadcast: the source
     splits: tuple = ()        # all_to_all: (output splits, input splits), rows per member
+    blocking: bool = True     # False: issued with async_op=True (the rank goes on until its wait)
 
     def describe(self) -> str:
         if self.op in ("send", "recv"):
@@ -52,6 +53,7 @@ class CommLog:
         self.ops: list[CommOp] = []
         self.groups_built = 0          # dist.new_group calls (each rank builds every group)
         self.groups_joined = 0         # of those, the ones this rank is a member of
+        self.joined: list[tuple] = []  # their ranks, in build order
         self._ranks: dict[int, tuple] = {}     # id(group) -> (ranks, occurrence)
         self._seen: dict[tuple, int] = {}      # ranks -> groups built over them so far
 
@@ -71,6 +73,7 @@ class CommLog:
         self.groups_built += 1
         if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
             self.groups_joined += 1
+            self.joined.append(ranks)
             self._ranks[id(group)] = (ranks, k)
 
 
@@ -84,9 +87,20 @@ def _arg(args, kwargs, i: int, name: str, default=None):
     return args[i] if len(args) > i else default
 
 
+_ASYNC_AT = {"all_reduce": 3, "broadcast": 3, "all_gather": 3, "all_gather_into_tensor": 3, "all_gather_single": 3,
+             "reduce_scatter_tensor": 4, "reduce_scatter_single": 4, "all_to_all_single": 5, "barrier": 1}
+
+
 def _describe(name: str, log: CommLog, args, kwargs) -> CommOp | None:
     """The CommOp of one call (arguments read by name, or by the position torch's
     signature gives them)."""
+    op = _describe_call(name, log, args, kwargs)
+    if name in _ASYNC_AT and _arg(args, kwargs, _ASYNC_AT[name], "async_op", False):
+        op = op._replace(blocking=False)
+    return op
+
+
+def _describe_call(name: str, log: CommLog, args, kwargs) -> CommOp | None:
     g = log.group_key(_arg(args, kwargs, {"all_reduce": 2, "broadcast": 2, "all_gather": 2,
                                           "all_gather_into_tensor": 2, "reduce_scatter_tensor": 3,
                                           "all_gather_single": 2, "reduce_scatter_single": 3,

@@ -10,7 +10,9 @@ The rules, applied to the operations the ranks actually issued:
   * for every ordered pair of ranks, the messages A sends to B are, in order and shape,
     the messages B receives from A.
 
-A mismatch names the two ranks, the group, the op index and both calls.
+A mismatch names the two ranks, the group, the op index and both calls. When every group
+agrees, the orders across groups are run as the backend runs them (runtime/dry_order.py):
+two ranks that enter two shared groups in opposite orders deadlock, and are named.
 
 Rank classes. The ranks of one pipeline stage load the same generated chunk modules (the
 tp, cp, ep and dp coordinates are runtime values of one program) and run the same schedule
@@ -94,7 +96,7 @@ def relative_ops(ops: list[CommOp], rank: int, digits: Digits) -> list[tuple]:
         if rel is None:
             rel = cache[op.group] = relative_group(op.group, digits)
         src = op.group[0].index(op.peer) if op.op == "broadcast" and op.peer in op.group[0] else -1
-        out.append((op.op, rel, op.shape, op.dtype, op.splits, src))
+        out.append((op.op, rel, op.shape, op.dtype, op.splits, src, op.blocking))
     return out
 
 
@@ -127,10 +129,11 @@ class CheckResult:
     collectives: int = 0           # collective calls over the job (members x calls)
     messages: int = 0              # sends over the job
     mismatches: list[Mismatch] = field(default_factory=list)
+    deadlock: object = None        # runtime/dry_order.Deadlock: groups entered in opposite orders
 
     @property
     def ok(self) -> bool:
-        return not self.mismatches
+        return not self.mismatches and self.deadlock is None
 
 
 def _describe_rel(op: tuple, rank: int, digits: Digits) -> str:
@@ -140,7 +143,7 @@ def _describe_rel(op: tuple, rank: int, digits: Digits) -> str:
         return CommOp(op[0], (), op[2], op[3], peer).describe()
     group = absolute_group(op[1], digits.of(rank), digits)
     src = group[0][op[5]] if op[5] >= 0 else -1
-    return CommOp(op[0], group, op[2], op[3], src, op[4]).describe()
+    return CommOp(op[0], group, op[2], op[3], src, op[4]).describe() + ("" if op[6] else " (async)")
 
 
 def _same(a: tuple, b: tuple) -> bool:

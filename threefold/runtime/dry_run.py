@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from threefold.runtime.comm_log import CommLog, CommOp, record_comm
+from threefold.runtime.meta_attention import SDPA_FUNCS, sdpa_on_meta
 
 # Timing in a dry run means nothing; THREEFOLD_* knobs that open shared memory are off.
 _ENV = {"THREEFOLD_LOCAL_P2P": "0", "THREEFOLD_LOCAL_REDUCE": "0"}
@@ -40,7 +41,7 @@ class RankRun:
     ops: list[CommOp]
     groups_built: int            # dist.new_group calls on this rank
     groups_joined: int           # groups this rank is a member of
-    store_ops: dict[str, int]    # store calls by kind during init + assembly + step
+    store_ops: dict[str, int]    # store calls by kind during init + assembly + step (runtime/store_rounds.py)
     memory: dict[str, int] = field(default_factory=dict)   # category -> bytes at the peak
     error: str | None = None     # the rank failed to assemble or step (one line)
 
@@ -50,12 +51,14 @@ class RankRun:
 
 
 class CountingStore(dist.Store):
-    """A store that counts the calls made on it (store round trips of a real job), over an
-    in-memory HashStore (a fake world has no peers to wait for)."""
+    """A store that counts the calls made on it (a job's store round trips) by kind, over
+    `inner`; without one (a dry run: a fake world has no peers to wait for), over an
+    in-memory HashStore whose waits return at once."""
 
-    def __init__(self):
+    def __init__(self, inner=None):
         super().__init__()
-        self.inner = dist.HashStore()
+        self.fake = inner is None
+        self.inner = dist.HashStore() if inner is None else inner
         self.calls: dict[str, int] = {}
 
     def _n(self, kind: str) -> None:
@@ -83,34 +86,40 @@ class CountingStore(dist.Store):
 
     def wait(self, keys, *args):
         self._n("wait")
-        return True
+        return True if self.fake else self.inner.wait(keys, *args)
 
     def delete_key(self, key):
         self._n("delete_key")
         return self.inner.delete_key(key)
 
     def num_keys(self):
+        self._n("num_keys")
         return self.inner.num_keys()
 
     def set_timeout(self, timeout):
-        return None
+        return None if self.fake else self.inner.set_timeout(timeout)
 
 
 _SCALAR_READS = {torch.Tensor.item: 1, torch.Tensor.__float__: 1.0, torch.Tensor.__int__: 1,
                  torch.Tensor.__index__: 1, torch.Tensor.__bool__: True}
 
 
+_ON_META = frozenset(_SCALAR_READS) | {torch.Tensor.tolist} | frozenset(SDPA_FUNCS)   # what _MetaScalars changes
+
+
 class _MetaScalars(TorchFunctionMode):
     """Scalars read from meta tensors: 1 (a loss, a count, a flag) and lists of ones, so a
-    step on meta tensors runs its data-independent path. Real tensors are untouched."""
+    step on meta tensors runs its data-independent path; attention on meta takes the kernel a
+    real device takes (runtime/meta_attention.py). Real tensors are untouched."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+        if func in _ON_META and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
             if func in _SCALAR_READS:
                 return _SCALAR_READS[func]
             if func is torch.Tensor.tolist:
                 return torch.ones(args[0].shape, dtype=torch.int64).tolist()
+            return sdpa_on_meta(func, *args, **kwargs)
         return func(*args, **kwargs)
 
 
@@ -159,9 +168,10 @@ def meta_batch(batch: tuple) -> tuple:
 
 
 def dry_run_rank(manifest, source, rank: int, batch: tuple, optimizer_cls=torch.optim.Adam,
-                 memory: bool = True, swap_at: int | None = None) -> RankRun:
+                 memory: bool = True, swap_at: int | None = None, backend: str = "gloo") -> RankRun:
     """One training step of `rank` in a fake world of the plan's size (see the module doc).
-    `swap_at` (fault injection, tests): runtime/comm_log.record_comm's."""
+    `swap_at` (fault injection, tests): runtime/comm_log.record_comm's. `backend`: whose
+    rendezvous the store counts include (gloo or nccl)."""
     from threefold.runtime.assemble import assemble_rank
     from threefold.runtime.optimizers import make_optimizer
     world = manifest.mesh.world_size
@@ -186,7 +196,7 @@ def dry_run_rank(manifest, source, rank: int, batch: tuple, optimizer_cls=torch.
                 run.error = f"{type(exc).__name__}: {text[:300]}"
             finally:
                 dist.destroy_process_group()
-        _fill(run, log, store)
+        _fill(run, log, store, backend)
     finally:
         for k, v in saved_env.items():
             if v is None:
@@ -196,10 +206,15 @@ def dry_run_rank(manifest, source, rank: int, batch: tuple, optimizer_cls=torch.
     return run
 
 
-def _fill(run: RankRun, log: CommLog, store: CountingStore) -> None:
+def _fill(run: RankRun, log: CommLog, store: CountingStore, backend: str) -> None:
+    """What the rank issued, and its store calls: those made through the store (threefold's
+    own, c10d's) plus the real backend's rendezvous of every group it joined, the default
+    group first (the fake backend makes none: runtime/store_rounds.py)."""
+    from threefold.runtime.store_rounds import add_ops, backend_store_ops
     run.ops = log.ops
     run.groups_built, run.groups_joined = log.groups_built, log.groups_joined
-    run.store_ops = dict(store.calls)
+    joined = [tuple(range(log.world))] + log.joined
+    run.store_ops = add_ops(store.calls, backend_store_ops(joined, run.rank, backend))
 
 
 def _step(engine, opt, batch: tuple) -> None:
@@ -208,24 +223,50 @@ def _step(engine, opt, batch: tuple) -> None:
     opt.step()
 
 
+def warm_optimizer_state(opt) -> None:
+    """Give the optimizer the state it holds from its second step on (AdamW's moments): one
+    update of the torch optimizer inside the wrappers with zero gradients, on the tensors it
+    updates and nothing else (no collective). A step's peak is measured with it in place,
+    as every step but the first runs (the first allocates it after backward, when the
+    activations are gone, so measuring the first step alone misses it)."""
+    from threefold.runtime.memory_meter import torch_optimizer
+    inner = torch_optimizer(opt)
+    if inner is None:
+        return
+    cold = [p for g in inner.param_groups for p in g["params"] if p not in inner.state and p.grad is None]
+    if not cold:
+        return
+    for p in cold:
+        p.grad = torch.zeros_like(p)
+    try:
+        with torch.no_grad():
+            inner.step()
+    finally:
+        for p in cold:
+            p.grad = None
+
+
 def _step_memory(engine, opt, batch: tuple) -> dict[str, int]:
-    """One step with every tensor it allocates counted (meta tensors count their full
-    size): bytes by category at the step's peak. Parameters and buffers exist before the
-    step; of what the step allocates, gradients and optimizer state are read off the
-    parameters and the optimizer when the peak is reached, the rest is activations and
-    temporaries."""
-    from threefold.runtime.memory_meter import StepMeter
+    """One steady-state step (the optimizer's state in place: `warm_optimizer_state`) with
+    every tensor it allocates counted (meta tensors count their full size): bytes at the
+    step's peak in the memory model's categories (planner/memory.py): params (parameters
+    and module buffers), grads, optimizer, activations (autograd's saved values and the
+    step's temporaries) and buffers (communication; runtime/memory_meter.py says which)."""
+    from threefold.runtime.memory_meter import StepMeter, state_bytes
+    warm_optimizer_state(opt)
     params = {id(p): p for m in engine.modules.values() for p in m.parameters()}
     buffers = {id(b): b for m in engine.modules.values() for b in m.buffers()}
+    held_state = state_bytes(opt)
     meter = StepMeter(list(params.values()), opt)
     with meter:
         _step(engine, opt, batch)
-    static = {"params": sum(p.numel() * p.element_size() for p in params.values()),
-              "buffers": sum(b.numel() * b.element_size() for b in buffers.values())}
+    static = (sum(p.numel() * p.element_size() for p in params.values())
+              + sum(b.numel() * b.element_size() for b in buffers.values()))
     at_peak = meter.at_peak
-    out = {**static, "grads": at_peak["grads"], "optimizer": at_peak["optimizer"],
-           "activations": max(0, meter.peak - at_peak["grads"] - at_peak["optimizer"])}
-    out["total"] = static["params"] + static["buffers"] + meter.peak
+    out = {"params": static, "grads": at_peak["grads"], "optimizer": held_state + at_peak["optimizer"],
+           "activations": max(0, meter.peak - at_peak["grads"] - at_peak["optimizer"] - at_peak["buffers"]),
+           "buffers": at_peak["buffers"]}
+    out["total"] = static + held_state + meter.peak
     return out
 
 
@@ -274,8 +315,15 @@ def dry_run_job(manifest, source, batch: tuple, all_ranks: bool | None = None, o
         ranks = sorted(set(reps) | {w for ws in witnesses.values() for w in ws})
     runs: dict[int, RankRun] = {}
     rel: dict[int, list] = {}
+    # memory is measured on each class's first witness; its other witness runs the same
+    # program (same chunk modules, shapes and schedule: check_classes proves the same list)
+    # and reports the first's figures
+    unmetered = {w: q for q, ws in witnesses.items() for w in ws}
     for i, r in enumerate(ranks):
-        run = dry_run_rank(manifest, source, r, batch, optimizer_cls, swap_at=(swaps or {}).get(r))
+        run = dry_run_rank(manifest, source, r, batch, optimizer_cls, swap_at=(swaps or {}).get(r),
+                           memory=r not in unmetered)
+        if r in unmetered and unmetered[r] in runs:
+            run.memory = dict(runs[unmetered[r]].memory)
         rel[r] = relative_ops(run.ops, r, digits)
         runs[r] = run
         if progress is not None:
@@ -288,11 +336,28 @@ def dry_run_job(manifest, source, batch: tuple, all_ranks: bool | None = None, o
         check = CheckResult()
     else:
         check = check_job(rel, class_of, digits)
+        if check.ok:
+            check.deadlock = order_check(rel, class_of, digits)
     report = JobReport(digits.world, runs, not all_ranks, check, class_mismatches)
     if capacity_bytes is not None:
         report.too_big = over_capacity(runs, capacity_bytes)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def order_check(rel: dict[int, list], class_of, digits):
+    """The collectives of every rank run in their issue orders (runtime/dry_order.py): a
+    Deadlock naming two ranks, or None."""
+    from threefold.runtime.dry_check import P2P, _describe_rel
+    from threefold.runtime.dry_order import find_deadlock, job_groups
+    colls: dict[int, list] = {}
+
+    def describe(rank: int, i: int) -> str:
+        q = class_of(rank)
+        if q not in colls:
+            colls[q] = [op for op in rel[q] if op[0] not in P2P and op[6]]
+        return _describe_rel(colls[q][i], rank, digits) if i < len(colls[q]) else "nothing"
+    return find_deadlock(job_groups(rel, class_of, digits), describe)
 
 
 def over_capacity(runs: dict[int, RankRun], capacity_bytes: int) -> list[str]:
