@@ -312,7 +312,7 @@ def _compile_once(rank: int, workload: Workload, plan: Plan, isolate: bool = Fal
             if isolate and fork_available():
                 stage_bytes, payload = run_in_child(_compile_payload, workload, plan, True,
                                                     what="compiling on rank 0")
-                from threefold.compiler.stage_io import stage_from_bytes
+                from threefold.ir.stage_io import stage_from_bytes
                 prog = stage_from_bytes(stage_bytes)
             else:
                 prog, payload = _compile_payload(workload, plan)
@@ -383,7 +383,7 @@ def _compile_payload(workload: Workload, plan: Plan, as_bytes: bool = False):
     # imported here: only the compiling rank (or its child) pays for the compiler's imports
     from threefold.codegen.artifact import build_manifest, build_sources
     from threefold.compiler.api import compile_workload
-    from threefold.compiler.stage_io import stage_to_bytes
+    from threefold.ir.stage_io import stage_to_bytes
     prog = compile_workload(workload, plan, own_loss=True)   # no loss_fn: the model's own loss trains
     sources = build_sources(prog)
     return stage_to_bytes(prog) if as_bytes else prog, {"sources": sources,

@@ -7,8 +7,9 @@
 An edge A -> B is an import statement in module A that names module B (`import threefold.b`,
 `from threefold import b`, `from threefold.b import x`, `from .b import x`); an import of a name
 that is not a module points at the package that defines it. Importing a submodule also runs its
-parents' `__init__`, but those edges are left out: counted, every module would sit in one circle
-with `threefold/__init__.py`, which imports nothing heavy and nothing that imports it back.
+parents' `__init__`, but those edges are left out, and so is an explicit import of an ancestor
+package (`import threefold` for its __version__): a package's `__init__` has always run before
+any module inside it runs, so such an import adds no order to satisfy.
 Imports under `if TYPE_CHECKING:` never run and are left out.
 
 Two graphs: the module-level one (what runs at import) and the full one (adding the imports
@@ -131,8 +132,8 @@ def collect(root: str = ROOT, package: str = PACKAGE) -> list[Import]:
             span = "\n".join(lines[node.lineno - 1:(node.end_lineno or node.lineno)])
             lazy = bool(LAZY.search(span) or (above.strip().startswith("#") and LAZY.search(above)))
             for target in _targets(module, is_package, node, modules):
-                if target == module:
-                    continue
+                if target == module or module.startswith(target + "."):
+                    continue     # an ancestor package: it has run before this module runs
                 out.append(Import(module, target, node.lineno, in_function, target in modules,
                                   lazy, line.strip()))
     return out

@@ -83,7 +83,7 @@ def run(args) -> int:
                               "fits": worst["total"] <= cluster.usable_bytes}
     if args.json:
         if args.graph:
-            from threefold.compiler.program import format_chunk
+            from threefold.ir.program import format_chunk
             for row, chunk in zip(report["chunks"], prog.chunks):
                 row["graph"] = format_chunk(chunk)
         print(json.dumps(report, indent=2))
@@ -100,7 +100,7 @@ def run(args) -> int:
             print(f"fits {fit['cluster']}: {'yes' if fit['fits'] else 'NO'} (largest: rank "
                   f"{fit['largest_rank']} {human_bytes(fit['largest_bytes'])} of {human_bytes(fit['usable_bytes'])} usable)")
     if args.graph:
-        from threefold.compiler.program import format_chunk
+        from threefold.ir.program import format_chunk
         for chunk in prog.chunks:
             print()
             print(format_chunk(chunk))
@@ -164,7 +164,7 @@ def chunk_ranks(plan: Plan, index: int) -> list[int]:
 def chunk_report(prog) -> dict:
     """The `inspect --json` object: {"plan", "chunks": [...], "imbalance"}."""
     from threefold.compiler.collectives import chunk_collectives
-    from threefold.compiler.cost import chunk_costs, imbalance
+    from threefold.passes.cost import chunk_costs, imbalance
     costs = chunk_costs(prog)
     collectives = chunk_collectives(prog)
     plan = prog.plan

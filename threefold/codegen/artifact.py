@@ -11,7 +11,8 @@ from threefold.codegen.op_modules import op_modules
 from threefold.codegen.python import content_hash, generate_module
 from threefold.compiler.model_flops import graph_model_flops
 from threefold.compiler.param_roles import graph_roles
-from threefold.compiler.program import Program, tf
+from threefold.ir.program import tf
+from threefold.ir.stages import Program
 from threefold.runtime.loader import BATCH_FILE, MANIFEST, Artifact, open_artifact
 from threefold.runtime.manifest import ChunkEntry, LossForm, Manifest, TensorSpec
 from threefold.runtime.mesh import chunk_layout, stage_of

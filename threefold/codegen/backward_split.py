@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from threefold.compiler.program import tf
+from threefold.ir.program import tf
 
 
 @dataclass(frozen=True)

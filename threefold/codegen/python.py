@@ -18,7 +18,8 @@ import torch
 import torch.fx as fx
 
 from threefold.codegen.backward_split import deferred_line, deferred_ops, splits_backward
-from threefold.compiler.program import Chunk, Program, tf
+from threefold.ir.program import tf
+from threefold.ir.stages import Chunk, Program
 from threefold.runtime.mesh import chunk_layout, stage_of
 
 _HASH_LINE = "# content-hash: "

@@ -5,8 +5,8 @@ from typing import Callable
 
 from threefold.compiler.eager_loss import eager_node, loss_reduction
 from threefold.compiler.pipeline import run_passes
-from threefold.compiler.program import tf
-from threefold.compiler.stages import Fused, Traced
+from threefold.ir.program import tf
+from threefold.ir.stages import Fused, Traced
 from threefold.compiler.trace import trace
 from threefold.errors import PlanError
 from threefold.passes.batch_dims import AmbiguousBatch, find_batch_dims

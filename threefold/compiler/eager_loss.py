@@ -22,14 +22,10 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from threefold.compiler.program import TensorMeta, tf
-from threefold.compiler.stages import Traced
+from threefold.ir.program import TensorMeta, is_eager_loss, tf
+from threefold.ir.stages import Traced
 from threefold.errors import PlanError
 from threefold.runtime.eager_loss import call_loss, key_of
-
-
-def is_eager_loss(node) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is call_loss
 
 
 def trace_eager_loss(model, inputs: tuple, target, loss_fn, plan, why: str) -> Traced:

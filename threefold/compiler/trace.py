@@ -29,8 +29,8 @@ from torch.export.graph_signature import InputKind
 from threefold.compiler.autocast_regions import (AUTOCAST_HOP, GRAD_HOP, disabled_region_ops, hop_arguments,
                                                  make_casts_explicit, mark_region)
 from threefold.compiler.graph_cleanup import drop_empty_cat_inputs, drop_identity_inplace
-from threefold.compiler.program import TensorMeta, tf
-from threefold.compiler.stages import Traced
+from threefold.ir.program import TensorMeta, tf
+from threefold.ir.stages import Traced
 from threefold.errors import PlanError
 from threefold.model_loss import model_loss
 from threefold.model_state import buffer_tables_kept

@@ -28,9 +28,9 @@ import operator
 
 import torch.fx as fx
 
-from threefold.compiler.contracts import stage_pass
-from threefold.compiler.program import tf
-from threefold.compiler.stages import Traced
+from threefold.ir.contracts import stage_pass
+from threefold.ir.program import tf
+from threefold.ir.stages import Traced
 from threefold.errors import PlanError
 from threefold.passes.experts import expert_matmul
 from threefold.passes.loss_form import exact_reductions, final_op, split_fix

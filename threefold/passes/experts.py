@@ -25,10 +25,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from threefold.compiler.contracts import stage_pass
-from threefold.compiler.cost import op_name
-from threefold.compiler.program import tf
-from threefold.compiler.stages import Partitioned
+from threefold.ir.contracts import stage_pass
+from threefold.passes.cost import op_name
+from threefold.ir.program import tf
+from threefold.ir.stages import Partitioned
 from threefold.errors import PlanError
 from threefold.passes.row_index_rules import INDEX_OPS
 from threefold.passes.row_state import LOST, POS, Rows

@@ -20,9 +20,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from threefold.compiler.contracts import stage_pass
-from threefold.compiler.program import tf
-from threefold.compiler.stages import Fused, Partitioned, copy_graph_module
+from threefold.ir.contracts import stage_pass
+from threefold.ir.program import tf
+from threefold.ir.stages import Fused, Partitioned, copy_graph_module
 from threefold.passes.fusion_patterns import (causal_form, fusible, half_to_float, last_dim, mask_pos, match_rms,
                                               match_rotary, users, val_of)
 from threefold.passes.fusion_regions import ELEMENTWISE, FLOAT_DTYPES, FusedRegion, Op, Ref, RegionInput, classify

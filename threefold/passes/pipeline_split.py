@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from threefold.compiler.contracts import stage_pass
-from threefold.compiler.cost import measure_chunk
-from threefold.compiler.program import compute_nodes, meta_of, tf
-from threefold.compiler.stages import BoundarySpec, Partitioned, Sharded
+from threefold.ir.contracts import stage_pass
+from threefold.passes.cost import measure_chunk
+from threefold.ir.program import compute_nodes, meta_of, tf
+from threefold.ir.stages import BoundarySpec, Partitioned, Sharded
 from threefold.passes.extract_chunks import ChunkCut, extract_chunks
 from threefold.errors import PlanError
 from threefold.markers import PIPE_SPLIT_OP

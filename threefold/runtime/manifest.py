@@ -87,7 +87,7 @@ class ChunkEntry:
     # zero>=2: parameter units (name, FQNs), unit 0 kept whole for the chunk's window
     # (passes/shard_units.py); () otherwise
     units: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    # per tp rank: forward FLOPs and the backward's (B, W) split (compiler/cost.py)
+    # per tp rank: forward FLOPs and the backward's (B, W) split (passes/cost.py)
     flops: tuple[int, int, int] = (0, 0, 0)
 
     def to_json(self) -> dict:

@@ -2,7 +2,7 @@
 
   * tokens/s: one formula for the progress bar, the log and the summary (`tokens_per_second`:
     the steps after the first, which pays for warm-up, or the first when it is all);
-  * model FLOP/s: the compiler's cost model (compiler/cost.py) over the compiled graph,
+  * model FLOP/s: the compiler's cost model (passes/cost.py) over the compiled graph,
     each op counted once for the whole model (an op on tensor-parallel shards or partial
     sums counts its local FLOPs times tp, a replicated one once), forward plus a backward
     of twice the forward (the usual "model FLOPs": recomputation is not useful work);
