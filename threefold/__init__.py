@@ -25,6 +25,6 @@ def __getattr__(name):
         from threefold.runtime.launch import launch
         return launch
     if name == "compile":
-        from threefold.compiler.api import compile_workload
-        return compile_workload
+        from threefold import api   # lazy: as for parallelize
+        return api.compile
     raise AttributeError(f"module 'threefold' has no attribute {name!r}")

@@ -26,6 +26,11 @@ from threefold.runtime.shard import rank_shard
 from threefold.workload import Workload
 
 
+def _write_trace(out: str, trace: dict) -> None:
+    from threefold.report.trace_page import write_trace   # lazy: only a traced run draws pages
+    write_trace(out, trace)
+
+
 class ParallelModule:
     """This rank's chunks of a parallelized model, with a training step."""
 
@@ -35,7 +40,7 @@ class ParallelModule:
         self.manifest = manifest
         self.program = program
         from threefold.runtime.trace import EnvTrace
-        self._env_trace = EnvTrace.from_env(engine)   # THREEFOLD_TRACE=DIR (runtime/trace.py)
+        self._env_trace = EnvTrace.from_env(engine, _write_trace)   # THREEFOLD_TRACE=DIR (runtime/trace.py)
         # the user's model (weakly: never kept alive for this) and loss_fn, to name the op
         # behind a non-finite first loss (threefold/nonfinite.py)
         self._model = weakref.ref(model) if model is not None else (lambda: None)
@@ -250,6 +255,16 @@ class _CompiledSource:
             else:
                 state[fqn] = rank_shard(t, spec, tp_rank).to(device)
         module.load_state(state)
+
+
+def compile(workload, plan=None, progress=None, own_loss: bool = False):
+    """`threefold.compile`: a workload (a `Workload`, its dict, or a SPEC string, loaded here
+    by the front end) and a plan -> the compiler's final stage."""
+    from threefold.compiler.api import compile_workload   # lazy: the compiler's imports (torch.export) only when compiling
+    from threefold.workload import load_spec
+    if isinstance(workload, str):
+        workload = load_spec(workload)
+    return compile_workload(workload, plan, progress=progress, own_loss=own_loss)
 
 
 def _resolve(plan, example_inputs: tuple, batch_dims) -> Plan:

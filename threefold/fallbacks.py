@@ -8,6 +8,8 @@ now print this line, with the share each costs and the command that shows the de
 """
 from __future__ import annotations
 
+from threefold.cli.units import human_bytes
+
 
 def fallback_costs(prog) -> list[str]:
     """The fallbacks of a compiled program, each with what it costs (empty: none)."""
@@ -61,7 +63,6 @@ def _pct(x: float) -> str:
 
 
 def _bytes(x: float) -> str:
-    from threefold.cli.inspect_cmd import human_bytes
     return human_bytes(x)
 
 

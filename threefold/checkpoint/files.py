@@ -153,19 +153,6 @@ def list_steps(root: str) -> list[str]:
     return sorted(found, key=lambda d: int(STEP_DIR.fullmatch(d).group(1)))
 
 
-def resolve(path: str) -> str:
-    """The checkpoint directory `path` names: itself, `latest` in a root (refused if
-    dangling), or the newest under a root (checkpoint/reader.py)."""
-    from threefold.checkpoint.reader import resolve as checked_resolve
-    return checked_resolve(path)
-
-
-def read_index(ckpt: str) -> dict:
-    """threefold.json, every field checked against the schema (checkpoint/reader.py)."""
-    from threefold.checkpoint.reader import read_index as checked_read_index
-    return checked_read_index(ckpt)
-
-
 def check_files(ckpt: str, index: dict, rank: int, world: int) -> str | None:
     """The first problem with the files (missing, truncated, corrupted), or None. Every rank
     checks sizes; the CRC of file i is checked by rank i % world (each file read once)."""

@@ -2,7 +2,7 @@
 any plan of the same model (reshard at load).
 
 Before anything is read into the model: the directory must be a threefold checkpoint
-(files.resolve), every file listed in its index must be present with its size and CRC32,
+(reader.resolve), every file listed in its index must be present with its size and CRC32,
 and its parameter names and full shapes must be this model's (else a PlanError listing the
 first differences). Then each rank asks DCP for exactly its own pieces: each saved chunk's
 overlap with each local piece is read straight into a view of the parameter or optimizer

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from threefold.codegen.lines import annotation, wrap_call
 from threefold.ir.program import tf
 
 
@@ -140,7 +141,6 @@ def deferred_line(writer, node: fx.Node, op: DeferredOp, indent: str = "        
     or `y = weight_grad.linear(self, x, w, b)` / `layer_norm(...)` where the op allows
     (_straight_line), annotated like any other line plus the parameters whose gradients W
     computes."""
-    from threefold.codegen.python import annotation, wrap_call
     writer.imports.add("import threefold.runtime.weight_grad as weight_grad")
     positional = [writer._arg(a) for a in node.args]
     fqns = ", ".join(tf(p)["fqn"] for p in op.params)

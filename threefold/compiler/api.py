@@ -1,4 +1,7 @@
-"""Compile entry points: a model or SPEC plus a plan -> the final stage (Fused) of the passes."""
+"""Compile entry point: a workload plus a plan -> the final stage (Fused) of the passes.
+
+The compiler takes workload values; SPEC strings are loaded by the front end (threefold/api.py
+`compile`, the CLI), so compiling never imports a user's file."""
 from __future__ import annotations
 
 from typing import Callable
@@ -12,7 +15,7 @@ from threefold.errors import PlanError
 from threefold.passes.batch_dims import AmbiguousBatch, find_batch_dims
 from threefold.passes.seq_dims import find_seq_dims, local_share
 from threefold.plan import Plan
-from threefold.workload import Workload, load_spec
+from threefold.workload import Workload
 
 
 def microbatch(values, parts: int, what: str, dims=None):
@@ -33,14 +36,15 @@ def microbatch(values, parts: int, what: str, dims=None):
     return one(values, 0 if dims is None else dims)
 
 
-def compile_workload(workload: Workload | str, plan: Plan | str | None = None,
+def compile_workload(workload: Workload | dict, plan: Plan | str | None = None,
                      progress: Callable[[str], None] | None = None, own_loss: bool = False) -> Fused:
     """Trace a workload at microbatch size and run the pass pipeline for `plan`.
 
     `progress(stage)` is told "trace" and then each pass's name as it starts. `own_loss`:
     without a loss_fn, train on the loss the model returns (compiler/trace.py)."""
     if isinstance(workload, str):
-        workload = load_spec(workload)
+        raise PlanError(f"compile_workload takes a workload, not the SPEC {workload!r}: load it with "
+                        "threefold.workload.load_spec, or call threefold.compile, which does")
     workload = Workload.coerce(workload)
     plan = Plan.parse(plan)
     parts = plan.dp * plan.microbatches

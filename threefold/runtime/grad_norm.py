@@ -71,7 +71,7 @@ def owned_grad_pieces(engine, as_batch_rank_0: bool = False) -> list[torch.Tenso
 def _owned_cuts(engine, as_batch_rank_0: bool, zero: int) -> list[tuple]:
     """[(parameter, its gradient part or None for p.grad itself at zero=0, None: whole |
     (dim, start, length): a narrow of it)] this rank counts in the norm."""
-    from threefold.checkpoint.layout import pieces   # layout math only (no checkpoint I/O)
+    from threefold.runtime.shard import pieces
     from threefold.runtime.zero import row_range
     coord, manifest = engine.coord, engine.manifest
     if as_batch_rank_0:
