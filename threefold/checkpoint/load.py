@@ -84,9 +84,8 @@ def load(pm, optimizer, directory: str) -> dict:
         _apply_optimizer(optimizer, moments, sd)
     if scaler is not None and sd.get(state.SCALER):
         scaler.load_state_dict(sd[state.SCALER])
-        pm.engine.loss_scale = scaler.scale
-    pm.engine._step_count = int(meta.get("engine_step", pm.engine._step_count))
-    pm.engine._rng_base = int(meta.get("rng_base", pm.engine._rng_base))
+        pm.engine.set_loss_scale(scaler.scale)
+    pm.engine.restore_counters(meta.get("engine_step"), meta.get("rng_base"))
     if sd.get(rng_key):
         state.set_rng_state(sd[rng_key])
     return {"step": meta.get("step"), "extra": meta.get("extra"), "path": ckpt, "optimizer_groups": groups}

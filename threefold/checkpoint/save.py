@@ -32,7 +32,7 @@ def save(pm, optimizer, directory: str, step: int | None = None, extra=None, kee
     checkpoints are pruned or replaced."""
     from threefold.outdir import sigterm_raises
     check_keep(keep)
-    step = pm.engine._step_count if step is None else int(step)
+    step = pm.engine.counters()["engine_step"] if step is None else int(step)
     sd = _collect(pm, optimizer, step, extra, rank_world()[0])
     with sigterm_raises("writing a checkpoint"):   # SIGTERM mid-save: the temporary is removed
         return write_checkpoint(sd, index_fields(pm, optimizer, step, run), directory, step, keep)
@@ -140,8 +140,7 @@ def _collect(pm, optimizer, step, extra, rank) -> dict:
             if hasattr(optimizer, "scaler"):   # fp16: resume at the scale training had reached
                 sd[state.SCALER] = optimizer.scaler.state_dict()
     if rank == 0:
-        sd[state.META] = {"step": step, "extra": extra, "engine_step": pm.engine._step_count,
-                          "rng_base": pm.engine._rng_base}
+        sd[state.META] = {"step": step, "extra": extra, **pm.engine.counters()}
     sd[f"rng.rank{rank}"] = state.rng_state()
     return sd
 

@@ -131,6 +131,43 @@ class PipelineEngine:
         self.tracer = None      # a runtime/trace.Recorder while a step is traced (else no clock reads)
         self._local: tuple | None = None   # (LocalExchange or None,) once set up (runtime/local_reduce.py)
         self._links: tuple | None = None   # (local_p2p.Links or None,) once set up (runtime/local_p2p.py)
+        self.memo: dict = {}            # caches of pure functions of this engine's fixed parts (grad_norm.py)
+
+    # -- what other parts register: the only way they change the engine -------------------
+    def use_grad_sync(self, sync) -> None:
+        """zero=1 (runtime/zero.py): `sync.start(fqns)` / `sync.finish(reductions)` replace the
+        dp all-reduce of gradients."""
+        self.dp_grad_hook = sync
+
+    def use_optimizer(self, opt) -> None:
+        """The optimizer pm.optimizer(...) built (runtime/optimizers.py); a plan that needs one
+        (zero, fp16) refuses a training step without it."""
+        self.plan_optimizer = opt
+
+    def set_loss_scale(self, scale: float) -> None:
+        """fp16: the scale the next backward is seeded with (the loss scaler's, after each step
+        and after a checkpoint restores it)."""
+        self.loss_scale = float(scale)
+
+    @contextlib.contextmanager
+    def traced(self, recorder):
+        """--trace (runtime/trace.py): every action of the steps run inside is timed by `recorder`."""
+        self.tracer = recorder
+        try:
+            yield
+        finally:
+            self.tracer = None
+
+    def counters(self) -> dict:
+        """What a checkpoint keeps of the engine: its step count and the random ops' base seed."""
+        return {"engine_step": self._step_count, "rng_base": self._rng_base}
+
+    def restore_counters(self, engine_step: int | None = None, rng_base: int | None = None) -> None:
+        """A checkpoint's counters (checkpoint/load.py); None keeps the current value."""
+        if engine_step is not None:
+            self._step_count = int(engine_step)
+        if rng_base is not None:
+            self._rng_base = int(rng_base)
 
     # -- set-up ----------------------------------------------------------------------------
     def _share_local_ties(self) -> None:

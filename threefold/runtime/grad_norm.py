@@ -53,7 +53,7 @@ def owned_grad_pieces(engine, as_batch_rank_0: bool = False) -> list[torch.Tenso
     over the manifest cost as much as the norm itself, 0.1-0.4 ms a step)."""
     zero = _plan(engine).zero
     if zero == 0:
-        cache = engine.__dict__.setdefault("_owned_cuts", {})
+        cache = engine.memo.setdefault("owned_cuts", {})
         if as_batch_rank_0 not in cache:
             cache[as_batch_rank_0] = _owned_cuts(engine, as_batch_rank_0, zero)
         cuts = cache[as_batch_rank_0]

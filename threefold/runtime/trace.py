@@ -165,17 +165,16 @@ class StepTracer:
         if not rec.event_ns:
             rec.calibrate()
         rec.step = number
-        self.engine.tracer = rec
         comm._recorders.append(rec)
         self.active = True
         t0 = clock()
         try:
-            yield
+            with self.engine.traced(rec):
+                yield
         finally:
             t1 = clock()
             self.active = False
             comm._recorders.remove(rec)
-            self.engine.tracer = None
             rec.add(STEP, f"step {number}", "step", t0, t1)
             self.traced.append(number)
             self.step_ns.append(t1 - t0)

@@ -241,7 +241,7 @@ class ZeroOptimizer(WrappedOptimizer):
                                  engine.mesh.size(BATCH_AXES),
                                  frozenset(engine.manifest.get("experts") or {}) if ep else frozenset())
         if self.sharded is None:
-            engine.dp_grad_hook = self.sync
+            engine.use_grad_sync(self.sync)
 
     def row_shards(self) -> dict[str, RowShard]:
         return self.shards
