@@ -27,16 +27,17 @@ import math
 import torch
 import torch.distributed as dist
 
+from threefold.runtime.run_plan import RunPlan
+
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def plan_of(manifest):
-    """The plan of a manifest (a runtime.manifest.Manifest, or its JSON dict)."""
-    from threefold.plan import Plan
+    """The plan of a manifest (a runtime.manifest.Manifest, or its JSON dict): a RunPlan."""
     plan = getattr(manifest, "plan", None)
-    if isinstance(plan, Plan):
-        return plan
-    return Plan.parse(manifest.get("plan") or "")
+    if plan is not None:
+        return RunPlan.of(plan)
+    return RunPlan.from_json(manifest.get("plan_values"), manifest.get("plan"))
 
 
 def plan_dtype(manifest) -> str:
