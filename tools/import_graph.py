@@ -26,19 +26,18 @@ from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
 import json
 import os
 import re
 import sys
+from typing import NamedTuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "threefold"
 LAZY = re.compile(r"#\s*lazy:\s*\S")
 
 
-@dataclasses.dataclass(frozen=True)
-class Import:
+class Import(NamedTuple):    # (a NamedTuple: tests load this file without registering a module)
     source: str           # importing module, dotted
     target: str           # imported module (internal), or the top-level name (external)
     line: int
