@@ -60,7 +60,7 @@ class Sharded:
 
     @property
     def placement(self):
-        from threefold.placement import Replicate, Shard
+        from threefold.placement import Replicate, Shard   # lazy: start-up: placement loads only on this path
         return Shard(self.spec.dim, tuple(self.spec.blocks)) if self.spec is not None else Replicate()
 
     def __repr__(self) -> str:
@@ -101,7 +101,9 @@ class Sharded:
 
     # -- DCP's protocol ----------------------------------------------------------------------
     def __create_write_items__(self, fqn: str, obj):
+        # lazy: DCP loads only when a checkpoint is saved or loaded
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        # lazy: DCP loads only when a checkpoint is saved or loaded
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
         props = TensorProperties.create_from_tensor(self.local)
         return [WriteItem(index=MetadataIndex(fqn, self._offsets(p)), type=WriteItemType.SHARD,
@@ -111,5 +113,6 @@ class Sharded:
                 for p in self.parts]
 
     def __create_chunk_list__(self):
+        # lazy: DCP loads only when a checkpoint is saved or loaded
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         return [ChunkStorageMetadata(offsets=self._offsets(p), sizes=self._sizes(p)) for p in self.parts]

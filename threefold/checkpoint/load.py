@@ -15,14 +15,16 @@ import torch
 from threefold.checkpoint import files, state
 from threefold.checkpoint.collective import gather_all, quiet as _quiet, rank_world
 from threefold.checkpoint.groups import restore_groups
+from threefold.checkpoint.layout import Sharded
 from threefold.errors import PlanError
 
 
 def load(pm, optimizer, directory: str) -> dict:
     """Load the checkpoint at `directory` (a step directory, or a root: its newest) into
     `pm` and `optimizer` (may be None). Returns {"step", "extra", "path"}."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp   # lazy: DCP loads only when a checkpoint is saved or loaded
     rank, world = rank_world()
+    # lazy: start-up: checkpoint.reader loads only on this path
     from threefold.checkpoint.reader import CheckedReader, check_meta, read_checkpoint
     try:    # every field checked against the schema (checkpoint/reader.py), never plain pickle
         checked, problem = read_checkpoint(directory, meta=False), None
@@ -35,6 +37,7 @@ def load(pm, optimizer, directory: str) -> dict:
     problems = [p for p in gather_all(files.check_files(ckpt, index, rank, world)) if p]
     if problems:
         raise PlanError(f"checkpoint {ckpt}: {problems[0]}; load an earlier checkpoint")
+    # lazy: start-up: checkpoint.save loads only on this path
     from threefold.checkpoint.save import _buffer_names
     # buffers one plan reads and another does not (cp's ring drops the causal-mask buffer) are
     # constants of the model: missing ones keep the model's values, extra ones are not read
@@ -64,7 +67,9 @@ def load(pm, optimizer, directory: str) -> dict:
     rng_key = f"rng.rank{rank if same_layout else 0}"
     if rng_key in md.state_dict_metadata:
         sd[rng_key] = None
+    # lazy: start-up: checkpoint.planners loads only on this path
     from threefold.checkpoint.planners import LoadShards
+    # lazy: start-up: checkpoint.safe_read loads only on this path
     from threefold.checkpoint.safe_read import unwrapped
     try:
         with torch.no_grad():
@@ -92,6 +97,7 @@ def load(pm, optimizer, directory: str) -> dict:
 
 
 def _check_same_model(ckpt: str, md, expected: dict, own_buffers=frozenset(), saved_buffers=frozenset()) -> None:
+    # lazy: DCP loads only when a checkpoint is saved or loaded
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     saved = {k[len(state.MODEL):]: list(m.size) for k, m in md.state_dict_metadata.items()
              if k.startswith(state.MODEL) and isinstance(m, TensorStorageMetadata)}
@@ -113,6 +119,7 @@ def _check_same_model(ckpt: str, md, expected: dict, own_buffers=frozenset(), sa
 
 def _optimizer_targets(pm, optimizer, md) -> dict:
     """key -> (param, state name, destination) for every saved state of this rank's params."""
+    # lazy: DCP loads only when a checkpoint is saved or loaded
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     shapes = state.full_shapes(pm.manifest)
     by_param = {}
@@ -144,7 +151,6 @@ def _optimizer_targets(pm, optimizer, md) -> dict:
 
 
 def _apply_optimizer(optimizer, moments: dict, sd: dict) -> None:
-    from threefold.checkpoint.layout import Sharded
     fresh: dict = {}
     for key, (p, name, _) in moments.items():
         v = sd[key]

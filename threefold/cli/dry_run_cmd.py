@@ -13,9 +13,11 @@ not (each mismatch names both ranks, the group, the op index and both calls).
 from __future__ import annotations
 
 import sys
+import time
 
 from threefold.cli.jsonout import dumps
 from threefold.errors import PlanError
+from threefold.workload import load_spec
 
 GIB = 2 ** 30
 
@@ -35,10 +37,12 @@ def add_flags(p) -> None:
 
 def prepare(spec: str, plan_text: str, world: int | None):
     """(workload, plan, program, sources, manifest) for a dry run."""
+    # lazy: start-up: a command loads codegen.artifact only when it runs
     from threefold.codegen.artifact import build_manifest, build_sources
+    # lazy: start-up: a command loads compiler.api only when it runs
     from threefold.compiler.api import compile_workload
+    # lazy: start-up: a command loads plan_defaults only when it runs
     from threefold.plan_defaults import batch_rows, resolve_plan
-    from threefold.workload import load_spec
     if world is not None and world < 1:
         raise PlanError(f"--world {world} is invalid: give the job's number of ranks, 1 or more")
     w = load_spec(spec)
@@ -55,14 +59,15 @@ def prepare(spec: str, plan_text: str, world: int | None):
 def dry_run(spec: str, plan_text: str, world: int | None = None, all_ranks: bool | None = None,
             cluster: str | None = None, progress=None) -> dict:
     """The dry run's report as a dict (what `--json` prints)."""
-    import time
 
+    # lazy: start-up: a command loads runtime.dry_run only when it runs
     from threefold.runtime.dry_run import DrySource, dry_run_job, meta_batch
     start = time.perf_counter()
     w, plan, prog, sources, manifest = prepare(spec, plan_text, world)
     compiled_s = time.perf_counter() - start
     capacity = None
     if cluster:
+        # lazy: start-up: a command loads planner.cluster only when it runs
         from threefold.planner.cluster import load_cluster
         capacity = int(load_cluster(cluster).usable_bytes)
     batch = meta_batch(tuple(w.inputs) + ((w.target,) if w.target is not None else ()))
@@ -72,6 +77,7 @@ def dry_run(spec: str, plan_text: str, world: int | None = None, all_ranks: bool
 
 
 def summarize(report, prog, plan, compiled_s: float, capacity) -> dict:
+    # lazy: start-up: a command loads planner.memory only when it runs
     from threefold.planner.memory import program_memory
     model = {m.rank: m for m in program_memory(prog)} if prog is not None else {}
     mesh = plan.mesh

@@ -112,6 +112,7 @@ def _nested_node(a) -> bool:
 
 def splits_backward(plan) -> bool:
     """Does the plan's schedule run B and W separately (zero bubble)?"""
+    # lazy: start-up: runtime.schedule loads only on this path
     from threefold.runtime.schedule import SPLIT_KINDS
     return plan.schedule in SPLIT_KINDS
 

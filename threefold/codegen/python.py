@@ -97,6 +97,7 @@ class _ClassWriter:
         if is_last and self.prog.has_loss and self.prog.model_outputs:
             # pm(x) on a model compiled with a loss: the model's outputs, whole (see
             # codegen/model_outputs.py); forward (training) is left exactly as it is
+            # lazy: start-up: codegen.model_outputs loads only on this path
             from threefold.codegen.model_outputs import model_outputs_graph
             g = model_outputs_graph(self.gm, self.prog.model_outputs, self.prog.model_output_meta,
                                     self.prog.plan.tp)
@@ -141,7 +142,7 @@ class _ClassWriter:
         return "\n".join(imports + ["", "aten = torch.ops.aten", "", ""] + cls + lines) + "\n"
 
     def _gathers_sequence(self) -> bool:
-        from threefold.runtime import tp_ops
+        from threefold.runtime import tp_ops   # lazy: start-up: runtime.tp_ops loads only on this path
         return any(n.op == "call_function" and n.target is tp_ops.all_gather_seq for n in self.gm.graph.nodes)
 
     def _method(self, name: str, graph: fx.Graph) -> list[str]:

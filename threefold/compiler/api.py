@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from threefold.compiler.eager_loss import eager_node, loss_reduction
 from threefold.compiler.pipeline import run_passes
 from threefold.ir.program import tf
 from threefold.ir.stages import Fused, Traced
 from threefold.compiler.trace import trace
 from threefold.errors import PlanError
+from threefold.passes.batch_coupling import check_batch_coupling
 from threefold.passes.batch_dims import AmbiguousBatch, find_batch_dims
 from threefold.passes.seq_dims import find_seq_dims, local_share
 from threefold.plan import Plan
@@ -21,7 +24,6 @@ from threefold.workload import Workload
 def microbatch(values, parts: int, what: str, dims=None):
     """The first of `parts` equal slices of each tensor along its batch dim (dims: one per
     value, None = not split; default dim 0); its shape is what we trace."""
-    import torch
 
     def one(t, d):
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or d is None:
@@ -92,7 +94,6 @@ def _name_coupling(workload: Workload, batch: tuple, parts: int, plan: Plan, exc
     naming that op instead of the guess about dimensions. Where the plan opted in to
     per-microbatch results for those ops (loss=microbatch_mean, batchnorm=local), that
     candidate is the answer; else None (the caller re-raises)."""
-    from threefold.passes.batch_coupling import check_batch_coupling
     zeros = [c for c in exc.candidates if all(d in (None, 0) for d in c)]
     if not zeros:
         return None

@@ -20,6 +20,7 @@ from threefold.ir.contracts import CHECKS, ContractError, fingerprint, spec_of, 
 from threefold.passes.cost import annotate_costs
 from threefold.ir.stages import Stage
 from threefold.errors import PlanError
+from threefold.ir.program import format_stage
 from threefold.passes.batch_coupling import check_batch_coupling
 from threefold.passes.context_parallel import context_parallel
 from threefold.passes.experts import find_experts
@@ -109,8 +110,7 @@ def run_passes(stage: Stage, passes: list[Pass] | None = None,
 
 
 def _dump(debug_dir: str, index: int, name: str, stage: Stage) -> None:
-    from threefold.ir.program import format_stage
-    from threefold.ir.stage_io import save_stage
+    from threefold.ir.stage_io import save_stage   # lazy: start-up: ir.stage_io loads only on this path
     with open(os.path.join(debug_dir, f"{index:02d}_{name}.txt"), "w") as f:
         f.write(format_stage(stage) + "\n")
     save_stage(stage, os.path.join(debug_dir, f"{index:02d}_{name}"))

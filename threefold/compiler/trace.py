@@ -23,6 +23,7 @@ import traceback
 from typing import Callable
 
 import torch
+from torch.autograd.function import _SingleLevelFunction
 import torch.fx as fx
 from torch.export.graph_signature import InputKind
 
@@ -258,7 +259,6 @@ def _backward_matches(cls: type, spec: list) -> bool:
 
 
 def _has_setup_context(cls: type) -> bool:
-    from torch.autograd.function import _SingleLevelFunction
     return getattr(cls, "setup_context", None) is not _SingleLevelFunction.setup_context and \
         cls.setup_context is not _SingleLevelFunction.setup_context
 

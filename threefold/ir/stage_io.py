@@ -18,6 +18,7 @@ import os
 import pickle
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
@@ -111,7 +112,6 @@ class _StagePickler(pickle.Pickler):
 
 
 def _is_fake(t) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
     return isinstance(t, FakeTensor)
 
 

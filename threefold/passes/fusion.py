@@ -15,6 +15,7 @@ Runs on each rank's graph after partitioning. The steps, in order:
 """
 from __future__ import annotations
 
+import heapq
 import operator
 
 import torch
@@ -307,7 +308,6 @@ def _name(names: dict, signature: tuple, base: str) -> str:
 
 def _stable_toposort(graph: fx.Graph) -> None:
     """Reorder nodes so every node follows its inputs, keeping the original order otherwise."""
-    import heapq
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     indeg = {n: len(set(n.all_input_nodes)) for n in nodes}

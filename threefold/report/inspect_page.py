@@ -36,6 +36,7 @@ def inspect_html(name: str, report: dict, memory: list[dict], sources: dict[str,
                  "as its forward time and twice that for its backward (zero bubble: B and W one each), in "
                  f'GFLOP; communication free.</p><div class="svgbox">{schedule_svg}</div>')]
     if trace is not None:
+        # lazy: start-up: report.trace_page loads only on this path
         from threefold.report.trace_page import trace_sections
         sections += trace_sections(trace)
     sections.append(("code", "Generated code", _code(sources)))

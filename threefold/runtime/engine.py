@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from threefold.errors import PlanError
 from threefold.runtime import comm, compiled, dispatch, mixed_precision, optimizers
 from threefold.runtime.boundary import Boundary
 from threefold.runtime.buffer_pool import BufferPool
@@ -114,6 +115,7 @@ class PipelineEngine:
         self.batch_group = groups.of(BATCH_AXES)
         self.sharded = None             # zero>=2: gradient (and zero=3 parameter) shards
         if collectives.zero >= 2:
+            # lazy: start-up: runtime.fsdp loads only on this path
             from threefold.runtime.fsdp import ShardedParams
             self.sharded = ShardedParams(self, collectives)
             for c, mod in modules.items():
@@ -222,7 +224,6 @@ class PipelineEngine:
             if mod.training != train:   # (train() walks every submodule: only on a change)
                 mod.train(train)  # generated code reads self.training (dropout, batch norm)
         if train and self._optimizer_needed and self.plan_optimizer is None:
-            from threefold.errors import PlanError
             raise PlanError(self._optimizer_needed)
         with_loss = self.has_loss and not model_outputs
         st.with_loss = with_loss
@@ -530,6 +531,7 @@ class PipelineEngine:
                 or self.dp_grad_hook is not None or self.sharded is not None):
             return None
         if self._local is None:
+            # lazy: start-up: runtime.local_reduce loads only on this path
             from threefold.runtime import local_reduce
             sizes, dtype = local_reduce.batch_buckets(self.collectives.buckets[self.stage], self.params)
             self._local = (local_reduce.open_exchange(self.batch_group, sizes, dtype),)
@@ -542,6 +544,7 @@ class PipelineEngine:
         if self.mesh.pp == 1 or self.device.type != "cpu":
             return None
         if self._links is None:
+            # lazy: start-up: runtime.local_p2p loads only on this path
             from threefold.runtime import local_p2p
             self._links = (local_p2p.open_links(dispatch.p2p_messages(self)),)
         return self._links[0]

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from threefold.runtime import comm
-from threefold.runtime.shard import ShardSpec
+from threefold.runtime.shard import ShardSpec, pieces
 
 
 def _replicated_over_batch(engine) -> bool:
@@ -71,8 +71,7 @@ def owned_grad_pieces(engine, as_batch_rank_0: bool = False) -> list[torch.Tenso
 def _owned_cuts(engine, as_batch_rank_0: bool, zero: int) -> list[tuple]:
     """[(parameter, its gradient part or None for p.grad itself at zero=0, None: whole |
     (dim, start, length): a narrow of it)] this rank counts in the norm."""
-    from threefold.runtime.shard import pieces
-    from threefold.runtime.zero import row_range
+    from threefold.runtime.zero import row_range   # lazy: start-up: runtime.zero loads only on this path
     coord, manifest = engine.coord, engine.manifest
     if as_batch_rank_0:
         coord = engine.mesh.coord(engine.mesh.moved(engine.groups.rank, dp_replicate=0, dp_shard=0, cp=0))
@@ -152,6 +151,7 @@ def _first_holder_stage(chunks) -> dict[str, int]:
 
 
 def _plan(engine):
+    # lazy: start-up: runtime.mixed_precision loads only on this path
     from threefold.runtime.mixed_precision import plan_of
     return plan_of(engine.manifest)
 

@@ -139,7 +139,7 @@ class LossScaler:
             g.mul_(inv)
             bad = torch.maximum(bad, (~torch.isfinite(g)).any().to(bad.dtype))
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            from threefold.runtime import comm
+            from threefold.runtime import comm   # lazy: start-up: runtime.comm loads only on this path
             comm.all_reduce(bad, None, "the fp16 inf/nan flag", op=dist.ReduceOp.MAX)
         return not bool(bad.item())
 

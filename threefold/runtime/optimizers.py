@@ -44,6 +44,7 @@ def make_optimizer(engine, optimizer_cls, params=None, *args, loss_scaler: LossS
     if params is not None:
         params = list(params)   # a generator would be empty if a refused fused build retries
     if plan.zero >= 1:
+        # lazy: start-up: runtime.zero loads only on this path
         from threefold.runtime.zero import ZeroOptimizer
 
         def make(**kw):

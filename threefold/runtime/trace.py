@@ -15,10 +15,14 @@ the Chrome trace-event file, runtime/trace_stats.py reads the bubble out of it.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
+import torch.distributed as dist
+
+from threefold.errors import PlanError
 from threefold.runtime import comm
-from threefold.runtime.schedule import Kind
+from threefold.runtime.schedule import Action, Kind
 from threefold.runtime.trace_merge import STREAMS, clock, merge
 
 STEP, COMPUTE, SEND, RECV, COLLECTIVES = range(len(STREAMS))   # indices into STREAMS
@@ -113,7 +117,6 @@ class Recorder:
     def _ranks(self, group) -> list[int]:
         key = id(group)
         if key not in self._groups:
-            import torch.distributed as dist
             try:
                 self._groups[key] = sorted(dist.get_process_group_ranks(group if group is not None
                                                                         else dist.group.WORLD))
@@ -125,7 +128,6 @@ class Recorder:
     def calibrate(self, n: int = 200, rounds: int = 15) -> float:
         """Nanoseconds one record costs, measured here on the path an action takes (two clock
         reads, naming the action, an append)."""
-        from threefold.runtime.schedule import Action
         a = Action(Kind.FORWARD, 0, 0)
         scratch, best = Recorder(self.rank, [a]), float("inf")
         for _ in range(rounds):   # the quickest of many short rounds: a busy host preempts some
@@ -215,7 +217,6 @@ class NoTracer:
 
 def parse_steps(text: str, flag: str = "--trace-steps") -> list[int]:
     """'3' or '3,5,7' -> [3, 5, 7]; a PlanError for anything else."""
-    from threefold.errors import PlanError
     try:
         steps = sorted({int(part) for part in str(text).split(",") if part.strip()})
     except ValueError:
@@ -239,7 +240,6 @@ class EnvTrace:
 
     @classmethod
     def from_env(cls, engine, write) -> "EnvTrace | None":
-        import os
         out = os.environ.get("THREEFOLD_TRACE")
         if not out:
             return None
