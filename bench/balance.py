@@ -21,7 +21,7 @@ sys.path.insert(0, ROOT)
 
 from examples.gpt import gpt_medium_meta  # noqa: E402
 from threefold.compiler.api import compile_workload  # noqa: E402
-from threefold.compiler.cost import chunk_costs, imbalance  # noqa: E402
+from threefold.passes.cost import chunk_costs, imbalance  # noqa: E402
 
 
 def layer_cut_imbalance(prog, k: int) -> float:

@@ -9,7 +9,7 @@ import torch
 
 from tests import autocast_models as am
 from tests.parity import max_rel_diff, sgd_losses
-from threefold.compiler.program import tf
+from threefold.ir.program import tf
 from threefold.compiler.trace import trace
 from threefold.errors import PlanError
 from threefold.plan import Plan

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import threefold
-from threefold.checkpoint import files
+from threefold.checkpoint import files, reader
 from threefold.checkpoint.async_save import AsyncSaver, stage
 from threefold.checkpoint.save import _collect
 from tests.parity import load_workload
@@ -49,8 +49,8 @@ def test_async_and_blocking_saves_load_the_same_state(tmp_path):
     saver.save(pm, opt, str(tmp_path / "a"), step=2)
     saver.wait()
     threefold.save(pm, opt, str(tmp_path / "b"), step=2)
-    a = files.read_index(files.resolve(str(tmp_path / "a")))
-    b = files.read_index(files.resolve(str(tmp_path / "b")))
+    a = reader.read_index(reader.resolve(str(tmp_path / "a")))
+    b = reader.read_index(reader.resolve(str(tmp_path / "b")))
     assert {k: v[0] for k, v in a["files"].items()} == {k: v[0] for k, v in b["files"].items()}
     loaded = []
     for d in ("a", "b"):

@@ -1,5 +1,5 @@
 """Codegen from a saved stage (tier 2, golden), without tracing: the Partitioned stage of the
-tiny GPT under tp=2,pp=2 is stored in tests/fixtures/stages/ (compiler/stage_io.py); the
+tiny GPT under tp=2,pp=2 is stored in tests/fixtures/stages/ (ir/stage_io.py); the
 test loads it, runs the remaining passes and codegen with torch.export disabled, and
 compares the text with the same golden files the traced path must produce.
 
@@ -16,8 +16,8 @@ import torch
 from threefold import placement
 from threefold.codegen.artifact import build_sources
 from threefold.compiler.pipeline import default_passes, run_passes
-from threefold.compiler.stage_io import load_stage, save_stage
-from threefold.compiler.stages import Fused, Partitioned
+from threefold.ir.stage_io import load_stage, save_stage
+from threefold.ir.stages import Fused, Partitioned
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STAGE = os.path.join(HERE, "fixtures", "stages", "gpt_tiny_tp2_pp2_partitioned")

@@ -14,11 +14,11 @@ from tests.foundation_helpers import ROOT, workload
 from threefold.codegen.artifact import build_sources, save_artifact
 from threefold.codegen.python import content_hash
 from threefold.compiler.api import compile_workload
-from threefold.compiler.cost import annotate_costs
-from threefold.compiler.contracts import stage_pass
+from threefold.passes.cost import annotate_costs
+from threefold.ir.contracts import stage_pass
 from threefold.compiler.pipeline import PassFailed, default_passes, run_passes
-from threefold.compiler.stage_io import load_stage
-from threefold.compiler.stages import Partitioned, Sharded, Traced, copy_graph_module
+from threefold.ir.stage_io import load_stage
+from threefold.ir.stages import Partitioned, Sharded, Traced, copy_graph_module
 from threefold.compiler.trace import trace
 from threefold.passes.pipeline_split import split_pipeline
 from threefold.passes.tensor_parallel import tensor_parallel

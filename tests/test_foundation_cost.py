@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from tests.foundation_helpers import workload
 from threefold.compiler.api import compile_workload
-from threefold.compiler.cost import annotate_costs, chunk_costs, imbalance, op_name
+from threefold.passes.cost import annotate_costs, chunk_costs, imbalance, op_name
 from threefold.compiler.trace import trace
 
 

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 import threefold
 from tests.foundation_helpers import canonical, chunk_modules, run_in_order, summed_grads, workload
 from threefold.compiler.api import compile_workload
-from threefold.compiler.cost import chunk_costs, imbalance
-from threefold.compiler.program import meta_of
+from threefold.passes.cost import chunk_costs, imbalance
+from threefold.ir.program import meta_of
 from threefold.errors import PlanError
 from threefold.passes.pipeline_split import _minmax_partition
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.foundation_helpers import workload
-from threefold.compiler.program import compute_nodes, format_program, tf
+from threefold.ir.program import compute_nodes, format_program, tf
 from threefold.compiler.trace import trace
 from threefold.errors import PlanError
 

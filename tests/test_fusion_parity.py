@@ -10,7 +10,7 @@ import torch
 
 from tests.test_fusion_models import import_kernels
 from threefold.codegen.triton import bind_kernels, kernels_source
-from threefold.compiler.program import tf
+from threefold.ir.program import tf
 from threefold.compiler.trace import trace
 from threefold.passes.fusion import fuse_graph
 from threefold.runtime import kernels as rt

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from tests.test_fusion_models import BiasDropoutAdd
 from tests.test_fusion_parity import _gpt, run_graph
 from threefold.codegen.triton_rules import BWD, FWD
-from threefold.compiler.stages import Chunk, Fused, Partitioned
+from threefold.ir.stages import Chunk, Fused, Partitioned
 from threefold.compiler.trace import trace
 from threefold.passes.fusion import fuse, fuse_graph, split_linear_bias
 from threefold.passes.fusion_regions import ELEMENTWISE, ROW_OPS, FusedRegion

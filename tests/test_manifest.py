@@ -12,6 +12,7 @@ from threefold.errors import PlanError
 from threefold.placement import Replicate, Shard
 from threefold.plan import Plan
 from threefold.runtime.manifest import Manifest
+from threefold.runtime.run_plan import RunPlan
 from threefold.runtime.shard import ShardSpec
 
 TINY = dict(n_layer=2, n_embd=16, n_head=2, vocab_size=32, seq=8, batch=4)
@@ -28,7 +29,8 @@ def manifest():
 def test_json_round_trip_gives_the_same_value(manifest):
     again = Manifest.loads(manifest.dumps())
     assert again == manifest
-    assert isinstance(again.plan, Plan) and str(again.plan) == str(manifest.plan)
+    assert isinstance(again.plan, RunPlan) and str(again.plan) == str(manifest.plan)
+    assert again.plan == RunPlan.of(Plan.parse(str(manifest.plan)))   # the values, not only the text
     assert again.mesh.world_size == 4 and again.local_chunks(1) == [1]
     assert all(isinstance(s, ShardSpec) for s in again.shards.values()) and again.shards
     placements = [s.placement for c in again.chunks for s in c.inputs + c.outputs]
@@ -55,7 +57,8 @@ def test_unknown_keys_survive_and_missing_new_keys_read_as_old(manifest):
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d["mesh"].__setitem__(-1, ["tp", 1]), "is not plan"),
     (lambda d: d["schedule"].__setitem__("microbatches", 4), "is not plan"),
-    (lambda d: d.__setitem__("plan", "tp=2,tp=4"), "invalid plan"),
+    (lambda d: d["plan_values"].__setitem__("tp", "two"), "invalid plan value"),
+    (lambda d: d.pop("plan_values"), "no plan values"),
     (lambda d: d["chunks"][0].pop("params"), None),
 ])
 def test_inconsistent_json_is_one_plan_error(manifest, edit, message):

@@ -65,9 +65,10 @@ def inspect_page(tmp_path_factory):
         os.chdir(cwd)
     from threefold.cli.inspect_cmd import chunk_report
     from threefold.compiler.api import compile_workload
+    from threefold.workload import load_spec
     os.chdir(ROOT)
     try:
-        report = chunk_report(compile_workload(SPEC, PLAN))
+        report = chunk_report(compile_workload(load_spec(SPEC), PLAN))
     finally:
         os.chdir(cwd)
     return str(d / "report.html"), report, trace

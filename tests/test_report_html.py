@@ -23,8 +23,9 @@ def test_inspect_html_is_self_contained_and_complete(tmp_path, in_root):
     from threefold.cli.inspect_cmd import chunk_report, write_html
     from threefold.codegen.artifact import build_sources
     from threefold.compiler.api import compile_workload
+    from threefold.workload import load_spec
     from threefold.report.code_view import split_line
-    prog = compile_workload(SPEC, "pp=2,m=2")
+    prog = compile_workload(load_spec(SPEC), "pp=2,m=2")
     report = chunk_report(prog)    # what inspect --json prints; `inspect --html` writes this page
     page = tmp_path / "r.html"
     write_html(prog, report, str(page))

@@ -72,6 +72,7 @@ def _dtype_unknown(m):
 def _huge_m(m):
     m["schedule"]["microbatches"] = 2 ** 20
     m["plan"] = m["plan"].replace("m=2", f"m={2 ** 20}")
+    m["plan_values"]["microbatches"] = 2 ** 20
 
 
 def _nested_manifest(d):

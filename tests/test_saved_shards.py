@@ -27,9 +27,9 @@ def _one_step(factory: str, plan: str) -> dict:
     gathered, backward_gathers = [], [0]
     register, all_gather = saved_shards.register, comm.all_gather
 
-    def recording_register(full, shard, dim, group):
+    def recording_register(full, shard, dim, group, gather):
         gathered.append(full.untyped_storage().data_ptr())
-        register(full, shard, dim, group)
+        register(full, shard, dim, group, gather)
 
     def counting_all_gather(*args, **kwargs):
         backward_gathers[0] += in_backward[0]

@@ -75,7 +75,7 @@ def test_timeline_draws_w_with_the_weight_time(a100):
 
 def test_chunk_cost_splits_backward_flops():
     from threefold.compiler.api import compile_workload
-    from threefold.compiler.cost import chunk_costs, node_cost
+    from threefold.passes.cost import chunk_costs, node_cost
     from threefold.workload import Workload
     from tests.parity import load_workload
     w = load_workload("gpt", n_layer=2, n_embd=32, n_head=4, vocab_size=64, seq=8, batch=4)

@@ -13,18 +13,18 @@ __all__ = ["Plan", "PlanError", "Workload", "pipe_split", "__version__"]
 def __getattr__(name):
     # Heavier entry points load on first use so `import threefold` stays quick.
     if name in ("parallelize", "ParallelModule"):
-        from threefold import api
+        from threefold import api   # lazy: `import threefold` stays quick
         return getattr(api, name)
     if name in ("save", "load"):
-        from threefold import checkpoint
+        from threefold import checkpoint   # lazy: `import threefold` stays quick
         return getattr(checkpoint, name)
     if name == "Sharded":       # the values of pm.state_dict()
-        from threefold.checkpoint.layout import Sharded
+        from threefold.checkpoint.layout import Sharded   # lazy: `import threefold` stays quick
         return Sharded
     if name == "launch":
-        from threefold.runtime.launch import launch
+        from threefold.runtime.launch import launch   # lazy: `import threefold` stays quick
         return launch
     if name == "compile":
-        from threefold.compiler.api import compile_workload
-        return compile_workload
+        from threefold import api   # lazy: as for parallelize
+        return api.compile
     raise AttributeError(f"module 'threefold' has no attribute {name!r}")

@@ -7,6 +7,8 @@ from the model's own weights, and wraps them in a `ParallelModule`.
 """
 from __future__ import annotations
 
+import atexit
+import ctypes
 import functools
 import itertools
 import math
@@ -14,16 +16,25 @@ import os
 import warnings
 import weakref
 from datetime import timedelta
+import gc
 
 import torch
+import torch.distributed as dist
 
 from threefold.errors import PlanError
 from threefold.plan import Plan
-from threefold.runtime.assemble import assemble_rank, check_world, default_device
+from threefold.runtime.assemble import assemble_rank, check_world, current_rank_and_world, default_device
+from threefold.runtime.comm import default_timeout
 from threefold.runtime.loader import import_source
+from threefold.runtime.optimizers import make_optimizer
 from threefold.runtime.output_tree import rebuild
 from threefold.runtime.shard import rank_shard
-from threefold.workload import Workload
+from threefold.workload import Workload, load_spec
+
+
+def _write_trace(out: str, trace: dict) -> None:
+    from threefold.report.trace_page import write_trace   # lazy: only a traced run draws pages
+    write_trace(out, trace)
 
 
 class ParallelModule:
@@ -34,8 +45,8 @@ class ParallelModule:
         self.plan = plan
         self.manifest = manifest
         self.program = program
-        from threefold.runtime.trace import EnvTrace
-        self._env_trace = EnvTrace.from_env(engine)   # THREEFOLD_TRACE=DIR (runtime/trace.py)
+        from threefold.runtime.trace import EnvTrace   # lazy: start-up: runtime.trace loads only on this path
+        self._env_trace = EnvTrace.from_env(engine, _write_trace)   # THREEFOLD_TRACE=DIR (runtime/trace.py)
         # the user's model (weakly: never kept alive for this) and loss_fn, to name the op
         # behind a non-finite first loss (threefold/nonfinite.py)
         self._model = weakref.ref(model) if model is not None else (lambda: None)
@@ -46,6 +57,7 @@ class ParallelModule:
         """The engine's batch: the model's inputs, then the target where a loss_fn takes one."""
         m = self.manifest
         if not m.has_loss:
+            # lazy: start-up: model_loss loads only on this path
             from threefold.model_loss import no_loss_message
             raise PlanError(f"{what}: {no_loss_message(m.model or 'the model')}")
         if m.takes_target and target is None:
@@ -70,6 +82,7 @@ class ParallelModule:
         return loss
 
     def _raise_nonfinite(self, loss: float, inputs: tuple, target) -> None:
+        # lazy: start-up: nonfinite loads only on this path
         from threefold.nonfinite import first_nonfinite_op, nonfinite_message
         model = self._model()
         found = "" if model is None else first_nonfinite_op(model, tuple(inputs), target, self._loss_fn)
@@ -129,7 +142,6 @@ class ParallelModule:
         """The optimizer this plan needs around `optimizer_cls` (runtime/optimizers.py):
         the plain torch optimizer over pm.parameters() (zero=0), its ZeRO-1 sharded form
         (zero=1), loss-scaled under dtype=fp16. `params`: pm.parameters() or groups of them."""
-        from threefold.runtime.optimizers import make_optimizer
         return make_optimizer(self.engine, optimizer_cls, params, *args, **kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -139,6 +151,7 @@ class ParallelModule:
         """Clip this step's gradients by their global norm over every rank (each shard,
         replicated and tied parameter counted once, as one process would); returns the
         norm before clipping, the same on every rank. Every rank must call it."""
+        # lazy: start-up: runtime.grad_norm loads only on this path
         from threefold.runtime.grad_norm import clip_grad_norm_
         return clip_grad_norm_(self.engine, max_norm)
 
@@ -147,12 +160,14 @@ class ParallelModule:
         `threefold.Sharded`: `.shape` the full tensor's, `.local` this rank's shard,
         `.placement` Replicate() or Shard(dim) over the tp ranks, `.parts` where the shard
         sits in the full tensor. See threefold.save for files."""
+        # lazy: start-up: checkpoint.state loads only on this path
         from threefold.checkpoint.state import model_state
         return model_state(self)
 
     def load_state_dict(self, full: dict) -> None:
         """Copy in full (unsharded) tensors by original FQN, each rank cutting its shard;
         every parameter and buffer must be given (a PlanError names the first few missing)."""
+        # lazy: start-up: checkpoint.state loads only on this path
         from threefold.checkpoint.state import load_full_state
         load_full_state(self, full)
 
@@ -216,6 +231,7 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
         raise PlanError(f"{type(model).__name__} is on the meta device: it can be compiled "
                         "(threefold compile) but training needs real weights; build it on a device "
                         "or pass weights=PATH (safetensors)")
+    # lazy: start-up: checkpoint.weights loads only on this path
     from threefold.checkpoint.weights import WeightSource, traceable
     with traceable(model):   # meta parameters: shapes suffice to compile
         prog, payload = _compile_once(rank, Workload(model, example_inputs, target, loss_fn,
@@ -223,7 +239,7 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
                                       isolate=weights is not None)
     sources, manifest = payload["sources"], payload["manifest"]
     if prog is not None:   # rank 0: what the plan falls back to, once (threefold/fallbacks.py)
-        from threefold.fallbacks import show_fallbacks
+        from threefold.fallbacks import show_fallbacks   # lazy: start-up: fallbacks loads only on this path
         show_fallbacks(prog, f"threefold inspect SPEC --plan '{plan}', or pm.program.notes")
     # The sources are imported from memory (no temporary files to leave behind); with a
     # workdir they are also written there, for reading and debugging.
@@ -238,11 +254,13 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
     dev = torch.device(device) if device is not None else default_device()
     full = _full_state(model, payload["constants"])
     # one source of initial weights: rank 0's, broadcast where fingerprints differ
+    # lazy: start-up: checkpoint.agree loads only on this path
     from threefold.checkpoint.agree import same_as_rank0
     source = WeightSource(weights, model, manifest.ties) if weights is not None else None
     full.update(same_as_rank0({k: v for k, v in full.items() if not k.startswith("_const.") and not v.is_meta
                                and not (source and source.key_of(k))}, dev)[0])
     if loss_fn is not None:   # a loss the last chunk runs eagerly calls it by name
+        # lazy: start-up: runtime.eager_loss loads only on this path
         from threefold.runtime.eager_loss import register
         register(loss_fn)
     engine = assemble_rank(manifest, _CompiledSource(sources, root, full, source, manifest.shards), rank, dev)
@@ -271,11 +289,20 @@ class _CompiledSource:
         module.load_state(state)
 
 
+def compile(workload, plan=None, progress=None, own_loss: bool = False):
+    """`threefold.compile`: a workload (a `Workload`, its dict, or a SPEC string, loaded here
+    by the front end) and a plan -> the compiler's final stage."""
+    from threefold.compiler.api import compile_workload   # lazy: the compiler's imports (torch.export) only when compiling
+    if isinstance(workload, str):
+        workload = load_spec(workload)
+    return compile_workload(workload, plan, progress=progress, own_loss=own_loss)
+
+
 def _resolve(plan, example_inputs: tuple, batch_dims) -> Plan:
     """The plan with what its text leaves out filled in (threefold/plan_defaults.py): dp from
     the job's world size, m from the batch; a note (rank 0) when m had to be lowered."""
+    # lazy: start-up: plan_defaults loads only on this path
     from threefold.plan_defaults import batch_rows, resolve_plan
-    from threefold.runtime.assemble import current_rank_and_world
     rank, world = current_rank_and_world()
     resolved = resolve_plan(plan, world=world, batch=batch_rows(example_inputs, batch_dims))
     if rank == 0:
@@ -291,10 +318,9 @@ def _join(root: str, name: str) -> str:
 def _join_torchrun_job() -> None:
     """Under torchrun (its env set, no process group yet), initialise the default group
     from the environment (gloo on CPU, NCCL on GPU), as a user would expect."""
-    import torch.distributed as dist
     if dist.is_available() and not dist.is_initialized() and all(
             k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        import atexit
+        # lazy: start-up: runtime.launch loads only on this path
         from threefold.runtime.launch import init_from_env
         init_from_env()
         # The group is ours, so we close it: left to interpreter teardown, gloo's threads were
@@ -303,7 +329,6 @@ def _join_torchrun_job() -> None:
 
 
 def _leave_job() -> None:
-    import torch.distributed as dist
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -316,11 +341,12 @@ def _compile_once(rank: int, workload: Workload, plan: Plan, isolate: bool = Fal
     `isolate` (weights read from files: the model may be large) rank 0 compiles in a forked
     child, so torch.export's ~190 MB of code never stays in a rank (threefold/isolated.py).
     """
-    import torch.distributed as dist
+    # lazy: start-up: isolated loads only on this path
     from threefold.isolated import fork_available, run_in_child
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     prog, payload = None, None
     if rank == 0:
+        # lazy: start-up: compile_cache loads only on this path
         from threefold.compile_cache import take, workload_key
         handed = take(workload_key(workload.model, workload.inputs, workload.target, workload.loss_fn, plan,
                                    workload.batch_dims)) if os.environ.get("THREEFOLD_COMPILED") else None
@@ -331,7 +357,8 @@ def _compile_once(rank: int, workload: Workload, plan: Plan, isolate: bool = Fal
             if isolate and fork_available():
                 stage_bytes, payload = run_in_child(_compile_payload, workload, plan, True,
                                                     what="compiling on rank 0")
-                from threefold.compiler.stage_io import stage_from_bytes
+                # lazy: start-up: ir.stage_io loads only on this path
+                from threefold.ir.stage_io import stage_from_bytes
                 prog = stage_from_bytes(stage_bytes)
             else:
                 prog, payload = _compile_payload(workload, plan)
@@ -359,7 +386,6 @@ def compile_timeout() -> timedelta:
     default ten times the collective timeout (at least 600 s). Compiling is minutes of work
     that grows with the model and the machine's load, not a collective that should finish in
     THREEFOLD_TIMEOUT; under a loaded 2-core host a 4-layer LLaMA's compile took over 60 s."""
-    from threefold.runtime.comm import default_timeout
     base = default_timeout()
     text = os.environ.get("THREEFOLD_COMPILE_TIMEOUT")
     if text is None:
@@ -381,7 +407,6 @@ def _wait_for_rank0_compile(rank: int) -> None:
     """Every rank meets here once rank 0 has compiled (or failed to), waiting on a store key
     bounded by compile_timeout(), so the broadcast that follows never waits on the compile
     under the collective timeout. (A gloo barrier would: its sends are bounded by it.)"""
-    import torch.distributed as dist
     key = f"threefold/compiled/{next(_compiles_started)}"
     store = dist.distributed_c10d._get_default_store()
     if rank == 0:
@@ -400,9 +425,11 @@ def _compile_payload(workload: Workload, plan: Plan, as_bytes: bool = False):
     """(program, what every rank needs from it: sources, manifest, lifted constants); the
     program as stage bytes (shapes, no weights) when it must leave a child process."""
     # imported here: only the compiling rank (or its child) pays for the compiler's imports
+    # lazy: start-up: codegen.artifact loads only on this path
     from threefold.codegen.artifact import build_manifest, build_sources
+    # lazy: start-up: compiler.api loads only on this path
     from threefold.compiler.api import compile_workload
-    from threefold.compiler.stage_io import stage_to_bytes
+    from threefold.ir.stage_io import stage_to_bytes   # lazy: start-up: ir.stage_io loads only on this path
     prog = compile_workload(workload, plan, own_loss=True)   # no loss_fn: the model's own loss trains
     sources = build_sources(prog)
     return stage_to_bytes(prog) if as_bytes else prog, {"sources": sources,
@@ -413,8 +440,6 @@ def _compile_payload(workload: Workload, plan: Plan, as_bytes: bool = False):
 def _return_freed_memory() -> None:
     """Give the tracer's garbage back to the OS before the weights are read, so the compiling
     rank's peak is not its compile plus its shard (glibc keeps freed heap otherwise)."""
-    import ctypes
-    import gc
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

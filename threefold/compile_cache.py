@@ -42,6 +42,7 @@ def workload_key(model, inputs: tuple, target, loss_fn, plan, batch_dims=None) -
 
 def hand_to_ranks(prog, key: str) -> None:
     """Write the payload of a compiled program for this process's ranks (they inherit ENV)."""
+    # lazy: start-up: codegen.artifact loads only on this path
     from threefold.codegen.artifact import build_manifest, build_sources
     sources = build_sources(prog)
     manifest = build_manifest(prog, sources, {}, with_weights=False)
@@ -68,6 +69,7 @@ def take(key: str) -> dict | None:
         return None
     if payload.get("key") != key:
         return None
+    # lazy: start-up: runtime.manifest loads only on this path
     from threefold.runtime.manifest import Manifest
     return {"sources": payload["sources"], "manifest": Manifest.from_json(json.loads(payload["manifest"])),
             "constants": payload["constants"]}

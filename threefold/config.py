@@ -200,7 +200,7 @@ def _range_checks(cfg: TrainConfig) -> list[tuple[str, str]]:
 
 def _trace_steps_ok(cfg: TrainConfig) -> bool:
     """--trace-steps parses, and with --trace every chosen step is one the run reaches."""
-    from threefold.runtime.trace import parse_steps
+    from threefold.runtime.trace import parse_steps   # lazy: start-up: runtime.trace loads only on this path
     try:
         steps = parse_steps(cfg.trace_steps)
     except PlanError:
@@ -269,6 +269,7 @@ def load_config(path: str | None = None, overrides: dict | None = None) -> Train
     layers = [_flatten(_read_toml(default_toml(), "embedded default.toml"), "embedded default.toml")]
     if path is not None:
         if os.path.exists(path) and not os.path.isdir(path):
+            # lazy: start-up: regular_file loads only on this path
             from threefold.regular_file import require_regular_file
             require_regular_file(path, f"--config {path!r}")    # a FIFO would block the read forever
         try:

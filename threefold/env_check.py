@@ -7,6 +7,7 @@ with a suggestion; other THREEFOLD_* names are left alone (tools of the user's m
 """
 from __future__ import annotations
 
+import difflib
 import math
 import os
 
@@ -50,12 +51,12 @@ def _int(name: str, text: str, lo: int, hi: int) -> None:
 
 
 def _check_timeout(name, text):
-    from threefold.runtime.comm import MAX_TIMEOUT_S
+    from threefold.runtime.comm import MAX_TIMEOUT_S   # lazy: start-up: runtime.comm loads only on this path
     _seconds(name, text, MIN_TIMEOUT_S, MAX_TIMEOUT_S, "60")
 
 
 def _check_compile_timeout(name, text):
-    from threefold.runtime.comm import MAX_TIMEOUT_S
+    from threefold.runtime.comm import MAX_TIMEOUT_S   # lazy: start-up: runtime.comm loads only on this path
     _seconds(name, text, MIN_TIMEOUT_S, MAX_TIMEOUT_S, "1800")
 
 
@@ -70,7 +71,7 @@ def _check_ring(name, text):
 
 
 def _check_trace_steps(name, text):
-    from threefold.runtime.trace import parse_steps
+    from threefold.runtime.trace import parse_steps   # lazy: start-up: runtime.trace loads only on this path
     parse_steps(text, name)
 
 
@@ -133,7 +134,6 @@ CHECKS = {name: check for name, (check, _) in VARIABLES.items() if check is not 
 
 def check_env(environ=None) -> None:
     """PlanError (one line) for the first THREEFOLD_* variable whose value is invalid."""
-    import difflib
     environ = os.environ if environ is None else environ
     for name in sorted(k for k in environ if k.startswith("THREEFOLD_")):
         if name in VARIABLES:

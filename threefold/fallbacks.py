@@ -8,6 +8,11 @@ now print this line, with the share each costs and the command that shows the de
 """
 from __future__ import annotations
 
+import os
+import sys
+
+from threefold.cli.units import human_bytes
+
 
 def fallback_costs(prog) -> list[str]:
     """The fallbacks of a compiled program, each with what it costs (empty: none)."""
@@ -61,7 +66,6 @@ def _pct(x: float) -> str:
 
 
 def _bytes(x: float) -> str:
-    from threefold.cli.inspect_cmd import human_bytes
     return human_bytes(x)
 
 
@@ -71,8 +75,6 @@ SHOWN_ENV = "THREEFOLD_FALLBACKS_SHOWN"   # set by a command that printed the li
 def show_fallbacks(prog, inspect_command: str, mark: bool = False) -> None:
     """Print the fallback line on stderr, once per job: a command's parent prints it and
     (`mark`) marks the environment its ranks inherit, so their parallelize stays quiet."""
-    import os
-    import sys
     if os.environ.get(SHOWN_ENV) == "1":
         return
     line = fallback_line(prog, inspect_command)

@@ -22,6 +22,8 @@ import sys
 import time
 import traceback
 
+import torch
+
 
 class ChildFailed(RuntimeError):
     pass
@@ -70,7 +72,6 @@ def run_in_child(fn, *args, what: str = "work", timeout: float = 3600.0):
 
 
 def _child_setup() -> None:
-    import torch
     torch.set_num_threads(1)                       # the parent's thread pool did not survive the fork
     try:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)   # PR_SET_PDEATHSIG: die with the parent

@@ -13,15 +13,18 @@ writes it, and a second run on the same directory is refused, naming the holder'
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
+import signal
 import stat
 import tempfile
+import threading
 import time
 from typing import Callable
 
-from threefold.errors import PlanError
+from threefold.errors import PlanError, Terminated
 from threefold.file_modes import as_if_created_plainly
 
 MARKER = ".threefold-out.json"          # {"kind": ..., "files": [relative paths we wrote]}
@@ -123,7 +126,7 @@ def write_out_dir(path: str, fill: Callable[[str], None], kind: str, force: bool
     Returns where a directory that was not ours went (with `force`), else None. Holds the
     directory's lock (threefold/dir_lock.py) while it checks and swaps; a full disk is a
     one-line PlanError, the old directory left as it was."""
-    from threefold.dir_lock import dir_lock
+    from threefold.dir_lock import dir_lock   # lazy: start-up: dir_lock loads only on this path
     with dir_lock(path, flag):
         try:
             return _write_out_dir(path, fill, kind, force, flag)
@@ -135,7 +138,6 @@ def write_out_dir(path: str, fill: Callable[[str], None], kind: str, force: bool
 
 def is_disk_full(exc: BaseException) -> bool:
     """An OSError (or one wrapped by torch's checkpoint writer) for a full disk or quota."""
-    import errno
     seen = 0
     while exc is not None and seen < 8:
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -166,9 +168,6 @@ def _write_out_dir(path: str, fill: Callable[[str], None], kind: str, force: boo
 def sigterm_raises(what: str = "writing the output directory"):
     """SIGTERM raises Terminated (so `except BaseException` cleans up) instead of ending the
     process where it stands; only in the main thread, where signal handlers run."""
-    import signal
-    import threading
-    from threefold.errors import Terminated
     if threading.current_thread() is not threading.main_thread():
         yield
         return

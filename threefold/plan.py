@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+import difflib
+import functools
 
 from threefold.errors import PlanError
 
@@ -150,7 +152,7 @@ class Plan:
     @property
     def mesh(self):
         """The named mesh this plan runs on (runtime/mesh.py: one entry per axis)."""
-        from threefold.runtime.mesh import Mesh
+        from threefold.runtime.mesh import Mesh   # lazy: start-up: runtime.mesh loads only on this path
         return Mesh.of_plan(self)
 
     @property
@@ -223,7 +225,6 @@ class Plan:
 
 def unknown_key(key: str) -> str:
     """"plan key 'shedule' is unknown: did you mean 'schedule'? ..." (one line)."""
-    import difflib
     known = sorted({f.name for f in dataclasses.fields(Plan)} | set(_ALIASES))
     close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
     hint = f"did you mean {close[0]!r}? " if close else ""
@@ -232,7 +233,6 @@ def unknown_key(key: str) -> str:
 
 def _init_checked(init):
     """Plan(shedule=...) is a PlanError naming the key (with a suggestion), not a bare TypeError."""
-    import functools
     names = None
 
     @functools.wraps(init)

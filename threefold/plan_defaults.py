@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from threefold.plan import Plan
 
 
@@ -71,7 +73,6 @@ def resolve_plan(plan, world: int | None = None, batch: int | None = None) -> Re
 def batch_rows(inputs, batch_dims=None) -> int | None:
     """The global batch's row count: the declared batch dim of the first tensor input that
     has one, else dim 0 of the first tensor input (what passes/batch_dims.py prefers)."""
-    import torch
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     dims = batch_dims if isinstance(batch_dims, (tuple, list)) else [batch_dims] * len(inputs)
     for i, t in enumerate(inputs):

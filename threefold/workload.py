@@ -58,6 +58,7 @@ class Workload:
                                 "batches(step) -> (inputs..., target) or an iterable of such batches")
             inputs, target = value.get("inputs"), value.get("target")
             if inputs is None:   # the data source's first batch is the example
+                # lazy: start-up: train.source loads only on this path
                 from threefold.train.source import peek_first
                 (*inputs, target), batches = peek_first(batches, name)
             inputs = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
@@ -82,6 +83,7 @@ def load_spec(spec: str, sizes: dict | None = None) -> Workload:
     one is a PlanError (the flag would mean nothing)."""
     factory, kwargs = resolve_spec(spec)
     if sizes:
+        # lazy: start-up: train.source loads only on this path
         from threefold.train.source import factory_overrides
         kwargs = {**kwargs, **factory_overrides(factory, spec, sizes, kwargs)}
     try:

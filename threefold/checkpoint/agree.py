@@ -77,6 +77,7 @@ def _describe(entry) -> str:
 def batch_as_rank0(batch: tuple) -> tuple:
     """The tensors of `batch` replaced by rank 0's (a factory's unseeded random batch
     would otherwise give every rank a different global batch)."""
+    # lazy: start-up: runtime.assemble loads only on this path
     from threefold.runtime.assemble import default_device
     tensors = {str(i): t for i, t in enumerate(batch) if isinstance(t, torch.Tensor)}
     agreed, _ = same_as_rank0(tensors, default_device(), what="batches")

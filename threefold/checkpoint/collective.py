@@ -1,6 +1,9 @@
 """The few collectives checkpointing needs, each a no-op in a single process."""
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 import torch.distributed as dist
 
 
@@ -31,8 +34,6 @@ def gather_all(value, group=None) -> list:
 
 def quiet(world: int):
     """In a single process DCP warns that it assumes one process, which is what we mean."""
-    import contextlib
-    import warnings
     if world > 1:
         return contextlib.nullcontext()
     ctx = warnings.catch_warnings()

@@ -32,10 +32,14 @@ from threefold.errors import PlanError
 
 def consolidate(ckpt_path: str) -> tuple[str, dict[str, torch.Tensor]]:
     """Full tensors of every model parameter and buffer in the checkpoint, by FQN."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp   # lazy: DCP loads only when a checkpoint is saved or loaded
+    # lazy: DCP loads only when a checkpoint is saved or loaded
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    # lazy: start-up: checkpoint.collective loads only on this path
     from threefold.checkpoint.collective import quiet
+    # lazy: start-up: checkpoint.reader loads only on this path
     from threefold.checkpoint.reader import CheckedReader, read_checkpoint
+    # lazy: start-up: checkpoint.safe_read loads only on this path
     from threefold.checkpoint.safe_read import SafeLoadPlanner, unwrapped
     checked = read_checkpoint(ckpt_path, meta=False)   # every field checked, sizes bounded by the files
     ckpt, md = checked.path, checked.metadata
@@ -54,6 +58,7 @@ def consolidate(ckpt_path: str) -> tuple[str, dict[str, torch.Tensor]]:
 
 def hf_names(full: dict[str, torch.Tensor], hf_config: str):
     """(tensors under the transformers model's keys, its config)."""
+    # lazy: transformers loads only for Hugging Face models
     from transformers import AutoConfig, AutoModelForCausalLM
     try:
         config = AutoConfig.from_pretrained(hf_config)
@@ -124,13 +129,15 @@ def embedded_gpt_names(full: dict[str, torch.Tensor], gpt: dict, hf_config: str 
     """(tensors under GPT-2's keys, its config) for a checkpoint of the embedded GPT whose
     GPTConfig fields are `gpt` (models/gpt_hf.py): `hf_config` if given (checked to describe
     the same function), else the GPT2Config written for it."""
+    # lazy: start-up: checkpoint.run_record loads only on this path
     from threefold.checkpoint.run_record import gpt_config
+    # lazy: start-up: models.gpt_hf loads only on this path
     from threefold.models.gpt_hf import check_gpt2_config, gpt2_config, gpt2_state
     cfg = gpt_config(gpt, {k: tuple(v.shape) for k, v in full.items()}, where or "the checkpoint")
     if hf_config is None:
         config = gpt2_config(cfg)
     else:
-        from transformers import AutoConfig
+        from transformers import AutoConfig   # lazy: transformers loads only for Hugging Face models
         try:
             config = AutoConfig.from_pretrained(hf_config)
         except Exception as exc:
@@ -145,19 +152,22 @@ def export(ckpt_path: str, out: str, hf_config: str | None = None, force: bool =
     """Write the checkpoint's weights to `out`. `run_record(ckpt)`: what `threefold train`
     recorded in the checkpoint (cli/generate_cmd.read_generate_info); with the embedded
     GPT's config in it ("gpt"), the export is a GPT-2 directory."""
-    from threefold.outdir import check_out_dir
+    from threefold.outdir import check_out_dir   # lazy: start-up: outdir loads only on this path
     max_bytes = parse_size(max_shard_size)
     check_out_dir(out, force)
-    from threefold.dir_lock import dir_lock
+    from threefold.dir_lock import dir_lock   # lazy: start-up: dir_lock loads only on this path
     with dir_lock(out):     # one export (or run) per --out from here to the written directory
         return _export(ckpt_path, out, hf_config, force, max_bytes, run_record)
 
 
 def _export(ckpt_path, out, hf_config, force, max_bytes, run_record) -> dict:
+    # lazy: safetensors loads only when weight files are read or written
     from safetensors.torch import save_file
+    # lazy: start-up: file_modes loads only on this path
     from threefold.file_modes import as_if_created_plainly
+    # lazy: start-up: checkpoint.weights loads only on this path
     from threefold.checkpoint.weights import INDEX
-    from threefold.outdir import write_out_dir
+    from threefold.outdir import write_out_dir   # lazy: start-up: outdir loads only on this path
     ckpt, full = consolidate(ckpt_path)
     config = None
     embedded_gpt = (run_record(ckpt) if run_record is not None else {}).get("gpt")

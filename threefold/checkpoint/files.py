@@ -7,6 +7,7 @@ renamed into place only when complete, so a crash leaves the previous checkpoint
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -123,14 +124,12 @@ def drop_partial(root: str) -> list[str]:
 def hold_partial(tmp: str) -> int:
     """A flock on the temporary directory a save is filling, held (its fd) until the save is
     published or fails: drop_partial leaves a held one alone (another run's save in progress)."""
-    import fcntl
     fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
     fcntl.flock(fd, fcntl.LOCK_EX)
     return fd
 
 
 def in_progress(path: str) -> bool:
-    import fcntl
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
@@ -153,19 +152,6 @@ def list_steps(root: str) -> list[str]:
     return sorted(found, key=lambda d: int(STEP_DIR.fullmatch(d).group(1)))
 
 
-def resolve(path: str) -> str:
-    """The checkpoint directory `path` names: itself, `latest` in a root (refused if
-    dangling), or the newest under a root (checkpoint/reader.py)."""
-    from threefold.checkpoint.reader import resolve as checked_resolve
-    return checked_resolve(path)
-
-
-def read_index(ckpt: str) -> dict:
-    """threefold.json, every field checked against the schema (checkpoint/reader.py)."""
-    from threefold.checkpoint.reader import read_index as checked_read_index
-    return checked_read_index(ckpt)
-
-
 def check_files(ckpt: str, index: dict, rank: int, world: int) -> str | None:
     """The first problem with the files (missing, truncated, corrupted), or None. Every rank
     checks sizes; the CRC of file i is checked by rank i % world (each file read once)."""
@@ -183,6 +169,7 @@ def check_files(ckpt: str, index: dict, rank: int, world: int) -> str | None:
 
 def coverage_problem(md) -> str | None:
     """A saved tensor whose chunks do not add up to the whole tensor (partial weights)."""
+    # lazy: DCP loads only when a checkpoint is saved or loaded
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     for key, m in md.state_dict_metadata.items():
         if isinstance(m, TensorStorageMetadata):

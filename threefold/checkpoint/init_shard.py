@@ -182,6 +182,7 @@ class ShardInit:
 
     def init_full(self, fqn: str, full_shape, dtype=torch.float32) -> torch.Tensor:
         """The whole tensor every layout's shards assemble into."""
+        # lazy: start-up: checkpoint.layout loads only on this path
         from threefold.checkpoint.layout import pieces
         out = torch.empty(list(full_shape), dtype=dtype)
         dim, parts = pieces(None, full_shape, 0)

@@ -9,57 +9,9 @@ piece as a chunk of the global tensor at its offsets, so any other layout can re
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from threefold.runtime.shard import ShardSpec
-
-
-@dataclass(frozen=True)
-class Piece:
-    local: int     # start along dim in this rank's tensor
-    length: int
-    start: int     # start along dim in the full tensor
-
-
-def _chunk(size: int, t: int, r: int) -> tuple[int, int]:
-    """torch.chunk's r-th piece of `size` in t parts: (start, length)."""
-    c = -(-size // t)
-    start = min(r * c, size)
-    return start, max(0, min(size, start + c) - start)
-
-
-def pieces(spec: ShardSpec | None, full_shape, tp_rank: int, owned: bool = False) -> tuple[int, list[Piece]]:
-    """(dim, pieces) of tp rank `tp_rank`'s shard of a tensor of `full_shape`. A block every
-    rank holds whole is a piece of each (loads fill it everywhere, DCP writes it once); with
-    `owned`, of tp rank 0 only (what a sum over ranks must count once)."""
-    full_shape = list(full_shape)
-    if spec is None:
-        return 0, [Piece(0, full_shape[0] if full_shape else 1, 0)]
-    dim, t = spec.dim, spec.t
-    out: list[Piece] = []
-    if spec.blocks:
-        local, offset = 0, 0
-        for b, whole in zip(spec.blocks, spec.whole or (False,) * len(spec.blocks)):
-            start, n = (0, b) if whole else _chunk(b, t, tp_rank)
-            if not (whole and owned and tp_rank):
-                out.append(Piece(local, n, offset + start))
-            local, offset = local + n, offset + b
-        return dim, [p for p in out if p.length]
-    start, n = _chunk(spec.padded, t, tp_rank)
-    real = max(0, min(full_shape[dim], start + n) - start)   # rows past the real size: padding
-    return dim, [Piece(0, real, start)] if real else []
-
-
-def local_shape(spec: ShardSpec | None, full_shape, tp_rank: int) -> list[int]:
-    shape = list(full_shape)
-    if spec is not None:
-        whole = spec.whole or (False,) * len(spec.blocks)
-        shape[spec.dim] = (sum(b if w else _chunk(b, spec.t, tp_rank)[1] for b, w in zip(spec.blocks, whole))
-                           if spec.blocks
-                           else _chunk(spec.padded, spec.t, tp_rank)[1])
-    return shape
+from threefold.runtime.shard import Piece, ShardSpec, local_shape, pieces  # noqa: F401 (the layout math lives in runtime/shard.py)
 
 
 class Sharded:
@@ -108,7 +60,7 @@ class Sharded:
 
     @property
     def placement(self):
-        from threefold.placement import Replicate, Shard
+        from threefold.placement import Replicate, Shard   # lazy: start-up: placement loads only on this path
         return Shard(self.spec.dim, tuple(self.spec.blocks)) if self.spec is not None else Replicate()
 
     def __repr__(self) -> str:
@@ -149,7 +101,9 @@ class Sharded:
 
     # -- DCP's protocol ----------------------------------------------------------------------
     def __create_write_items__(self, fqn: str, obj):
+        # lazy: DCP loads only when a checkpoint is saved or loaded
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        # lazy: DCP loads only when a checkpoint is saved or loaded
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
         props = TensorProperties.create_from_tensor(self.local)
         return [WriteItem(index=MetadataIndex(fqn, self._offsets(p)), type=WriteItemType.SHARD,
@@ -159,5 +113,6 @@ class Sharded:
                 for p in self.parts]
 
     def __create_chunk_list__(self):
+        # lazy: DCP loads only when a checkpoint is saved or loaded
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         return [ChunkStorageMetadata(offsets=self._offsets(p), sizes=self._sizes(p)) for p in self.parts]

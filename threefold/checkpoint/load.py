@@ -2,7 +2,7 @@
 any plan of the same model (reshard at load).
 
 Before anything is read into the model: the directory must be a threefold checkpoint
-(files.resolve), every file listed in its index must be present with its size and CRC32,
+(reader.resolve), every file listed in its index must be present with its size and CRC32,
 and its parameter names and full shapes must be this model's (else a PlanError listing the
 first differences). Then each rank asks DCP for exactly its own pieces: each saved chunk's
 overlap with each local piece is read straight into a view of the parameter or optimizer
@@ -15,14 +15,16 @@ import torch
 from threefold.checkpoint import files, state
 from threefold.checkpoint.collective import gather_all, quiet as _quiet, rank_world
 from threefold.checkpoint.groups import restore_groups
+from threefold.checkpoint.layout import Sharded
 from threefold.errors import PlanError
 
 
 def load(pm, optimizer, directory: str) -> dict:
     """Load the checkpoint at `directory` (a step directory, or a root: its newest) into
     `pm` and `optimizer` (may be None). Returns {"step", "extra", "path"}."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp   # lazy: DCP loads only when a checkpoint is saved or loaded
     rank, world = rank_world()
+    # lazy: start-up: checkpoint.reader loads only on this path
     from threefold.checkpoint.reader import CheckedReader, check_meta, read_checkpoint
     try:    # every field checked against the schema (checkpoint/reader.py), never plain pickle
         checked, problem = read_checkpoint(directory, meta=False), None
@@ -35,6 +37,7 @@ def load(pm, optimizer, directory: str) -> dict:
     problems = [p for p in gather_all(files.check_files(ckpt, index, rank, world)) if p]
     if problems:
         raise PlanError(f"checkpoint {ckpt}: {problems[0]}; load an earlier checkpoint")
+    # lazy: start-up: checkpoint.save loads only on this path
     from threefold.checkpoint.save import _buffer_names
     # buffers one plan reads and another does not (cp's ring drops the causal-mask buffer) are
     # constants of the model: missing ones keep the model's values, extra ones are not read
@@ -64,7 +67,9 @@ def load(pm, optimizer, directory: str) -> dict:
     rng_key = f"rng.rank{rank if same_layout else 0}"
     if rng_key in md.state_dict_metadata:
         sd[rng_key] = None
+    # lazy: start-up: checkpoint.planners loads only on this path
     from threefold.checkpoint.planners import LoadShards
+    # lazy: start-up: checkpoint.safe_read loads only on this path
     from threefold.checkpoint.safe_read import unwrapped
     try:
         with torch.no_grad():
@@ -84,15 +89,15 @@ def load(pm, optimizer, directory: str) -> dict:
         _apply_optimizer(optimizer, moments, sd)
     if scaler is not None and sd.get(state.SCALER):
         scaler.load_state_dict(sd[state.SCALER])
-        pm.engine.loss_scale = scaler.scale
-    pm.engine._step_count = int(meta.get("engine_step", pm.engine._step_count))
-    pm.engine._rng_base = int(meta.get("rng_base", pm.engine._rng_base))
+        pm.engine.set_loss_scale(scaler.scale)
+    pm.engine.restore_counters(meta.get("engine_step"), meta.get("rng_base"))
     if sd.get(rng_key):
         state.set_rng_state(sd[rng_key])
     return {"step": meta.get("step"), "extra": meta.get("extra"), "path": ckpt, "optimizer_groups": groups}
 
 
 def _check_same_model(ckpt: str, md, expected: dict, own_buffers=frozenset(), saved_buffers=frozenset()) -> None:
+    # lazy: DCP loads only when a checkpoint is saved or loaded
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     saved = {k[len(state.MODEL):]: list(m.size) for k, m in md.state_dict_metadata.items()
              if k.startswith(state.MODEL) and isinstance(m, TensorStorageMetadata)}
@@ -114,6 +119,7 @@ def _check_same_model(ckpt: str, md, expected: dict, own_buffers=frozenset(), sa
 
 def _optimizer_targets(pm, optimizer, md) -> dict:
     """key -> (param, state name, destination) for every saved state of this rank's params."""
+    # lazy: DCP loads only when a checkpoint is saved or loaded
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     shapes = state.full_shapes(pm.manifest)
     by_param = {}
@@ -145,7 +151,6 @@ def _optimizer_targets(pm, optimizer, md) -> dict:
 
 
 def _apply_optimizer(optimizer, moments: dict, sd: dict) -> None:
-    from threefold.checkpoint.layout import Sharded
     fresh: dict = {}
     for key, (p, name, _) in moments.items():
         v = sd[key]

@@ -77,6 +77,7 @@ def peft_key(fqn: str, adapter: str) -> str | None:
 
 def trained_names(ckpt: str) -> set[str]:
     """FQNs of the parameters with optimizer state in the checkpoint (the trained ones)."""
+    # lazy: start-up: checkpoint.reader loads only on this path
     from threefold.checkpoint.reader import read_checkpoint
     md = read_checkpoint(ckpt, meta=False).metadata
     model = {k[len(state.MODEL):] for k in md.state_dict_metadata if k.startswith(state.MODEL)}
@@ -118,8 +119,8 @@ def adapter_tensors(full: dict[str, torch.Tensor], trained: set[str], adapter: s
 def export_adapters(ckpt_path: str, out: str, peft_config: str | None, adapter: str = "default",
                     force: bool = False) -> dict:
     """Write the checkpoint's LoRA adapter to `out` in PEFT's format."""
-    from threefold.dir_lock import dir_lock
-    from threefold.outdir import check_out_dir
+    from threefold.dir_lock import dir_lock   # lazy: start-up: dir_lock loads only on this path
+    from threefold.outdir import check_out_dir   # lazy: start-up: outdir loads only on this path
     config = read_peft_config(peft_config)     # bad input first, before any work
     check_out_dir(out, force)
     with dir_lock(out):
@@ -127,10 +128,13 @@ def export_adapters(ckpt_path: str, out: str, peft_config: str | None, adapter: 
 
 
 def _export_adapters(ckpt_path, out, config, adapter, force) -> dict:
+    # lazy: safetensors loads only when weight files are read or written
     from safetensors.torch import save_file
+    # lazy: start-up: checkpoint.export loads only on this path
     from threefold.checkpoint.export import consolidate
+    # lazy: start-up: file_modes loads only on this path
     from threefold.file_modes import as_if_created_plainly
-    from threefold.outdir import write_out_dir
+    from threefold.outdir import write_out_dir   # lazy: start-up: outdir loads only on this path
     ckpt, full = consolidate(ckpt_path)
     tensors = adapter_tensors(full, trained_names(ckpt), adapter, config)
 

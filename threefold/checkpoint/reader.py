@@ -26,8 +26,10 @@ import os
 import stat
 from dataclasses import dataclass, field
 
+import torch
+
 from threefold.checkpoint import files
-from threefold.checkpoint.safe_read import SafeReader
+from threefold.checkpoint.safe_read import SafeLoadPlanner, SafeReader, read_metadata_file, unwrapped
 from threefold.errors import PlanError
 
 MAX_INDEX_BYTES = 256 * 2**20     # threefold.json: shapes and names of a very large model fit
@@ -73,7 +75,7 @@ def _lstat_regular(path: str, what: str, owner: str):
     except OSError as exc:
         raise damaged(owner, what, f"names {path}, which cannot be read ({exc.strerror or exc})") from None
     if not stat.S_ISREG(st.st_mode):
-        from threefold.regular_file import kind_of
+        from threefold.regular_file import kind_of   # lazy: start-up: regular_file loads only on this path
         kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else kind_of(st.st_mode)
         raise damaged(owner, what, f"names {path}, which is {kind}, not a regular file")
     return st
@@ -193,14 +195,14 @@ def check_listed_files(ckpt: str, index: dict) -> None:
 # -- DCP's .metadata ----------------------------------------------------------------------------
 
 def _dims(v) -> bool:
-    import torch
     return isinstance(v, (torch.Size, tuple, list)) and len(v) <= MAX_DIMS and all(_int(d, 0, 2**62) for d in v)
 
 
 def check_metadata(ckpt: str, md, sizes: dict[str, int]) -> None:
     """Types, shapes and byte ranges of DCP's metadata, bounded by the files' real sizes."""
-    import torch
+    # lazy: DCP loads only when a checkpoint is saved or loaded
     from torch.distributed.checkpoint.filesystem import _StorageInfo
+    # lazy: DCP loads only when a checkpoint is saved or loaded
     from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
                                                        TensorStorageMetadata)
     where = os.path.join(ckpt, ".metadata")
@@ -260,6 +262,7 @@ def check_meta(ckpt: str, meta, index: dict | None = None, md=None, strict: bool
     """`meta` checked against its schema; with `md`, the recorded GPT config against the
     saved tensors' shapes. `strict=False` (threefold.load of a user's own checkpoint): an
     `extra` that is not a dict is the user's value, returned as saved."""
+    # lazy: start-up: checkpoint.run_record loads only on this path
     from threefold.checkpoint.run_record import check_generate, gpt_config
     where = f"{os.path.join(ckpt, '.metadata')} (entry 'meta')"
 
@@ -303,10 +306,10 @@ def check_meta(ckpt: str, meta, index: dict | None = None, md=None, strict: bool
 
 def read_meta(ckpt: str, md) -> dict:
     """The `meta` entry alone (DCP, weights_only=True), bounded by its storage record's length."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp   # lazy: DCP loads only when a checkpoint is saved or loaded
+    # lazy: start-up: checkpoint.collective loads only on this path
     from threefold.checkpoint.collective import quiet
-    from threefold.checkpoint.safe_read import SafeLoadPlanner, unwrapped
-    from threefold.checkpoint.state import META
+    from threefold.checkpoint.state import META   # lazy: start-up: checkpoint.state loads only on this path
     if META not in md.state_dict_metadata:
         return {}
     sd = {META: None}
@@ -329,6 +332,7 @@ class CheckedReader(SafeReader):
         self._md = md
 
     def read_metadata(self, *args, **kwargs):
+        # lazy: DCP loads only when a checkpoint is saved or loaded
         from torch.distributed.checkpoint.metadata import StorageMeta
         if getattr(self._md, "storage_meta", None) is None:
             self._md.storage_meta = StorageMeta()
@@ -339,7 +343,6 @@ class CheckedReader(SafeReader):
 def read_checkpoint(path: str, meta: bool = True) -> Checkpoint:
     """The checked index, DCP metadata and (with `meta`) meta entry of the checkpoint at
     `path` (a step directory, or a root: `latest`, else its newest)."""
-    from threefold.checkpoint.safe_read import read_metadata_file
     ckpt = resolve(path)
     index = read_index(ckpt)
     check_listed_files(ckpt, index)

@@ -3,6 +3,7 @@ checked as data: the embedded GPT's config (numbers, bounded by the saved tensor
 before the model is built), its tokenizer record, and a SPEC that is only ever a hint."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from threefold.errors import PlanError
@@ -41,8 +42,7 @@ def check_generate(gen) -> tuple[str, str] | None:
 def gpt_config(record: dict, shapes: dict | None, where: str):
     """The GPTConfig `record` describes, its fields typed and in range and (with `shapes`, the
     saved tensors' FQN -> shape) matching the saved embeddings and layers."""
-    import dataclasses
-    from threefold.models.gpt import GPTConfig
+    from threefold.models.gpt import GPTConfig   # lazy: start-up: models.gpt loads only on this path
     known = {f.name for f in dataclasses.fields(GPTConfig)}
 
     def bad(name: str, why: str) -> PlanError:
@@ -79,6 +79,7 @@ def gpt_config(record: dict, shapes: dict | None, where: str):
 
 def tokenizer_record(record, where: str):
     """The tokenizer a record describes (byte, or a tokenizers JSON as data, never code)."""
+    # lazy: start-up: dataset.tokenizer loads only on this path
     from threefold.dataset.tokenizer import tokenizer_from_dict
     if not isinstance(record, dict) or record.get("kind") not in ("byte", "hf") or (
             record.get("kind") == "hf" and not isinstance(record.get("tokenizer_json"), str)):

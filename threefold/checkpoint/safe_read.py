@@ -65,6 +65,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def read_metadata_file(path: str):
     """The DCP Metadata in `path`, through the restricted unpickler."""
+    # lazy: DCP loads only when a checkpoint is saved or loaded
     from torch.distributed.checkpoint.metadata import Metadata
     with open(path, "rb") as f:
         try:
@@ -88,6 +89,7 @@ class SafeReader(FileSystemReader):
         return super().read_data(plan, planner)
 
     def read_metadata(self, *args, **kwargs):
+        # lazy: DCP loads only when a checkpoint is saved or loaded
         from torch.distributed.checkpoint.metadata import StorageMeta
         path = os.fspath(self._get_metadata_path(kwargs.get("rank")))
         md = read_metadata_file(path)
@@ -138,6 +140,7 @@ def unwrapped():
     """DCP wraps what a read raises in a CheckpointException (a BaseException, with every
     rank's traceback in its text): a refusal comes out as the PlanError it is, anything else
     as a RuntimeError with the first rank's one-line cause."""
+    # lazy: DCP loads only when a checkpoint is saved or loaded
     from torch.distributed.checkpoint.api import CheckpointException
     try:
         yield

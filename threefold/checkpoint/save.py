@@ -30,9 +30,9 @@ def save(pm, optimizer, directory: str, step: int | None = None, extra=None, kee
     the checkpoint's path (directory/step_<N>), the same on every rank. `run` (threefold
     train's record: checkpoint/ownership.py) goes into the index; with it only this run's
     checkpoints are pruned or replaced."""
-    from threefold.outdir import sigterm_raises
+    from threefold.outdir import sigterm_raises   # lazy: start-up: outdir loads only on this path
     check_keep(keep)
-    step = pm.engine._step_count if step is None else int(step)
+    step = pm.engine.counters()["engine_step"] if step is None else int(step)
     sd = _collect(pm, optimizer, step, extra, rank_world()[0])
     with sigterm_raises("writing a checkpoint"):   # SIGTERM mid-save: the temporary is removed
         return write_checkpoint(sd, index_fields(pm, optimizer, step, run), directory, step, keep)
@@ -58,7 +58,7 @@ def write_checkpoint(sd: dict, fields: dict, directory: str, step: int, keep: in
     """Write `sd` as DIR/step_<N> (atomically: a temporary directory renamed when complete
     and verified); every rank calls it with its own `sd`. `group`: the process group of the
     collectives (None: the default one). Returns the checkpoint's path on every rank."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp   # lazy: DCP loads only when a checkpoint is saved or loaded
     rank, world = rank_world()
     name = files.step_name(step)
     tmp, held = None, None
@@ -101,6 +101,7 @@ def write_checkpoint(sd: dict, fields: dict, directory: str, step: int, keep: in
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             _release(held)
+        # lazy: start-up: outdir loads only on this path
         from threefold.outdir import disk_full, is_disk_full
         if is_disk_full(exc) or _any_disk_full(exc):    # DCP wraps each rank's OSError: name the cause
             raise PlanError(f"checkpoint {directory} at step {step} could not be written: {disk_full()}") from None
@@ -119,7 +120,7 @@ def _release(fd) -> None:
 
 def _any_disk_full(exc: BaseException) -> bool:
     """torch's CheckpointException keeps each rank's exception in `failures`: {rank: (exc, trace)}."""
-    from threefold.outdir import is_disk_full
+    from threefold.outdir import is_disk_full   # lazy: start-up: outdir loads only on this path
     failures = getattr(exc, "failures", None)
     if not isinstance(failures, dict):
         return False
@@ -127,6 +128,7 @@ def _any_disk_full(exc: BaseException) -> bool:
 
 
 def _planner():
+    # lazy: start-up: checkpoint.planners loads only on this path
     from threefold.checkpoint.planners import SaveShards
     return SaveShards()
 
@@ -141,8 +143,7 @@ def _collect(pm, optimizer, step, extra, rank) -> dict:
             if hasattr(optimizer, "scaler"):   # fp16: resume at the scale training had reached
                 sd[state.SCALER] = optimizer.scaler.state_dict()
     if rank == 0:
-        sd[state.META] = {"step": step, "extra": extra, "engine_step": pm.engine._step_count,
-                          "rng_base": pm.engine._rng_base}
+        sd[state.META] = {"step": step, "extra": extra, **pm.engine.counters()}
     sd[f"rng.rank{rank}"] = state.rng_state()
     return sd
 

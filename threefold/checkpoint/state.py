@@ -49,6 +49,7 @@ def layout_of(pm, fqn: str, local: torch.Tensor) -> Sharded:
     if fqn in experts and mesh.ep > 1:
         # ep: this rank's E/ep experts are rows of the full tensor (runtime/experts.py), so
         # they are saved as those rows, under the same key and full shape as any other plan
+        # lazy: start-up: checkpoint.zero_state loads only on this path
         from threefold.checkpoint.zero_state import RowsOf
         if spec is not None and spec.dim == 0:   # RowsOf reads dim 0 as global rows
             raise PlanError(f"{fqn}: an expert weight split over tp along its expert dim cannot be "
@@ -64,6 +65,7 @@ def layout_of(pm, fqn: str, local: torch.Tensor) -> Sharded:
 def model_state(pm) -> dict[str, Sharded]:
     """What `pm.state_dict()` returns: this rank's shards, each with its layout (under
     zero=3 a trainable parameter is this dp_shard rank's rows of it: runtime/fsdp.py)."""
+    # lazy: start-up: checkpoint.zero_state loads only on this path
     from threefold.checkpoint.zero_state import rows_within, shape_only
     sharded = pm.engine.sharded
     rows = sharded.rows if sharded is not None and sharded.zero >= 3 else {}
@@ -94,6 +96,7 @@ def holds_unique(pm, layout) -> bool:
 def optimizer_params(pm, optimizer):
     """(fqn, the tensor optimizer.state is keyed by, its state's layout) per parameter: the
     parameter (zero=0) or its ZeRO-1 row shard (checkpoint/zero_state.py)."""
+    # lazy: start-up: checkpoint.zero_state loads only on this path
     from threefold.checkpoint.zero_state import optimizer_params as params
     return params(pm, optimizer, layout_of)
 

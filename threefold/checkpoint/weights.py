@@ -107,6 +107,7 @@ class WeightSource:
         """Every model parameter the files hold has the model's shape (read from the files'
         headers only); the first that differs is a PlanError. Parameters the files lack are
         fine: they get their module's initialiser."""
+        # lazy: safetensors loads only when weight files are read or written
         from safetensors import safe_open
         by_file: dict[str, list[tuple[str, str, list[int]]]] = {}
         for fqn, p in self.model.named_parameters():
@@ -145,6 +146,7 @@ class WeightSource:
             with torch.no_grad():
                 dest.copy_(rank_shard(model_value, spec, tp_rank))
             return dest
+        # lazy: safetensors loads only when weight files are read or written
         from safetensors import safe_open
         dim, parts = pieces(spec, shape, tp_rank)
         try:
@@ -192,7 +194,7 @@ def _read_piece(sl, dest: torch.Tensor, dim: int, p) -> None:
 
 
 def _tensor_files(path: str) -> dict[str, str]:
-    from safetensors import safe_open
+    from safetensors import safe_open   # lazy: safetensors loads only when weight files are read or written
     if os.path.isdir(path):
         index = os.path.join(path, INDEX)
         if os.path.isfile(index):

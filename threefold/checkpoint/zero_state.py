@@ -59,7 +59,9 @@ class RowsOf(Sharded):
         pass   # a fresh zero tensor: rows no piece covers (vocabulary padding) stay zero
 
     def __create_write_items__(self, fqn: str, obj):
+        # lazy: DCP loads only when a checkpoint is saved or loaded
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        # lazy: DCP loads only when a checkpoint is saved or loaded
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
         props = TensorProperties.create_from_tensor(self.local)
         return [WriteItem(index=MetadataIndex(fqn, offs), type=WriteItemType.SHARD,
@@ -68,6 +70,7 @@ class RowsOf(Sharded):
                 for offs, sizes, _ in self._chunks]
 
     def __create_chunk_list__(self):
+        # lazy: DCP loads only when a checkpoint is saved or loaded
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         return [ChunkStorageMetadata(offsets=offs, sizes=sizes) for offs, sizes, _ in self._chunks]
 

@@ -10,8 +10,9 @@ import torch
 
 from threefold.cli.jsonout import dumps
 from threefold.errors import PlanError
-from threefold.model_loss import workload_loss
+from threefold.model_loss import check_trainable, workload_loss
 from threefold.plan import Plan
+from threefold.workload import load_spec
 
 TOLERANCE = 1e-5
 
@@ -29,6 +30,7 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=3, help="SGD steps (default 3)")
     p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    # lazy: start-up: a command loads cli.dry_run_cmd only when it runs
     from threefold.cli.dry_run_cmd import add_flags
     add_flags(p)   # --dry-run --world N (cli/dry_run_cmd.py)
     p.set_defaults(func=run)
@@ -36,7 +38,6 @@ def register(sub) -> None:
 
 def _rank_losses(spec: str, plan: Plan, state_file: str, steps: int, lr: float) -> list[float]:
     import threefold
-    from threefold.workload import load_spec
     torch.set_num_threads(1)
     saved = torch.load(state_file, weights_only=True)
     w = load_spec(spec)
@@ -55,36 +56,41 @@ def _rank_losses(spec: str, plan: Plan, state_file: str, steps: int, lr: float) 
 
 def run(args) -> int:
     if getattr(args, "dry_run", False):
+        # lazy: start-up: a command loads cli.dry_run_cmd only when it runs
         from threefold.cli import dry_run_cmd
         return dry_run_cmd.run(args)
     for flag in ("world", "cluster"):
         if getattr(args, flag, None) is not None:
             raise PlanError(f"--{flag} is a --dry-run option: add --dry-run, or leave --{flag} out")
-    from threefold.cli.jobs import run_on_ranks
-    from threefold.workload import load_spec
+    from threefold.cli.jobs import run_on_ranks   # lazy: start-up: a command loads cli.jobs only when it runs
     if args.steps < 1:
         raise PlanError(f"--steps {args.steps} is invalid: use 1 or more")
     w = load_spec(args.spec)
-    from threefold.model_loss import check_trainable
     check_trainable(w, f"SPEC {args.spec!r}")   # check trains: a loss_fn and target, or the model's own loss
     if any(p.is_meta for p in w.model.parameters()):
         raise PlanError(f"SPEC {args.spec!r} builds its model on the meta device: check needs real weights")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise PlanError(f"--lr {args.lr} is invalid: use a positive finite learning rate")
+    # lazy: start-up: a command loads cli.jobs only when it runs
     from threefold.cli.jobs import check_local_capacity, command_plan, tell, under_torchrun
+    # lazy: start-up: a command loads plan_defaults only when it runs
     from threefold.plan_defaults import batch_rows
     resolved = command_plan(args.plan, batch=batch_rows(w.inputs, w.batch_dims))   # dp, m filled in
     plan = resolved.plan
     check_local_capacity(plan.world_size)
     random_ops = False
     if not under_torchrun():
+        # lazy: start-up: a command loads compiler.api only when it runs
         from threefold.compiler.api import compile_workload
+        # lazy: start-up: a command loads cli.phases only when it runs
         from threefold.cli.phases import Phases
         with Phases("check", enabled=not args.json) as progress:
             prog = compile_workload(w, plan, progress=progress, own_loss=True)  # a plan that cannot work fails here, before any rank
         random_ops = _has_random_ops(prog)
+        # lazy: start-up: a command loads fallbacks only when it runs
         from threefold.fallbacks import show_fallbacks
         show_fallbacks(prog, f"threefold inspect {args.spec} --plan '{plan}'", mark=True)
+        # lazy: start-up: a command loads compile_cache only when it runs
         from threefold.compile_cache import hand_to_ranks, workload_key
         hand_to_ranks(prog, workload_key(w.model, tuple(w.inputs), w.target, w.loss_fn, plan, w.batch_dims))
     tell(resolved)
@@ -99,6 +105,7 @@ def run(args) -> int:
         reference = _reference(w, args.steps, args.lr)
         tolerance16 = sigma16 = None
         if plan.dtype != "fp32":   # 16 bits: against torch.autocast, within its rounding noise
+            # lazy: start-up: a command loads cli.check_precision only when it runs
             from threefold.cli.check_precision import autocast_reference
             reference, tolerance16, sigma16 = autocast_reference(args.spec, state_file, plan.dtype,
                                                                  args.steps, args.lr)
@@ -142,6 +149,7 @@ def run(args) -> int:
 
 
 def _has_random_ops(prog) -> bool:
+    # lazy: start-up: a command loads runtime.random_ops only when it runs
     from threefold.runtime import random_ops as rt
     for chunk in prog.chunks:
         for node in chunk.gm.graph.nodes:
@@ -178,8 +186,8 @@ def _reference(w, steps: int, lr: float) -> list[float]:
 
 
 def _print_table(plan, parallel, reference, diffs, worst, ok) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from rich.console import Console   # lazy: rich loads only for the progress display
+    from rich.table import Table   # lazy: rich loads only for the progress display
     table = Table(title=f"check  plan {plan}")
     for col in ("step", "parallel loss", "reference loss", "rel diff"):
         table.add_column(col, justify="right")

@@ -17,6 +17,7 @@ import statistics
 import torch
 
 from threefold.model_loss import workload_loss
+from threefold.workload import load_spec
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 UNIT_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
@@ -24,7 +25,6 @@ DRAWS = 6
 
 
 def _fresh(spec: str, state_file: str):
-    from threefold.workload import load_spec
     saved = torch.load(state_file, weights_only=True)
     w = load_spec(spec)
     w.model.load_state_dict(saved["state"])

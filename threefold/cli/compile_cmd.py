@@ -11,6 +11,7 @@ import time
 
 from threefold.cli.jsonout import dumps
 from threefold.plan import Plan
+from threefold.workload import load_spec
 
 
 def register(sub) -> None:
@@ -37,30 +38,34 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from threefold.outdir import check_out_dir
+    from threefold.outdir import check_out_dir   # lazy: start-up: a command loads outdir only when it runs
 
     Plan.parse_fields(args.plan)               # a malformed --plan fails before any work
     check_out_dir(args.out, args.force)        # before any work: a bad --out loses nothing
     sign_key = None
     if args.sign is not None:                  # a bad key file fails before any work, too
+        # lazy: start-up: a command loads runtime.signing only when it runs
         from threefold.runtime.signing import read_key
         sign_key = read_key(args.sign, "--sign")
-    from threefold.dir_lock import dir_lock
+    from threefold.dir_lock import dir_lock   # lazy: start-up: a command loads dir_lock only when it runs
     with dir_lock(args.out):                   # one compile (or run) per --out at a time
         return _compile(args, sign_key)
 
 
 def _compile(args, sign_key) -> int:
+    # lazy: start-up: a command loads codegen.artifact only when it runs
     from threefold.codegen.artifact import build_sources, save_artifact
+    # lazy: start-up: a command loads compiler.api only when it runs
     from threefold.compiler.api import compile_workload
-    from threefold.workload import load_spec
     timings: dict[str, float] = {}
     with _Progress() as progress:
         start = time.perf_counter()
         progress("load SPEC")
         workload = load_spec(args.spec)
         timings["load"] = time.perf_counter() - start
+        # lazy: start-up: a command loads cli.jobs only when it runs
         from threefold.cli.jobs import command_plan, tell
+        # lazy: start-up: a command loads plan_defaults only when it runs
         from threefold.plan_defaults import batch_rows
         resolved = command_plan(args.plan, batch=batch_rows(workload.inputs, workload.batch_dims))
         plan = resolved.plan
@@ -105,7 +110,7 @@ class _Progress:
     def __enter__(self):
         self._status = None
         try:
-            from rich.console import Console
+            from rich.console import Console   # lazy: rich loads only for the progress display
             console = Console(stderr=True)
             if console.is_terminal:
                 self._status = console.status("compiling")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 STOP_HINT = "lower --lr, or pass --skip-nonfinite to skip such steps"
 
@@ -21,9 +22,8 @@ def nonfinite(loss: float, params) -> str | None:
         if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
             bad = 1.0
             break
-    import torch.distributed as dist
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        from threefold.runtime import comm
+        from threefold.runtime import comm   # lazy: start-up: a command loads runtime.comm only when it runs
         flag = torch.tensor([bad])
         comm.all_reduce(flag, None, "the finite-gradient check")
         bad = flag.item()

@@ -13,9 +13,11 @@ not (each mismatch names both ranks, the group, the op index and both calls).
 from __future__ import annotations
 
 import sys
+import time
 
 from threefold.cli.jsonout import dumps
 from threefold.errors import PlanError
+from threefold.workload import load_spec
 
 
 
@@ -35,6 +37,7 @@ def add_flags(p) -> None:
 def dry_run(spec: str, plan_text: str, world: int | None = None, all_ranks: bool | None = None,
             cluster: str | None = None, progress=None) -> dict:
     """The dry run's report as a dict (what `--json` prints)."""
+    # lazy: start-up: a command loads the dry run and the SPEC loader only when it runs
     from threefold.dry_run import dry_run_workload
     from threefold.workload import load_spec
     if world is not None and world < 1:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from threefold.cli.jsonout import dumps
+from threefold.errors import PlanError
 
 
 def register(sub) -> None:
@@ -37,15 +38,16 @@ def register(sub) -> None:
 def run(args) -> int:
     if args.adapters:
         if args.hf_config is not None:
-            from threefold.errors import PlanError
             raise PlanError("--hf-config names a full model's tensors; --adapters writes the adapter only: drop one")
+        # lazy: start-up: a command loads checkpoint.peft_export only when it runs
         from threefold.checkpoint.peft_export import export_adapters
         summary = export_adapters(args.ckpt, args.out, args.peft_config, args.adapter_name, args.force)
         return _print(args, summary)
     if args.peft_config is not None:
-        from threefold.errors import PlanError
         raise PlanError("--peft-config is for --adapters (a LoRA adapter in PEFT's format): add --adapters")
+    # lazy: start-up: a command loads checkpoint.export only when it runs
     from threefold.checkpoint.export import export
+    # lazy: start-up: a command loads cli.generate_cmd only when it runs
     from threefold.cli.generate_cmd import read_generate_info
     # a checkpoint of threefold train's embedded GPT records its config: written as a GPT-2
     summary = export(args.ckpt, args.out, args.hf_config, args.force, args.max_shard_size,

@@ -15,9 +15,13 @@ with --trust-recorded-spec (the checkpoint then names code the user already has;
 from __future__ import annotations
 
 import math
+import os
+
+import torch
 
 from threefold.cli.jsonout import dumps
 from threefold.errors import PlanError
+from threefold.workload import load_spec
 
 
 def register(sub) -> None:
@@ -46,6 +50,7 @@ def register(sub) -> None:
 def read_generate_info(ckpt: str) -> dict:
     """The run's `extra["generate"]` record from the checkpoint's metadata ({} if none),
     read and checked by the one validating reader (checkpoint/reader.py)."""
+    # lazy: start-up: a command loads checkpoint.reader only when it runs
     from threefold.checkpoint.reader import read_checkpoint
     return read_checkpoint(ckpt).generate
 
@@ -57,9 +62,9 @@ def build_model(info: dict, spec: str | None, trust_recorded: bool = False, ckpt
     tensors) bounds the recorded GPT config before it is built."""
     recorded = info.get("spec")
     if spec is None and recorded is None and "gpt" in info:
+        # lazy: start-up: a command loads checkpoint.run_record only when it runs
         from threefold.checkpoint.run_record import gpt_config, tokenizer_record
-        import torch
-        from threefold.models.gpt import GPT
+        from threefold.models.gpt import GPT   # lazy: start-up: a command loads models.gpt only when it runs
         cfg = gpt_config(info["gpt"], shapes, ckpt or "the checkpoint")
         tokenizer = tokenizer_record(info.get("tokenizer"), ckpt or "the checkpoint")
         with torch.device("cpu"):
@@ -70,8 +75,8 @@ def build_model(info: dict, spec: str | None, trust_recorded: bool = False, ckpt
     if spec is None:
         raise PlanError("the checkpoint does not say which model it holds (saved by threefold.save outside "
                         "threefold train): give --spec SPEC")
+    # lazy: start-up: a command loads train.source only when it runs
     from threefold.train.source import _absolute_spec
-    from threefold.workload import load_spec
     same = recorded is not None and _absolute_spec(spec) == recorded
     w = load_spec(spec, info.get("sizes") if same else None)
     if w.tokenizer is None:
@@ -85,7 +90,7 @@ def build_model(info: dict, spec: str | None, trust_recorded: bool = False, ckpt
 def _recorded_spec(recorded: str, trust: bool, ckpt: str | None) -> str:
     """The recorded SPEC, where the user confirmed it and it names a file they have; else
     the one-line refusal that shows it as a hint."""
-    import os
+    # lazy: start-up: a command loads checkpoint.run_record only when it runs
     from threefold.checkpoint.run_record import is_file_spec
     where = ckpt or "the checkpoint"
     if not trust:
@@ -113,7 +118,6 @@ def generate_threads(given: int | None, params: int) -> int:
     """Threads for sampling: --threads, else OMP_NUM_THREADS, else 1 for a small model (torch's
     default of one per core made a tiny model's generate 5x slower: per-op thread start-up
     outweighs the work), else one per core."""
-    import os
     if given is not None:
         if given < 1:
             raise PlanError(f"--threads {given} is invalid: use 1 or more")
@@ -137,14 +141,15 @@ def run(args) -> int:
         raise PlanError(f"--tokens {args.tokens} is invalid: use at most {MAX_TOKENS}")
     if args.top_k is not None and args.top_k < 1:
         raise PlanError(f"--top-k {args.top_k} is invalid: use 1 or more")
+    # lazy: start-up: a command loads checkpoint.export only when it runs
     from threefold.checkpoint.export import consolidate
+    # lazy: start-up: a command loads train.generate only when it runs
     from threefold.train.generate import load_into, sample
     ckpt, full = consolidate(args.ckpt)
     shapes = {k: tuple(v.shape) for k, v in full.items()}
     model, tokenizer, context = build_model(read_generate_info(ckpt), args.spec, args.trust_recorded_spec,
                                             ckpt, shapes)
     load_into(model, full)
-    import torch
     torch.set_num_threads(generate_threads(args.threads, sum(p.numel() for p in model.parameters())))
     prompt = tokenizer.encode(args.prompt)
     ids = sample(model, prompt, args.tokens, context, args.temperature, args.top_k, args.seed)
@@ -152,6 +157,7 @@ def run(args) -> int:
     if args.json:
         print(dumps({"checkpoint": ckpt, "prompt": args.prompt, "text": text, "tokens": len(ids) - len(prompt)}))
     else:
+        # lazy: start-up: a command loads cli.train_cmd only when it runs
         from threefold.cli.train_cmd import printable
         print(printable(args.prompt + text))
     return 0

@@ -11,9 +11,13 @@ timeline and the generated code as one self-contained page (threefold/report/).
 from __future__ import annotations
 
 import json
+import sys
 
+from threefold.cli.units import human, human_bytes
+from threefold.errors import PlanError
 from threefold.plan import Plan
 from threefold.runtime.mesh import chunk_layout, stage_of
+from threefold.workload import load_spec
 
 
 def register(sub) -> None:
@@ -44,25 +48,30 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    # lazy: start-up: a command loads compiler.api only when it runs
     from threefold.compiler.api import compile_workload
     html, trace = getattr(args, "html", None), _read_trace(getattr(args, "trace", None), getattr(args, "html", None))
     if html:
+        # lazy: start-up: a command loads outdir only when it runs
         from threefold.outdir import check_out_file
         check_out_file(html, "--html")    # a bad path fails before compiling
+    # lazy: start-up: a command loads cli.jobs only when it runs
     from threefold.cli.jobs import command_plan, tell
+    # lazy: start-up: a command loads plan_defaults only when it runs
     from threefold.plan_defaults import batch_rows
-    from threefold.workload import load_spec
     workload = load_spec(args.spec)
     resolved = command_plan(args.plan, batch=batch_rows(workload.inputs, workload.batch_dims))   # m filled in
-    from threefold.cli.phases import Phases
+    from threefold.cli.phases import Phases   # lazy: start-up: a command loads cli.phases only when it runs
     with Phases("inspect", enabled=not getattr(args, "json", False)) as progress:
         prog = compile_workload(workload, resolved.plan, progress=progress)
     tell(resolved)
     report = chunk_report(prog)
+    # lazy: start-up: a command loads cli.inspect_experts only when it runs
     from threefold.cli.inspect_experts import expert_report, format_experts
     experts = expert_report(prog, tuple(workload.inputs) + ((workload.target,) if workload.loss_fn else ()))
     if experts is not None:   # MoE layers: experts per ep rank, tokens per expert, all-to-all bytes
         report["experts"] = experts
+    # lazy: start-up: a command loads cli.step_report only when it runs
     from threefold.cli.step_report import step_report
     report.update(step_report(prog))
     memory = None
@@ -71,10 +80,12 @@ def run(args) -> int:
         print(f"report written to {html}")
         return 0
     if getattr(args, "memory", False):
+        # lazy: start-up: a command loads planner.memory only when it runs
         from threefold.planner.memory import program_memory
         memory = [r.to_json() for r in program_memory(prog)]
         report["memory"] = memory
         if getattr(args, "cluster", None):
+            # lazy: start-up: a command loads planner.cluster only when it runs
             from threefold.planner.cluster import load_cluster
             cluster = load_cluster(args.cluster)
             worst = max(memory, key=lambda r: r["total"])
@@ -83,7 +94,8 @@ def run(args) -> int:
                               "fits": worst["total"] <= cluster.usable_bytes}
     if args.json:
         if args.graph:
-            from threefold.compiler.program import format_chunk
+            # lazy: start-up: a command loads ir.program only when it runs
+            from threefold.ir.program import format_chunk
             for row, chunk in zip(report["chunks"], prog.chunks):
                 row["graph"] = format_chunk(chunk)
         print(json.dumps(report, indent=2))
@@ -100,7 +112,8 @@ def run(args) -> int:
             print(f"fits {fit['cluster']}: {'yes' if fit['fits'] else 'NO'} (largest: rank "
                   f"{fit['largest_rank']} {human_bytes(fit['largest_bytes'])} of {human_bytes(fit['usable_bytes'])} usable)")
     if args.graph:
-        from threefold.compiler.program import format_chunk
+        # lazy: start-up: a command loads ir.program only when it runs
+        from threefold.ir.program import format_chunk
         for chunk in prog.chunks:
             print()
             print(format_chunk(chunk))
@@ -109,7 +122,6 @@ def run(args) -> int:
 
 def _read_trace(path: str | None, html: str | None) -> dict | None:
     """--trace FILE: a trace.json of `threefold train --trace` (checked to be one)."""
-    from threefold.errors import PlanError
     if path is None:
         return None
     if not html:
@@ -129,13 +141,16 @@ def _read_trace(path: str | None, html: str | None) -> dict | None:
 def write_html(prog, report: dict, path: str, trace: dict | None = None) -> None:
     """The --html page from inspect's own data: this report, the memory model, the generated
     sources and the schedule simulated with the chunks' FLOPs (threefold/report/)."""
+    # lazy: start-up: a command loads codegen.artifact only when it runs
     from threefold.codegen.artifact import build_sources
+    # lazy: start-up: a command loads outdir only when it runs
     from threefold.outdir import write_file_atomically
+    # lazy: start-up: a command loads planner.memory only when it runs
     from threefold.planner.memory import program_memory
+    # lazy: start-up: a command loads report.inspect_page only when it runs
     from threefold.report.inspect_page import inspect_html
     memory = [r.to_json() for r in program_memory(prog)]
     if trace is not None and trace["otherData"].get("plan") != str(prog.plan):
-        from threefold.errors import PlanError
         raise PlanError(f"--trace was recorded under plan {trace['otherData'].get('plan')}, not {prog.plan}; "
                         "inspect with the plan the trace ran")
     write_file_atomically(path, inspect_html(prog.name, report, memory, build_sources(prog),
@@ -145,8 +160,11 @@ def write_html(prog, report: dict, path: str, trace: dict | None = None) -> None
 def schedule_svg(prog, report: dict) -> str:
     """The plan's schedule simulated with each chunk's forward FLOPs (GFLOP) as its forward
     time and twice that as its backward (runtime/simulate.py, drawn by timeline_svg.py)."""
+    # lazy: start-up: a command loads runtime.schedule only when it runs
     from threefold.runtime.schedule import make_schedule
+    # lazy: start-up: a command loads runtime.simulate only when it runs
     from threefold.runtime.simulate import simulate
+    # lazy: start-up: a command loads runtime.timeline_svg only when it runs
     from threefold.runtime.timeline_svg import render_svg
     plan = prog.plan
     schedule = make_schedule(plan.schedule, plan.pp, plan.microbatches, plan.interleave)
@@ -163,8 +181,10 @@ def chunk_ranks(plan: Plan, index: int) -> list[int]:
 
 def chunk_report(prog) -> dict:
     """The `inspect --json` object: {"plan", "chunks": [...], "imbalance"}."""
+    # lazy: start-up: a command loads compiler.collectives only when it runs
     from threefold.compiler.collectives import chunk_collectives
-    from threefold.compiler.cost import chunk_costs, imbalance
+    # lazy: start-up: a command loads passes.cost only when it runs
+    from threefold.passes.cost import chunk_costs, imbalance
     costs = chunk_costs(prog)
     collectives = chunk_collectives(prog)
     plan = prog.plan
@@ -180,6 +200,7 @@ def chunk_report(prog) -> dict:
         "boundary_out_bytes": c.boundary_out_bytes,
         "collectives": colls,
     } for chunk, c, colls in zip(prog.chunks, costs, collectives)]
+    # lazy: start-up: a command loads cli.inspect_params only when it runs
     from threefold.cli.inspect_params import parameter_rows
     report = {"plan": str(plan), "chunks": chunks,
               "imbalance": round(imbalance([c.flops for c in costs]), 6),
@@ -229,6 +250,7 @@ def format_report(prog, report: dict) -> str:
         lines.append(f"cp ring (p2p per rank): forward {human_bytes(fwd)}/mb, backward {human_bytes(bwd)}/mb, "
                      f"{human_bytes((fwd + bwd) * m)}/step")
     if "mesh" in report:
+        # lazy: start-up: a command loads cli.step_report only when it runs
         from threefold.cli.step_report import format_step
         lines += format_step(report)
     lines += [f"note: {n}" for n in prog.notes if not n.startswith("tp fallback:")]
@@ -255,39 +277,11 @@ def _ranks(ranks: list[int]) -> str:
     return text if len(text) <= 16 else f"{ranks[0]},{ranks[1]},..,{ranks[-1]}"
 
 
-def _scaled(x: float, units) -> str:
-    """x in the largest unit that keeps its three significant digits below 1000: never
-    '1.02e+03 KiB' (a value that rounds to 1000 moves up a unit)."""
-    for i, (unit, scale) in enumerate(units):
-        v = x / scale
-        if abs(v) >= 1 or i == len(units) - 1:
-            if abs(float(f"{v:.3g}")) >= 1000 and i > 0:
-                v, unit = x / units[i - 1][1], units[i - 1][0]
-            text = f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"   # (only the largest unit goes past 999)
-            return f"{text}{unit}"
-    return str(x)
-
-
-def human(x: float) -> str:
-    """1234567 -> '1.23M' (SI prefixes; FLOPs and parameter counts)."""
-    if abs(x) < 999.5:
-        return str(int(x))
-    return _scaled(x, (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)))
-
-
-def human_bytes(x: float) -> str:
-    """1047000 -> '1 MiB', 5242880 -> '5 MiB', 100 -> '100 B' (binary prefixes)."""
-    if abs(x) < 999.5:
-        return f"{int(x)} B"
-    return _scaled(x, ((" TiB", 2**40), (" GiB", 2**30), (" MiB", 2**20), (" KiB", 2**10)))
-
-
 MEMORY_COLUMNS = ("params", "gathered", "grads", "optimizer", "activations", "recompute", "buffers", "total", "peak")
 
 
 def print_memory(prog, memory: list[dict]) -> None:
     """The memory model per rank (planner/memory.py); ranks with equal figures share a row."""
-    import sys
     rows: list[tuple[list[int], dict]] = []
     for r in memory:
         figures = {k: r[k] for k in MEMORY_COLUMNS}
@@ -306,9 +300,9 @@ def print_memory(prog, memory: list[dict]) -> None:
              + [human_bytes(f[k]) for k in MEMORY_COLUMNS] for ranks, f in rows]
     headers = ["ranks", "stage", *MEMORY_COLUMNS]
     if sys.stdout.isatty():
-        from rich import box
-        from rich.console import Console
-        from rich.table import Table
+        from rich import box   # lazy: rich loads only for the progress display
+        from rich.console import Console   # lazy: rich loads only for the progress display
+        from rich.table import Table   # lazy: rich loads only for the progress display
         table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
         for h in headers:
             table.add_column(h, justify="right", no_wrap=True)

@@ -9,7 +9,7 @@ is kept whole or blocked by a fallback, the pass's reason.
 """
 from __future__ import annotations
 
-from threefold.compiler.program import tf
+from threefold.ir.program import tf
 
 
 def parameter_rows(prog) -> list[dict]:

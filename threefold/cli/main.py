@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from importlib.metadata import version
 import os
 import sys
+
+import torch
+
 
 from threefold.errors import PlanError, Terminated
 
@@ -48,10 +52,8 @@ def _version() -> str:
     """threefold's version, with torch's (the compiler's output depends on both)."""
     from threefold import __version__
     try:
-        from importlib.metadata import version
         torch_version = version("torch")
     except Exception:   # not installed as a distribution: ask the module
-        import torch
         torch_version = torch.__version__
     return f"threefold {__version__} (torch {torch_version})"
 
@@ -87,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        # lazy: start-up: a command loads env_check only when it runs
         from threefold.env_check import check_env
         check_env()     # every THREEFOLD_* value: a bad one fails here, not on the ranks after start-up
         return int(args.func(args) or 0)

@@ -17,6 +17,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    # lazy: start-up: a command loads ops.table only when it runs
     from threefold.ops.table import AXES, op_table
     axes = [args.axis] if args.axis else list(AXES)
     rows = [{k: r[k] for k in ("op", "family", *axes)} for r in op_table()]

@@ -29,7 +29,7 @@ class Phases:
             return self
         self._start = time.perf_counter()
         try:
-            from rich.console import Console
+            from rich.console import Console   # lazy: rich loads only for the progress display
             console = Console(stderr=True)
             if console.is_terminal:
                 self._status = console.status(f"{self.what}")

@@ -12,6 +12,7 @@ from threefold.cli.jsonout import dumps
 from threefold.errors import PlanError
 from threefold.planner.cluster import REQUIRED, load_cluster, preset_names
 from threefold.planner.constraints import Constraints
+from threefold.planner.estimate import MEASURED_BEST_PEAK_FRACTION
 from threefold.planner.gpt_cost import gpt_model_cost
 from threefold.planner.record import plan_record
 from threefold.planner.search import rank_plans
@@ -74,6 +75,7 @@ def register(subparsers) -> None:
     p.add_argument("--evaluate", metavar="PLAN",
                    help="score only plans matching a partial plan, e.g. tp=8,pp=64 (keys tp, pp, dp, m, "
                         "b, v, schedule, recompute); plans that do not fit are listed too")
+    # lazy: start-up: a command loads cli.plan_verify only when it runs
     from threefold.cli.plan_verify import add_flag
     add_flag(p)   # --verify K (cli/plan_verify.py)
     p.add_argument("--top", type=int, default=10, help="plans to show (default 10; 0 = all)")
@@ -89,7 +91,9 @@ def model_from_args(args):
     if args.spec and any(v is not None for v in shape):
         raise PlanError("plan takes a SPEC or a GPT shape (--layers --hidden --heads), not both: drop one")
     if args.spec:
+        # lazy: start-up: a command loads cli.phases only when it runs
         from threefold.cli.phases import Phases
+        # lazy: start-up: a command loads planner.spec_cost only when it runs
         from threefold.planner.spec_cost import model_cost_from_spec
         with Phases("plan", enabled=not args.json, what="costing the SPEC") as progress:
             return model_cost_from_spec(args.spec, progress=progress)
@@ -97,6 +101,7 @@ def model_from_args(args):
         missing = [n for n, v in zip(("--layers", "--hidden", "--heads"), shape) if v is None]
         raise PlanError(f"plan needs a model: give a SPEC, or {', '.join(missing)} for a GPT shape")
     if args.experts is not None:
+        # lazy: start-up: a command loads planner.moe only when it runs
         from threefold.planner.moe import moe_model_cost
         if args.ffn is not None and args.expert_ffn is not None and args.ffn != args.expert_ffn:
             raise PlanError(f"--ffn {args.ffn} and --expert-ffn {args.expert_ffn} disagree: with --experts "
@@ -115,6 +120,7 @@ def run(args) -> int:
     if args.top < 0:
         raise PlanError(f"--top {args.top} is invalid: give a count, or 0 for all plans")
     if args.svg:
+        # lazy: start-up: a command loads outdir only when it runs
         from threefold.outdir import check_out_file
         check_out_file(args.svg, "--svg")     # before the search, not after it
     model = model_from_args(args)
@@ -127,6 +133,7 @@ def run(args) -> int:
                         f"on {args.gpus} GPUs of {cluster.name}: add GPUs, lower --batch, allow "
                         "--tp-across-nodes, or use a larger-memory cluster")
     if getattr(args, "verify", 0):
+        # lazy: start-up: a command loads cli.plan_verify only when it runs
         from threefold.cli.plan_verify import verify_plans
         plans = verify_plans(args, plans)
         if not plans:
@@ -134,6 +141,7 @@ def run(args) -> int:
     shown = plans if args.top == 0 else plans[: args.top]
     if args.svg:
         if plans[0].fits:
+            # lazy: start-up: a command loads planner.timeline only when it runs
             from threefold.planner.timeline import timeline_svg
             try:
                 with open(args.svg, "w") as f:
@@ -191,12 +199,12 @@ def _print_report(model, cluster, args, plans, shown, where) -> None:
     if any(e.capped for e in shown):
         footer.append(ceiling_note(cluster, args.dtype))
     if sys.stdout.isatty():
-        from rich.console import Console
-        from rich.table import Table
+        from rich.console import Console   # lazy: rich loads only for the progress display
+        from rich.table import Table   # lazy: rich loads only for the progress display
         console = Console()
         for line in lines:
             console.print(line, highlight=False)
-        from rich import box
+        from rich import box   # lazy: rich loads only for the progress display
         table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
         for header in HEADERS:
             table.add_column(header, no_wrap=True)

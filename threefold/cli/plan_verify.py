@@ -23,6 +23,7 @@ def verify_plans(args, plans: list) -> list:
         return plans
     if not args.spec:
         raise PlanError("--verify dry-runs the plans of a workload: give a SPEC (path/to/file.py:factory)")
+    # lazy: start-up: a command loads cli.dry_run_cmd only when it runs
     from threefold.cli.dry_run_cmd import dry_run
     kept = []
     for e in plans[:k]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 
 from threefold.cli.jsonout import dumps
+from threefold.errors import PlanError
 from threefold.runtime.schedule import KINDS, Kind, ScheduleError, make_schedule
 from threefold.runtime.simulate import Report, verify
 
@@ -38,7 +39,6 @@ MAX_GRID_ACTIONS = 4_000  # the text grid is for people; bigger schedules print 
 
 
 def run(args) -> int:
-    from threefold.errors import PlanError
     kind = "forward" if args.forward_only else args.schedule
     if args.interleave is None:   # zbv runs two chunks per stage in a V; others default to one
         args.interleave = 2 if str(kind).lower().replace("_", "-") in ("zbv", "zb-v") else 1
@@ -55,6 +55,7 @@ def run(args) -> int:
         raise PlanError(f"schedule with {actions} compute actions is too big to draw as a grid: add --json "
                         f"(or keep pp*v*m*2 at most {MAX_GRID_ACTIONS})")
     if args.svg:
+        # lazy: start-up: a command loads outdir only when it runs
         from threefold.outdir import check_out_file
         check_out_file(args.svg, "--svg")
     schedule = make_schedule(kind, args.pp, args.microbatches, args.interleave)   # PlanError -> exit 2
@@ -64,7 +65,9 @@ def run(args) -> int:
         print(f"threefold schedule: check failed: {exc}", file=sys.stderr)
         return 1
     if args.svg:
+        # lazy: start-up: a command loads runtime.timeline_svg only when it runs
         from threefold.runtime.timeline_svg import render_svg
+        # lazy: start-up: a command loads outdir only when it runs
         from threefold.outdir import write_file_atomically
         write_file_atomically(args.svg, render_svg(report.simulation))
     if args.json:
@@ -98,8 +101,8 @@ def _print_text(report: Report) -> None:
     rows = grid_cells(report)
     width = max([4] + [len(text) for row in rows for text, _ in row])
     try:
-        from rich.console import Console
-        from rich.text import Text
+        from rich.console import Console   # lazy: rich loads only for the progress display
+        from rich.text import Text   # lazy: rich loads only for the progress display
         console = Console(highlight=False)
     except ImportError:   # plain fallback
         console = Text = None

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 def step_report(prog) -> dict:
     """{"mesh", "step_collectives": per stage the collective actions in order, "units"}."""
+    # lazy: start-up: a command loads codegen.artifact only when it runs
     from threefold.codegen.artifact import build_manifest, build_sources
+    # lazy: start-up: a command loads runtime.assemble only when it runs
     from threefold.runtime.assemble import step_schedule
     manifest = build_manifest(prog, build_sources(prog), {}, with_weights=False)
     schedule, cplan = step_schedule(manifest)

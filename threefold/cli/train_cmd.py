@@ -9,14 +9,19 @@ Runs on local gloo ranks, or under torchrun.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
+import shutil
 import sys
+import tempfile
 
 import torch
 
 from threefold.cli.jsonout import dumps
 from threefold.errors import PlanError
 from threefold.plan import Plan
+from threefold.workload import Workload, load_spec
 
 
 def register(sub) -> None:
@@ -28,7 +33,7 @@ def register(sub) -> None:
         "tokens/s, prints a summary, and writes OUT/loss.png and OUT/losses.json.")
     p.add_argument("spec", metavar="SPEC", nargs="?", default=None,
                    help="workload path/to/file.py:factory (default: the embedded GPT and corpus)")
-    from threefold.config import add_arguments
+    from threefold.config import add_arguments   # lazy: start-up: a command loads config only when it runs
     add_arguments(p)      # --config, --print-config and one flag per TrainConfig field
     p.set_defaults(func=run)
 
@@ -41,7 +46,8 @@ EMBEDDED_BATCH_DIMS = 0
 
 def _embedded(cfg):
     """The embedded job: the GPT of cfg's [model] shape over cfg's data (threefold.dataset.Data)."""
-    from threefold.dataset import load_data
+    from threefold.dataset import load_data   # lazy: start-up: a command loads dataset only when it runs
+    # lazy: start-up: a command loads models.gpt only when it runs
     from threefold.models.gpt import GPT, GPTConfig, lm_loss
     data = load_data(cfg)
     _check_model_fits(cfg, data.vocab_size)
@@ -55,6 +61,7 @@ def _embedded(cfg):
 def _check_model_fits(cfg, vocab: int) -> None:
     """The embedded GPT of this shape must fit this machine's memory (the parent builds the
     whole model once to compile it): a clear error, not the OOM killer."""
+    # lazy: start-up: a command loads cli.jobs only when it runs
     from threefold.cli.jobs import _available_memory
     params = cfg.n_layer * 12 * cfg.n_embd ** 2 + (vocab + cfg.seq) * cfg.n_embd
     available = _available_memory()
@@ -66,7 +73,9 @@ def _check_model_fits(cfg, vocab: int) -> None:
 
 def _train_rank(cfg, show, ckpt_dir=None, resume=None, live_dir=None, run_record=None, restart=None):
     """One rank: build the workload and its data source, then the loop (threefold/train/loop.py)."""
+    # lazy: start-up: a command loads train.loop only when it runs
     from threefold.train.loop import train_loop
+    # lazy: start-up: a command loads train.source only when it runs
     from threefold.train.source import data_source, given_sizes, spec_source
     torch.set_num_threads(1)
     if cfg.spec is None:
@@ -83,10 +92,11 @@ def _train_rank(cfg, show, ckpt_dir=None, resume=None, live_dir=None, run_record
 
 def _training_spec(cfg):
     """The SPEC's workload, with --batch/--seq passed to its factory where it takes them."""
+    # lazy: start-up: a command loads train.source only when it runs
     from threefold.train.source import given_sizes
-    from threefold.workload import load_spec
     with _model_building(cfg):
         w = load_spec(cfg.spec, given_sizes(cfg))
+    # lazy: start-up: a command loads model_loss only when it runs
     from threefold.model_loss import check_trainable
     check_trainable(w, f"SPEC {cfg.spec!r}")   # a loss_fn and target, or the model's own loss
     return w
@@ -95,9 +105,9 @@ def _training_spec(cfg):
 def _model_building(cfg):
     """With --weights the model is built on the meta device (parameters from the file, slice
     by slice on each rank: no process ever holds the full model); otherwise as written."""
-    import contextlib
     if cfg.weights is None:
         return contextlib.nullcontext()
+    # lazy: start-up: a command loads checkpoint.weights only when it runs
     from threefold.checkpoint.weights import empty_weights
     return empty_weights()
 
@@ -106,8 +116,8 @@ def validate_in_parent(cfg) -> Plan:
     """Build the workload and compile it here, once, so a plan that cannot work for this
     model (heads vs tp, layers vs chunks, batch vs dp*m) fails before any rank starts.
     Returns the plan, with what --plan leaves out filled in for this batch."""
+    # lazy: start-up: a command loads compiler.api only when it runs
     from threefold.compiler.api import compile_workload
-    from threefold.workload import Workload
     spec = cfg.spec
     if spec is None:    # reads and checks the data too: bad --data fails here, before any rank
         model, loss_fn, data = _embedded(cfg)
@@ -121,19 +131,24 @@ def validate_in_parent(cfg) -> Plan:
         if cfg.weights is None and any(p.is_meta for p in workload.model.parameters()):
             raise PlanError(f"SPEC {spec!r} builds its model on the meta device: training needs real weights "
                             "(pass --weights PATH, a safetensors file or Hugging Face directory)")
+    # lazy: start-up: a command loads checkpoint.weights only when it runs
     from threefold.checkpoint.weights import WeightSource, traceable
     if cfg.weights is not None:     # a missing or foreign file fails here, before any rank starts
         WeightSource(cfg.weights, workload.model).check_shapes()
+    # lazy: start-up: a command loads cli.jobs only when it runs
     from threefold.cli.jobs import command_plan, tell
+    # lazy: start-up: a command loads plan_defaults only when it runs
     from threefold.plan_defaults import batch_rows
     resolved = command_plan(cfg.plan, batch=batch_rows(workload.inputs, workload.batch_dims))
-    from threefold.cli.phases import Phases
+    from threefold.cli.phases import Phases   # lazy: start-up: a command loads cli.phases only when it runs
     with traceable(workload.model), Phases("train", enabled=not cfg.json and not _on_terminal()) as progress:
         prog = compile_workload(workload, resolved.plan, progress=progress, own_loss=True)
     tell(resolved)
+    # lazy: start-up: a command loads fallbacks only when it runs
     from threefold.fallbacks import show_fallbacks
     show_fallbacks(prog, f"threefold inspect {spec or 'SPEC'} --plan '{resolved.plan}'", mark=True)
     if cfg.weights is None:   # rank 0 takes this compile instead of repeating it (compile_cache.py)
+        # lazy: start-up: a command loads compile_cache only when it runs
         from threefold.compile_cache import hand_to_ranks, workload_key
         hand_to_ranks(prog, workload_key(workload.model, workload.inputs, workload.target, workload.loss_fn,
                                          resolved.plan, workload.batch_dims))
@@ -142,7 +157,6 @@ def validate_in_parent(cfg) -> Plan:
 
 def _on_terminal() -> bool:
     """On a terminal train's own spinner (compiling_status) shows the compile already."""
-    import sys
     return sys.stderr.isatty()
 
 
@@ -161,13 +175,13 @@ def _check_prompt(cfg, tokenizer, which: str) -> None:
 
 
 def run(args) -> int:
-    from threefold.outdir import check_out_dir
-    from threefold.config import from_args
+    from threefold.outdir import check_out_dir   # lazy: start-up: a command loads outdir only when it runs
+    from threefold.config import from_args   # lazy: start-up: a command loads config only when it runs
     cfg = from_args(args)     # embedded defaults < --config FILE < flags; ranges checked
     if args.print_config:
         print(cfg.to_toml(), end="")
         return 0
-    from threefold.cli.jobs import command_plan
+    from threefold.cli.jobs import command_plan   # lazy: start-up: a command loads cli.jobs only when it runs
     plan = command_plan(cfg.plan).plan     # its ranks; m is settled below, with the batch
     check_out_dir(cfg.out, cfg.force)     # a bad --out must fail before training, not after
     ckpt_dir = cfg.ckpt_dir or os.path.abspath(cfg.out).rstrip("/") + ".ckpt"
@@ -175,8 +189,10 @@ def run(args) -> int:
     resume = None if cfg.resume is None else (cfg.resume or ckpt_dir)
     checked = None
     restart = None
+    # lazy: start-up: a command loads cli.jobs only when it runs
     from threefold.cli.jobs import under_torchrun
     if under_torchrun():   # restarted by torchrun's elastic agent: the newest checkpoint, maybe fewer ranks
+        # lazy: start-up: a command loads train.elastic only when it runs
         from threefold.train.elastic import torchrun_resume
         cfg, again, note, restart = torchrun_resume(cfg, ckpt_dir)
         if again is not None:
@@ -188,8 +204,10 @@ def run(args) -> int:
         raise PlanError(f"--min-world {cfg.min_world} is more than the plan's {plan.world_size} ranks: "
                         f"use at most {plan.world_size}")
     if resume is not None:
+        # lazy: start-up: a command loads checkpoint.reader only when it runs
         from threefold.checkpoint.reader import read_checkpoint
         checked = read_checkpoint(resume)   # every field checked: one line here, before any rank starts
+    # lazy: start-up: a command loads cli.jobs only when it runs
     from threefold.cli.jobs import check_local_capacity
     check_local_capacity(plan.world_size)
     with _held(cfg, ckpt_dir, checked):     # one run at a time per --out and checkpoint directory
@@ -201,8 +219,10 @@ def _own_checkpoints(cfg, ckpt_dir: str, checked) -> dict:
     """This run's record (checkpoint/ownership.py), after the checks that keep it to its own
     checkpoints: --resume of another run's checkpoint, a --ckpt-dir of a user's files or of
     an earlier run's checkpoints (without --force) are refused here, under the locks."""
+    # lazy: start-up: a command loads checkpoint.ownership only when it runs
     from threefold.checkpoint import ownership
     if checked is not None:   # read again under the lock: a run that held it may have moved latest
+        # lazy: start-up: a command loads checkpoint.reader only when it runs
         from threefold.checkpoint.reader import read_checkpoint
         checked = read_checkpoint(checked.path)
     record = ownership.run_record(cfg, checked.index if checked is not None else None)
@@ -234,8 +254,7 @@ def _held(cfg, ckpt_dir: str, checked):
     """Locks on --out, the checkpoint directory written, and the one resumed from (its root:
     where its writer holds the lock), each keyed by its resolved path; taken by the process
     that is or starts rank 0 (under torchrun the other processes write none of them)."""
-    import contextlib
-    from threefold.dir_lock import dir_lock
+    from threefold.dir_lock import dir_lock   # lazy: start-up: a command loads dir_lock only when it runs
     stack = contextlib.ExitStack()
     if os.environ.get("RANK", "0") != "0":
         return stack
@@ -253,9 +272,12 @@ def _held(cfg, ckpt_dir: str, checked):
 
 def _train(cfg, plan, ckpt_dir: str, resume: str | None, run_record: dict | None = None,
            restart: dict | None = None) -> int:
+    # lazy: start-up: a command loads cli.jobs only when it runs
     from threefold.cli.jobs import command_plan, run_on_ranks, tell, under_torchrun
     if not under_torchrun():     # under torchrun every process is a rank: no parent to check in
+        # lazy: start-up: a command loads runtime.launch only when it runs
         from threefold.runtime.launch import prestart
+        # lazy: start-up: a command loads train.progress only when it runs
         from threefold.train.progress import compiling_status
         prestart()               # the ranks' forkserver imports torch while this process compiles
         with compiling_status(f"compiling for plan {plan} (checking it before starting "
@@ -266,7 +288,6 @@ def _train(cfg, plan, ckpt_dir: str, resume: str | None, run_record: dict | None
         tell(resolved)
         plan = resolved.plan
     if not under_torchrun() or cfg.spec is None:    # the ranks train the plan checked here
-        import dataclasses
         cfg = dataclasses.replace(cfg, plan=str(plan))
     live = _live_dir(cfg.out)
     from threefold.checkpoint.staging import drop_all, settle
@@ -286,11 +307,12 @@ def _train(cfg, plan, ckpt_dir: str, resume: str | None, run_record: dict | None
         raise
     if not under_torchrun():
         drop_all(ckpt_dir)
-    from threefold.cli.jobs import is_main_rank
+    from threefold.cli.jobs import is_main_rank   # lazy: start-up: a command loads cli.jobs only when it runs
     if not is_main_rank():
         return 1 if result["stopped"] else 0
     losses = result["losses"]
     if result["stopped"]:
+        # lazy: start-up: a command loads cli.divergence only when it runs
         from threefold.cli.divergence import stop_message
         step, what = result["stopped"]
         if cfg.json:
@@ -300,6 +322,7 @@ def _train(cfg, plan, ckpt_dir: str, resume: str | None, run_record: dict | None
         if live:
             print(f"threefold train: the metrics of the steps run are in {live}", file=sys.stderr)
         return 1
+    # lazy: start-up: a command loads train.report only when it runs
     from threefold.train.report import summarize, write_losses, write_run
     summary = summarize(result, plan, os.path.abspath(cfg.out))
     if live:
@@ -307,7 +330,7 @@ def _train(cfg, plan, ckpt_dir: str, resume: str | None, run_record: dict | None
             write_losses(live, result, plan)
         except OSError:
             pass
-    from threefold.outdir import write_out_dir
+    from threefold.outdir import write_out_dir   # lazy: start-up: a command loads outdir only when it runs
     try:
         moved = write_out_dir(cfg.out, lambda tmp: write_run(tmp, result, plan, live), kind="train",
                               force=cfg.force)
@@ -317,7 +340,6 @@ def _train(cfg, plan, ckpt_dir: str, resume: str | None, run_record: dict | None
     if moved:
         print(f"threefold train: moved the previous {cfg.out} aside to {moved}", file=sys.stderr)
     if live:
-        import shutil
         shutil.rmtree(live, ignore_errors=True)   # our own staging directory, now copied into --out
     if cfg.json:
         print(dumps(summary))
@@ -329,10 +351,12 @@ def _train(cfg, plan, ckpt_dir: str, resume: str | None, run_record: dict | None
 def _elastic(cfg, plan, ckpt_dir: str, resume: str | None, live: str | None, run_record: dict | None) -> dict:
     """The local job under --max-restarts (threefold/train/elastic.py); its result names the
     plan it finished on."""
-    import dataclasses
 
+    # lazy: start-up: a command loads cli.jobs only when it runs
     from threefold.cli.jobs import check_local_capacity
+    # lazy: start-up: a command loads runtime.launch only when it runs
     from threefold.runtime.launch import LaunchError, launch
+    # lazy: start-up: a command loads train.elastic only when it runs
     from threefold.train.elastic import run_elastic
 
     def start(cfg, plan, resume, restart):
@@ -369,13 +393,13 @@ def _live_dir(out: str) -> str | None:
     """A fresh directory next to --out where rank 0 writes metrics.jsonl (and TensorBoard
     events) while training; the finished run copies them into --out. Only the process that
     will be rank 0 makes one (under torchrun every process runs this)."""
-    import tempfile
     if os.environ.get("RANK", "0") != "0":
         return None
     full = os.path.abspath(out)
     parent, base = os.path.split(full)
     os.makedirs(parent, exist_ok=True)
     live = tempfile.mkdtemp(prefix=f".{base}.live-", dir=parent)
+    # lazy: start-up: a command loads file_modes only when it runs
     from threefold.file_modes import as_if_created_plainly
     as_if_created_plainly(live, directory=True)   # kept for the user when a run fails
     return live
@@ -388,11 +412,11 @@ def _keep_or_drop(live: str | None, ckpt_dir: str | None = None) -> None:
         return
     log = os.path.join(live, "metrics.jsonl")
     if os.path.isfile(log) and os.path.getsize(log) > 0:
+        # lazy: start-up: a command loads checkpoint.files only when it runs
         from threefold.checkpoint.files import list_steps
         saved = f"; checkpoints in {ckpt_dir}" if ckpt_dir and list_steps(ckpt_dir) else ""
         print(f"threefold train: the metrics of the steps run are in {live}{saved}", file=sys.stderr)
     else:
-        import shutil
         shutil.rmtree(live, ignore_errors=True)   # ours, and empty of results
 
 

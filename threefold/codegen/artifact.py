@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 
 import torch
@@ -11,7 +12,9 @@ from threefold.codegen.op_modules import op_modules
 from threefold.codegen.python import content_hash, generate_module
 from threefold.compiler.model_flops import graph_model_flops
 from threefold.compiler.param_roles import graph_roles
-from threefold.compiler.program import Program, tf
+from threefold.errors import PlanError
+from threefold.ir.program import tf
+from threefold.ir.stages import Program
 from threefold.runtime.loader import BATCH_FILE, MANIFEST, Artifact, open_artifact
 from threefold.runtime.manifest import ChunkEntry, LossForm, Manifest, TensorSpec
 from threefold.runtime.mesh import chunk_layout, stage_of
@@ -29,11 +32,10 @@ def build_sources(prog: Program) -> dict[str, str]:
     for chunk in prog.chunks:   # one module per chunk: the tp rank is a runtime value
         files[module_file(chunk.index)] = generate_module(prog, chunk)
     if prog.kernels:
-        import importlib.util
         if importlib.util.find_spec("triton") is None:   # (a base install leaves it out: CPU)
-            from threefold.errors import PlanError
             raise PlanError("fuse=true needs Triton, which is not installed: pip install 'threefold[gpu]' "
                             "(or triton), or set fuse=false")
+        # lazy: start-up: codegen.triton loads only on this path
         from threefold.codegen.triton import kernels_source
         # every region in program order, so a shared kernel's comment lists all it serves
         regions = [n.target for c in prog.chunks for n in c.gm.graph.nodes
@@ -65,7 +67,7 @@ def save_artifact(prog: Program, out_dir: str, sources: dict[str, str] | None = 
     the loader checks them before it imports or reads anything. With `sign_key`, an
     HMAC-SHA256 of the manifest is written beside it (runtime/signing.py).
     """
-    from threefold.outdir import write_out_dir
+    from threefold.outdir import write_out_dir   # lazy: start-up: outdir loads only on this path
     sources = sources or build_sources(prog)
 
     def fill(tmp: str) -> None:
@@ -76,6 +78,7 @@ def save_artifact(prog: Program, out_dir: str, sources: dict[str, str] | None = 
             hashes[name] = hashlib.sha256(text.encode()).hexdigest()
         with_weights = weights and not prog.is_meta
         if with_weights:
+            # lazy: safetensors loads only when weight files are read or written
             from safetensors.torch import save
             os.makedirs(os.path.join(tmp, "weights"))
             for chunk in prog.chunks:
@@ -85,6 +88,7 @@ def save_artifact(prog: Program, out_dir: str, sources: dict[str, str] | None = 
                     rel = f"weights/{_weights_file(chunk.index, r)}"
                     hashes[rel] = _write_bytes(os.path.join(tmp, rel), save(state))
         if batch is not None and with_weights:
+            # lazy: safetensors loads only when weight files are read or written
             from safetensors.torch import save
             data = save({f"{i}": t.detach().to("cpu").contiguous() for i, t in enumerate(batch)})
             hashes[BATCH_FILE] = _write_bytes(os.path.join(tmp, BATCH_FILE), data)
@@ -94,6 +98,7 @@ def save_artifact(prog: Program, out_dir: str, sources: dict[str, str] | None = 
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             f.write(manifest.dumps())
         if sign_key is not None:
+            # lazy: start-up: runtime.signing loads only on this path
             from threefold.runtime.signing import sign
             sign(tmp, sign_key, MANIFEST)
 

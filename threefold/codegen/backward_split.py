@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from threefold.compiler.program import tf
+from threefold.codegen.lines import annotation, wrap_call
+from threefold.ir.program import tf
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ def _nested_node(a) -> bool:
 
 def splits_backward(plan) -> bool:
     """Does the plan's schedule run B and W separately (zero bubble)?"""
+    # lazy: start-up: runtime.schedule loads only on this path
     from threefold.runtime.schedule import SPLIT_KINDS
     return plan.schedule in SPLIT_KINDS
 
@@ -140,7 +142,6 @@ def deferred_line(writer, node: fx.Node, op: DeferredOp, indent: str = "        
     or `y = weight_grad.linear(self, x, w, b)` / `layer_norm(...)` where the op allows
     (_straight_line), annotated like any other line plus the parameters whose gradients W
     computes."""
-    from threefold.codegen.python import annotation, wrap_call
     writer.imports.add("import threefold.runtime.weight_grad as weight_grad")
     positional = [writer._arg(a) for a in node.args]
     fqns = ", ".join(tf(p)["fqn"] for p in op.params)

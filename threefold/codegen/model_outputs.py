@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from threefold import placement as placements
-from threefold.compiler.program import tf
+from threefold.ir.program import tf
 from threefold.runtime import tp_ops
 
 aten = torch.ops.aten

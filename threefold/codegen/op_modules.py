@@ -15,6 +15,7 @@ import inspect
 import sys
 
 import torch
+from torch._library.custom_ops import OPDEFS
 
 _BUILTIN = ("torch", "threefold")   # modules whose ops every runtime process has
 
@@ -35,7 +36,6 @@ def op_modules(prog) -> dict[str, dict]:
 
 
 def _registering_module(qualname: str) -> dict | None:
-    from torch._library.custom_ops import OPDEFS
     opdef = OPDEFS.get(qualname)
     if opdef is None:   # a C++ op (aten, prims, c10d...) or one torch.library.Library made
         return None

@@ -18,7 +18,9 @@ import torch
 import torch.fx as fx
 
 from threefold.codegen.backward_split import deferred_line, deferred_ops, splits_backward
-from threefold.compiler.program import Chunk, Program, tf
+from threefold.codegen.lines import annotation, wrap_call
+from threefold.ir.program import tf
+from threefold.ir.stages import Chunk, Program
 from threefold.runtime.mesh import chunk_layout, stage_of
 
 _HASH_LINE = "# content-hash: "
@@ -95,6 +97,7 @@ class _ClassWriter:
         if is_last and self.prog.has_loss and self.prog.model_outputs:
             # pm(x) on a model compiled with a loss: the model's outputs, whole (see
             # codegen/model_outputs.py); forward (training) is left exactly as it is
+            # lazy: start-up: codegen.model_outputs loads only on this path
             from threefold.codegen.model_outputs import model_outputs_graph
             g = model_outputs_graph(self.gm, self.prog.model_outputs, self.prog.model_output_meta,
                                     self.prog.plan.tp)
@@ -139,7 +142,7 @@ class _ClassWriter:
         return "\n".join(imports + ["", "aten = torch.ops.aten", "", ""] + cls + lines) + "\n"
 
     def _gathers_sequence(self) -> bool:
-        from threefold.runtime import tp_ops
+        from threefold.runtime import tp_ops   # lazy: start-up: runtime.tp_ops loads only on this path
         return any(n.op == "call_function" and n.target is tp_ops.all_gather_seq for n in self.gm.graph.nodes)
 
     def _method(self, name: str, graph: fx.Graph) -> list[str]:
@@ -395,45 +398,6 @@ def _mutated_inputs(graph: fx.Graph, args: list[fx.Node]) -> list[fx.Node]:
         if name in _VIEW_OPS and node.args and node.args[0] in root:
             root[node] = root[node.args[0]]
     return hit
-
-
-_WIDTH = 100   # generated lines wrap their arguments beyond this
-
-
-def wrap_call(first: str, args: list[str], comment: str, indent: str, close: str = ")") -> list[str]:
-    """`first` + args + `close` on one line when it fits, else the arguments packed on
-    continuation lines (indent + 4) under `first`, which keeps the comment."""
-    one = f"{first}{', '.join(args)}{close}"
-    if len(one) + len(comment) <= _WIDTH + 20 or not args:
-        return [one + comment]
-    lines, cur = [(first + comment).rstrip()], indent + "    "
-    for i, a in enumerate(args):
-        piece = a + (", " if i < len(args) - 1 else close)
-        if cur.strip() and len(cur) + len(piece.rstrip()) > _WIDTH:
-            lines.append(cur.rstrip())
-            cur = indent + "    "
-        cur += piece
-    return lines + [cur.rstrip()]
-
-
-def annotation(node: fx.Node) -> str:
-    """`h.0.attn.c_attn  S(2)  [2, 8, 24]`: the source module, the TP pass's placement and
-    the local (this tp rank's) shape, for the comment on a generated line."""
-    # no placement: the TP pass did not run (tp=1), so every value is replicated
-    parts = [tf(node).get("module") or "<top>", str(tf(node).get("placement") or "R")]
-    shape = _shape_text(node.meta.get("val"))
-    if shape:
-        parts.append(shape)
-    return "  ".join(parts)
-
-
-def _shape_text(val) -> str:
-    if isinstance(val, torch.Tensor):
-        return str(list(val.shape))
-    if isinstance(val, (list, tuple)) and val and all(isinstance(v, torch.Tensor) for v in val):
-        shapes = [str(list(v.shape)) for v in val]
-        return f"{shapes[0]} x{len(shapes)}" if len(set(shapes)) == 1 else "(" + ", ".join(shapes) + ")"
-    return ""
 
 
 def value_names(graph: fx.Graph, taken: set[str]) -> dict[fx.Node, str]:

@@ -1,25 +1,30 @@
-"""Compile entry points: a model or SPEC plus a plan -> the final stage (Fused) of the passes."""
+"""Compile entry point: a workload plus a plan -> the final stage (Fused) of the passes.
+
+The compiler takes workload values; SPEC strings are loaded by the front end (threefold/api.py
+`compile`, the CLI), so compiling never imports a user's file."""
 from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from threefold.compiler.eager_loss import eager_node, loss_reduction
 from threefold.compiler.pipeline import run_passes
-from threefold.compiler.program import tf
-from threefold.compiler.stages import Fused, Traced
+from threefold.ir.program import tf
+from threefold.ir.stages import Fused, Traced
 from threefold.compiler.trace import trace
 from threefold.errors import PlanError
+from threefold.passes.batch_coupling import check_batch_coupling
 from threefold.passes.batch_dims import AmbiguousBatch, find_batch_dims
 from threefold.passes.seq_dims import find_seq_dims, full_length_refusal, full_length_tables, local_share, \
     read_at_local_length
 from threefold.plan import Plan
-from threefold.workload import Workload, load_spec
+from threefold.workload import Workload
 
 
 def microbatch(values, parts: int, what: str, dims=None):
     """The first of `parts` equal slices of each tensor along its batch dim (dims: one per
     value, None = not split; default dim 0); its shape is what we trace."""
-    import torch
 
     def one(t, d):
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or d is None:
@@ -34,14 +39,15 @@ def microbatch(values, parts: int, what: str, dims=None):
     return one(values, 0 if dims is None else dims)
 
 
-def compile_workload(workload: Workload | str, plan: Plan | str | None = None,
+def compile_workload(workload: Workload | dict, plan: Plan | str | None = None,
                      progress: Callable[[str], None] | None = None, own_loss: bool = False) -> Fused:
     """Trace a workload at microbatch size and run the pass pipeline for `plan`.
 
     `progress(stage)` is told "trace" and then each pass's name as it starts. `own_loss`:
     without a loss_fn, train on the loss the model returns (compiler/trace.py)."""
     if isinstance(workload, str):
-        workload = load_spec(workload)
+        raise PlanError(f"compile_workload takes a workload, not the SPEC {workload!r}: load it with "
+                        "threefold.workload.load_spec, or call threefold.compile, which does")
     workload = Workload.coerce(workload)
     plan = Plan.parse(plan)
     parts = plan.dp * plan.microbatches
@@ -118,7 +124,6 @@ def _name_coupling(workload: Workload, batch: tuple, parts: int, plan: Plan, exc
     naming that op instead of the guess about dimensions. Where the plan opted in to
     per-microbatch results for those ops (loss=microbatch_mean, batchnorm=local), that
     candidate is the answer; else None (the caller re-raises)."""
-    from threefold.passes.batch_coupling import check_batch_coupling
     zeros = [c for c in exc.candidates if all(d in (None, 0) for d in c)]
     if not zeros:
         return None

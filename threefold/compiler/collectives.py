@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from threefold.compiler.program import meta_of, tf
+from threefold.ir.program import meta_of, tf
 from threefold.runtime.boundary import sent_elements
 
 

@@ -22,23 +22,15 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from threefold.compiler.program import TensorMeta, tf
-from threefold.compiler.stages import Traced
+from threefold.ir.program import TensorMeta, is_eager_loss, tf
+from threefold.ir.stages import Traced
 from threefold.errors import PlanError
 from threefold.runtime.eager_loss import call_loss, key_of
 
 
-def is_eager_loss(node) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is call_loss
-
-
-def trace_eager_loss(model, inputs: tuple, target, loss_fn, plan, why: str) -> Traced:
-    """The model traced alone, its graph ended by an eager call of `loss_fn`."""
-    from threefold.compiler.trace import _ModelWithLoss, _export, _to_program
-    name = type(model).__name__
-    wrapper = _ModelWithLoss(model, None, find_own_loss=False)
-    ep = _export(wrapper, inputs, name)      # the model alone fails too: that is the real error
-    prog = _to_program(ep, model, wrapper, len(inputs), False, plan)
+def add_eager_loss(prog: Traced, wrapper, name: str, n_inputs: int, target, loss_fn, why: str) -> Traced:
+    """The model traced alone (`prog`, by compiler/trace.py with `wrapper`), its graph ended
+    by an eager call of `loss_fn`."""
     gm, graph = prog.gm, prog.gm.graph
     out_node = next(n for n in graph.nodes if n.op == "output")
     outs = list(out_node.args[0]) if isinstance(out_node.args[0], (tuple, list)) else [out_node.args[0]]
@@ -51,7 +43,7 @@ def trace_eager_loss(model, inputs: tuple, target, loss_fn, plan, why: str) -> T
     with graph.inserting_after(last_ph):
         tph = graph.placeholder("target")
     tph.meta["val"] = mode.from_tensor(target) if mode is not None else target.to("meta")
-    tf(tph).update(kind="input", input_index=len(inputs))
+    tf(tph).update(kind="input", input_index=n_inputs)
     key = key_of(loss_fn)
     floats = [o.meta["val"].dtype for o in outs if o.meta["val"].is_floating_point()]
     dtype = floats[0] if floats else torch.float32

@@ -1,4 +1,4 @@
-"""Model FLOPs of one optimizer step, from the compiler's cost model (compiler/cost.py).
+"""Model FLOPs of one optimizer step, from the compiler's cost model (passes/cost.py).
 
 Each op is counted once for the whole model: an op on tensor-parallel shards or partial
 sums counts its local FLOPs times tp, a replicated one once; forward plus a backward of
@@ -9,9 +9,9 @@ model FLOP/s.
 from __future__ import annotations
 
 from threefold import placement as placements
-from threefold.compiler.cost import node_cost
+from threefold.passes.cost import node_cost
 from threefold.compiler.param_roles import stage_graphs
-from threefold.compiler.program import compute_nodes, meta_of, tf
+from threefold.ir.program import compute_nodes, meta_of, tf
 
 
 def graph_model_flops(program) -> int:

@@ -15,7 +15,7 @@ import operator
 
 from threefold.roles import EMBEDDING, MATMUL, OTHER
 
-from threefold.compiler.program import tf
+from threefold.ir.program import tf
 from threefold.ops.families import COPIES, RESHAPES
 
 # op -> argument positions that are matrix operands

@@ -1,11 +1,11 @@
 """The compiler's one ordered list of passes, and the runner that applies them.
 
-A pass is a function from one stage to a new one (compiler/stages.py), declared with
-`@stage_pass(needs=..., gives=..., requires=..., guarantees=...)` (compiler/contracts.py).
+A pass is a function from one stage to a new one (ir/stages.py), declared with
+`@stage_pass(needs=..., gives=..., requires=..., guarantees=...)` (ir/contracts.py).
 The runner times every pass; checks its input's type and `requires`, that the input is
 unchanged afterwards, and the output's type, well-formedness and `guarantees`; and when
 anything fails says which pass and which ran before. THREEFOLD_DEBUG_DIR=dir writes every
-stage as a reloadable directory dir/NN_<pass>/ (compiler/stage_io.py) beside a readable
+stage as a reloadable directory dir/NN_<pass>/ (ir/stage_io.py) beside a readable
 dir/NN_<pass>.txt. Adding a pass: write it, decorate it, put it in `default_passes`.
 """
 from __future__ import annotations
@@ -16,10 +16,11 @@ from typing import Callable
 
 import torch
 
-from threefold.compiler.contracts import CHECKS, ContractError, fingerprint, spec_of, well_formed
-from threefold.compiler.cost import annotate_costs
-from threefold.compiler.stages import Stage
+from threefold.ir.contracts import CHECKS, ContractError, fingerprint, spec_of, well_formed
+from threefold.passes.cost import annotate_costs
+from threefold.ir.stages import Stage
 from threefold.errors import PlanError
+from threefold.ir.program import format_stage
 from threefold.passes.batch_coupling import check_batch_coupling
 from threefold.passes.context_parallel import context_parallel
 from threefold.passes.experts import find_experts
@@ -109,7 +110,7 @@ def run_passes(stage: Stage, passes: list[Pass] | None = None,
 
 
 def _dump(debug_dir: str, index: int, name: str, stage: Stage) -> None:
-    from threefold.compiler.stage_io import format_stage, save_stage
+    from threefold.ir.stage_io import save_stage   # lazy: start-up: ir.stage_io loads only on this path
     with open(os.path.join(debug_dir, f"{index:02d}_{name}.txt"), "w") as f:
         f.write(format_stage(stage) + "\n")
     save_stage(stage, os.path.join(debug_dir, f"{index:02d}_{name}"))

@@ -23,14 +23,16 @@ import traceback
 from typing import Callable
 
 import torch
+from torch.autograd.function import _SingleLevelFunction
 import torch.fx as fx
 from torch.export.graph_signature import InputKind
 
 from threefold.compiler.autocast_regions import (AUTOCAST_HOP, GRAD_HOP, disabled_region_ops, hop_arguments,
                                                  make_casts_explicit, mark_region)
+from threefold.compiler.eager_loss import add_eager_loss
 from threefold.compiler.graph_cleanup import drop_empty_cat_inputs, drop_identity_inplace
-from threefold.compiler.program import TensorMeta, tf
-from threefold.compiler.stages import Traced
+from threefold.ir.program import TensorMeta, tf
+from threefold.ir.stages import Traced
 from threefold.errors import PlanError
 from threefold.model_loss import model_loss
 from threefold.model_state import buffer_tables_kept
@@ -103,8 +105,7 @@ def trace(model: torch.nn.Module, inputs: tuple, target=None, loss_fn: Callable 
     wrapper = _ModelWithLoss(model, loss_fn, find_own_loss=own_loss)
     plan = plan or Plan()
     if has_loss and plan.loss == "eager":
-        from threefold.compiler.eager_loss import trace_eager_loss
-        return trace_eager_loss(model, inputs, target, loss_fn, plan, "loss=eager")
+        return _trace_eager_loss(model, inputs, target, loss_fn, plan, "loss=eager")
     try:
         ep = _export(wrapper, args, type(model).__name__)
     except PlanError as exc:
@@ -112,15 +113,23 @@ def trace(model: torch.nn.Module, inputs: tuple, target=None, loss_fn: Callable 
             raise
         # the loss may be what export cannot trace (CTC): trace the model alone and run the
         # loss eagerly on the last stage; if the model alone fails too, that error is raised
-        from threefold.compiler.eager_loss import trace_eager_loss
         first = str(exc).split("; try:")[0]
-        return trace_eager_loss(model, inputs, target, loss_fn, plan, f"torch.export: {first}")
+        return _trace_eager_loss(model, inputs, target, loss_fn, plan, f"torch.export: {first}")
     start = time.perf_counter()
     own_loss = not has_loss and wrapper.own_loss()   # the model returned its loss itself
     prog = _to_program(ep, model, wrapper, len(inputs), has_loss or own_loss, plan, takes_target=has_loss)
     prog = prog.evolve(output_tree=wrapper.output_tree())   # pm(x) returns this structure
     # names, ties, inlining
     return prog.evolve(pass_log=prog.pass_log + (("to_program", time.perf_counter() - start),))
+
+
+def _trace_eager_loss(model, inputs: tuple, target, loss_fn, plan, why: str) -> Traced:
+    """The model traced alone, its graph ended by an eager call of `loss_fn` (compiler/eager_loss.py)."""
+    name = type(model).__name__
+    wrapper = _ModelWithLoss(model, None, find_own_loss=False)
+    ep = _export(wrapper, inputs, name)      # the model alone fails too: that is the real error
+    prog = _to_program(ep, model, wrapper, len(inputs), False, plan)
+    return add_eager_loss(prog, wrapper, name, len(inputs), target, loss_fn, why)
 
 
 def _export(wrapper: torch.nn.Module, args: tuple, name: str):
@@ -250,7 +259,6 @@ def _backward_matches(cls: type, spec: list) -> bool:
 
 
 def _has_setup_context(cls: type) -> bool:
-    from torch.autograd.function import _SingleLevelFunction
     return getattr(cls, "setup_context", None) is not _SingleLevelFunction.setup_context and \
         cls.setup_context is not _SingleLevelFunction.setup_context
 

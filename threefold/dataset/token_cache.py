@@ -98,6 +98,7 @@ def _write(target: str, tokenizer, pieces, dtype, path: str) -> None:
     except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        # lazy: start-up: outdir loads only on this path
         from threefold.outdir import disk_full, is_disk_full
         if isinstance(exc, OSError) and is_disk_full(exc):
             raise PlanError(f"--data {path!r}: tokenising it into {os.path.dirname(target)} failed: "

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from threefold.errors import PlanError
 
 BYTE = "byte"
@@ -24,7 +26,6 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def encode_batch(self, texts: list[str]):
-        import numpy as np
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]   # no per-id objects
 
     def decode(self, ids) -> str:
@@ -61,7 +62,7 @@ def tokenizer_from_dict(d: dict) -> ByteTokenizer | HFTokenizer:
     if d.get("kind") == BYTE:
         return ByteTokenizer()
     if d.get("kind") == "hf":
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer   # lazy: tokenizers loads only when a tokenizer is built
         return HFTokenizer(d.get("name", "hf"), Tokenizer.from_str(d["tokenizer_json"]))
     raise PlanError(f"tokenizer record {str(d)[:60]!r} is neither byte nor hf: the checkpoint is damaged")
 
@@ -78,7 +79,7 @@ def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
         raise PlanError(f"--tokenizer {spec!r} has no tokenizer.json: give a directory written by "
                         "save_pretrained() or Tokenizer.save(), or 'byte'")
     try:
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer   # lazy: tokenizers loads only when a tokenizer is built
     except ModuleNotFoundError:
         raise PlanError("--tokenizer DIR needs the 'tokenizers' package: pip install tokenizers") from None
     try:

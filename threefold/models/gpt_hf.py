@@ -23,7 +23,7 @@ _SAME_FUNCTION = {"activation_function": "gelu", "layer_norm_epsilon": 1e-5, "sc
 
 def gpt2_config(cfg: GPTConfig):
     """The transformers GPT2Config of a GPT of `cfg` (a PlanError if none computes it)."""
-    from transformers import GPT2Config
+    from transformers import GPT2Config   # lazy: transformers loads only for Hugging Face models
     if not cfg.bias:
         raise PlanError("the GPT was built with bias=False, which GPT-2 has no setting for: export it "
                         "without a Hugging Face config (threefold export writes its own names then)")
@@ -49,8 +49,8 @@ def check_gpt2_config(config, cfg: GPTConfig) -> None:
 def gpt2_state(full: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
     """Our GPT's tensors under GPT2LMHeadModel's keys for `config` (Conv1D weights
     transposed); the tied LM head is the token embedding."""
-    from transformers import GPT2LMHeadModel
-    from transformers.pytorch_utils import Conv1D
+    from transformers import GPT2LMHeadModel   # lazy: transformers loads only for Hugging Face models
+    from transformers.pytorch_utils import Conv1D   # lazy: transformers loads only for Hugging Face models
     with torch.device("meta"):
         hf = GPT2LMHeadModel(config)
     conv = {f"{name}.weight" for name, m in hf.named_modules() if isinstance(m, Conv1D)}

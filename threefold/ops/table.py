@@ -9,7 +9,7 @@ AXES = ("tp", "cp")
 
 
 def _tp(name: str) -> str:
-    from threefold.passes.tp_rules import RULES
+    from threefold.passes.tp_rules import RULES   # lazy: start-up: passes.tp_rules loads only on this path
     rule = RULES.get(name) or (RULES.get(name[:-1]) if name.endswith("_") else None)
     if rule is not None:
         return f"rule {getattr(rule, '__name__', 'lambda').lstrip('_')}"
@@ -17,6 +17,7 @@ def _tp(name: str) -> str:
 
 
 def _cp(name: str) -> str:
+    # lazy: start-up: passes.cp_rules loads only on this path
     from threefold.passes.cp_rules import GATHERABLE, decision_for
     d = decision_for(name)
     if isinstance(d, str):
@@ -27,7 +28,9 @@ def _cp(name: str) -> str:
 
 def op_table() -> list[dict]:
     """One row per op name: {op, family, tp, cp}, sorted by family then name."""
+    # lazy: start-up: passes.cp_rules loads only on this path
     from threefold.passes.cp_rules import REFUSALS, RULES as CP_RULES
+    # lazy: start-up: passes.tp_rules loads only on this path
     from threefold.passes.tp_rules import RULES as TP_RULES
     names = set(TP_RULES) | set(CP_RULES) | set(REFUSALS) | {n for names in fam.FAMILIES.values() for n in names}
     rows = [{"op": n, "family": fam.family(n) or "-", "tp": _tp(n), "cp": _cp(n)} for n in names]

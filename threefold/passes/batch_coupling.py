@@ -28,11 +28,11 @@ import operator
 
 import torch.fx as fx
 
-from threefold.compiler.contracts import stage_pass
-from threefold.compiler.program import tf
-from threefold.compiler.stages import Traced
+from threefold.ir.contracts import stage_pass
+from threefold.ir.program import tf
+from threefold.ir.stages import Traced
 from threefold.errors import PlanError
-from threefold.passes.experts import expert_matmul
+from threefold.passes.expert_match import expert_matmul
 from threefold.passes.loss_form import exact_reductions, final_op, split_fix
 from threefold.passes.row_rules import BATCH_STAT_OPS, propagate
 from threefold.passes.row_state import LOST, Rows, op_name

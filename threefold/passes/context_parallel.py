@@ -25,9 +25,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from threefold.compiler.contracts import stage_pass
-from threefold.compiler.program import tf
-from threefold.compiler.stages import Sharded, copy_graph_module
+from threefold.ir.contracts import stage_pass
+from threefold.ir.program import tf
+from threefold.ir.stages import Sharded, copy_graph_module
 from threefold.errors import PlanError
 from threefold.passes.cp_masks import evaluate, free, input_free, key_bias_val as _key_bias_val, \
     param_free as _param_free, split_mask as _split_mask

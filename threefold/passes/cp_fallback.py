@@ -21,7 +21,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from threefold.compiler.program import tf
+from threefold.ir.program import tf
 from threefold.errors import PlanError
 from threefold.ops.families import family
 from threefold.runtime import cp_gather

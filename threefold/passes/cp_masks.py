@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from threefold.compiler.program import tf
+from threefold.ir.program import tf
 from threefold.errors import PlanError
 from threefold.ops.families import COPIES, is_pointwise, op_name
 

@@ -14,8 +14,8 @@ import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from threefold.compiler.program import tf
-from threefold.compiler.stages import BoundarySpec, Chunk
+from threefold.ir.program import tf
+from threefold.ir.stages import BoundarySpec, Chunk
 
 
 @dataclass

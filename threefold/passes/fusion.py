@@ -15,14 +15,15 @@ Runs on each rank's graph after partitioning. The steps, in order:
 """
 from __future__ import annotations
 
+import heapq
 import operator
 
 import torch
 import torch.fx as fx
 
-from threefold.compiler.contracts import stage_pass
-from threefold.compiler.program import tf
-from threefold.compiler.stages import Fused, Partitioned, copy_graph_module
+from threefold.ir.contracts import stage_pass
+from threefold.ir.program import tf
+from threefold.ir.stages import Fused, Partitioned, copy_graph_module
 from threefold.passes.fusion_patterns import (causal_form, fusible, half_to_float, last_dim, mask_pos, match_rms,
                                               match_rotary, users, val_of)
 from threefold.passes.fusion_regions import ELEMENTWISE, FLOAT_DTYPES, FusedRegion, Op, Ref, RegionInput, classify
@@ -307,7 +308,6 @@ def _name(names: dict, signature: tuple, base: str) -> str:
 
 def _stable_toposort(graph: fx.Graph) -> None:
     """Reorder nodes so every node follows its inputs, keeping the original order otherwise."""
-    import heapq
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     indeg = {n: len(set(n.all_input_nodes)) for n in nodes}

@@ -8,7 +8,7 @@ import re
 
 import torch.fx as fx
 
-from threefold.compiler.program import tf
+from threefold.ir.program import tf
 
 _INDEXED = re.compile(r"^\d+$")
 

@@ -28,10 +28,10 @@ import operator
 import torch
 import torch.fx as fx
 
-from threefold.compiler.contracts import stage_pass
-from threefold.compiler.eager_loss import is_eager_loss
-from threefold.compiler.program import tf
-from threefold.compiler.stages import Draft, Traced
+from threefold.ir.contracts import stage_pass
+from threefold.ir.program import is_eager_loss
+from threefold.ir.program import tf
+from threefold.ir.stages import Draft, Traced
 from threefold.errors import PlanError
 from threefold.ops.families import COPIES, RESHAPES
 

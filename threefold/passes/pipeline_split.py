@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from threefold.compiler.contracts import stage_pass
-from threefold.compiler.cost import measure_chunk
-from threefold.compiler.program import compute_nodes, meta_of, tf
-from threefold.compiler.stages import BoundarySpec, Partitioned, Sharded
+from threefold.ir.contracts import stage_pass
+from threefold.passes.cost import measure_chunk
+from threefold.ir.program import compute_nodes, meta_of, tf
+from threefold.ir.stages import BoundarySpec, Partitioned, Sharded
 from threefold.passes.extract_chunks import ChunkCut, extract_chunks
 from threefold.errors import PlanError
 from threefold.markers import PIPE_SPLIT_OP
@@ -78,6 +78,7 @@ def split_pipeline(prog: Sharded) -> Partitioned:
 def _refuse_empty_stages(prog: Sharded, chunks: list) -> None:
     """A pipeline stage that holds no parameter does no training work: it only passes
     activations on, costing a hop and a rank (pp=8 on a 2-layer model)."""
+    # lazy: start-up: runtime.mesh loads only on this path
     from threefold.runtime.mesh import chunk_layout, stage_of
     pp = prog.plan.pp
     if pp == 1:
@@ -97,6 +98,7 @@ def _refuse_empty_stages(prog: Sharded, chunks: list) -> None:
 def _inside_layer(layout: _Layout) -> list[bool]:
     """Per position: does a cut there fall inside one transformer layer (both sides of it
     in the same repeated layer, passes/layers.py)?"""
+    # lazy: start-up: passes.layers loads only on this path
     from threefold.passes.layers import layer_key, repeated_containers
     containers = repeated_containers(layout.order)
     keys = [layer_key(n, containers) for n in layout.order]
@@ -107,6 +109,7 @@ def _inside_layer_notes(layout: _Layout, cuts: list[int]) -> list[str]:
     inside = _inside_layer(layout)
     if not layout.order or not any(inside[c] for c in cuts):
         return []
+    # lazy: start-up: passes.layers loads only on this path
     from threefold.passes.layers import layer_key, repeated_containers
     containers = repeated_containers(layout.order)
     where = sorted({layer_key(layout.order[c], containers) for c in cuts if inside[c]})

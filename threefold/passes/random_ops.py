@@ -13,9 +13,9 @@ import torch
 import torch.fx as fx
 
 from threefold import placement
-from threefold.compiler.contracts import stage_pass
-from threefold.compiler.program import tf
-from threefold.compiler.stages import Partitioned, copy_graph_module
+from threefold.ir.contracts import stage_pass
+from threefold.ir.program import tf
+from threefold.ir.stages import Partitioned, copy_graph_module
 from threefold.runtime import random_ops as rt
 
 aten = torch.ops.aten

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from threefold.compiler.cost import NodeCost, node_cost
-from threefold.compiler.contracts import stage_pass
-from threefold.compiler.program import meta_of, tf
-from threefold.compiler.stages import Partitioned
+from threefold.passes.cost import NodeCost, node_cost
+from threefold.ir.contracts import stage_pass
+from threefold.ir.program import meta_of, tf
+from threefold.ir.stages import Partitioned
 from threefold.passes.layers import layer_runs, repeated_containers
 
 

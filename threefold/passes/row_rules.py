@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from threefold.passes.experts import expert_matmul
+from threefold.passes.expert_match import expert_matmul
 from threefold.passes.row_index_rules import INDEX_OPS, index_rule
 from threefold.passes.row_state import (LOST, POS, Rows, arg_of, dims_of, rows_of, shape_of,
                                         op_name)

@@ -55,6 +55,7 @@ def find_seq_dims(batch: tuple, batch_dims: list, num_model_inputs: int, cp: int
 
 def local_share(values: tuple, dims: list, cp: int) -> tuple:
     """The first cp rank's share of each value (blocks 0 and 2cp-1): its shape is what we trace."""
+    # lazy: start-up: runtime.cp_ops loads only on this path
     from threefold.runtime.cp_ops import local_blocks
     return tuple(local_blocks(v, d, cp, 0) if d is not None and isinstance(v, torch.Tensor) else v
                  for v, d in zip(values, dims))

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from threefold.compiler.contracts import stage_pass
-from threefold.compiler.cost import op_name
-from threefold.compiler.program import tf
-from threefold.compiler.stages import Traced
+from threefold.ir.contracts import stage_pass
+from threefold.passes.cost import op_name
+from threefold.ir.program import tf
+from threefold.ir.stages import Traced
 from threefold.errors import PlanError
 
 

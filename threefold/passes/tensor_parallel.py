@@ -38,10 +38,10 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
-from threefold.compiler.cost import op_name
-from threefold.compiler.contracts import stage_pass
-from threefold.compiler.program import tf
-from threefold.compiler.stages import Sharded, Traced
+from threefold.passes.cost import op_name
+from threefold.ir.contracts import stage_pass
+from threefold.ir.program import tf
+from threefold.ir.stages import Sharded, Traced
 from threefold import placement
 from threefold.errors import PlanError
 from threefold.passes.tp_collectives import CollectiveEmitter

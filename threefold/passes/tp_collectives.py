@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from threefold.compiler.program import tf
+from threefold.ir.program import tf
 from threefold.passes.tp_patterns import _coll, _needs_grad
 from threefold.passes.tp_placement import R, Partial, Replicate, Shard, local_size, padded
 from threefold.passes.tp_redistribute import replicated

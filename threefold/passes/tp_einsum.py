@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from threefold.compiler.program import tf
+from threefold.ir.program import tf
 from threefold.passes.tp_patterns import _is_param
 from threefold.passes.tp_placement import Partial, Replicate, Shard
 from threefold.passes.tp_redistribute import NoRule, replicated

@@ -18,8 +18,8 @@ import torch
 import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 
-from threefold.compiler.cost import op_name
-from threefold.compiler.program import tf
+from threefold.passes.cost import op_name
+from threefold.ir.program import tf
 from threefold.passes.tp_patterns import _is_param, _param_weight
 from threefold.ops.families import RESHAPES
 

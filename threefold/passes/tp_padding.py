@@ -21,7 +21,7 @@ import math
 import torch
 import torch.fx as fx
 
-from threefold.compiler.cost import op_name
+from threefold.passes.cost import op_name
 from threefold.errors import PlanError
 from threefold.passes.tp_dims import reshape_placement
 from threefold.passes.tp_placement import Shard, reshape_groups

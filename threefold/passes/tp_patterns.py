@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from threefold.compiler.annotations import Collective
-from threefold.compiler.cost import op_name
-from threefold.compiler.program import tf
+from threefold.ir.annotations import Collective
+from threefold.passes.cost import op_name
+from threefold.ir.program import tf
 from threefold.ops.families import COPIES, RESHAPES
 
 

@@ -12,8 +12,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from threefold.compiler.cost import op_name
-from threefold.compiler.program import tf
+from threefold.passes.cost import op_name
+from threefold.ir.program import tf
 from threefold.passes.tp_patterns import _head_count, _is_param, _split_blocks
 from threefold.passes.tp_placement import Replicate, Shard
 

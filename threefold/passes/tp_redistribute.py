@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from threefold.compiler.cost import op_name
-from threefold.compiler.program import tf
+from threefold.passes.cost import op_name
+from threefold.ir.program import tf
 from threefold.errors import PlanError
 from threefold.passes.tp_placement import Partial, Replicate, Shard
 

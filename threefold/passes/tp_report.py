@@ -3,7 +3,7 @@ are sharded, every fallback (op, module, bytes moved per step), and which projec
 kept whole and why. When tp > 1 leaves over half of the parameters replicated, say so."""
 from __future__ import annotations
 
-from threefold.compiler.program import tf
+from threefold.ir.program import tf
 
 
 def tp_report(rw) -> dict:

@@ -10,8 +10,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from threefold.compiler.annotations import Collective
-from threefold.compiler.cost import op_name
+from threefold.ir.annotations import Collective
+from threefold.passes.cost import op_name
 from threefold.errors import PlanError
 from threefold.passes.tp_dims import reshape_placement
 from threefold.passes.tp_padding import padded_reshape

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from threefold.compiler.cost import op_name
-from threefold.compiler.program import tf
+from threefold.passes.cost import op_name
+from threefold.ir.program import tf
 from threefold.errors import PlanError
 from threefold.passes.tp_patterns import (_GROUPED, _TRANSPOSES, _coll, _feeds_cross_entropy, _head_count,
                                           _is_param, _replace, _split_blocks, x_old_of)

@@ -148,7 +148,7 @@ def inflight_count(plan, stage: int) -> int:
 def program_memory(prog) -> list[RankMemory]:
     """Bytes per rank, by component, of a compiled program (a Partitioned/Fused stage), for
     every rank of the mesh."""
-    from threefold.compiler.program import tf
+    from threefold.ir.program import tf
     from threefold.planner.saved_bytes import chunk_saved
     from threefold.runtime.mesh import chunk_layout, stage_of
     from threefold.runtime.mixed_precision import COMPUTE_DTYPES

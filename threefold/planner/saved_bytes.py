@@ -19,7 +19,7 @@ torch.utils.checkpoint: their ops keep nothing, and the segment's inputs are kep
 While backward reruns a segment, its own saved values exist again for a moment: the
 largest segment's are `recompute_peak_bytes`.
 
-An op that cannot run on fakes (a fused Triton kernel) falls back to compiler/cost.py's
+An op that cannot run on fakes (a fused Triton kernel) falls back to passes/cost.py's
 SAVE_RULES for that op, and is listed in `fallbacks`.
 """
 from __future__ import annotations
@@ -225,7 +225,7 @@ class _Runner:
         self.saved[node.name] = list(kept.items())
 
     def _fallback(self, node: fx.Node) -> None:
-        from threefold.compiler.cost import node_cost
+        from threefold.passes.cost import node_cost
         self.fallbacks.append(node.name)
         self.root[node.name] = node.name
         val = _val(node)
@@ -290,7 +290,7 @@ def chunk_saved(gm: fx.GraphModule, autocast: torch.dtype | None = None, segment
     """Bytes one microbatch's forward through this chunk graph keeps for backward
     (`autocast`: the 16-bit dtype generated code computes in under dtype=bf16|fp16;
     `segments`: the chunk's recomputed segments, passes/recompute.py)."""
-    from threefold.compiler.program import tf
+    from threefold.ir.program import tf
     runner = _Runner(gm, autocast)
     segments = list(segments if segments is not None else gm.meta.get("recompute") or [])
     segment_of = {name: i for i, seg in enumerate(segments) for name in seg["nodes"]}
@@ -337,7 +337,7 @@ def nodes_saved(gm: fx.GraphModule, names, segments=(), autocast: torch.dtype | 
     """What the ops called `names` (a part of the graph: one layer) keep for backward, as
     {value: (bytes, producing node)}, with `segments` (lists of node names) recomputed: their
     ops keep nothing, their inputs are kept. The whole graph is run so values keep their roots."""
-    from threefold.compiler.program import tf
+    from threefold.ir.program import tf
     runner = _Runner(gm, autocast)
     for node in gm.graph.nodes:
         if node.op == "placeholder":

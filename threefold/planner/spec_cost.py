@@ -8,7 +8,7 @@ per-layer ops, nodes before the first block the `pre` part, nodes after the last
 
 How each op maps to tensor parallelism is the compiler's decision, not a guess: the
 tensor-parallel pass runs at a trial degree t (`tp_decisions.py`), every op of its output is
-costed on local shapes by `compiler/cost.py`, and an op whose activations are held as
+costed on local shapes by `passes/cost.py`, and an op whose activations are held as
 shards or partial sums (placements S and P) is split over tp (its local cost times t is
 the whole op's), any other runs whole on every rank. Parameters are sharded exactly when
 the pass cuts them (`shard_fns`); the tp all-reduces of a layer are the forward all-reduces
@@ -25,8 +25,9 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from threefold.compiler import cost as cost_mod
-from threefold.compiler.program import Program, compute_nodes, meta_of, tf
+from threefold.passes import cost as cost_mod
+from threefold.ir.program import compute_nodes, meta_of, tf
+from threefold.ir.stages import Program
 from threefold.errors import PlanError
 from threefold.planner import tp_decisions as tpd
 from threefold.planner.model_cost import ACT_BYTES, ModelCost, Op, cross_entropy_bytes

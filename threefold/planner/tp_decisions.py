@@ -17,7 +17,8 @@ import torch.fx as fx
 
 from threefold import placement as placements
 
-from threefold.compiler.program import Program, meta_of, tf
+from threefold.ir.program import meta_of, tf
+from threefold.ir.stages import Program
 from threefold.errors import PlanError
 from threefold.plan import Plan
 from threefold.runtime import tp_ops

@@ -12,6 +12,7 @@ from __future__ import annotations
 from html import escape
 
 from threefold.report.code_view import chunk_code
+from threefold.cli.units import human, human_bytes
 from threefold.report.page import page, search_attr, table
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "recompute", "buffers")
@@ -19,7 +20,6 @@ COMPONENTS = ("params", "grads", "optimizer", "activations", "recompute", "buffe
 
 def inspect_html(name: str, report: dict, memory: list[dict], sources: dict[str, str], schedule_svg: str,
                  trace: dict | None = None) -> str:
-    from threefold.cli.inspect_cmd import human, human_bytes
     chunks = report["chunks"]
     tp = report.get("tensor_parallel")
     facts = [f"plan {report['plan']}", f"{len(chunks)} chunks",
@@ -36,6 +36,7 @@ def inspect_html(name: str, report: dict, memory: list[dict], sources: dict[str,
                  "as its forward time and twice that for its backward (zero bubble: B and W one each), in "
                  f'GFLOP; communication free.</p><div class="svgbox">{schedule_svg}</div>')]
     if trace is not None:
+        # lazy: start-up: report.trace_page loads only on this path
         from threefold.report.trace_page import trace_sections
         sections += trace_sections(trace)
     sections.append(("code", "Generated code", _code(sources)))

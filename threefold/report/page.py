@@ -18,7 +18,7 @@ def page(title: str, facts: str, sections: list[tuple[str, str, str]], data: dic
            'autocomplete="off"><span id="search-count"></span>') if search else ""
     body = "\n".join(f'<section id="{a}"><h2>{escape(h)}</h2>\n{inner}\n</section>' for a, h, inner in sections)
     # JSON inside <script>: "</" would end the element, so it is written as "<\/"
-    from threefold.cli.jsonout import dumps
+    from threefold.cli.jsonout import dumps   # lazy: start-up: cli.jsonout loads only on this path
     payload = dumps(data, separators=(",", ":")).replace("</", "<\\/")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">

@@ -4,8 +4,12 @@ itself (drawn in the browser by static/report.js from the embedded trace), and t
 schedule simulated with the measured action times (runtime/timeline_svg.py)."""
 from __future__ import annotations
 
+import os
+import sys
 from html import escape
 
+from threefold.cli.jsonout import dumps
+from threefold.outdir import write_file_atomically
 from threefold.report.page import page, table
 from threefold.runtime.trace_stats import simulation, summarize
 from threefold.runtime.timeline_svg import render_svg
@@ -63,3 +67,12 @@ def trace_html(trace: dict) -> str:
     facts = escape(f"plan {other['plan']} · schedule {other['schedule']['schedule']} · traced step(s) "
                    f"{', '.join(map(str, other['steps']))} · {other.get('workload', '')}")
     return page(f"threefold trace: {other['plan']}", facts, trace_sections(trace), {"trace": trace}, search=False)
+
+
+def write_trace(out: str, trace: dict) -> None:
+    """OUT/trace.json and OUT/trace.html from a merged trace (THREEFOLD_TRACE for parallelize)."""
+    os.makedirs(out, exist_ok=True)
+    write_file_atomically(os.path.join(out, "trace.json"), dumps(trace))
+    write_file_atomically(os.path.join(out, "trace.html"), trace_html(trace))
+    print(f"threefold: trace of step {', '.join(map(str, trace['otherData']['steps']))} written to "
+          f"{os.path.join(out, 'trace.json')}", file=sys.stderr)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import os
 
+from threefold.errors import PlanError
+
 ENV = "THREEFOLD_PIN"
 MODES = ("none", "cores")
 
@@ -32,7 +34,6 @@ def mode() -> str:
     """THREEFOLD_PIN's value, checked: "none" (default) or "cores"."""
     value = os.environ.get(ENV, "none").strip().lower() or "none"
     if value not in MODES:
-        from threefold.errors import PlanError
         raise PlanError(f"{ENV}={os.environ[ENV]!r} is invalid: use {ENV}=cores (pin each local rank to "
                         f"cores of its own) or {ENV}=none (the default: the kernel places ranks)")
     return value

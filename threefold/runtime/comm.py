@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from threefold.errors import PlanError
 from threefold.runtime.mesh import Mesh
 
 FAILURE_KEY = "threefold/failure"
@@ -52,7 +53,6 @@ def _timeout_of(text: str) -> timedelta:
     except ValueError:
         seconds = math.nan
     if not (0 < seconds <= MAX_TIMEOUT_S):     # also nan
-        from threefold.errors import PlanError
         raise PlanError(f"THREEFOLD_TIMEOUT={text!r} is invalid: give seconds above 0 and at most "
                         f"{MAX_TIMEOUT_S:.0f}, e.g. 60")
     return timedelta(seconds=seconds)

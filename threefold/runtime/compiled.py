@@ -42,6 +42,7 @@ points at the user's cache, `$XDG_CACHE_HOME/threefold/inductor` (default
 """
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import os
@@ -50,7 +51,9 @@ import types
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
+from threefold.errors import PlanError
 from threefold.runtime.comm import MAX_TIMEOUT_S, default_timeout, in_graph_failure, wait_grace
 from threefold.runtime.module import ChunkModule
 
@@ -60,6 +63,7 @@ _EAGER_METHODS = ("rng_seed", "step_start", "unit", "needs_whole", "experts")
 
 def cache_dir() -> str:
     """Where Inductor's caches live across runs (set for this process if the user did not)."""
+    # lazy: torch's compiler stack loads only for compile=inductor
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     # torch.export (the compiler) already asks Inductor for its cache dir, which writes torch's
     # default (a temp dir) into the environment: that value counts as unset
@@ -75,6 +79,7 @@ def install(modules: dict[int, ChunkModule], mode: str) -> None:
     if mode == "none":
         return
     cache_dir()
+    # lazy: torch's compiler stack loads only for compile=inductor
     import torch._inductor.config as inductor_config
     # compile in this process: no pool of compile workers per rank (2 ranks on 2 cores would
     # each start one), and nothing outlives a rank the launcher stops
@@ -160,6 +165,7 @@ class CompiledFn:
     def __call__(self, *args):
         if self.failed:
             return self.eager(*args)
+        # lazy: torch's compiler stack loads only for compile=inductor
         import torch._dynamo.exc as dynamo_exc
         try:
             return self.compiled(*args)
@@ -184,7 +190,9 @@ def _inductor_or_eager(label: str):
     compile then falls back like a forward, where lazily it raised inside the engine's
     backward call, past any fallback (the tp=2+sp graphs' all-gathers under the C++ wrapper did)."""
     def backend(gm: torch.fx.GraphModule, example_inputs):
+        # lazy: torch's compiler stack loads only for compile=inductor
         import torch._functorch.config as functorch_config
+        # lazy: torch's compiler stack loads only for compile=inductor
         from torch._inductor.compile_fx import compile_fx
         gm = _attention_as_sdpa(gm, example_inputs, label)
         try:
@@ -209,7 +217,7 @@ def _attention_as_sdpa(gm: torch.fx.GraphModule, example_inputs, label: str) -> 
     rewrite edits a copy of the graph, so a failure leaves the captured graph whole."""
     if not _on_cpu(example_inputs) or os.environ.get("THREEFOLD_SDPA_REWRITE", "1") == "0":
         return gm
-    import copy
+    # lazy: start-up: runtime.sdpa_rewrite loads only on this path
     from threefold.runtime import sdpa_rewrite
     try:
         out = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
@@ -273,7 +281,6 @@ def compile_timeout() -> timedelta:
     except ValueError:
         seconds = math.nan
     if not (0 < seconds <= MAX_TIMEOUT_S):
-        from threefold.errors import PlanError
         raise PlanError(f"THREEFOLD_COMPILE_TIMEOUT={text!r} is invalid: give seconds above 0 and at most "
                         f"{MAX_TIMEOUT_S:.0f}, e.g. 1800")
     return max(timedelta(seconds=seconds), default_timeout())
@@ -287,7 +294,6 @@ def with_compile_grace(step, groups):
     group timeout (THREEFOLD_TIMEOUT, 60 s): one rank compiling for longer would read as a
     dead rank. So the first two steps of each kind (Dynamo may recompile once, marking a
     size dynamic) run with every group's timeout raised, and later steps with the usual one."""
-    import torch.distributed as dist
     seen: dict = {}
     pgs = [None] + [g for g in list(groups.by_axes.values()) + list(groups.ties.values()) if g is not None]
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from threefold.runtime import comm
 
@@ -342,7 +343,6 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias, groups: int, grou
     """conv1d(x, padding=k-1)[..., :n] (a causal convolution over time, the last dim) on this
     rank's two blocks: each block is extended by the k-1 positions before it (a halo from
     the rank that holds them, zeros at the start of the sequence)."""
-    import torch.nn.functional as F
     width = weight.shape[-1] - 1
     if group is None:   # the whole sequence (or one rank's view in the memory model)
         return F.conv1d(F.pad(x, (width, 0)), weight, bias, groups=groups)

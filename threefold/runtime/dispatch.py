@@ -72,7 +72,7 @@ def program(engine, schedule: Schedule, rx: ReceivePlan) -> Program:
 def p2p_messages(engine) -> dict[tuple[int, int], list[int]]:
     """Per directed pair of ranks (sender, receiver) this rank is one end of, the bytes of
     each message of a step of the engine's schedule (runtime/local_p2p.open_links)."""
-    from threefold.runtime import local_p2p
+    from threefold.runtime import local_p2p   # lazy: start-up: runtime.local_p2p loads only on this path
     me, messages = engine.groups.rank, {}
     for a in engine.schedule.actions[engine.stage]:
         if a.is_send or a.is_recv:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from threefold.errors import PlanError
 from threefold.runtime import comm, compiled, dispatch, mixed_precision, optimizers
 from threefold.runtime.boundary import Boundary
 from threefold.runtime.buffer_pool import BufferPool
@@ -114,6 +115,7 @@ class PipelineEngine:
         self.batch_group = groups.of(BATCH_AXES)
         self.sharded = None             # zero>=2: gradient (and zero=3 parameter) shards
         if collectives.zero >= 2:
+            # lazy: start-up: runtime.fsdp loads only on this path
             from threefold.runtime.fsdp import ShardedParams
             self.sharded = ShardedParams(self, collectives)
             for c, mod in modules.items():
@@ -131,6 +133,43 @@ class PipelineEngine:
         self.tracer = None      # a runtime/trace.Recorder while a step is traced (else no clock reads)
         self._local: tuple | None = None   # (LocalExchange or None,) once set up (runtime/local_reduce.py)
         self._links: tuple | None = None   # (local_p2p.Links or None,) once set up (runtime/local_p2p.py)
+        self.memo: dict = {}            # caches of pure functions of this engine's fixed parts (grad_norm.py)
+
+    # -- what other parts register: the only way they change the engine -------------------
+    def use_grad_sync(self, sync) -> None:
+        """zero=1 (runtime/zero.py): `sync.start(fqns)` / `sync.finish(reductions)` replace the
+        dp all-reduce of gradients."""
+        self.dp_grad_hook = sync
+
+    def use_optimizer(self, opt) -> None:
+        """The optimizer pm.optimizer(...) built (runtime/optimizers.py); a plan that needs one
+        (zero, fp16) refuses a training step without it."""
+        self.plan_optimizer = opt
+
+    def set_loss_scale(self, scale: float) -> None:
+        """fp16: the scale the next backward is seeded with (the loss scaler's, after each step
+        and after a checkpoint restores it)."""
+        self.loss_scale = float(scale)
+
+    @contextlib.contextmanager
+    def traced(self, recorder):
+        """--trace (runtime/trace.py): every action of the steps run inside is timed by `recorder`."""
+        self.tracer = recorder
+        try:
+            yield
+        finally:
+            self.tracer = None
+
+    def counters(self) -> dict:
+        """What a checkpoint keeps of the engine: its step count and the random ops' base seed."""
+        return {"engine_step": self._step_count, "rng_base": self._rng_base}
+
+    def restore_counters(self, engine_step: int | None = None, rng_base: int | None = None) -> None:
+        """A checkpoint's counters (checkpoint/load.py); None keeps the current value."""
+        if engine_step is not None:
+            self._step_count = int(engine_step)
+        if rng_base is not None:
+            self._rng_base = int(rng_base)
 
     # -- set-up ----------------------------------------------------------------------------
     def _share_local_ties(self) -> None:
@@ -185,7 +224,6 @@ class PipelineEngine:
             if mod.training != train:   # (train() walks every submodule: only on a change)
                 mod.train(train)  # generated code reads self.training (dropout, batch norm)
         if train and self._optimizer_needed and self.plan_optimizer is None:
-            from threefold.errors import PlanError
             raise PlanError(self._optimizer_needed)
         with_loss = self.has_loss and not model_outputs
         st.with_loss = with_loss
@@ -493,6 +531,7 @@ class PipelineEngine:
                 or self.dp_grad_hook is not None or self.sharded is not None):
             return None
         if self._local is None:
+            # lazy: start-up: runtime.local_reduce loads only on this path
             from threefold.runtime import local_reduce
             sizes, dtype = local_reduce.batch_buckets(self.collectives.buckets[self.stage], self.params)
             self._local = (local_reduce.open_exchange(self.batch_group, sizes, dtype),)
@@ -505,6 +544,7 @@ class PipelineEngine:
         if self.mesh.pp == 1 or self.device.type != "cpu":
             return None
         if self._links is None:
+            # lazy: start-up: runtime.local_p2p loads only on this path
             from threefold.runtime import local_p2p
             self._links = (local_p2p.open_links(dispatch.p2p_messages(self)),)
         return self._links[0]

@@ -19,6 +19,8 @@ from __future__ import annotations
 import inspect
 import sys
 
+from threefold.errors import PlanError
+
 
 def fused_kwargs(optimizer_cls, compile_mode: str, kwargs: dict, prefer: bool = False) -> dict:
     """kwargs with fused=True added where compile_mode compiles (or the caller prefers it)
@@ -41,7 +43,6 @@ def build(make, optimizer_cls, kwargs: dict, compile_mode: str, prefer: bool = F
     fused = fused_kwargs(optimizer_cls, compile_mode, kwargs, prefer)
     if fused is kwargs:
         return make(**kwargs)
-    from threefold.errors import PlanError
     try:
         return make(**fused)
     except PlanError:

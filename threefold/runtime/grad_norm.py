@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from threefold.runtime import comm
-from threefold.runtime.shard import ShardSpec
+from threefold.runtime.shard import ShardSpec, pieces
 
 
 def _replicated_over_batch(engine) -> bool:
@@ -53,7 +53,7 @@ def owned_grad_pieces(engine, as_batch_rank_0: bool = False) -> list[torch.Tenso
     over the manifest cost as much as the norm itself, 0.1-0.4 ms a step)."""
     zero = _plan(engine).zero
     if zero == 0:
-        cache = engine.__dict__.setdefault("_owned_cuts", {})
+        cache = engine.memo.setdefault("owned_cuts", {})
         if as_batch_rank_0 not in cache:
             cache[as_batch_rank_0] = _owned_cuts(engine, as_batch_rank_0, zero)
         cuts = cache[as_batch_rank_0]
@@ -71,8 +71,7 @@ def owned_grad_pieces(engine, as_batch_rank_0: bool = False) -> list[torch.Tenso
 def _owned_cuts(engine, as_batch_rank_0: bool, zero: int) -> list[tuple]:
     """[(parameter, its gradient part or None for p.grad itself at zero=0, None: whole |
     (dim, start, length): a narrow of it)] this rank counts in the norm."""
-    from threefold.checkpoint.layout import pieces   # layout math only (no checkpoint I/O)
-    from threefold.runtime.zero import row_range
+    from threefold.runtime.zero import row_range   # lazy: start-up: runtime.zero loads only on this path
     coord, manifest = engine.coord, engine.manifest
     if as_batch_rank_0:
         coord = engine.mesh.coord(engine.mesh.moved(engine.groups.rank, dp_replicate=0, dp_shard=0, cp=0))
@@ -152,6 +151,7 @@ def _first_holder_stage(chunks) -> dict[str, int]:
 
 
 def _plan(engine):
+    # lazy: start-up: runtime.mixed_precision loads only on this path
     from threefold.runtime.mixed_precision import plan_of
     return plan_of(engine.manifest)
 

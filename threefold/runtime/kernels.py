@@ -80,8 +80,8 @@ def _interpret_triton_library() -> None:
     Calling a compiled JITFunction from Python is otherwise always an error, so while
     TRITON_INTERPRET=1 we run such calls through the interpreter instead.
     """
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
+    from triton.runtime.interpreter import InterpretedFunction   # lazy: triton loads only for fused kernels
+    from triton.runtime.jit import JITFunction   # lazy: triton loads only for fused kernels
     if getattr(JITFunction, "_threefold_interpretable", False):
         return
     compiled_call = JITFunction.__call__

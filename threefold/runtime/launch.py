@@ -25,8 +25,11 @@ one line (runtime/failure_report.py); its `errors` keep every rank's full report
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
+from multiprocessing import forkserver
 import multiprocessing as mp
+from multiprocessing.connection import wait
 import os
 import pickle
 import signal
@@ -150,8 +153,6 @@ def prestart() -> None:
     if _forkserver_owned or not sys.platform.startswith("linux") or \
             "forkserver" not in mp.get_all_start_methods():
         return
-    import atexit
-    from multiprocessing import forkserver
     _forkserver_owned = True
     start_context()             # its preload list, before it starts
     forkserver.ensure_running()
@@ -159,7 +160,6 @@ def prestart() -> None:
 
 
 def _kill_forkserver() -> None:
-    from multiprocessing import forkserver
     pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
     if pid:
         try:
@@ -185,7 +185,6 @@ class _Reports:
 
     def get(self, timeout: float):
         """(rank, status, value) of one report, or None when none came within timeout."""
-        from multiprocessing.connection import wait
         if not self.open:
             return None         # every rank's pipe is at its end: nothing can come
         ready = wait([self.readers[r] for r in self.open], timeout)
@@ -311,6 +310,7 @@ def launch(fn, nprocs: int, *args, threads: int = 1, timeout: float | None = Non
     join the job within `start_timeout` seconds (default start_limit())."""
     if nprocs == 1 and dist.is_initialized():
         return [fn(*args)]
+    # lazy: start-up: runtime.capacity loads only on this path
     from threefold.runtime.capacity import check_local_capacity
     check_local_capacity(nprocs)   # the CLI's guard: 16 ranks on 2 cores is refused, not thrashed
     affinity.mode()     # a bad THREEFOLD_PIN is a PlanError here, before any rank starts

@@ -62,6 +62,7 @@ class Artifact:
         if expected is None:
             raise PlanError(f"artifact {self.root!r}: {rel} has no sha256 in {MANIFEST}; "
                             "refusing to read an unlisted file (recompile the artifact)")
+        # lazy: start-up: regular_file loads only on this path
         from threefold.regular_file import require_regular_file
         require_regular_file(path, f"artifact {self.root!r}: {rel}")   # a FIFO or device never ends
         try:
@@ -97,6 +98,7 @@ def open_artifact(root: str, trust: bool = False, verify_key: bytes | None = Non
     except (OSError, ValueError) as exc:
         raise PlanError(f"artifact {root!r}: {MANIFEST} cannot be read ({exc}); recompile the artifact") from None
     if verify_key is not None:      # the bytes checked are the bytes parsed
+        # lazy: start-up: runtime.signing loads only on this path
         from threefold.runtime.signing import verify
         verify(os.path.abspath(root), data, verify_key)
     return Artifact(os.path.abspath(root), Manifest.loads(text, root), trust)
@@ -105,7 +107,7 @@ def open_artifact(root: str, trust: bool = False, verify_key: bytes | None = Non
 def load_batch(art: Artifact) -> tuple | None:
     if BATCH_FILE not in art.manifest.files:
         return None
-    from safetensors.torch import load
+    from safetensors.torch import load   # lazy: safetensors loads only when weight files are read or written
     try:
         tensors = load(art.read(BATCH_FILE))
         return tuple(tensors[str(i)] for i in range(len(tensors)))
@@ -174,6 +176,7 @@ def chunk_class(art: Artifact, entry) -> type:
     """The chunk's ChunkModule subclass, imported from its checked source (kernels first,
     and before either the modules that register the custom ops it calls)."""
     if art.manifest.op_modules:
+        # lazy: start-up: runtime.op_modules loads only on this path
         from threefold.runtime.op_modules import import_op_modules
         import_op_modules(art.manifest.op_modules, art.root, art.trust)
     if "kernels.py" in art.manifest.files:
@@ -205,7 +208,7 @@ class ArtifactSource:
 def _load_weights(art: Artifact, rel: str, cls, device) -> dict[str, torch.Tensor]:
     """A chunk's weight shard, checked: exactly the module's parameters and buffers, each
     with the shape and dtype the module declares."""
-    from safetensors.torch import load
+    from safetensors.torch import load   # lazy: safetensors loads only when weight files are read or written
     try:
         tensors = load(art.read(rel))
     except PlanError:

@@ -43,6 +43,7 @@ import stat
 import torch
 import torch.distributed as dist
 
+from threefold.errors import PlanError
 from threefold.runtime import comm, shm
 
 ENV = "THREEFOLD_LOCAL_P2P"          # "0": every message through gloo (the bench's baseline)
@@ -80,7 +81,6 @@ def ring_bytes() -> int:
     except ValueError:
         mb = -1.0
     if not 0 < mb <= 2**20:     # inf and nan too (int(inf) would raise)
-        from threefold.errors import PlanError
         raise PlanError(f"{RING_ENV}={text!r} is invalid: give the MiB a pipeline channel's ring may "
                         f"hold, above 0 and at most 1048576, e.g. 256")
     return int(mb * 2**20)

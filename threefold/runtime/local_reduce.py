@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from threefold.runtime import comm, shm
+from threefold.runtime.mesh import BATCH_AXES
 
 SHM_DIR = "/dev/shm"
 ENV = "THREEFOLD_LOCAL_REDUCE"   # "0": always gloo (what the bench compares against)
@@ -80,7 +81,6 @@ class LocalExchange:
 def batch_buckets(buckets, params: dict) -> tuple[dict, torch.dtype]:
     """({(chunk, index): numel} of the buckets summed over the batch axes, their common
     dtype) from a stage's gradient buckets (runtime/collective_plan)."""
-    from threefold.runtime.mesh import BATCH_AXES
     sizes, dtype = {}, None
     for b in buckets:
         if b.axes == BATCH_AXES:

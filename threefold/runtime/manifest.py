@@ -7,8 +7,9 @@ checked: structure, safe paths, and consistency (mesh and schedule against the p
 chunks against the mesh, one module and shard per tp rank), so a bad or tampered manifest
 is a one-line PlanError before anything it names is touched.
 
-The plan is stored as its string form and parsed once, here; the mesh and the schedule are
-the plan's (the JSON repeats them for readers, and a disagreement is an error).
+The plan is stored as its values (`plan_values`, read once here into a runtime/run_plan.RunPlan:
+the runtime never imports the front end's Plan) and its text for readers; the mesh and the
+schedule are the plan's (the JSON repeats them for readers, and a disagreement is an error).
 Keys a newer writer adds are kept in `extra` and written back unchanged.
 """
 from __future__ import annotations
@@ -23,12 +24,12 @@ from dataclasses import dataclass, field
 from threefold import placement as placements
 from threefold.errors import PlanError
 from threefold.placement import Placement
-from threefold.plan import Plan
 from threefold.runtime.mesh import Mesh, chunk_layout, stage_of
+from threefold.runtime.run_plan import RunPlan
 from threefold.runtime.shard import ShardSpec
 
 MANIFEST = "manifest.json"
-FORMAT = 4                         # 4: the mesh as named axes; 3: one module per chunk, shared by its tp ranks
+FORMAT = 5                         # 5: the plan's values; 4: the mesh as named axes; 3: one module per chunk, shared by its tp ranks
 MAX_RANKS = 1 << 16                # a mesh beyond this is a corrupt manifest, not a job
 MAX_SCHEDULE_ACTIONS = 300_000     # pp*v*m*3: ~60 us each to build and verify, so a few seconds at most
 
@@ -87,7 +88,7 @@ class ChunkEntry:
     # zero>=2: parameter units (name, FQNs), unit 0 kept whole for the chunk's window
     # (passes/shard_units.py); () otherwise
     units: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    # per tp rank: forward FLOPs and the backward's (B, W) split (compiler/cost.py)
+    # per tp rank: forward FLOPs and the backward's (B, W) split (passes/cost.py)
     flops: tuple[int, int, int] = (0, 0, 0)
 
     def to_json(self) -> dict:
@@ -142,7 +143,7 @@ class LossForm:
 
 @dataclass(frozen=True)
 class Manifest:
-    plan: Plan
+    plan: RunPlan                               # the plan's values (RunPlan.of(a front-end Plan))
     chunks: tuple[ChunkEntry, ...]
     has_loss: bool
     num_model_inputs: int
@@ -176,6 +177,10 @@ class Manifest:
     threefold_version: str = ""
     torch_version: str = ""
     extra: dict = field(default_factory=dict)   # keys this reader does not know, kept as is
+
+    def __post_init__(self):
+        # the compiler hands its Plan: the runtime keeps only its values
+        object.__setattr__(self, "plan", RunPlan.of(self.plan))
 
     # -- facts derived from the plan (one place) -----------------------------------------
     @property
@@ -228,6 +233,7 @@ class Manifest:
             "torch_version": self.torch_version,
             "model": self.model,
             "plan": str(plan),
+            "plan_values": plan.to_json(),
             "mesh": self.mesh.to_json(),    # optional axes (ep, cp) only when > 1
             "num_chunks": len(self.chunks),
             "has_loss": self.has_loss,
@@ -267,12 +273,9 @@ class Manifest:
     def from_json(cls, m, root: str = "<manifest>") -> "Manifest":
         """Check a manifest's JSON form (see `check_manifest`) and build the value."""
         check_manifest(root, m)
-        try:
-            plan = Plan.parse(m["plan"])
-        except PlanError as exc:
-            raise PlanError(f"artifact {root!r}: {MANIFEST} has an invalid plan ({exc}); recompile the artifact") from None
+        plan = RunPlan.from_json(m.get("plan_values"), m.get("plan"), f"artifact {root!r}: {MANIFEST}")
         _check_against_plan(root, m, plan)
-        known = {f.name for f in dataclasses.fields(cls)} | {"format", "mesh", "num_chunks",
+        known = {f.name for f in dataclasses.fields(cls)} | {"format", "mesh", "num_chunks", "plan_values",
                                                               "scatter_gather", "schedule"}
         try:
             return cls(
@@ -356,7 +359,7 @@ def check_manifest(root: str, m) -> None:
         _bad(root, "it is not a JSON object")
     if m.get("format") != FORMAT:
         raise PlanError(f"{root!r}: artifact format {m.get('format')!r} is not supported (expected {FORMAT}; "
-                        "older formats had no weight hashes or one module per tp rank): recompile it with `threefold compile`")
+                        "older formats had no plan values, weight hashes or one module per tp rank): recompile it with `threefold compile`")
     mesh, chunks, files = m.get("mesh"), m.get("chunks"), m.get("files")
     if not isinstance(files, dict) or not all(isinstance(v, str) and len(v) == 64 for v in files.values()):
         _bad(root, "'files' must map each file to its sha256")
@@ -438,7 +441,7 @@ def _check_boundaries(root: str, chunks: list) -> None:
         prev = outs
 
 
-def _check_against_plan(root: str, m: dict, plan: Plan) -> None:
+def _check_against_plan(root: str, m: dict, plan: RunPlan) -> None:
     """The JSON's mesh and schedule are the plan's (one fact: the plan)."""
     mesh = plan.mesh.to_json()
     if m["mesh"] != mesh:

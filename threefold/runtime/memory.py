@@ -15,6 +15,8 @@ unique); the backward's recomputation is not counted.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 _ACTIVE: list["_Counting"] = []
@@ -125,7 +127,6 @@ class PeakSavedCounter(_Counting):
     def count(self, t) -> None:
         """A tensor held for backward outside the hooks (a checkpoint's input): it counts
         while the tensor object lives."""
-        import weakref
         key = self._acquire(t)
         if key is not None:
             weakref.finalize(t, self._release, key)

@@ -37,6 +37,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from math import prod
 
+import torch
+
 
 # How model chunks sit on stages. "loop" (Megatron's interleaved assignment, every schedule
 # but ZB-V): stage r holds chunks r, r+pp, r+2pp, ... "v" (ZB-V, Qi et al. 2401.10241): two
@@ -299,7 +301,6 @@ _KNOWN_ELSEWHERE = ("ep", "edp", "cp")
 def _partition(axes: tuple, spanned: tuple) -> tuple:
     """The rank grid with the spanned axes moved last (each keeping mesh order), one row per
     group: rows come in ascending first rank, members in their index along the spanned axes."""
-    import torch
     sizes = [s for _, s in axes]
     other = [i for i, (n, _) in enumerate(axes) if n not in spanned]
     span = [i for i, (n, _) in enumerate(axes) if n in spanned]

@@ -27,16 +27,17 @@ import math
 import torch
 import torch.distributed as dist
 
+from threefold.runtime.run_plan import RunPlan
+
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def plan_of(manifest):
-    """The plan of a manifest (a runtime.manifest.Manifest, or its JSON dict)."""
-    from threefold.plan import Plan
+    """The plan of a manifest (a runtime.manifest.Manifest, or its JSON dict): a RunPlan."""
     plan = getattr(manifest, "plan", None)
-    if isinstance(plan, Plan):
-        return plan
-    return Plan.parse(manifest.get("plan") or "")
+    if plan is not None:
+        return RunPlan.of(plan)
+    return RunPlan.from_json(manifest.get("plan_values"), manifest.get("plan"))
 
 
 def plan_dtype(manifest) -> str:
@@ -138,7 +139,7 @@ class LossScaler:
             g.mul_(inv)
             bad = torch.maximum(bad, (~torch.isfinite(g)).any().to(bad.dtype))
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            from threefold.runtime import comm
+            from threefold.runtime import comm   # lazy: start-up: runtime.comm loads only on this path
             comm.all_reduce(bad, None, "the fp16 inf/nan flag", op=dist.ReduceOp.MAX)
         return not bool(bad.item())
 

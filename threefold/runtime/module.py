@@ -7,6 +7,8 @@ checkpoints line up. Generated code reads them as locals at the top of forward.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 
 class ChunkModule(torch.nn.Module):
@@ -51,6 +53,7 @@ class ChunkModule(torch.nn.Module):
 
     def __call__(self, *args, **kwargs):
         if self.SAVES_SHARDS and torch.is_grad_enabled() and self.tp_group is not None:
+            # lazy: start-up: runtime.saved_shards loads only on this path
             from threefold.runtime.saved_shards import keep_shards
             with keep_shards():
                 return super().__call__(*args, **kwargs)
@@ -99,10 +102,10 @@ class ChunkModule(torch.nn.Module):
 
     def rng_seed(self, index: int, per_tp_rank: bool) -> int:
         """The seed of random op `index` for this step and microbatch (runtime/random_ops.py)."""
+        # lazy: start-up: runtime.random_ops loads only on this path
         from threefold.runtime.random_ops import mix_seed
         tp_rank = -1
         if per_tp_rank and self.tp_group is not None:
-            import torch.distributed as dist
             tp_rank = dist.get_rank(self.tp_group)
         return mix_seed(*self.rng_key, index, tp_rank)
 
@@ -114,7 +117,7 @@ class ChunkModule(torch.nn.Module):
         the rerun is given this forward's key back: dropout draws the same mask."""
         if not torch.is_grad_enabled():
             return fn(*args)
-        from torch.utils.checkpoint import checkpoint
+        # lazy: start-up: runtime.memory loads only on this path
         from threefold.runtime.memory import note_held
         note_held(args)   # checkpoint keeps these by reference, not through saved-tensor hooks
         key = self.rng_key
@@ -130,6 +133,7 @@ class ChunkModule(torch.nn.Module):
     def experts(self, fn, num_experts: int, offs, rows, weights, others):
         """An expert region (generated method `fn`): its rows computed by the ranks that hold
         their experts, moved there and back with all-to-all (runtime/experts.py)."""
+        # lazy: start-up: runtime.experts loads only on this path
         from threefold.runtime.experts import run_experts
         return run_experts(fn, num_experts, offs, rows, weights, others, self.ep_group)
 

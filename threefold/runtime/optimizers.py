@@ -44,6 +44,7 @@ def make_optimizer(engine, optimizer_cls, params=None, *args, loss_scaler: LossS
     if params is not None:
         params = list(params)   # a generator would be empty if a refused fused build retries
     if plan.zero >= 1:
+        # lazy: start-up: runtime.zero loads only on this path
         from threefold.runtime.zero import ZeroOptimizer
 
         def make(**kw):
@@ -58,7 +59,7 @@ def make_optimizer(engine, optimizer_cls, params=None, *args, loss_scaler: LossS
         opt = LossScaledOptimizer(engine, opt, loss_scaler or LossScaler())
     elif loss_scaler is not None:
         raise PlanError(f"loss_scaler= is for plan dtype=fp16 (this plan is dtype={plan.dtype}); drop it")
-    engine.plan_optimizer = opt
+    engine.use_optimizer(opt)
     return opt
 
 
@@ -68,7 +69,7 @@ class LossScaledOptimizer(WrappedOptimizer):
 
     def __init__(self, engine, inner, scaler: LossScaler):
         self.engine, self.inner, self.scaler = engine, inner, scaler
-        engine.loss_scale = scaler.scale
+        engine.set_loss_scale(scaler.scale)
 
     def grads(self) -> list[torch.Tensor]:
         if hasattr(self.inner, "grads"):
@@ -88,7 +89,7 @@ class LossScaledOptimizer(WrappedOptimizer):
         if finite:
             self.inner.step()
         self.scaler.update(finite)
-        self.engine.loss_scale = self.scaler.scale
+        self.engine.set_loss_scale(self.scaler.scale)
         return finite
 
     def state_dict(self):

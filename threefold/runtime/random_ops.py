@@ -11,6 +11,7 @@ would. The compiler marks arguments with the classes below; codegen writes them 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 
 class RngRef:
@@ -75,7 +76,6 @@ def seeded(seed: int, fn, *args, **kwargs):
 
 def shared_seed() -> int:
     """The base seed of random ops: rank 0's torch.initial_seed(), the same on every rank."""
-    import torch.distributed as dist
     seed = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.int64)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         if dist.get_backend() == "nccl":

@@ -31,11 +31,12 @@ _REGISTRY: dict[tuple, "_Gathered"] = {}
 
 class _Gathered:
     """One all-gather: its shard and how to repeat it. Packed references share one."""
-    __slots__ = ("shard", "dim", "group", "dtype", "full", "pending", "held", "rebuilt", "outer",
+    __slots__ = ("shard", "dim", "group", "gather", "dtype", "full", "pending", "held", "rebuilt", "outer",
                  "__weakref__")
 
-    def __init__(self, full: torch.Tensor, shard: torch.Tensor, dim: int, group):
+    def __init__(self, full: torch.Tensor, shard: torch.Tensor, dim: int, group, gather):
         self.shard, self.dim, self.group, self.dtype = shard.detach(), dim, group, full.dtype
+        self.gather = gather    # gather(shard, dim, group) -> full: tp_ops' all-gather
         self.full = weakref.ref(full)
         self.pending = 0        # saved references not unpacked yet
         self.held = None        # the re-gathered tensor, kept until every reference has unpacked
@@ -47,8 +48,7 @@ class _Gathered:
         if full is None and self.rebuilt is not None:
             full = self.rebuilt()
         if full is None:
-            from threefold.runtime.tp_ops import _all_gather
-            full = _all_gather(self.shard, self.dim, self.group)
+            full = self.gather(self.shard, self.dim, self.group)
             self.rebuilt = weakref.ref(full)
         self.pending -= 1
         # q, k and v projections unpack one after another: one gather serves them all
@@ -69,12 +69,13 @@ class _ShardRef:
         return self.gather.gathered().as_strided(self.size, self.stride, self.offset)
 
 
-def register(full: torch.Tensor, shard: torch.Tensor, dim: int, group) -> None:
-    """`full` is the all-gather of `shard` along `dim` over `group` (tp_ops.all_gather_seq)."""
+def register(full: torch.Tensor, shard: torch.Tensor, dim: int, group, gather) -> None:
+    """`full` is the all-gather of `shard` along `dim` over `group` (tp_ops.all_gather_seq),
+    which `gather(shard, dim, group)` repeats in backward."""
     if full.device.type == "meta" or not torch.is_grad_enabled():
         return
     key = (full.device, full.untyped_storage().data_ptr())
-    _REGISTRY[key] = _Gathered(full, shard, dim, group)
+    _REGISTRY[key] = _Gathered(full, shard, dim, group, gather)
     # the storage can be reused once the tensor dies; forget it then (views that outlive the
     # tensor are saved as they are: correct, only not smaller)
     weakref.finalize(full, _REGISTRY.pop, key, None)

@@ -257,6 +257,7 @@ def make_schedule(kind: str, pp: int, m: int, v: int = 1, layout: str | None = N
         _check_v_shape(kind, pp, v)
         return _with_communication(kind, pp, m, v, _forward_by_chunk(pp, m, v, "v"), layout="v")
     if kind in SPLIT_KINDS:
+        # lazy: start-up: runtime.zero_bubble loads only on this path
         from threefold.runtime.zero_bubble import zb_h1_order, zbv_order
         if kind == "zbv":
             _check_v_shape(kind, pp, v)
@@ -385,6 +386,7 @@ def inflight_bound(schedule_or_kind, pp: int = 0, m: int = 0, v: int = 1) -> lis
     if kind == "forward":
         return [0] * pp
     if kind in SPLIT_KINDS:
+        # lazy: start-up: runtime.zero_bubble loads only on this path
         from threefold.runtime.zero_bubble import inflight_bound as zb_bound
         return zb_bound(kind, pp, m)
     raise PlanError(f"schedule {kind!r} is unknown: use one of {', '.join(KINDS)}")

@@ -315,6 +315,7 @@ def verify(schedule: Schedule, durations: Durations = None) -> Report:
                 raise ScheduleError(f"schedule {_label(schedule)}: rank {r} holds {peak} activations "
                                     f"(at most {most} allowed for {schedule.name}); first action {acts[0]}")
     if schedule.splits_backward:
+        # lazy: start-up: runtime.zero_bubble loads only on this path
         from threefold.runtime.zero_bubble import weight_inflight_bound
         for r, (peak, most) in enumerate(zip(sim.max_weight_inflight,
                                              weight_inflight_bound(schedule.name, schedule.pp, schedule.m))):

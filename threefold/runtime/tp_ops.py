@@ -236,7 +236,7 @@ def all_gather_seq(x, dim, group, size=None):
         return x
     full = _AllGatherSeq.apply(x, dim, group, size)
     if size is None or x.shape[dim] * _size(group) == size:
-        saved_shards.register(full, x, dim, group)
+        saved_shards.register(full, x, dim, group, _all_gather)
     return full
 
 

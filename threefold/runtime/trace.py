@@ -15,16 +15,17 @@ the Chrome trace-event file, runtime/trace_stats.py reads the bubble out of it.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
+import torch.distributed as dist
+
+from threefold.errors import PlanError
 from threefold.runtime import comm
-from threefold.runtime.schedule import Kind
+from threefold.runtime.schedule import Action, Kind
+from threefold.runtime.trace_merge import STREAMS, clock, merge
 
-# One thread track per stream in the Chrome trace (tid), in the order they are drawn.
-STREAMS = ("step", "compute", "send", "recv", "collectives")
-STEP, COMPUTE, SEND, RECV, COLLECTIVES = range(len(STREAMS))
-
-clock = time.perf_counter_ns     # monotonic, per process; trace_merge.py aligns ranks
+STEP, COMPUTE, SEND, RECV, COLLECTIVES = range(len(STREAMS))   # indices into STREAMS
 
 # Where an action's event goes: F/B/W on compute, sends on send; every other action (the
 # schedule's collectives: gradient reduce, unshard, loss, tied and sp sums) on collectives.
@@ -116,7 +117,6 @@ class Recorder:
     def _ranks(self, group) -> list[int]:
         key = id(group)
         if key not in self._groups:
-            import torch.distributed as dist
             try:
                 self._groups[key] = sorted(dist.get_process_group_ranks(group if group is not None
                                                                         else dist.group.WORLD))
@@ -128,7 +128,6 @@ class Recorder:
     def calibrate(self, n: int = 200, rounds: int = 15) -> float:
         """Nanoseconds one record costs, measured here on the path an action takes (two clock
         reads, naming the action, an append)."""
-        from threefold.runtime.schedule import Action
         a = Action(Kind.FORWARD, 0, 0)
         scratch, best = Recorder(self.rank, [a]), float("inf")
         for _ in range(rounds):   # the quickest of many short rounds: a busy host preempts some
@@ -168,17 +167,16 @@ class StepTracer:
         if not rec.event_ns:
             rec.calibrate()
         rec.step = number
-        self.engine.tracer = rec
         comm._recorders.append(rec)
         self.active = True
         t0 = clock()
         try:
-            yield
+            with self.engine.traced(rec):
+                yield
         finally:
             t1 = clock()
             self.active = False
             comm._recorders.remove(rec)
-            self.engine.tracer = None
             rec.add(STEP, f"step {number}", "step", t0, t1)
             self.traced.append(number)
             self.step_ns.append(t1 - t0)
@@ -192,7 +190,6 @@ class StepTracer:
 
     def finish(self) -> dict | None:
         """Collective: the merged trace (trace_merge.chrome_trace) on rank 0, None elsewhere."""
-        from threefold.runtime.trace_merge import merge
         rec = self.recorder
         own = {"rank": rec.rank, "events": rec.events, "event_ns": rec.event_ns,
                "step_ns": self.step_ns,
@@ -220,7 +217,6 @@ class NoTracer:
 
 def parse_steps(text: str, flag: str = "--trace-steps") -> list[int]:
     """'3' or '3,5,7' -> [3, 5, 7]; a PlanError for anything else."""
-    from threefold.errors import PlanError
     try:
         steps = sorted({int(part) for part in str(text).split(",") if part.strip()})
     except ValueError:
@@ -233,20 +229,22 @@ def parse_steps(text: str, flag: str = "--trace-steps") -> list[int]:
 class EnvTrace:
     """THREEFOLD_TRACE=DIR for `parallelize`: the chosen `pm.step` calls (THREEFOLD_TRACE_STEPS,
     default 3: the third call) are traced, and after the last one rank 0 writes DIR/trace.json
-    and DIR/trace.html (the user's optimizer runs outside pm.step, so it is not in them)."""
+    and DIR/trace.html (the user's optimizer runs outside pm.step, so it is not in them).
+    `write(out, trace)` writes them: the front end's (the runtime draws no pages)."""
 
-    def __init__(self, engine, out: str, steps: list[int]):
+    def __init__(self, engine, out: str, steps: list[int], write):
         self.out = out
+        self.write = write
         self.tracer = StepTracer(engine, steps, {"workload": "parallelize"})
         self.calls = 0
 
     @classmethod
-    def from_env(cls, engine) -> "EnvTrace | None":
-        import os
+    def from_env(cls, engine, write) -> "EnvTrace | None":
         out = os.environ.get("THREEFOLD_TRACE")
         if not out:
             return None
-        return cls(engine, out, parse_steps(os.environ.get("THREEFOLD_TRACE_STEPS", "3"), "THREEFOLD_TRACE_STEPS"))
+        return cls(engine, out, parse_steps(os.environ.get("THREEFOLD_TRACE_STEPS", "3"), "THREEFOLD_TRACE_STEPS"),
+                   write)
 
     def run(self, step):
         """Run one pm.step (`step()`), traced when it is a chosen one."""
@@ -260,15 +258,5 @@ class EnvTrace:
         return loss
 
     def _write(self, trace: dict | None) -> None:
-        if trace is None:      # not rank 0
-            return
-        import os
-        import sys
-        from threefold.cli.jsonout import dumps
-        from threefold.outdir import write_file_atomically
-        from threefold.report.trace_page import trace_html
-        os.makedirs(self.out, exist_ok=True)
-        write_file_atomically(os.path.join(self.out, "trace.json"), dumps(trace))
-        write_file_atomically(os.path.join(self.out, "trace.html"), trace_html(trace))
-        print(f"threefold: trace of step {', '.join(map(str, trace['otherData']['steps']))} written to "
-              f"{os.path.join(self.out, 'trace.json')}", file=sys.stderr)
+        if trace is not None:      # rank 0
+            self.write(self.out, trace)

@@ -16,10 +16,16 @@ holds the plan, the schedule, the clock offsets and the tracer's own cost.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
-from threefold.runtime.trace import STREAMS, clock
+# One thread track per stream in the Chrome trace (tid), in the order they are drawn
+# (runtime/trace.py names their indices).
+STREAMS = ("step", "compute", "send", "recv", "collectives")
+
+clock = time.perf_counter_ns     # monotonic, per process; clock_offsets aligns ranks
 
 ROUNDS = 8            # round trips per rank; the shortest gives the offset
 TAG = 24_001          # point-to-point tag of the clock exchange (apart from the engine's messages)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from threefold.errors import PlanError
 from threefold.runtime import comm
 from threefold.runtime.mesh import BATCH_AXES
 from threefold.runtime.wrapped_optimizer import WrappedOptimizer
@@ -231,7 +232,6 @@ class ZeroOptimizer(WrappedOptimizer):
             ps = list(g["params"])
             unknown = [p for p in ps if id(p) not in by_id]
             if unknown:
-                from threefold.errors import PlanError
                 raise PlanError("a parameter given to the ZeRO-1 optimizer is not a trainable parameter of this "
                                 "ParallelModule: pass pm.parameters() (or groups over them)")
             mapped.append({**g, "params": [by_id[id(p)].shard for p in ps]})
@@ -241,7 +241,7 @@ class ZeroOptimizer(WrappedOptimizer):
                                  engine.mesh.size(BATCH_AXES),
                                  frozenset(engine.manifest.get("experts") or {}) if ep else frozenset())
         if self.sharded is None:
-            engine.dp_grad_hook = self.sync
+            engine.use_grad_sync(self.sync)
 
     def row_shards(self) -> dict[str, RowShard]:
         return self.shards

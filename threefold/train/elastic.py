@@ -196,7 +196,7 @@ def torchrun_resume(cfg, ckpt_dir: str):
     newest = _newest(ckpt_dir)
     if newest is None:
         return cfg, None, None, None
-    from threefold.checkpoint.files import read_index
+    from threefold.checkpoint.reader import read_index
     from threefold.plan import Plan
     from threefold.train.elastic_plan import plan_for_world
     old = Plan.parse(read_index(newest).get("plan", cfg.plan))

@@ -10,13 +10,14 @@ generator (optionally only the top k), keeping at most `context` tokens as the m
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from threefold.errors import PlanError
 
 
 def gather_full_state(pm) -> dict[str, torch.Tensor] | None:
     """Full tensors of every parameter and buffer by canonical FQN on rank 0 (None elsewhere)."""
-    import torch.distributed as dist
+    # lazy: start-up: checkpoint.state loads only on this path
     from threefold.checkpoint.state import full_shapes, holds_unique, model_state
     mine = []
     for fqn, s in model_state(pm).items():

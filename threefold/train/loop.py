@@ -14,6 +14,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 from threefold.runtime.trace import NoTracer, StepTracer, parse_steps
 from threefold.train.lr_schedule import WarmupCosine, set_lr
@@ -21,7 +22,6 @@ from threefold.train.source import Source
 
 
 def _is_main() -> bool:
-    import torch.distributed as dist
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
@@ -32,10 +32,12 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
     `restart`: set when the job restarted itself after a failure (train/elastic.py): what
     it records (the plan before, the step reached); the first step run adds the time lost."""
     import threefold
+    # lazy: start-up: train.evaluate loads only on this path
     from threefold.train.evaluate import due, validation_loss
+    # lazy: start-up: train.metrics loads only on this path
     from threefold.train.metrics import MetricsLog, memory_per_rank, model_flops_per_step, tokens_per_second
-    from threefold.train.optim import adamw
-    from threefold.train.progress import Progress
+    from threefold.train.optim import adamw   # lazy: start-up: train.optim loads only on this path
+    from threefold.train.progress import Progress   # lazy: start-up: train.progress loads only on this path
     main = _is_main()
     progress = Progress(cfg.steps, enabled=show and main)
     with progress:
@@ -53,9 +55,11 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
         rows, losses, seconds, skipped, stopped, start, done = [], [], [], [], None, 0, {}
         saver = None
         if cfg.save_every and getattr(cfg, "save_async", False):   # collective: a process group of its own
+            # lazy: start-up: checkpoint.async_save loads only on this path
             from threefold.checkpoint.async_save import AsyncSaver
             saver = AsyncSaver()
         held, walls, restarts, stragglers = [], [], [], []
+        # lazy: start-up: train.stragglers loads only on this path
         from threefold.train.stragglers import StragglerWatch, describe
         watch = StragglerWatch(pm) if pm.plan.world_size > 1 else None
         if resume is not None:
@@ -66,6 +70,7 @@ def train_loop(cfg, model: torch.nn.Module, loss_fn, source: Source, *, batch_di
             restarts = list(done.get("restarts", []))
             source.load_state_dict(done.get("data"), start)
             if main:
+                # lazy: start-up: checkpoint.files loads only on this path
                 from threefold.checkpoint.files import drop_partial
                 drop_partial(os.path.dirname(os.path.abspath(info["path"])))   # an interrupted save's leftovers
                 print(f"threefold train: resumed from {info['path']} at step {start}", file=sys.stderr)
@@ -175,6 +180,7 @@ def restart_record(restart: dict, start: int, new_plan: str) -> dict:
 
 def final_sample(pm, model: torch.nn.Module, source: Source, cfg) -> str | None:
     """Text from the trained weights (made whole on rank 0); None on other ranks."""
+    # lazy: start-up: train.generate loads only on this path
     from threefold.train.generate import gather_full_state, load_into, sample
     full = gather_full_state(pm)       # collective: every rank sends its pieces
     if full is None:

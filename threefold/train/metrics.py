@@ -2,7 +2,7 @@
 
   * tokens/s: one formula for the progress bar, the log and the summary (`tokens_per_second`:
     the steps after the first, which pays for warm-up, or the first when it is all);
-  * model FLOP/s: the compiler's cost model (compiler/cost.py) over the compiled graph,
+  * model FLOP/s: the compiler's cost model (passes/cost.py) over the compiled graph,
     each op counted once for the whole model (an op on tensor-parallel shards or partial
     sums counts its local FLOPs times tp, a replicated one once), forward plus a backward
     of twice the forward (the usual "model FLOPs": recomputation is not useful work);
@@ -37,7 +37,7 @@ def _rss_bytes() -> int:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
-        import resource
+        import resource   # lazy: POSIX-only module, read only here
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # peak, the best we have
 
 
@@ -71,6 +71,7 @@ class MetricsLog:
         self.tb = None
         if tb_dir:
             try:
+                # lazy: tensorboard loads only when a run logs to it
                 from torch.utils.tensorboard import SummaryWriter
                 self.tb = SummaryWriter(tb_dir)
             except Exception:   # tensorboard not installed: the JSON log is the record
@@ -79,7 +80,7 @@ class MetricsLog:
     def write(self, row: dict) -> None:
         self.rows.append(row)
         if self.file:
-            from threefold.cli.jsonout import dumps
+            from threefold.cli.jsonout import dumps   # lazy: start-up: cli.jsonout loads only on this path
             self.file.write(dumps(row) + "\n")   # valid JSON: a non-finite value is null
             self.file.flush()
         if self.tb is not None:

@@ -53,6 +53,7 @@ def adamw(pm, lr: float, weight_decay: float, betas=(0.9, 0.95), decay_embedding
     kwargs = {"lr": lr, "betas": tuple(betas)}
     if hasattr(pm, "optimizer"):
         return pm.optimizer(torch.optim.AdamW, groups, prefer_fused=True, **kwargs)
+    # lazy: start-up: runtime.fused_optimizer loads only on this path
     from threefold.runtime import fused_optimizer
     return fused_optimizer.build(lambda **kw: torch.optim.AdamW(groups, **kw), torch.optim.AdamW, kwargs,
                                  "none", prefer=True)

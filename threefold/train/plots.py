@@ -11,9 +11,9 @@ BLUE, ORANGE, GREEN = "#2463eb", "#e8730c", "#16a34a"
 
 
 def _axes(title: str, ylabel: str):
-    import matplotlib
+    import matplotlib   # lazy: matplotlib loads only to draw a plot
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt   # lazy: matplotlib loads only to draw a plot
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)

@@ -11,6 +11,7 @@ class Progress:
     def __init__(self, total: int, enabled: bool):
         self.enabled = enabled
         if enabled:
+            # lazy: rich loads only for the progress display
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn,
                                        TimeElapsedColumn, TimeRemainingColumn)
             self.bar = Bar(TextColumn("{task.description:<9}"), BarColumn(), MofNCompleteColumn(),
@@ -47,6 +48,6 @@ def compiling_status(text: str, enabled: bool):
     if not enabled:
         yield
         return
-    from rich.console import Console
+    from rich.console import Console   # lazy: rich loads only for the progress display
     with Console(stderr=True).status(text):
         yield

@@ -48,6 +48,7 @@ def trace_summary(trace: dict | None, out: str) -> dict | None:
     per rank next to the simulator's (runtime/trace_stats.py), and what tracing cost."""
     if not trace:
         return None
+    # lazy: start-up: runtime.trace_stats loads only on this path
     from threefold.runtime.trace_stats import summarize as trace_stats
     stats = trace_stats(trace)
     if stats["measured"] is None:
@@ -93,7 +94,7 @@ def skipped_steps(result: dict) -> list[dict]:
 
 def write_run(tmp: str, result: dict, plan, live: str | None) -> None:
     """Fill the --out directory being built at `tmp`."""
-    from threefold.train.plots import plot_run
+    from threefold.train.plots import plot_run   # lazy: start-up: train.plots loads only on this path
     rows = result["rows"]
     write_losses(tmp, result, plan)
     with open(os.path.join(tmp, "metrics.jsonl"), "w") as f:
@@ -105,6 +106,7 @@ def write_run(tmp: str, result: dict, plan, live: str | None) -> None:
         with open(os.path.join(tmp, "sample.txt"), "w", encoding="utf-8") as f:
             f.write(result["sample"])
     if result.get("trace"):
+        # lazy: start-up: report.trace_page loads only on this path
         from threefold.report.trace_page import trace_html
         with open(os.path.join(tmp, "trace.json"), "w") as f:
             f.write(dumps(result["trace"]))

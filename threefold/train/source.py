@@ -19,6 +19,8 @@ from __future__ import annotations
 import inspect
 import itertools
 from dataclasses import dataclass, field
+import dataclasses
+import os
 from typing import Any, Callable
 
 import torch
@@ -162,6 +164,7 @@ def given_sizes(cfg) -> dict:
 
 def spec_source(workload, cfg=None, spec_text: str = "", sizes: dict | None = None) -> Source:
     """A SPEC workload's data: its `batches` source, or its one batch every step."""
+    # lazy: start-up: checkpoint.agree loads only on this path
     from threefold.checkpoint.agree import batch_as_rank0
     n_val = getattr(cfg, "eval_batches", 0) if cfg is not None else 0
     if workload.batches is None:
@@ -180,7 +183,6 @@ def spec_source(workload, cfg=None, spec_text: str = "", sizes: dict | None = No
 
 def _absolute_spec(spec: str) -> str:
     """A file SPEC with an absolute path, so `threefold generate` finds it from any directory."""
-    import os
     target, sep, call = spec.rpartition(":")
     if sep and (target.endswith(".py") or "/" in target) and not os.path.isabs(target):
         return f"{os.path.abspath(target)}:{call}"
@@ -192,6 +194,7 @@ def _val_batches(workload, n: int) -> list:
     if vb is None or n <= 0:
         return []
     where = f"workload {workload.name!r}: val_batches"
+    # lazy: start-up: checkpoint.agree loads only on this path
     from threefold.checkpoint.agree import batch_as_rank0
     if callable(vb):
         return [batch_as_rank0(as_batch(vb(i), f"{where}({i})")) for i in range(n)]
@@ -206,7 +209,6 @@ def _val_batches(workload, n: int) -> list:
 def data_source(cfg, data, gpt_config) -> Source:
     """threefold.dataset's data (its resumable sampler, fixed validation batches and
     tokenizer) for the embedded GPT of `gpt_config`."""
-    import dataclasses
     info = {"gpt": dataclasses.asdict(gpt_config), "tokenizer": data.tokenizer.to_dict(),
             "context": gpt_config.block_size}
     val = data.val_batches(cfg) if cfg.eval_every > 0 else []

@@ -15,6 +15,7 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
 FACTOR = 3.0        # slower than its usual compute by this much ...
 STREAK = 3          # ... for this many steps in a row: a straggler, not noise
@@ -70,7 +71,6 @@ class StragglerWatch:
 
 
 def _gather(value: float, device=None) -> list[float]:
-    import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [value]
     cuda = device is not None and torch.device(device).type == "cuda"

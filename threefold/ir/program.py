@@ -1,4 +1,5 @@
-"""Helpers over the compiler's fx graphs; the stages themselves are in compiler/stages.py.
+"""Helpers over the compiler's fx graphs (and a stage as text); the stages themselves are in
+ir/stages.py.
 
 Placeholders are of four kinds, recorded in `node.meta["tf"]["kind"]`:
   param    a parameter, `fqn` its canonical FQN (the first name of a tied group)
@@ -6,7 +7,7 @@ Placeholders are of four kinds, recorded in `node.meta["tf"]["kind"]`:
   input    a user input (model inputs first, then the target), `input_index` its position
   boundary a value received from the previous chunk (chunk graphs only)
 Every other node carries its output's shape and dtype in `node.meta["val"]`, and passes
-add typed annotations under `node.meta["tf"]` (the keys: compiler/annotations.py).
+add typed annotations under `node.meta["tf"]` (the keys: ir/annotations.py).
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+
+from threefold.runtime.eager_loss import call_loss
 
 
 
@@ -57,14 +60,37 @@ def meta_of(node) -> TensorMeta | None:
     return None
 
 
+def is_eager_loss(node) -> bool:
+    """The node that calls a loss function eagerly (compiler/eager_loss.py traced the model alone)."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is call_loss
+
+
 def compute_nodes(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "call_function"]
 
 
-def format_program(prog) -> str:
-    """A readable listing of a stage: one line per node with its shape, dtype and annotations."""
-    from threefold.compiler.stage_io import format_stage
-    return format_stage(prog)
+def format_stage(stage) -> str:
+    """A readable listing: the stage's kind, then one line per node of each graph with its
+    shape, dtype and annotations, and each chunk's boundary specs."""
+    lines = [f"{type(stage).__name__} {stage.name}  plan: {stage.plan}"]
+    if stage.ties:
+        lines.append("tied: " + "; ".join(f"{k} = {', '.join(v)}" for k, v in stage.ties.items()))
+    gm = getattr(stage, "gm", None)
+    if gm is not None:
+        lines += [format_node(node) for node in gm.graph.nodes]
+    for c in getattr(stage, "chunks", ()):
+        lines.append(f"chunk {c.index}: {len(c.nodes)} ops, {len(c.recomputed)} recomputed")
+        lines += [f"  in  {b.name} {list(b.shape)}:{str(b.dtype).replace('torch.', '')} {b.placement}"
+                  for b in c.inputs]
+        lines += [f"  out {b.name} {list(b.shape)}:{str(b.dtype).replace('torch.', '')} {b.placement}"
+                  for b in c.outputs]
+        lines += ["  " + format_node(node) for node in c.gm.graph.nodes]
+        for seg in c.recompute:
+            lines.append(f"  recompute {seg['name']}: {len(seg['nodes'])} ops ({seg['why']})")
+    return "\n".join(lines)
+
+
+format_program = format_stage     # a readable listing of a stage (its older name)
 
 
 def format_chunk(chunk) -> str:
@@ -103,7 +129,3 @@ def _fmt_arg(a) -> str:
         return "[" + ", ".join(_fmt_arg(x) for x in a) + "]"
     return repr(a)
 
-
-# The stage every pass reads and returns (compiler/stages.py); kept under its old name for
-# type hints elsewhere. Imported last: stages.py uses the helpers above.
-from threefold.compiler.stages import Chunk, Stage as Program  # noqa: E402,F401

@@ -15,8 +15,8 @@ from dataclasses import dataclass, fields
 
 import torch.fx as fx
 
-from threefold.compiler.program import tf
-from threefold.compiler.stages import Partitioned, Stage, Traced
+from threefold.ir.program import tf
+from threefold.ir.stages import Partitioned, Stage, Traced
 
 
 class ContractError(AssertionError):

@@ -1,29 +1,5 @@
-"""Stages as text (the debug dump) and as directories (save_stage / load_stage)."""
+"""Stages as directories (save_stage / load_stage); a stage as text is ir/program.format_stage."""
 from __future__ import annotations
-
-from threefold.compiler.program import format_node
-
-
-def format_stage(stage) -> str:
-    """A readable listing: the stage's kind, then one line per node of each graph with its
-    shape, dtype and annotations, and each chunk's boundary specs."""
-    lines = [f"{type(stage).__name__} {stage.name}  plan: {stage.plan}"]
-    if stage.ties:
-        lines.append("tied: " + "; ".join(f"{k} = {', '.join(v)}" for k, v in stage.ties.items()))
-    gm = getattr(stage, "gm", None)
-    if gm is not None:
-        lines += [format_node(node) for node in gm.graph.nodes]
-    for c in getattr(stage, "chunks", ()):
-        lines.append(f"chunk {c.index}: {len(c.nodes)} ops, {len(c.recomputed)} recomputed")
-        lines += [f"  in  {b.name} {list(b.shape)}:{str(b.dtype).replace('torch.', '')} {b.placement}"
-                  for b in c.inputs]
-        lines += [f"  out {b.name} {list(b.shape)}:{str(b.dtype).replace('torch.', '')} {b.placement}"
-                  for b in c.outputs]
-        lines += ["  " + format_node(node) for node in c.gm.graph.nodes]
-        for seg in c.recompute:
-            lines.append(f"  recompute {seg['name']}: {len(seg['nodes'])} ops ({seg['why']})")
-    return "\n".join(lines)
-
 
 # ---- save / load ---------------------------------------------------------------------------
 #
@@ -42,8 +18,14 @@ import os
 import pickle
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
+
+import threefold
+from threefold.errors import PlanError
+from threefold.ir.program import format_stage
+from threefold.ir.stages import Stage
 
 STAGE_FILE = "stage.pkl"
 _META_KEYS = ("val", "tf", "nn_module_stack", "stack_trace")
@@ -92,6 +74,17 @@ def _graph_module(records, attrs, class_name, gm_meta):
     return gm
 
 
+# Modules a saved stage may name from before they moved (compiler/ -> ir/, cost -> passes/).
+_MOVED = {f"threefold.compiler.{m}": f"threefold.ir.{m}"
+          for m in ("program", "stages", "stage_io", "contracts", "annotations")}
+_MOVED["threefold.compiler.cost"] = "threefold.passes.cost"
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        return super().find_class(_MOVED.get(module, module), name)
+
+
 class _StagePickler(pickle.Pickler):
     def __init__(self, f, weights: bool):
         super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
@@ -119,14 +112,12 @@ class _StagePickler(pickle.Pickler):
 
 
 def _is_fake(t) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
     return isinstance(t, FakeTensor)
 
 
 def save_stage(stage, directory: str, weights: bool = True) -> str:
     """Write `stage` to `directory` (created). weights=False keeps only the shapes of the
     state tensors (enough for codegen and its golden tests)."""
-    import threefold
     os.makedirs(directory, exist_ok=True)
     buf = io.BytesIO()
     _StagePickler(buf, weights).dump(stage)
@@ -143,16 +134,14 @@ def save_stage(stage, directory: str, weights: bool = True) -> str:
 
 
 def load_stage(directory: str):
-    """The stage `save_stage` wrote into `directory` (a stage type from compiler/stages.py).
+    """The stage `save_stage` wrote into `directory` (a stage type from ir/stages.py).
     A saved stage is code, like an artifact (a pickle of fx graphs): load only your own."""
-    from threefold.compiler.stages import Stage
-    from threefold.errors import PlanError
     path = os.path.join(directory, STAGE_FILE)
     if not os.path.isfile(path):
         raise PlanError(f"{directory} is not a saved stage (no {STAGE_FILE}); save one with "
-                        "threefold.compiler.stage_io.save_stage or THREEFOLD_DEBUG_DIR")
+                        "threefold.ir.stage_io.save_stage or THREEFOLD_DEBUG_DIR")
     with open(path, "rb") as f:
-        stage = pickle.load(f)
+        stage = _Unpickler(f).load()
     if not isinstance(stage, Stage):
         raise PlanError(f"{path} holds a {type(stage).__name__}, not a compiler stage")
     return stage
@@ -167,4 +156,4 @@ def stage_to_bytes(stage, weights: bool = False) -> bytes:
 
 def stage_from_bytes(data: bytes):
     """The stage `stage_to_bytes` wrote (trusted bytes only: this runs pickle)."""
-    return pickle.loads(data)
+    return _Unpickler(io.BytesIO(data)).load()

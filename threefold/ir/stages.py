@@ -14,7 +14,7 @@ A pass never changes its input: it reads it, builds a new graph where it rewrite
 (`copy_graph_module`), and returns a new stage (`stage.evolve(...)`, `stage.advance(Cls,
 ...)`, or `stage.draft()` ... `draft.freeze(Cls)` for passes written against a mutable
 Program). The runner (compiler/pipeline.py) fingerprints every input and fails a pass that
-touched it. Stages save to and load from directories (compiler/stage_io.py).
+touched it. Stages save to and load from directories (ir/stage_io.py).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from threefold.compiler.program import TensorMeta, dtype_bytes, tf
+from threefold.ir.program import TensorMeta, dtype_bytes, format_stage, tf
 from threefold.placement import R, Placement
 from threefold.plan import Plan
 
@@ -162,7 +162,6 @@ class Stage:
         return out
 
     def __str__(self) -> str:
-        from threefold.compiler.stage_io import format_stage
         return format_stage(self)
 
 
@@ -222,6 +221,8 @@ class Partitioned(Stage):
 class Fused(Partitioned):
     """Fusion decided (kernels empty when the plan does not fuse)."""
 
+
+Program = Stage     # the stage every pass reads and returns, under its older name
 
 STAGE_TYPES = {cls.__name__: cls for cls in (Traced, Sharded, Partitioned, Fused)}
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from threefold.compiler.contracts import stage_pass
-from threefold.compiler.program import TensorMeta, compute_nodes, meta_of, tf
-from threefold.compiler.stages import Traced, copy_graph_module
+from threefold.ir.contracts import stage_pass
+from threefold.ir.program import TensorMeta, compute_nodes, meta_of, tf
+from threefold.ir.stages import Traced, copy_graph_module
 
 aten = torch.ops.aten
 
