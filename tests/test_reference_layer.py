@@ -29,7 +29,7 @@ def _autograd_saved_by_block0(model, ids) -> int:
 
 
 def _graph_saved_by_block0(model, ids) -> int:
-    from threefold.compiler.program import compute_nodes, tf
+    from threefold.ir.program import compute_nodes, tf
     from threefold.compiler.trace import trace
     from threefold.planner.saved_bytes import nodes_saved
     traced = trace(model, (ids,), ids, _loss)

@@ -218,6 +218,7 @@ def parallelize(model=None, plan=None, example_inputs=None, loss_fn=None, *, tar
                         "too, or leave target out when forward returns the loss itself")
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     if dry_run:
+        # lazy: start-up: the dry run loads only when asked for
         from threefold.dry_run import dry_run_workload
         return dry_run_workload(Workload(model, example_inputs, target, loss_fn, batch_dims=batch_dims), plan, world)
     if world is not None:

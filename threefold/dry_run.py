@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass
 
 from threefold.errors import PlanError
+from threefold.plan_defaults import batch_rows, resolve_plan
+from threefold.runtime.dry_run import DrySource, dry_run_job, meta_batch
 
 
 @dataclass
@@ -55,10 +57,10 @@ def dry_run_workload(workload, plan, world: int | None = None, all_ranks: bool |
                      cluster: str | None = None, progress=None) -> DryRunReport:
     """The dry run of `workload` (a threefold.Workload) under `plan` (text or Plan; dp is
     filled in from `world`)."""
+    # lazy: start-up: threefold.codegen.artifact loads 27 more modules only when this runs
     from threefold.codegen.artifact import build_manifest, build_sources
+    # lazy: start-up: threefold.compiler.api loads 74 more modules only when this runs
     from threefold.compiler.api import compile_workload
-    from threefold.plan_defaults import batch_rows, resolve_plan
-    from threefold.runtime.dry_run import DrySource, dry_run_job, meta_batch
     if world is not None and (not isinstance(world, int) or world < 1):
         raise PlanError(f"world={world!r} is invalid: give the job's number of ranks, 1 or more")
     start = time.perf_counter()
@@ -72,6 +74,7 @@ def dry_run_workload(workload, plan, world: int | None = None, all_ranks: bool |
     compiled_s = time.perf_counter() - start
     capacity = None
     if cluster:
+        # lazy: start-up: the planner loads only with --cluster
         from threefold.planner.cluster import load_cluster
         capacity = int(load_cluster(cluster).usable_bytes)
     batch = meta_batch(tuple(workload.inputs) + ((workload.target,) if workload.target is not None else ()))
@@ -82,6 +85,7 @@ def dry_run_workload(workload, plan, world: int | None = None, all_ranks: bool |
 
 def summarize(report, prog, plan, compiled_s: float, capacity) -> dict:
     """The JSON summary of a JobReport (see DryRunReport)."""
+    # lazy: start-up: threefold.planner.memory loads 5 more modules only when this runs
     from threefold.planner.memory import program_memory
     model = {m.rank: m for m in program_memory(prog)} if prog is not None else {}
     mesh = plan.mesh

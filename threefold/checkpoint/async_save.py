@@ -27,6 +27,8 @@ import time
 import torch
 
 from threefold.checkpoint.layout import Sharded
+import torch.distributed as dist
+from threefold.runtime.comm import default_timeout
 
 
 class Staged(Sharded):
@@ -88,13 +90,12 @@ class AsyncSaver:
     """Background checkpoint writes for one training run; every rank makes one, together."""
 
     def __init__(self):
+        # lazy: start-up: threefold.checkpoint.collective loads 1 more modules only when this runs
         from threefold.checkpoint.collective import rank_world
         self.world = rank_world()[1]
         self.group = None
         if self.world > 1:     # collective: every rank constructs its saver at the same point
-            import torch.distributed as dist
 
-            from threefold.runtime.comm import default_timeout
             self.group = dist.new_group(backend="gloo", timeout=default_timeout())
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -106,7 +107,9 @@ class AsyncSaver:
              run: dict | None = None) -> float:
         """Stage this rank's state now and write it in the background; returns the seconds
         the caller was held (waiting for the previous write, then copying)."""
+        # lazy: start-up: threefold.checkpoint.collective loads 1 more modules only when this runs
         from threefold.checkpoint.collective import rank_world
+        # lazy: start-up: threefold.checkpoint.save loads 7 more modules only when this runs
         from threefold.checkpoint.save import _collect, check_keep, index_fields, write_checkpoint
         check_keep(keep)
         started = time.perf_counter()
@@ -126,6 +129,7 @@ class AsyncSaver:
         """(the state dict to write, its /dev/shm snapshot or None): staged in /dev/shm where
         it can be (checkpoint/staging.py: a kill mid-write then loses nothing), else in this
         process's memory (a kill mid-write falls back to the previous checkpoint)."""
+        # lazy: start-up: threefold.checkpoint.staging loads 1 more modules only when this runs
         from threefold.checkpoint.staging import Snapshot, stage_dir
         where = stage_dir(directory) if self.shm else None
         if where is not None:

@@ -37,6 +37,8 @@ import zlib
 import torch
 
 from threefold.checkpoint.layout import Sharded
+import copy
+import errno
 
 SHM = "/dev/shm"
 FORMAT = "threefold-stage"
@@ -75,7 +77,9 @@ class ShmPieces(Sharded):
         return self._pieces[tuple(offsets)][0]
 
     def __create_write_items__(self, fqn: str, obj):
+        # lazy: start-up: torch.distributed.checkpoint.metadata loads only when this runs
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        # lazy: start-up: torch.distributed.checkpoint.planner loads only when this runs
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
         return [WriteItem(index=MetadataIndex(fqn, torch.Size(offs)), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(
@@ -84,6 +88,7 @@ class ShmPieces(Sharded):
                 for offs, (_, sizes) in self._pieces.items()]
 
     def __create_chunk_list__(self):
+        # lazy: start-up: torch.distributed.checkpoint.metadata loads only when this runs
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, (_, s) in self._pieces.items()]
 
@@ -170,7 +175,6 @@ class Snapshot:
                 entries.append({"key": key, "kind": "tensor", "dtype": _dtype_name(value.dtype),
                                 "shape": list(value.shape), "at": where})
         buf[blob_at:blob_at + len(blob_bytes)].copy_(torch.frombuffer(bytearray(blob_bytes), dtype=torch.uint8))
-        import copy
         for key, value in objects.items():
             out[key] = copy.deepcopy(value)
         self.header = {"format": FORMAT, "version": 1, "step": self.step, "rank": self.rank, "world": self.world,
@@ -206,12 +210,10 @@ def _reserve(fd: int, size: int) -> None:
         os.posix_fallocate(fd, 0, size)
         return
     except OSError as exc:
-        import errno
         if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
             raise
     st = os.fstatvfs(fd)             # no fallocate here: at least check the free space
     if st.f_bavail * st.f_frsize < size:
-        import errno
         raise OSError(errno.ENOSPC, f"{size} bytes do not fit in {SHM}")
     os.ftruncate(fd, size)
 
@@ -259,6 +261,7 @@ def complete_step(directory: str) -> tuple[int, dict[int, dict]] | None:
 
 def _load_rank(directory: str, header: dict) -> dict:
     """One rank's staged state dict, its CRC checked first (ValueError when it does not match)."""
+    # lazy: start-up: threefold.checkpoint.safe_read loads 2 more modules only when this runs
     from threefold.checkpoint.safe_read import safe_torch_load
     path = os.path.join(directory, _names(header["step"], header["rank"])[0])
     size = os.path.getsize(path)
@@ -329,6 +332,7 @@ def drop_all(ckpt_dir: str) -> None:
 
 
 def _newest_step(ckpt_dir: str) -> int:
+    # lazy: start-up: threefold.checkpoint.files loads 2 more modules only when this runs
     from threefold.checkpoint.files import STEP_DIR, list_steps
     steps = list_steps(ckpt_dir)
     return int(STEP_DIR.fullmatch(steps[-1]).group(1)) if steps else -1
@@ -338,8 +342,11 @@ def _commit(ckpt_dir: str, directory: str, step: int, headers: dict[int, dict]) 
     """Write the snapshot of `step` as checkpoint ckpt_dir/step_<N> (one process, the same
     atomic write), then read it back with the restricted reader; a checkpoint that fails the
     read is removed and `latest` points back at the previous one."""
+    # lazy: start-up: threefold.checkpoint.files loads 2 more modules only when this runs
     from threefold.checkpoint import files
+    # lazy: start-up: threefold.checkpoint.reader loads 4 more modules only when this runs
     from threefold.checkpoint.reader import read_checkpoint
+    # lazy: start-up: threefold.checkpoint.save loads 7 more modules only when this runs
     from threefold.checkpoint.save import write_checkpoint
     head = headers[0]
     fields = dict(head.get("fields") or {})

@@ -39,7 +39,6 @@ def dry_run(spec: str, plan_text: str, world: int | None = None, all_ranks: bool
     """The dry run's report as a dict (what `--json` prints)."""
     # lazy: start-up: a command loads the dry run and the SPEC loader only when it runs
     from threefold.dry_run import dry_run_workload
-    from threefold.workload import load_spec
     if world is not None and world < 1:
         raise PlanError(f"--world {world} is invalid: give the job's number of ranks, 1 or more")
     return dry_run_workload(load_spec(spec), plan_text, world, all_ranks, cluster, progress).summary
@@ -61,5 +60,6 @@ def _progress(i: int, n: int, run) -> None:
 
 
 def print_report(out: dict) -> None:
+    # lazy: start-up: threefold.dry_run loads 1 more modules only when this runs
     from threefold.dry_run import report_text
     print(report_text(out))

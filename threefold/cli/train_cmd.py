@@ -290,6 +290,7 @@ def _train(cfg, plan, ckpt_dir: str, resume: str | None, run_record: dict | None
     if not under_torchrun() or cfg.spec is None:    # the ranks train the plan checked here
         cfg = dataclasses.replace(cfg, plan=str(plan))
     live = _live_dir(cfg.out)
+    # lazy: start-up: threefold.checkpoint.staging loads 3 more modules only when this runs
     from threefold.checkpoint.staging import drop_all, settle
     if not under_torchrun():
         drop_all(ckpt_dir)       # what a job killed whole staged (never committed: another run's state)

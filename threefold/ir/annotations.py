@@ -8,7 +8,7 @@ The keys a node may carry, and who writes them:
   module       the source module's FQN                                     (trace)
   placement    a threefold.placement value (Replicate, Shard, ...)         (tensor_parallel)
   collective   a Collective (below)                                        (tensor_parallel)
-  cost         a compiler.cost.NodeCost                                    (annotate_costs)
+  cost         a passes.cost.NodeCost                                    (annotate_costs)
   chunk        the chunk index of a compute node                           (split_pipeline)
   recomputed   a free value copied into this chunk                         (split_pipeline)
   fused        the kernel name of a fused region node                      (fuse)

@@ -74,7 +74,7 @@ class Chunk:
     params: tuple[str, ...]                 # canonical FQNs used
     buffers: tuple[str, ...]                # buffer / constant names used
     recomputed: tuple[str, ...] = ()        # cheap shared (free) nodes copied in
-    cost: Any = None                        # compiler.cost.ChunkCost, per tp rank, at partition time
+    cost: Any = None                        # passes.cost.ChunkCost, per tp rank, at partition time
     recompute: tuple = ()                   # segments rerun in backward (passes/recompute.py)
     units: tuple = ()                       # zero>=2: parameter units (passes/shard_units.py)
     experts: tuple = ()                     # expert regions (passes/experts.py)

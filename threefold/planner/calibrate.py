@@ -26,6 +26,7 @@ from threefold.planner.paper_table1 import SEQ, VOCAB
 def row_prediction(row: tuple, cluster: Cluster, dtype: str = "bf16"):
     """The planner's estimate of a measured row's run: its tp (and pp) with recomputation,
     the rest searched; the fastest by the model's own time."""
+    # lazy: start-up: threefold.planner.search loads 7 more modules only when this runs
     from threefold.planner.search import rank_plans
     _, heads, hidden, layers, tp, pp, gpus, batch, _ = row
     model = gpt_model_cost(layers, hidden, heads, VOCAB, SEQ)

@@ -47,6 +47,7 @@ from threefold.planner.model_cost import GRAD_BYTES, OPTIMIZER_BYTES_PER_PARAM, 
 from threefold.planner.zero_bubble_time import bubble_seconds
 from threefold.runtime.mesh import Mesh, chunk_layout, stage_of
 from threefold.runtime.schedule import SPLIT_KINDS
+from threefold.planner.moe import moe_seconds
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,6 @@ def estimate(model: ModelCost, cfg: Config, cluster: Cluster, dtype: str = "bf16
                  if cfg.plan.recompute == "selective" else 0.0)
     a2a_fwd = 0.0
     if model.moe is not None:   # expert GEMMs and all-to-alls (planner/moe.py), fwd + bwd -> per forward
-        from threefold.planner.moe import moe_seconds
         moe_s, a2a_s = moe_seconds(model.moe, tokens, t, cfg.ep, cluster, dtype)
         layer_fwd, a2a_fwd = layer_fwd + moe_s / 3, a2a_s / 2
     pre_fwd = _ops_s(model.pre_ops, tokens, t, cluster, dtype)

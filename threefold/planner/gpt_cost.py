@@ -119,6 +119,7 @@ def gpt_model_cost(layers: int, hidden: int, heads: int, vocab: int = 51200, seq
         # hand-written layers: what it keeps for backward is counted as for a SPEC, by
         # planner/saved_bytes.py on the graph of the decoder these flags describe
         # (planner/reference_layer.py), so both descriptions share one count.
+        # lazy: start-up: the reference decoder is traced only for swiglu/MoE flags
         from threefold.planner.reference_layer import flags_activations
         activations = flags_activations(h, a, kv, f, V, s, tied)
     return ModelCost(

@@ -44,6 +44,13 @@ from typing import TYPE_CHECKING
 
 from threefold.planner.model_cost import BYTES_PER_PARAM, ModelCost
 from threefold.runtime.schedule import make_schedule
+from threefold.runtime.zero import row_range
+from threefold.errors import PlanError
+from threefold.plan import Plan
+from threefold.runtime.schedule import inflight_bound
+from threefold.ir.program import tf
+from threefold.runtime.mesh import chunk_layout, stage_of
+from threefold.runtime.mixed_precision import COMPUTE_DTYPES
 
 if TYPE_CHECKING:
     from threefold.planner.estimate import Config
@@ -78,7 +85,6 @@ class RankMemory:
 # ---- shared rules ---------------------------------------------------------------------------
 def zero_rows(rows: int, dp: int, dp_rank: int) -> int:
     """Rows of a dim-0 size `rows` that dp_shard rank `dp_rank` owns under ZeRO (runtime/zero.py)."""
-    from threefold.runtime.zero import row_range
     return row_range(rows, dp, dp_rank)[2]
 
 
@@ -127,9 +133,6 @@ def _inflight(schedule: str, pp: int, m: int, v: int, stage: int) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def _inflight_stages(schedule: str, pp: int, m: int, v: int) -> tuple[int, ...]:
-    from threefold.errors import PlanError
-    from threefold.plan import Plan
-    from threefold.runtime.schedule import inflight_bound
     try:
         return tuple(inflight_bound(schedule, pp, m, v))
     except PlanError:   # a schedule without a stated bound (zero bubble): walk its actions
@@ -148,10 +151,8 @@ def inflight_count(plan, stage: int) -> int:
 def program_memory(prog) -> list[RankMemory]:
     """Bytes per rank, by component, of a compiled program (a Partitioned/Fused stage), for
     every rank of the mesh."""
-    from threefold.ir.program import tf
+    # lazy: start-up: threefold.planner.saved_bytes loads 1 more modules only when this runs
     from threefold.planner.saved_bytes import chunk_saved
-    from threefold.runtime.mesh import chunk_layout, stage_of
-    from threefold.runtime.mixed_precision import COMPUTE_DTYPES
 
     plan = prog.plan
     autocast = COMPUTE_DTYPES.get(getattr(plan, "dtype", "fp32"))

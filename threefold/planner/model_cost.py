@@ -116,3 +116,15 @@ class ModelCost:
         layer = self.layer_flops() * (4 if recompute else 3)
         post = sum(op.flops for op in self.post_ops + self.pre_ops if op.matmul) * 3
         return tokens * (self.layers * layer + post)
+
+
+@dataclass(frozen=True)
+class MoeLayer:
+    """Every layer's MLP is this MoE (SwiGLU experts, priced by planner/moe.py); ModelCost.moe."""
+    experts: int         # E
+    top_k: int           # k
+    ffn: int             # f: one expert's intermediate size
+    hidden: int          # h
+
+    def expert_params(self) -> float:
+        return self.experts * 3 * self.hidden * self.ffn   # gate+up [h, 2f], down [f, h]

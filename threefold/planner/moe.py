@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from threefold.planner.model_cost import Op
+from threefold.planner.model_cost import MoeLayer, Op  # noqa: F401 (MoeLayer: read from here too)
+import dataclasses
+from threefold.errors import PlanError
 
 
 @dataclass(frozen=True)
@@ -68,18 +70,6 @@ def crossover_experts(shape: MoeShape, n: int, cluster, dtype: str = "bf16", lim
 
 
 # -- the plan search's view: a GPT-shaped model whose MLPs are MoE layers -----------------
-@dataclass(frozen=True)
-class MoeLayer:
-    """Every layer's MLP is this MoE (SwiGLU experts, as above); ModelCost.moe."""
-    experts: int         # E
-    top_k: int           # k
-    ffn: int             # f: one expert's intermediate size
-    hidden: int          # h
-
-    def expert_params(self) -> float:
-        return self.experts * 3 * self.hidden * self.ffn   # gate+up [h, 2f], down [f, h]
-
-
 def moe_seconds(moe: MoeLayer, tokens: float, tp: int, ep: int, cluster,
                 dtype: str = "bf16", dtype_bytes: int = 2) -> tuple[float, float]:
     """(expert GEMMs, all-to-alls) seconds, forward + backward, of one MoE layer on one rank
@@ -129,8 +119,7 @@ def moe_model_cost(layers: int, hidden: int, heads: int, experts: int, top_k: in
     their parameters by E/ep, the kernels around them by `routing_ops`. Under tp the expert
     rows are all-reduced before the k of each token are summed (the tensor-parallel pass's
     choice: k rows of h per token, where attention's all-reduce moves one)."""
-    import dataclasses
-    from threefold.errors import PlanError
+    # lazy: start-up: threefold.planner.gpt_cost loads 1 more modules only when this runs
     from threefold.planner.gpt_cost import gpt_model_cost
     for name, value in (("experts", experts), ("top_k", top_k), ("ffn", ffn)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -157,6 +146,7 @@ def moe_model_cost(layers: int, hidden: int, heads: int, experts: int, top_k: in
         # what the layer keeps for backward (router, the k rows of each token through their
         # expert, ...): counted on the traced graph of this MoE decoder by the SPEC path's
         # rules (planner/reference_layer.py), as for the dense Llama-like shape
+        # lazy: start-up: the reference decoder is traced only for swiglu/MoE flags
         from threefold.planner.reference_layer import ACTIVATION_FIELDS, flags_activations
         kv = kv_heads or heads
         found = flags_activations(hidden, heads, kv, ffn, vocab, seq, tied, experts, top_k)

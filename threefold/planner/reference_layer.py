@@ -201,7 +201,9 @@ def flags_activations(hidden: int, heads: int, kv_heads: int, ffn: int, vocab: i
     """The activation figures (ModelCost's ACTIVATION_FIELDS, bytes per token in 16-bit) of
     the decoder these flags describe (`experts`: each MLP a top-`top_k` mixture of that many
     SwiGLU experts of width `ffn`), from its traced graph by the SPEC path's rules."""
+    # lazy: start-up: threefold.compiler.trace loads 13 more modules only when this runs
     from threefold.compiler.trace import trace
+    # lazy: start-up: threefold.planner.spec_cost loads 17 more modules only when this runs
     from threefold.planner.spec_cost import model_cost_from_program
     with torch.device("meta"):
         model = Decoder(_LAYERS, hidden, heads, kv_heads, ffn, vocab, tied, experts, top_k)

@@ -32,6 +32,10 @@ import weakref
 import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensorMode
+from threefold.runtime import random_ops, tp_ops
+from threefold.runtime import tp_ops
+from threefold.ir.program import tf
 
 _NO_GRAD_KINDS = ("input", "buffer")
 
@@ -58,7 +62,6 @@ class _Runner:
     """Runs single nodes on fake tensors; remembers each node's storage roots."""
 
     def __init__(self, gm: fx.GraphModule, autocast: torch.dtype | None = None):
-        from torch._subclasses.fake_tensor import FakeTensorMode
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.gm = gm
         self.root: dict[str, object] = {}       # node -> root value name (or tuple of them)
@@ -80,7 +83,6 @@ class _Runner:
         return t
 
     def _arg(self, a, tensors: list):
-        from threefold.runtime import random_ops, tp_ops
         if isinstance(a, fx.Node):
             val = _val(a)
             if isinstance(val, torch.Tensor):
@@ -146,7 +148,6 @@ class _Runner:
                 self.dtype[node.name] = dtypes[i]
             self.saved[node.name] = []
             return
-        from threefold.runtime import tp_ops
         if node.target is tp_ops.all_gather_seq:
             # what autograd keeps of a sequence all-gather is its shard (runtime/saved_shards.py)
             shard = node.args[0]
@@ -162,7 +163,6 @@ class _Runner:
             self._fallback(node)
 
     def _run(self, node: fx.Node) -> None:
-        from threefold.runtime import tp_ops
         packed: list[torch.Tensor] = []
 
         def pack(t):
@@ -225,6 +225,7 @@ class _Runner:
         self.saved[node.name] = list(kept.items())
 
     def _fallback(self, node: fx.Node) -> None:
+        # lazy: start-up: threefold.passes.cost loads 9 more modules only when this runs
         from threefold.passes.cost import node_cost
         self.fallbacks.append(node.name)
         self.root[node.name] = node.name
@@ -290,7 +291,6 @@ def chunk_saved(gm: fx.GraphModule, autocast: torch.dtype | None = None, segment
     """Bytes one microbatch's forward through this chunk graph keeps for backward
     (`autocast`: the 16-bit dtype generated code computes in under dtype=bf16|fp16;
     `segments`: the chunk's recomputed segments, passes/recompute.py)."""
-    from threefold.ir.program import tf
     runner = _Runner(gm, autocast)
     segments = list(segments if segments is not None else gm.meta.get("recompute") or [])
     segment_of = {name: i for i, seg in enumerate(segments) for name in seg["nodes"]}
@@ -337,7 +337,6 @@ def nodes_saved(gm: fx.GraphModule, names, segments=(), autocast: torch.dtype | 
     """What the ops called `names` (a part of the graph: one layer) keep for backward, as
     {value: (bytes, producing node)}, with `segments` (lists of node names) recomputed: their
     ops keep nothing, their inputs are kept. The whole graph is run so values keep their roots."""
-    from threefold.ir.program import tf
     runner = _Runner(gm, autocast)
     for node in gm.graph.nodes:
         if node.op == "placeholder":

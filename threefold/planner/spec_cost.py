@@ -31,6 +31,8 @@ from threefold.ir.stages import Program
 from threefold.errors import PlanError
 from threefold.planner import tp_decisions as tpd
 from threefold.planner.model_cost import ACT_BYTES, ModelCost, Op, cross_entropy_bytes
+from threefold.ir.stages import copy_graph_module
+from threefold.passes.experts import expert_regions
 
 # the loss over a row of logits (vocab-parallel under tp): priced by model_cost.cross_entropy_bytes
 LOSS_OPS = {"vocab_parallel_cross_entropy", "vocab_parallel_cross_entropy_full", "cross_entropy",
@@ -46,7 +48,9 @@ def model_cost_from_spec(spec: str, progress=None) -> ModelCost:
     """ModelCost of the workload a SPEC names; PlanError when it cannot be derived.
     `progress(stage)` hears "load SPEC", "trace" and "cost" as each starts."""
     try:
+        # lazy: start-up: the compiler loads only when a SPEC is costed
         from threefold.compiler.trace import trace
+        # lazy: start-up: the SPEC loader runs only when a SPEC is costed
         from threefold.workload import load_spec
     except ImportError as exc:
         raise PlanError(f"SPEC models need the tracer and cost model (threefold.compiler.trace/cost), "
@@ -115,10 +119,10 @@ def model_cost_from_program(traced: Program, inputs: tuple, name: str) -> ModelC
     layer_params, pre_params, post_params = (params_of(groups[k]) for k in ("block0", "pre", "post"))
     # a mixture of experts in block 0 (planner/spec_moe.py): its experts are priced by
     # planner/moe.py (E/ep per rank, GEMMs and all-to-alls), not as the block's own ops
+    # lazy: start-up: threefold.planner.spec_moe loads 2 more modules only when this runs
     from threefold.planner.spec_moe import block_moe
     moe, expert_fqns, expert_nodes = block_moe(traced, block0, tokens)
     if moe is not None:   # the same regions in the sharded graph (tp renames a row-parallel GEMM)
-        from threefold.passes.experts import expert_regions
         expert_nodes = expert_nodes | {name for r in expert_regions(sharded.graph) for name in r["nodes"]}
     layer_params = {f: p for f, p in layer_params.items() if f not in expert_fqns}
     tied = {f for group in traced.ties.values() for f in group} | set(traced.ties)
@@ -139,6 +143,7 @@ def model_cost_from_program(traced: Program, inputs: tuple, name: str) -> ModelC
             divides |= set(spec.blocks) or {int(traced.state[fqn].shape[spec.dim])}
     # Saved activations as autograd keeps them (planner/saved_bytes.py), with and without the
     # recompute pass's selective choice for block 0 (passes/recompute.py's own rule).
+    # lazy: start-up: threefold.passes.recompute loads 2 more modules only when this runs
     from threefold.passes.recompute import _selective
     selective = [seg["nodes"] for seg in _selective(f"{prefix}.{indices[0]}", block0_all)]
     kept_graph = _GraphSaved(sharded.gm, t, scale, tokens)
@@ -183,7 +188,7 @@ def _members(node: fx.Node) -> set[str]:
 def _fused_graph(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of the sharded graph with the fusion pass's regions (passes/fusion.py) made one
     node each, as codegen runs them on a GPU."""
-    from threefold.compiler.stages import copy_graph_module
+    # lazy: start-up: threefold.passes.fusion loads 4 more modules only when this runs
     from threefold.passes.fusion import fuse_graph
     copy = copy_graph_module(gm)
     fuse_graph(copy)
@@ -305,6 +310,7 @@ class _GraphSaved:
         return out
 
     def per_token(self, names, segments=()) -> tuple[float, float]:
+        # lazy: start-up: threefold.planner.saved_bytes loads 1 more modules only when this runs
         from threefold.planner.saved_bytes import nodes_saved
         split = repl = 0
         for nbytes, owner in self._gpu_kept(nodes_saved(self.gm, names, segments)).values():

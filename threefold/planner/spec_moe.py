@@ -11,11 +11,12 @@ which keeps both its parameters and its FLOPs per row, 2 x params).
 """
 from __future__ import annotations
 
-from threefold.planner.moe import MoeLayer
+from threefold.planner.model_cost import MoeLayer
 
 
 def block_moe(traced, block_nodes: list, tokens: int) -> tuple[MoeLayer | None, set[str], set[str]]:
     """(the MoE layer of this block or None, its expert parameter FQNs, its region's node names)."""
+    # lazy: start-up: threefold.passes.experts loads 14 more modules only when this runs
     from threefold.passes.experts import expert_matmul, expert_regions
     names = {n.name for n in block_nodes}
     regions = [r for r in expert_regions(traced.graph) if set(r["nodes"]) & names]

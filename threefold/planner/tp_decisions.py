@@ -32,6 +32,7 @@ def shard_program(traced: Program) -> tuple[Program, int]:
     """The traced program after the tensor-parallel pass at the first trial degree it accepts
     (Megatron's setting: no sequence parallelism), and that degree; (traced, 1) when it
     accepts none. `traced` itself is left as it was."""
+    # lazy: start-up: threefold.passes.tensor_parallel loads 19 more modules only when this runs
     from threefold.passes.tensor_parallel import tensor_parallel
     for t in TRIAL_DEGREES:
         trial = traced.evolve(plan=Plan(tp=t), notes=(), pass_log=())

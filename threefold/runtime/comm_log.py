@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from threefold.runtime import zero
 
 
 class CommOp(NamedTuple):
@@ -186,7 +187,6 @@ def record_comm(world: int | None = None, fake: bool = False, swap_at: int | Non
     """Log every collective and p2p call made inside the block (yields the CommLog).
     `swap_at=k` (fault injection, tests): this rank issues its collectives k and k+1 in
     the opposite order."""
-    from threefold.runtime import zero
     log = CommLog(world if world is not None else dist.get_world_size(), swap_at)
     saved = {name: getattr(dist, name) for name in WRAPPED}
     saved_new_group = dist.new_group

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from threefold.runtime.dry_check import absolute_group
 
 P2P = ("send", "recv")
 
@@ -85,7 +86,6 @@ def find_deadlock(groups: dict[int, list[tuple]], describe) -> Deadlock | None:
 def job_groups(rel: dict[int, list[tuple]], class_of, digits) -> dict[int, list[tuple]]:
     """Every rank's collective groups in issue order, from its class's relative ops
     (runtime/dry_check.relative_ops)."""
-    from threefold.runtime.dry_check import absolute_group
     out = {}
     for r in range(digits.world):
         me = digits.of(r)

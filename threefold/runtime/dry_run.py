@@ -29,6 +29,17 @@ from torch.overrides import TorchFunctionMode
 
 from threefold.runtime.comm_log import CommLog, CommOp, record_comm
 from threefold.runtime.meta_attention import SDPA_FUNCS, sdpa_on_meta
+from threefold.runtime.assemble import assemble_rank
+from threefold.runtime.optimizers import make_optimizer
+from threefold.runtime.store_rounds import add_ops, backend_store_ops
+from threefold.runtime.memory_meter import torch_optimizer
+from threefold.runtime.memory_meter import StepMeter, state_bytes
+import time
+from threefold.runtime.dry_check import Digits, check_classes, check_job, classes_of, relative_ops
+from threefold.runtime.dry_check import P2P, _describe_rel
+from threefold.runtime.dry_order import find_deadlock, job_groups
+from threefold.runtime.loader import import_source
+from threefold.runtime.dry_check import CheckResult
 
 # Timing in a dry run means nothing; THREEFOLD_* knobs that open shared memory are off.
 _ENV = {"THREEFOLD_LOCAL_P2P": "0", "THREEFOLD_LOCAL_REDUCE": "0"}
@@ -152,7 +163,6 @@ class DrySource:
     def chunk_class(self, entry):
         key = (entry.module, entry.cls)
         if key not in self._classes:
-            from threefold.runtime.loader import import_source
             module = import_source(self.sources[entry.module], f"{self.root}/{entry.module}")
             self._classes[key] = getattr(module, entry.cls)
         return self._classes[key]
@@ -172,8 +182,6 @@ def dry_run_rank(manifest, source, rank: int, batch: tuple, optimizer_cls=torch.
     """One training step of `rank` in a fake world of the plan's size (see the module doc).
     `swap_at` (fault injection, tests): runtime/comm_log.record_comm's. `backend`: whose
     rendezvous the store counts include (gloo or nccl)."""
-    from threefold.runtime.assemble import assemble_rank
-    from threefold.runtime.optimizers import make_optimizer
     world = manifest.mesh.world_size
     if dist.is_initialized():
         raise RuntimeError("dry_run_rank needs a process without a process group (it builds a fake one)")
@@ -210,7 +218,6 @@ def _fill(run: RankRun, log: CommLog, store: CountingStore, backend: str) -> Non
     """What the rank issued, and its store calls: those made through the store (threefold's
     own, c10d's) plus the real backend's rendezvous of every group it joined, the default
     group first (the fake backend makes none: runtime/store_rounds.py)."""
-    from threefold.runtime.store_rounds import add_ops, backend_store_ops
     run.ops = log.ops
     run.groups_built, run.groups_joined = log.groups_built, log.groups_joined
     joined = [tuple(range(log.world))] + log.joined
@@ -229,7 +236,6 @@ def warm_optimizer_state(opt) -> None:
     updates and nothing else (no collective). A step's peak is measured with it in place,
     as every step but the first runs (the first allocates it after backward, when the
     activations are gone, so measuring the first step alone misses it)."""
-    from threefold.runtime.memory_meter import torch_optimizer
     inner = torch_optimizer(opt)
     if inner is None:
         return
@@ -252,7 +258,6 @@ def _step_memory(engine, opt, batch: tuple) -> dict[str, int]:
     step's peak in the memory model's categories (planner/memory.py): params (parameters
     and module buffers), grads, optimizer, activations (autograd's saved values and the
     step's temporaries) and buffers (communication; runtime/memory_meter.py says which)."""
-    from threefold.runtime.memory_meter import StepMeter, state_bytes
     warm_optimizer_state(opt)
     params = {id(p): p for m in engine.modules.values() for p in m.parameters()}
     buffers = {id(b): b for m in engine.modules.values() for b in m.buffers()}
@@ -298,9 +303,7 @@ def dry_run_job(manifest, source, batch: tuple, all_ranks: bool | None = None, o
     """Dry-run the job's ranks (every rank, or one class per stage with its two witnesses:
     runtime/dry_check.py says why that is enough) and cross-check what they issued.
     `swaps` {rank: k} (fault injection, tests): that rank swaps its collectives k and k+1."""
-    import time
 
-    from threefold.runtime.dry_check import Digits, check_classes, check_job, classes_of, relative_ops
     start = time.perf_counter()
     digits = Digits(manifest.mesh.axes)
     if all_ranks is None:
@@ -332,7 +335,6 @@ def dry_run_job(manifest, source, batch: tuple, all_ranks: bool | None = None, o
             gc.collect()
     class_mismatches = check_classes(rel, witnesses)
     if any(run.error for run in runs.values()):
-        from threefold.runtime.dry_check import CheckResult
         check = CheckResult()
     else:
         check = check_job(rel, class_of, digits)
@@ -348,8 +350,6 @@ def dry_run_job(manifest, source, batch: tuple, all_ranks: bool | None = None, o
 def order_check(rel: dict[int, list], class_of, digits):
     """The collectives of every rank run in their issue orders (runtime/dry_order.py): a
     Deadlock naming two ranks, or None."""
-    from threefold.runtime.dry_check import P2P, _describe_rel
-    from threefold.runtime.dry_order import find_deadlock, job_groups
     colls: dict[int, list] = {}
 
     def describe(rank: int, i: int) -> str:

@@ -22,6 +22,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 aten = torch.ops.aten
 SDPA_FUNCS = (aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention)
@@ -39,8 +41,6 @@ def _cpu_takes_flash(q, k, v, mask, dropout_p: float, is_causal: bool, scale, en
     itself runs on CPU fakes (FakeTensorMode: nothing allocated, the CPU kernel's choice;
     `torch._fused_sdp_choice` called alone answers for meta there) and the kernel it
     dispatches is watched."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
     class Watch(TorchDispatchMode):
         flash = False

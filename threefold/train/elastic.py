@@ -25,6 +25,10 @@ import sys
 import time
 
 from threefold.errors import PlanError
+from threefold.runtime.launch import LaunchError
+import fcntl
+from threefold.workload import load_spec
+from threefold.plan import Plan
 
 DROP_DEAD_ENV = "THREEFOLD_ELASTIC_DROP_DEAD"
 
@@ -33,7 +37,6 @@ def run_elastic(cfg, plan, resume, live: str | None, ckpt_dir: str, start, check
     """Rank 0's result of the run; `start(cfg, plan, resume, restart)` runs one attempt on
     plan.world_size ranks (raising LaunchError when ranks fail), `check_plan(cfg)` compiles
     a derived plan in this process (PlanError if the model cannot run it) and returns it."""
-    from threefold.runtime.launch import LaunchError
     restart, left = None, cfg.max_restarts
     while True:
         try:
@@ -64,6 +67,7 @@ def run_elastic(cfg, plan, resume, live: str | None, ckpt_dir: str, start, check
 def _settle(ckpt_dir: str) -> str | None:
     """Commit the staged snapshot of a save the failure interrupted, if every rank sealed
     it (the newest checkpoint then), and remove the staged files; its path or None."""
+    # lazy: start-up: threefold.checkpoint.staging loads 3 more modules only when this runs
     from threefold.checkpoint.staging import settle
     return settle(ckpt_dir)
 
@@ -72,8 +76,8 @@ def settle_under_torchrun(ckpt_dir: str) -> None:
     """Under torchrun every restarted process comes here before any resumes: the first on
     this host to take the lock settles the snapshots the failed attempt staged here (the
     others wait for it, then find nothing left)."""
-    import fcntl
 
+    # lazy: start-up: threefold.checkpoint.staging loads 3 more modules only when this runs
     from threefold.checkpoint.staging import settle, stage_dir
     directory = stage_dir(ckpt_dir)
     try:
@@ -97,6 +101,7 @@ def _lost_ranks(exc) -> list[int]:
 
 def _smaller(cfg, plan, world: int, check_plan, exc):
     """The largest world >= --min-world with a plan derived from `plan` that compiles."""
+    # lazy: start-up: threefold.train.elastic_plan loads 2 more modules only when this runs
     from threefold.train.elastic_plan import smaller_plans
     floor = cfg.min_world or plan.world_size
     tried = []
@@ -124,6 +129,7 @@ def ranker(cfg):
     def rank(plans, world):
         if not priced:
             try:
+                # lazy: start-up: the planner loads only when a restart must change the shape
                 from threefold.planner.cluster import load_cluster
                 priced.append((*_model_cost(cfg), load_cluster(PLANNER_CLUSTER)))
             except Exception as exc:     # the planner is advice: without it the fixed order still works
@@ -133,6 +139,7 @@ def ranker(cfg):
                       file=sys.stderr)
         if priced[0] is None:
             return []
+        # lazy: start-up: threefold.train.elastic_plan loads 2 more modules only when this runs
         from threefold.train.elastic_plan import planner_order
         model, batch, cluster = priced[0]
         return planner_order(plans, model, batch, cluster)
@@ -142,20 +149,24 @@ def ranker(cfg):
 def _model_cost(cfg):
     """(ModelCost, global batch) of the job: the embedded GPT's shape, or the SPEC traced."""
     if cfg.spec is None:
+        # lazy: start-up: the planner loads only when a restart must change the shape
         from threefold.dataset import load_data
-        from threefold.planner.gpt_cost import gpt_model_cost
+        from threefold.planner.gpt_cost import gpt_model_cost  # lazy: start-up: as above
         vocab = load_data(cfg).vocab_size
         return gpt_model_cost(cfg.n_layer, cfg.n_embd, cfg.n_head, vocab, cfg.seq), cfg.batch
+    # lazy: start-up: threefold.compiler.trace loads 12 more modules only when this runs
     from threefold.compiler.trace import trace
+    # lazy: start-up: threefold.planner.spec_cost loads 16 more modules only when this runs
     from threefold.planner.spec_cost import model_cost_from_program
+    # lazy: start-up: threefold.train.source loads 1 more modules only when this runs
     from threefold.train.source import given_sizes
-    from threefold.workload import load_spec
     work = load_spec(cfg.spec, given_sizes(cfg))
     traced = trace(work.model, work.inputs, work.target, work.loss_fn)
     return model_cost_from_program(traced, work.inputs, cfg.spec), int(work.inputs[0].shape[0])
 
 
 def _newest(ckpt_dir: str) -> str | None:
+    # lazy: start-up: threefold.checkpoint.files loads 1 more modules only when this runs
     from threefold.checkpoint.files import list_steps
     steps = list_steps(ckpt_dir)
     return os.path.join(ckpt_dir, steps[-1]) if steps else None
@@ -196,8 +207,9 @@ def torchrun_resume(cfg, ckpt_dir: str):
     newest = _newest(ckpt_dir)
     if newest is None:
         return cfg, None, None, None
+    # lazy: start-up: threefold.checkpoint.reader loads 3 more modules only when this runs
     from threefold.checkpoint.reader import read_index
-    from threefold.plan import Plan
+    # lazy: start-up: threefold.train.elastic_plan loads 2 more modules only when this runs
     from threefold.train.elastic_plan import plan_for_world
     old = Plan.parse(read_index(newest).get("plan", cfg.plan))
     world = int(os.environ["WORLD_SIZE"])

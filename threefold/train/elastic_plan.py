@@ -90,6 +90,7 @@ def planner_order(plans: list[Plan], model, batch: int, cluster, dtype: str = "b
     """`plans` ranked by the planner's performance model (planner/estimate.py) for `model`
     (a ModelCost) and the global batch: those that fit memory first, then by predicted
     time per iteration; each with why (its prediction next to the runner-up's)."""
+    # lazy: start-up: threefold.planner.estimate loads 8 more modules only when this runs
     from threefold.planner.estimate import Config, estimate
     priced = []
     for plan in plans:

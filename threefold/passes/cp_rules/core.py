@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch.fx as fx
 
-from threefold.compiler.program import tf
+from threefold.ir.program import tf
 from threefold.ops import families as fam
 from threefold.ops.families import args_of, op_name
 
