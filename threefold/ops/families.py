@@ -131,3 +131,12 @@ def _tagged_pointwise(name: str) -> bool:
         return False
     tags = [torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads() if not o.endswith("out")]
     return any(tags)
+
+
+@lru_cache(maxsize=None)
+def pointwise_names() -> frozenset:
+    """Every ATen op (out-of-place, by packet name) in the pointwise family: tagged by ATen,
+    or listed untagged above (what `threefold ops` lists for the family)."""
+    packets = {n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")}
+    tagged = {n for n in packets if not n.endswith("_") and not n.startswith("_foreach") and family(n) == "pointwise"}
+    return frozenset(tagged | POINTWISE_UNTAGGED)
