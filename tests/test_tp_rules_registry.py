@@ -78,3 +78,16 @@ def test_a_family_member_needs_no_rule_of_its_own():
     assert _ask(node, {a: Shard(1), b: Shard(1)}).out == Shard(1)
     assert REGISTRY.lookup("masked_fill_") is elementwise
     assert REGISTRY.lookup("transpose_") is None and REGISTRY.lookup("native_dropout") is None
+
+
+def test_every_value_the_tp_pass_writes_carries_its_placement_on_the_mesh():
+    from threefold.compiler.api import compile_workload
+    from threefold.compiler.program import tf
+    from threefold.placement import OnMesh, of, on_mesh_of
+    from tests.test_tp_constructs import workload
+    prog = compile_workload(workload("nanogpt"), "tp=2")
+    nodes = [n for c in prog.chunks for n in c.gm.graph.nodes if n.op == "call_function"]
+    written = [n for n in nodes if isinstance(n.meta.get("on_mesh"), OnMesh)]
+    assert len(written) > len(nodes) // 2
+    assert all(on_mesh_of(n)["tp"] == of(tf(n).get("placement")) for n in written)
+    assert {type(on_mesh_of(n)["tp"]).__name__ for n in written} >= {"Shard", "Replicate"}

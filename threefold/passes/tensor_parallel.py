@@ -108,6 +108,13 @@ def tensor_parallel(stage: Traced) -> Sharded:
 _MAX_RETRIES = 8
 
 
+def _place(node: fx.Node, place) -> None:
+    """Record a value's tp placement: its entry in node.meta["on_mesh"] (one placement per
+    mesh axis, threefold/placement.OnMesh) and, for the readers of the tp axis alone, tf."""
+    tf(node)["placement"] = placement.of(place)
+    node.meta["on_mesh"] = placement.on_mesh_of(node).with_axis("tp", place)
+
+
 class _Rewriter(CollectiveEmitter, WeightRewrites):
     """One rewrite of the graph at local shapes: walks the nodes in order (run/_visit), emits
     the new graph (emit/copy_node), decides parameter cuts (decide/param_arg); the
@@ -154,6 +161,7 @@ class _Rewriter(CollectiveEmitter, WeightRewrites):
                 new = self.new.placeholder(old.name)
                 new.meta = dict(old.meta)
                 new.meta["tf"] = dict(tf(old))
+                new.meta["on_mesh"] = placement.on_mesh_of(old).with_axis("tp", R)
                 self.env[old] = new
                 self.old_of[new] = old
                 self.place[new] = R
@@ -184,7 +192,7 @@ class _Rewriter(CollectiveEmitter, WeightRewrites):
         for fqn, (dim, blocks, pad) in self.decisions.items():
             node = self.param_nodes[fqn]
             node.meta["val"] = self._param_local(fqn)
-            tf(node)["placement"] = Shard(dim, blocks)
+            _place(node, Shard(dim, blocks))
         both = self.shard_uses & self.replicated_uses
         if both:
             raise PlanError(f"parameter {sorted(both)[0]} is applied both to sharded and to replicated "
@@ -218,7 +226,7 @@ class _Rewriter(CollectiveEmitter, WeightRewrites):
         if src is not None:
             node.meta["nn_module_stack"] = src.meta.get("nn_module_stack", {})
             node.meta["tf"] = {k: v for k, v in tf(src).items() if k in ("module",)}
-        tf(node)["placement"] = placement.of(place)
+        _place(node, place)
         if collective:
             tf(node)["collective"] = collective
         self.place[node] = place
