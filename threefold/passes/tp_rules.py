@@ -140,7 +140,7 @@ def squeeze(c: TpCall) -> TpDecision:
 
 # -- along one dim ----------------------------------------------------------------------------
 
-@REGISTRY.rule("softmax", "_softmax", "_safe_softmax", "log_softmax", "_log_softmax")
+@REGISTRY.rule(family="softmax")
 def softmax(c: TpCall) -> TpDecision:
     s = c.shard(c.x)
     if c.args["dim"] % c.rank(c.x) == s.dim:

@@ -194,7 +194,11 @@ def _joined(c: TpCall, verb: str) -> tuple[Shard, dict]:
     return s, {a: Cut(s.dim, s) for a in tensors if not isinstance(c.place(a), Shard)}
 
 
-@REGISTRY.rule("cat")
+@REGISTRY.rule(family="join")
+def join(c: TpCall) -> TpDecision:
+    return stack(c) if c.name == "stack" else cat(c)
+
+
 def cat(c: TpCall) -> TpDecision:
     dim = c.args["dim"] % c.rank(c.args["tensors"][0])
     s, needs = _joined(c, "concatenates")
@@ -203,7 +207,6 @@ def cat(c: TpCall) -> TpDecision:
     return TpDecision(s, needs)
 
 
-@REGISTRY.rule("stack")
 def stack(c: TpCall) -> TpDecision:
     dim = c.args["dim"] % (c.rank(c.args["tensors"][0]) + 1)
     s, needs = _joined(c, "stacks")
