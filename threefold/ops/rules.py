@@ -108,11 +108,12 @@ class Registry:
         pointwise), or the reason there is none (a str), or None."""
         if name in self.by_name:
             return self.by_name[name]
-        f = fam.family(node if node is not None else name)
-        if f in self.by_family and not self.skip_family(name):
-            return self.by_family[f]
+        if self.by_family:
+            f = fam.family(node if node is not None else name)
+            if f in self.by_family and not self.skip_family(name):
+                return self.by_family[f]
         base = name[:-1] if name.endswith("_") else name
-        if base != name:
+        if base != name and self.in_place:
             r = self.lookup(base)
             if r in self.in_place:
                 return r
