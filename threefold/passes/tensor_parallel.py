@@ -112,7 +112,7 @@ def _place(node: fx.Node, place) -> None:
     """Record a value's tp placement: its entry in node.meta["on_mesh"] (one placement per
     mesh axis, threefold/placement.OnMesh) and, for the readers of the tp axis alone, tf."""
     tf(node)["placement"] = placement.of(place)
-    node.meta["on_mesh"] = placement.on_mesh_of(node).with_axis("tp", place)
+    node.meta["on_mesh"] = (node.meta.get("on_mesh") or placement.OnMesh()).with_axis("tp", place)
 
 
 class _Rewriter(CollectiveEmitter, WeightRewrites):
