@@ -14,6 +14,8 @@ def _tp(name: str) -> str:
     rule = TP_REGISTRY.lookup(name)
     if callable(rule):
         return f"rule {getattr(rule, '__name__', 'lambda').lstrip('_')}"
+    if fam.family(name) in ("matmul", "embedding"):   # the pass's parameter rewrites (tp_weights.py)
+        return "split by its weight (column/row or vocab parallel) where one is a parameter, else replicated around it"
     return "replicated around it (inputs gathered, no sharded rule)"
 
 
