@@ -106,6 +106,17 @@ class OnMesh:
         return ";".join(f"{a}:{p}" for a, p in self.items)
 
 
+def on_mesh_of(node) -> OnMesh:
+    """A graph value's placement on every mesh axis: `node.meta["on_mesh"]` where the sharding
+    passes wrote it (the tp pass does for every value it emits), else its tp placement alone
+    (`node.meta["tf"]["placement"]`), else replicated everywhere."""
+    meta = getattr(node, "meta", None) or {}
+    on = meta.get("on_mesh")
+    if isinstance(on, OnMesh):
+        return on
+    return OnMesh.of(tp=(meta.get("tf") or {}).get("placement") or R)
+
+
 def parse_on_mesh(text) -> OnMesh:
     """`OnMesh` from its text (a bare placement is the tp axis's)."""
     if isinstance(text, OnMesh):

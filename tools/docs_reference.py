@@ -214,18 +214,20 @@ def ops_page() -> str:
     from threefold.passes import cp_rules, tp_rules
     by_rule: dict[str, list[str]] = {}
     for op, rule in sorted(tp_rules.RULES.items()):
-        name = getattr(rule, "__name__", "rule")
-        by_rule.setdefault("replicated (passes through)" if name == "<lambda>" else name, []).append(op)
+        by_rule.setdefault(getattr(rule, "__name__", "rule"), []).append(f"`{op}`")
+    for family, rule in sorted(tp_rules.REGISTRY.by_family.items()):
+        by_rule.setdefault(rule.__name__, []).insert(0, "every op ATen tags pointwise (random ops excepted)"
+                                                     if family == "pointwise" else f"every op of the {family} family")
     lines = ["# Op support", "",
              "Generated from the rule tables of the passes. An op outside these tables still "
              "runs: under tp its inputs are gathered to whole values first (a *fallback*, "
              "listed by `threefold inspect`; `strict=true` makes it an error), under cp it runs "
              "on the all-gathered sequence. Matmuls and linear layers are sharded by the "
              "column/row pairing of passes/tensor_parallel.py, not by this table.", "",
-             "## Tensor parallelism (`threefold/passes/tp_rules.py` `RULES`)", "",
+             "## Tensor parallelism (`threefold/passes/tp_rules*.py`, registered by op or by family)", "",
              "| rule | ATen ops |", "|---|---|"]
     for rule, ops in sorted(by_rule.items()):
-        lines.append(f"| `{rule}` | {', '.join(f'`{o}`' for o in ops)} |")
+        lines.append(f"| `{rule}` | {', '.join(ops)} |")
     lines += ["", "## Context parallelism (`threefold/passes/cp_rules/`)", "",
               "| family | ATen ops |", "|---|---|"]
     for name, value in sorted(vars(cp_rules).items()):

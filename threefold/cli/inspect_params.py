@@ -1,6 +1,7 @@
 """`inspect --json`'s "parameters": how every parameter is laid out, read from the compiled
-program (the chunk graphs' placeholders, the tensor-parallel pass's shard specs and its
-report of weights kept whole and of fallbacks); nothing is decided again here.
+program (the chunk graphs' placeholders and their placement on the mesh, OnMesh; the
+tensor-parallel pass's shard specs for padding, and its report of weights kept whole and
+of fallbacks); nothing is decided again here.
 
 One row per parameter: FQN, the chunks holding it (several for a tied one), full and local
 (per tp rank) shape, placement (`S(d)` sharded along d, with blocks for fused projections
@@ -10,6 +11,7 @@ is kept whole or blocked by a fallback, the pass's reason.
 from __future__ import annotations
 
 from threefold.ir.program import tf
+from threefold.placement import Shard, on_mesh_of
 
 
 def parameter_rows(prog) -> list[dict]:
@@ -35,7 +37,7 @@ def parameter_rows(prog) -> list[dict]:
             row = {"fqn": fqn, "chunks": [chunk.index],
                    "shape": list(full.shape) if full is not None else None,
                    "local_shape": list(val.shape) if val is not None else None,
-                   "placement": _placement(spec, full), "frozen": bool(info.get("frozen", False))}
+                   "placement": _placement(on_mesh_of(node)["tp"], spec, full), "frozen": bool(info.get("frozen", False))}
             if fqn in kept:
                 row["kept_whole"] = kept[fqn]
             if fqn in blocked:
@@ -44,14 +46,17 @@ def parameter_rows(prog) -> list[dict]:
     return list(rows.values())
 
 
-def _placement(spec, full) -> str:
+def _placement(place, spec, full) -> str:
+    """The tp placement's text, with what the shard spec adds: blocks every rank holds
+    whole, the padded size."""
     if spec is None:
         return "R"
-    text = f"S({spec.dim}"
-    if spec.blocks:
-        text += f",blocks={list(spec.blocks)}"
+    dim, blocks = (place.dim, place.blocks) if isinstance(place, Shard) else (spec.dim, spec.blocks)
+    text = f"S({dim}"
+    if blocks:
+        text += f",blocks={list(blocks)}"
         if any(spec.whole):   # blocks every rank holds whole (a fused projection's k/v head)
             text += f",whole={[b for b, w in zip(spec.blocks, spec.whole) if w]}"
-    elif full is not None and spec.padded != full.shape[spec.dim]:
+    elif full is not None and spec.padded != full.shape[dim]:
         text += f",padded={spec.padded}"   # a vocabulary, heads or features padded to a multiple of tp
     return text + ")"

@@ -130,7 +130,7 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
     plan = prog.plan
 
     def spec(b) -> TensorSpec:   # a stages.BoundarySpec, as the manifest writes it
-        return TensorSpec(b.name, b.shape, _dtype(b.dtype), parse_placement(b.placement))
+        return TensorSpec(b.name, b.shape, _dtype(b.dtype), parse_placement(b.placement), tuple(b.axes))
 
     holders: dict[str, list[int]] = {}
     for c in prog.chunks:

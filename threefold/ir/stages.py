@@ -28,18 +28,20 @@ import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from threefold.ir.program import TensorMeta, dtype_bytes, format_stage, tf
-from threefold.placement import R, Placement
+from threefold.placement import R, Placement, on_mesh_of
 from threefold.plan import Plan
 
 
 @dataclass(frozen=True)
 class BoundarySpec:
     """A value crossing a chunk boundary: its name (the same in the sender's and the
-    receiver's graph), local (per tp rank) shape, dtype and tensor-parallel placement."""
+    receiver's graph), local (per tp rank) shape, dtype, tensor-parallel placement and the
+    placements on the other mesh axes that split it (read from the node's OnMesh)."""
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     placement: Placement = R
+    axes: tuple[tuple[str, Placement], ...] = ()    # other mesh axes than tp that split it
 
     @property
     def numel(self) -> int:
@@ -54,7 +56,9 @@ class BoundarySpec:
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
             raise AssertionError(f"boundary value {node.name} is not a tensor")
-        return cls(node.name, tuple(int(s) for s in val.shape), val.dtype, tf(node).get("placement") or R)
+        on = on_mesh_of(node)
+        return cls(node.name, tuple(int(s) for s in val.shape), val.dtype, on["tp"],
+                   tuple((a, p) for a, p in on.items if a != "tp"))
 
 
 @dataclass(frozen=True)

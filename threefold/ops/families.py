@@ -30,19 +30,26 @@ def _signature(fn):
         return None
 
 
+@lru_cache(maxsize=None)
+def _schema_args(op) -> tuple:
+    """(name, kwarg_only, default) per argument of an ATen overload (the schema, read once)."""
+    return tuple((a.name, a.kwarg_only, a.default_value if a.has_default_value() else None)
+                 for a in op._schema.arguments)
+
+
 def args_of(node: fx.Node) -> dict:
     """A call's arguments by name, defaults filled in: from the ATen schema, or from a Python
     function's signature (the runtime's ops). Unknown names are absent."""
     t = node.target
     out = {}
     if isinstance(t, torch._ops.OpOverload):
-        for i, a in enumerate(t._schema.arguments):
-            if i < len(node.args) and not a.kwarg_only:
-                out[a.name] = node.args[i]
-            elif a.name in node.kwargs:
-                out[a.name] = node.kwargs[a.name]
+        for i, (name, kwarg_only, default) in enumerate(_schema_args(t)):
+            if i < len(node.args) and not kwarg_only:
+                out[name] = node.args[i]
+            elif name in node.kwargs:
+                out[name] = node.kwargs[name]
             else:
-                out[a.name] = a.default_value if a.has_default_value() else None
+                out[name] = list(default) if isinstance(default, list) else default   # a fresh list per call
         return out
     sig = _signature(t) if callable(t) else None
     if sig is None:
@@ -131,3 +138,12 @@ def _tagged_pointwise(name: str) -> bool:
         return False
     tags = [torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads() if not o.endswith("out")]
     return any(tags)
+
+
+@lru_cache(maxsize=None)
+def pointwise_names() -> frozenset:
+    """Every ATen op (out-of-place, by packet name) in the pointwise family: tagged by ATen,
+    or listed untagged above (what `threefold ops` lists for the family)."""
+    packets = {n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")}
+    tagged = {n for n in packets if not n.endswith("_") and not n.startswith("_foreach") and family(n) == "pointwise"}
+    return frozenset(tagged | POINTWISE_UNTAGGED)

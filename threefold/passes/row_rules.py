@@ -4,15 +4,20 @@ Row states (None, Rows(dim, stride), LOST, POS) are described in passes/row_stat
 `propagate(node, states, rows)` returns (state of the node, reason): the reason is a short
 phrase when the op makes an output row depend on other rows (a reduction, scan or
 contraction over the batch dim, an all-pairs product, a pick of rows by position or value,
-a batch statistic), else None. Ops are keyed by their ATen schema name, grouped by family
-(indexing ops in passes/row_index_rules.py); an op without a rule maps rows through
-broadcasting (right-aligned dims of equal length), which is what elementwise ops do.
+a batch statistic), else None. Rules are pure functions registered by ATen schema name on
+`ROWS` (the shared registry mechanics of threefold/ops/rules.py), grouped by family
+(indexing ops in passes/row_index_rules.py); an op without a rule (or whose rule returns
+None) maps rows through broadcasting (right-aligned dims of equal length), which is what
+elementwise ops do. Positions (POS) pass only arithmetic on them, views and indexing.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
+from threefold.ops.rules import Registry
 from threefold.passes.expert_match import expert_matmul
 from threefold.passes.row_index_rules import INDEX_OPS, index_rule
 from threefold.passes.row_state import (LOST, POS, Rows, arg_of, dims_of, rows_of, shape_of,
@@ -53,6 +58,24 @@ def propagate(node: fx.Node, states: dict, rows: int):
     return state, reason
 
 
+# Every rule below is registered by ATen op name on ROWS (threefold/ops/rules.Registry) and
+# gets a RowCall; it returns (row state, reason), or None for "as elementwise" (broadcast).
+ROWS = Registry("rows")
+
+
+@dataclass(frozen=True, eq=False)
+class RowCall:
+    """One call as a row rule sees it (read only)."""
+    node: fx.Node
+    name: str
+    states: dict          # node -> row state of what ran before
+    rows: int             # rows of the batch in one microbatch
+    x: object             # the first argument
+    sx: object            # its row state
+    shape_x: tuple | None
+    out: object           # the traced value
+
+
 def _propagate(node: fx.Node, states: dict, rows: int):
     name = op_name(node)
     ins = {a: states.get(a) for a in node.all_input_nodes}
@@ -76,88 +99,146 @@ def _propagate(node: fx.Node, states: dict, rows: int):
         return (s[node.args[1]] if isinstance(s, tuple) and node.args[1] < len(s) else s), None
     x = node.args[0] if node.args else None
     sx = rows_of(states, x)
-    shape_x, out = shape_of(x), node.meta.get("val")
-    if name in BATCH_STAT_OPS:
-        idx = BATCH_STAT_OPS[name]
-        training = True if idx < 0 else arg_of(node, idx, "training", False)
-        if training and isinstance(sx, Rows) and sx.dim == 0:
-            return _same_tuple(out, sx), "batch statistics"
-        if training:
-            return LOST, "batch statistics"
-        return _same_tuple(out, sx), None
-    if name in _NO_STAT_NORMS:
-        return _same_tuple(out, sx), None
-    if sx == POS and name not in ("index", "index_put", "index_put_", "index_add", "index_add_",
-                                  "index_copy", "index_copy_", "index_select", "_unsafe_index"):
+    call = RowCall(node, name, states, rows, x, sx, shape_of(x), node.meta.get("val"))
+    rule = ROWS.lookup(name)
+    if sx == POS and name not in BATCH_STAT_OPS and name not in _NO_STAT_NORMS and name not in _POS_INDEXING:
+        # positions of rows (nonzero, argsort) pass through arithmetic on them and views only
         if name in _POS_ARITH and all(states.get(a) is None for a in node.all_input_nodes if a is not x):
             return POS, None   # perm // k: positions of the rows the (row, k) pairs came from
         return (POS, None) if name in _VIEWLIKE else (LOST, None)
-    if name in _LOSSES:
-        return _loss(node, states)
-    if name in _REDUCTIONS and isinstance(sx, Rows) and isinstance(x, fx.Node) \
-            and isinstance(x.meta.get("val"), torch.Tensor):
-        return _reduce(node, name, sx, tuple(x.meta["val"].shape))   # only its rank is read
-    if name in ("sort", "argsort") and isinstance(sx, Rows) and shape_x:
+    decided = rule(call) if callable(rule) else None
+    return decided if decided is not None else _broadcast(node, states)
+
+
+_POS_INDEXING = {"index", "index_put", "index_put_", "index_add", "index_add_", "index_copy", "index_copy_",
+                 "index_select", "_unsafe_index"}
+
+
+@ROWS.rule(*BATCH_STAT_OPS)
+def _batch_stats(c: RowCall):
+    idx = BATCH_STAT_OPS[c.name]
+    training = True if idx < 0 else arg_of(c.node, idx, "training", False)
+    if training and isinstance(c.sx, Rows) and c.sx.dim == 0:
+        return _same_tuple(c.out, c.sx), "batch statistics"
+    if training:
+        return LOST, "batch statistics"
+    return _same_tuple(c.out, c.sx), None
+
+
+@ROWS.rule(*_NO_STAT_NORMS)
+def _no_stat_norm(c: RowCall):
+    return _same_tuple(c.out, c.sx), None
+
+
+@ROWS.rule(*_LOSSES)
+def _loss_rule(c: RowCall):
+    return _loss(c.node, c.states)
+
+
+@ROWS.rule(*_REDUCTIONS)
+def _reduction(c: RowCall):
+    x = c.x
+    if isinstance(c.sx, Rows) and isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor):
+        return _reduce(c.node, c.name, c.sx, tuple(x.meta["val"].shape))   # only its rank is read
+    return None
+
+
+@ROWS.rule(*_SCANS)
+def _scan(c: RowCall):
+    node, name, sx, shape_x, out = c.node, c.name, c.sx, c.shape_x, c.out
+    if not isinstance(sx, Rows):
+        return None
+    if name in ("sort", "argsort") and shape_x:
         dim = arg_of(node, 1, "dim", -1)
         if isinstance(dim, int) and dim % len(shape_x) == sx.dim:
             # a permutation of the rows: the values are the rows in another order, the
             # indices their positions (indexing rows with them, and back, stays per-row)
             return ((Rows(sx.dim), POS) if name == "sort" else POS), None
-    if name in _SCANS and isinstance(sx, Rows):
-        dim = arg_of(node, 1, "dim", -1)
-        if name in ("topk", "kthvalue"):
-            dim = arg_of(node, 2, "dim", -1)
-        if name in ("flip", "roll"):
-            dims = arg_of(node, 1, "dims") if name == "flip" else arg_of(node, 2, "dims", None)
-            hit = dims is None or sx.dim in dims_of(dims, len(shape_x or ()))
-            return _same_tuple(out, sx), (f"{name} over the batch dim" if hit else None)
-        if isinstance(dim, int) and shape_x and dim % len(shape_x) == sx.dim:
-            return _same_tuple(out, sx), f"{name} over the batch dim"
-        return _same_tuple(out, sx), None
-    if name in ("layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"):
-        norm = arg_of(node, 1, "normalized_shape", ())
-        if isinstance(sx, Rows) and shape_x and sx.dim >= len(shape_x) - len(norm):
-            return _same_tuple(out, sx), "a normalisation over the batch dim"
-        return _same_tuple(out, sx), None
-    if name in ("group_norm", "native_group_norm", "instance_norm"):
-        if isinstance(sx, Rows) and sx.dim != 0:
-            return _same_tuple(out, sx), "a normalisation over the batch dim"
-        return _same_tuple(out, sx), None
-    if name in _MATMULS:
-        return _matmul(node, name, states)
-    if name == "einsum":
-        return _einsum(node, states)
-    if name in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
-                "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"):
-        return _sdpa(node, states)
-    if name in _CONVS:
-        sw = rows_of(states, node.args[1] if len(node.args) > 1 else None)
-        if sw is not None or not (sx is None or isinstance(sx, Rows) and sx.dim == 0):
-            return LOST, "a convolution over the batch dim"
-        return sx, None
-    if name == "embedding":
-        sw, si = sx, rows_of(states, node.args[1])
-        if sw is not None:
-            return LOST, "a lookup in a table built from the batch"
-        return si, None
-    if name in _VIEWLIKE:
-        return _view(node, name, sx, shape_x, rows)
-    if name in ("cat", "concat", "concatenate", "stack"):
-        return _cat(node, name, states)
-    if name in ("split", "split_with_sizes", "chunk", "unbind", "tensor_split", "unsafe_split",
-                "split_copy"):
-        dim = arg_of(node, 1 if name == "unbind" else 2, "dim", 0)
-        if isinstance(sx, Rows) and shape_x and dim % len(shape_x) == sx.dim:
-            return LOST, f"{name} of the batch into parts by position"
-        n = len(out) if isinstance(out, (list, tuple)) else 1
-        if name == "unbind" and isinstance(sx, Rows) and sx.dim > dim % len(shape_x):
-            return tuple(Rows(sx.dim - 1, sx.stride) for _ in range(n)), None
-        return tuple(sx for _ in range(n)), None
-    if name in ("nonzero", "argwhere"):
-        return POS, None
-    if name in INDEX_OPS:
-        return index_rule(node, name, states, rows)
-    return _broadcast(node, states)
+    dim = arg_of(node, 1, "dim", -1)
+    if name in ("topk", "kthvalue"):
+        dim = arg_of(node, 2, "dim", -1)
+    if name in ("flip", "roll"):
+        dims = arg_of(node, 1, "dims") if name == "flip" else arg_of(node, 2, "dims", None)
+        hit = dims is None or sx.dim in dims_of(dims, len(shape_x or ()))
+        return _same_tuple(out, sx), (f"{name} over the batch dim" if hit else None)
+    if isinstance(dim, int) and shape_x and dim % len(shape_x) == sx.dim:
+        return _same_tuple(out, sx), f"{name} over the batch dim"
+    return _same_tuple(out, sx), None
+
+
+@ROWS.rule("layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm")
+def _layer_norm(c: RowCall):
+    norm = arg_of(c.node, 1, "normalized_shape", ())
+    if isinstance(c.sx, Rows) and c.shape_x and c.sx.dim >= len(c.shape_x) - len(norm):
+        return _same_tuple(c.out, c.sx), "a normalisation over the batch dim"
+    return _same_tuple(c.out, c.sx), None
+
+
+@ROWS.rule("group_norm", "native_group_norm", "instance_norm")
+def _group_norm(c: RowCall):
+    if isinstance(c.sx, Rows) and c.sx.dim != 0:
+        return _same_tuple(c.out, c.sx), "a normalisation over the batch dim"
+    return _same_tuple(c.out, c.sx), None
+
+
+@ROWS.rule(*_MATMULS)
+def _matmul_rule(c: RowCall):
+    return _matmul(c.node, c.name, c.states)
+
+
+@ROWS.rule("einsum")
+def _einsum_rule(c: RowCall):
+    return _einsum(c.node, c.states)
+
+
+@ROWS.rule("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+           "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention")
+def _sdpa_rule(c: RowCall):
+    return _sdpa(c.node, c.states)
+
+
+@ROWS.rule(*_CONVS)
+def _conv(c: RowCall):
+    node, sx = c.node, c.sx
+    sw = rows_of(c.states, node.args[1] if len(node.args) > 1 else None)
+    if sw is not None or not (sx is None or isinstance(sx, Rows) and sx.dim == 0):
+        return LOST, "a convolution over the batch dim"
+    return sx, None
+
+
+@ROWS.rule("embedding")
+def _embedding(c: RowCall):
+    sw, si = c.sx, rows_of(c.states, c.node.args[1])
+    if sw is not None:
+        return LOST, "a lookup in a table built from the batch"
+    return si, None
+
+
+@ROWS.rule("cat", "concat", "concatenate", "stack")
+def _cat_rule(c: RowCall):
+    return _cat(c.node, c.name, c.states)
+
+
+@ROWS.rule("split", "split_with_sizes", "chunk", "unbind", "tensor_split", "unsafe_split", "split_copy")
+def _split(c: RowCall):
+    name, sx, shape_x, out = c.name, c.sx, c.shape_x, c.out
+    dim = arg_of(c.node, 1 if name == "unbind" else 2, "dim", 0)
+    if isinstance(sx, Rows) and shape_x and dim % len(shape_x) == sx.dim:
+        return LOST, f"{name} of the batch into parts by position"
+    n = len(out) if isinstance(out, (list, tuple)) else 1
+    if name == "unbind" and isinstance(sx, Rows) and sx.dim > dim % len(shape_x):
+        return tuple(Rows(sx.dim - 1, sx.stride) for _ in range(n)), None
+    return tuple(sx for _ in range(n)), None
+
+
+@ROWS.rule("nonzero", "argwhere")
+def _positions(c: RowCall):
+    return POS, None
+
+
+@ROWS.rule(*INDEX_OPS)
+def _indexing(c: RowCall):
+    return index_rule(c.node, c.name, c.states, c.rows)
 
 
 def _same_tuple(out, s):
@@ -322,6 +403,11 @@ _VIEWLIKE = {"view", "_unsafe_view", "reshape", "flatten", "unflatten", "view_as
              "slice", "narrow", "expand", "expand_as", "repeat", "alias", "detach", "clone",
              "contiguous", "_to_copy", "to", "lift_fresh_copy", "view_copy", "numpy_T",
              "diagonal", "unfold", "as_strided", "type_as", "pixel_shuffle"}
+
+
+@ROWS.rule(*_VIEWLIKE)
+def _view_rule(c: RowCall):
+    return _view(c.node, c.name, c.sx, c.shape_x, c.rows)
 
 
 def _view(node: fx.Node, name: str, sx, shape_x, rows: int):

@@ -11,10 +11,13 @@ the graph once in order, writing a new graph of *local* (per-tp-rank) shapes:
 * A weight matmul whose input is sharded on the contracted dim becomes row-parallel: its
   output is Partial and is reduced at once by g (all-reduce forward, identity backward),
   or under sequence parallelism by a reduce-scatter; the bias is added after.
-* Everything in between follows per-op rules in RULES (tp_rules.py: elementwise, views and
-  reshapes by dimension maps (tp_dims.py), splits and slices of block-strided dims, attention
-  matmuls, softmax, norms ...). Where no rule applies, the op runs on gathered inputs
-  (tp_redistribute.py), recorded in prog.tp_report and a PlanError under strict=true.
+* Everything in between follows pure per-op (or per-family) rules registered on
+  tp_decisions.REGISTRY (tp_rules*.py: elementwise, views and reshapes by dimension maps
+  (tp_dims.py), splits and slices of block-strided dims, attention matmuls, softmax,
+  norms ...). A rule returns a decision; this pass applies it (`apply`): inputs brought to
+  the placements it needs by one redistribution step (tp_redistribute.py), the op or its
+  substitute emitted, the output's placement recorded. Where no rule applies, the op runs
+  on gathered inputs, recorded in prog.tp_report and a PlanError under strict=true.
 * A column-parallel projection whose shards reach such an op is instead kept whole (the
   pass reruns with it replicated): Megatron's pairing, column then row, is only used where
   it pays. One whose heads or output features tp does not divide is padded to whole heads
@@ -49,9 +52,13 @@ from threefold.passes.tp_placement import R, Partial, Replicate, Shard, to_meta
 from threefold.passes.tp_patterns import _is_param, _param_weight
 from threefold.passes.tp_einsum import einsum_matmul, einsum_param
 from threefold.passes.tp_fused_split import fused_cuts, split_fused_outputs
-from threefold.passes.tp_padding import padded_size, padding_ok
+from threefold.passes.tp_decisions import REDUCE, REGISTRY, TpCall, TpDecision
+from threefold.passes.tp_padding import padded_size, padding_ok, padding_safe
 from threefold.passes.tp_pieces import piece_matmul, weight_piece
-from threefold.passes.tp_redistribute import NoRule, fallback, replicated
+from threefold.passes.tp_redistribute import NoRule, fallback, redistribute
+from threefold.passes import tp_rules  # noqa: F401  (registers the rules on REGISTRY)
+from threefold.ops.families import args_of
+from threefold.ops.rules import RESULT, NoRule as NoRuleDecision, Op
 from threefold.passes.tp_weights import WeightRewrites
 from threefold.runtime.shard import ShardSpec
 
@@ -101,11 +108,19 @@ def tensor_parallel(stage: Traced) -> Sharded:
 _MAX_RETRIES = 8
 
 
+def _place(node: fx.Node, place) -> None:
+    """Record a value's tp placement: its entry in node.meta["on_mesh"] (one placement per
+    mesh axis, threefold/placement.OnMesh) and, for the readers of the tp axis alone, tf."""
+    tf(node)["placement"] = placement.of(place)
+    node.meta["on_mesh"] = (node.meta.get("on_mesh") or placement.OnMesh()).with_axis("tp", place)
+
+
 class _Rewriter(CollectiveEmitter, WeightRewrites):
     """One rewrite of the graph at local shapes: walks the nodes in order (run/_visit), emits
     the new graph (emit/copy_node), decides parameter cuts (decide/param_arg); the
     collectives it inserts are CollectiveEmitter's (tp_collectives.py), the weight matmuls
-    and embeddings WeightRewrites' (tp_weights.py), every other op a rule of tp_rules.py."""
+    and embeddings WeightRewrites' (tp_weights.py: they decide parameter cuts, retried as a
+    whole), every other op by applying its rule's decision (`apply`)."""
     def __init__(self, prog, avoid: dict[str, str] | None = None):   # prog: a Draft of the Traced stage
         self.prog = prog
         self.avoid = dict(avoid or {})          # weights to keep replicated (see tensor_parallel)
@@ -146,6 +161,7 @@ class _Rewriter(CollectiveEmitter, WeightRewrites):
                 new = self.new.placeholder(old.name)
                 new.meta = dict(old.meta)
                 new.meta["tf"] = dict(tf(old))
+                new.meta["on_mesh"] = placement.on_mesh_of(old).with_axis("tp", R)
                 self.env[old] = new
                 self.old_of[new] = old
                 self.place[new] = R
@@ -176,7 +192,7 @@ class _Rewriter(CollectiveEmitter, WeightRewrites):
         for fqn, (dim, blocks, pad) in self.decisions.items():
             node = self.param_nodes[fqn]
             node.meta["val"] = self._param_local(fqn)
-            tf(node)["placement"] = Shard(dim, blocks)
+            _place(node, Shard(dim, blocks))
         both = self.shard_uses & self.replicated_uses
         if both:
             raise PlanError(f"parameter {sorted(both)[0]} is applied both to sharded and to replicated "
@@ -210,7 +226,7 @@ class _Rewriter(CollectiveEmitter, WeightRewrites):
         if src is not None:
             node.meta["nn_module_stack"] = src.meta.get("nn_module_stack", {})
             node.meta["tf"] = {k: v for k, v in tf(src).items() if k in ("module",)}
-        tf(node)["placement"] = placement.of(place)
+        _place(node, place)
         if collective:
             tf(node)["collective"] = collective
         self.place[node] = place
@@ -318,18 +334,50 @@ class _Rewriter(CollectiveEmitter, WeightRewrites):
         heads_padded = {a: size for a in old.all_input_nodes if (size := padded_size(self, a))}
         if heads_padded and not padding_ok(self, old, heads_padded):
             return fallback(self, old, f"{name} mixes the entries of a dim padded for tp={self.t}")
-        rule = RULES.get(name) or (RULES.get(name[:-1]) if name.endswith("_") and name[:-1] in _IN_PLACE_OK else None)
-        if rule is None:
+        decision = REGISTRY.decide(name, old, self._call(old, name))
+        if decision is None:
             return fallback(self, old, "no sharded rule for " + name + " on inputs placed "
                             + ", ".join(str(self.place[i]) for i in inputs))
+        if isinstance(decision, NoRuleDecision):
+            return fallback(self, old, f"{self._where()} {decision.why}; use tp=1 for this model or restructure it")
         mark = len(self.new.nodes)
         uses = (set(self.shard_uses), set(self.replicated_uses))
         try:
-            return rule(self, old)
-        except NoRule as exc:
+            return self.apply(old, decision)
+        except NoRule as exc:   # an input it cannot bring to the placement asked for
             self._rollback(mark)
             self.shard_uses, self.replicated_uses = uses
             return fallback(self, old, str(exc).split(": ", 1)[-1])
+
+    def _call(self, old: fx.Node, name: str) -> TpCall:
+        """What a rule sees of `old`: its arguments by name, its inputs' placements and local values."""
+        ins = old.all_input_nodes
+        return TpCall(old, name, args_of(old), self.t, {a: self.place[self.env[a]] for a in ins},
+                      {a: self.val[self.env[a]] for a in ins})
+
+    def apply(self, old: fx.Node, d: TpDecision) -> fx.Node:
+        """Emit a rule's decision: its inputs brought to the placements it needs (one
+        redistribution step, tp_redistribute), the op (or its substitute) and its follow-ups."""
+        arrived: dict[fx.Node, fx.Node] = {}
+
+        def arrive(a: fx.Node) -> fx.Node:
+            if a not in arrived:
+                arrived[a] = redistribute(self, self.env[a], d.needs.get(a), a)
+            return arrived[a]
+        if d.same_as is not None:
+            return arrive(d.same_as)
+        op = d.op or Op(old.target, old.args, old.kwargs)
+        new = self._emit_op(op, d.out if op.place is None else op.place, arrive, None)
+        for step in d.then:
+            new = self.g(new) if step == REDUCE else self._emit_op(step, step.place or d.out, arrive, new)
+        if d.uses:
+            self._note_param_uses(old, sharded=d.uses == "sharded", skip=d.skip)
+        return new
+
+    def _emit_op(self, op: Op, place, arrive, prev) -> fx.Node:
+        args = tuple(prev if a is RESULT else a for a in fx.node.map_arg(op.args, arrive))
+        return self.emit(op.target, args, fx.node.map_arg(op.kwargs, arrive), place=place, val=op.val,
+                         collective=op.collective)
 
     def _rollback(self, mark: int, decided: dict | None = None) -> None:
         """Erase what a failed rule emitted (newest first) and forget it in the caches."""
@@ -397,5 +445,4 @@ class _Rewriter(CollectiveEmitter, WeightRewrites):
         self.new.output(tuple(outs))
 
 
-from threefold.passes.tp_rules import _IN_PLACE_OK, RULES, padding_safe  # noqa: E402  (rules use the helpers above)
 from threefold.passes.tp_report import report_notes, tp_report  # noqa: E402

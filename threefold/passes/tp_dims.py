@@ -54,3 +54,30 @@ def reshape_placement(src: list[int], src_local: list[int], dst: list[int], s: S
     out[j] = dst[j] // t
     blocks = (m * inner_j,) * outer_j if outer_j > 1 else ()
     return Shard(j, blocks, s.seq), out
+
+
+def padded_reshape(src: list[int], src_local: list[int], dst: list[int], s: Shard, t: int):
+    """reshape_placement for a padded shard: the reshape as the padded model would do it
+    ([.., 32] -> [.., 4, 8] for 3 heads of 8 padded to 4), the padding landing on one whole
+    output dim; PlanError where no output dim can take it whole."""
+    d = s.dim
+    src_p = list(src)
+    src_p[d] = src_local[d] * t
+    for gi, gj in reshape_groups(src, dst):
+        if d in gi:
+            break
+    else:
+        raise PlanError(f"dim {d} has no counterpart")
+    total, total_p = math.prod(src[i] for i in gi), math.prod(src_p[i] for i in gi)
+    for j in gj:
+        if (dst[j] * total_p) % total:
+            continue
+        dst_p = list(dst)
+        dst_p[j] = dst[j] * total_p // total
+        try:
+            place, local = reshape_placement(src_p, src_local, dst_p, s, t)
+        except PlanError:
+            continue
+        if place.dim == j and not place.blocks:
+            return place, local
+    raise PlanError(f"the padding of dim {d} does not fall on one whole output dim")

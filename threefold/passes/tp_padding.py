@@ -16,16 +16,13 @@ projection cannot be followed at all, the pass reruns with it kept whole (tensor
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.fx as fx
 
 from threefold.passes.cost import op_name
-from threefold.errors import PlanError
-from threefold.passes.tp_dims import reshape_placement
-from threefold.passes.tp_placement import Shard, reshape_groups
 from threefold.ops.families import COPIES, RESHAPES
+from threefold.passes.tp_placement import Shard
+from threefold.passes.tp_rules import is_elementwise
 
 # ops that move or copy dims without mixing entries along them (reshape has its own math)
 _MOVERS = {"transpose", "t", "permute", "unsqueeze", "squeeze", "expand", "broadcast_to", "flatten", "unflatten",
@@ -54,7 +51,6 @@ def padded_size(rw, a: fx.Node) -> int | None:
 
 def padding_ok(rw, old: fx.Node, padded: dict[fx.Node, int]) -> bool:
     """Whether `old` keeps each head of its padded inputs apart (see the module docstring)."""
-    from threefold.passes.tp_rules import _ELEMENTWISE, padding_safe
     name = op_name(old)
     base = name[:-1] if name.endswith("_") else name
     dims = {rw.place[rw.env[a]].dim for a in padded}
@@ -66,7 +62,7 @@ def padding_ok(rw, old: fx.Node, padded: dict[fx.Node, int]) -> bool:
         return False
     if base in _MOVERS or base in _OWN_PADDING:
         return True
-    if base in _ELEMENTWISE:
+    if is_elementwise(old):
         return True
     if base in _BATCHED:
         return all(rw.place[rw.env[a]].dim < a.meta["val"].dim() - 2 for a in shards)
@@ -84,28 +80,24 @@ def _arg(old: fx.Node, i: int, default):
     return old.kwargs.get("dim", default)
 
 
-def padded_reshape(src: list[int], src_local: list[int], dst: list[int], s: Shard, t: int):
-    """reshape_placement for a padded shard: the reshape as the padded model would do it
-    ([.., 32] -> [.., 4, 8] for 3 heads of 8 padded to 4), the padding landing on one whole
-    output dim; PlanError where no output dim can take it whole."""
-    d = s.dim
-    src_p = list(src)
-    src_p[d] = src_local[d] * t
-    for gi, gj in reshape_groups(src, dst):
-        if d in gi:
-            break
-    else:
-        raise PlanError(f"dim {d} has no counterpart")
-    total, total_p = math.prod(src[i] for i in gi), math.prod(src_p[i] for i in gi)
-    for j in gj:
-        if (dst[j] * total_p) % total:
-            continue
-        dst_p = list(dst)
-        dst_p[j] = dst[j] * total_p // total
-        try:
-            place, local = reshape_placement(src_p, src_local, dst_p, s, t)
-        except PlanError:
-            continue
-        if place.dim == j and not place.blocks:
-            return place, local
-    raise PlanError(f"the padding of dim {d} does not fall on one whole output dim")
+# What may run on a sequence shard whose last rank holds padding rows (a length tp does not
+# divide): ops that treat each row alone. Anything that mixes rows along the padded dim runs
+# on the gathered, cut value instead (the fallback).
+_ROW_WISE = {"layer_norm", "native_layer_norm", "rms_norm", "dropout", "native_dropout", "clone",
+             "_to_copy", "alias", "detach", "getitem", "call_loss", "contiguous"}
+
+
+def padding_safe(name: str, old: fx.Node, dims: set) -> bool:
+    """Whether `old` keeps the rows along `dims` (padded sequence shards) apart."""
+    base = name[:-1] if name.endswith("_") and is_elementwise(old) else name
+    x = old.args[0] if old.args else None
+    ndim = x.meta["val"].dim() if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor) else 0
+    if base in ("layer_norm", "native_layer_norm", "rms_norm"):
+        k = len(old.args[1]) if len(old.args) > 1 else 1
+        return not dims & set(range(ndim - k, ndim))
+    if base in _ROW_WISE or is_elementwise(old):
+        return True
+    if base in ("sum", "mean", "amax", "amin") and len(old.args) > 1 and old.args[1] is not None:
+        reduced = old.args[1] if isinstance(old.args[1], (list, tuple)) else [old.args[1]]
+        return not dims & {d % max(ndim, 1) for d in reduced}
+    return False

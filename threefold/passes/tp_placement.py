@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 import sympy
 
 from threefold.errors import PlanError
@@ -66,7 +68,6 @@ def padded(size: int, t: int) -> int:
 
 def to_meta(v):
     """A value's shape, strides and dtype on the meta device (lists and tuples elementwise)."""
-    import torch
     if isinstance(v, torch.Tensor):
         return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="meta")
     if isinstance(v, (list, tuple)):

@@ -1,13 +1,19 @@
-"""The tensor-parallel pass's fallback: where no sharded rule applies, redistribute.
+"""The tensor-parallel pass's one redistribution step, and its fallback.
 
-A rule that cannot follow a layout raises `NoRule`. The rewriter then undoes whatever the
-rule had emitted, brings every input of the op back to a replicated value (all-gather a
+A rule (tp_rules*.py) names how each input must arrive (`Cut`, `ENTER`, `Whole`,
+`Gathered`); `redistribute` brings a value there with the rewriter's collectives
+(tp_collectives.py), once per value.
+
+Where no sharded rule applies (the rule says NoRule, or a redistribution cannot be done),
+the rewriter undoes whatever it had emitted for the op, brings every input of the op back to a replicated value (all-gather a
 shard with a differentiable gather whose backward slices, undo vocabulary padding, reduce a
 partial sum) and runs the op on the whole values. The op is never computed on the wrong
 shard. Each fallback is recorded (op, module FQN, bytes moved per step), listed by
 `threefold inspect`, and is a PlanError under `Plan(strict=True)`.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -20,6 +26,68 @@ from threefold.passes.tp_placement import Partial, Replicate, Shard
 
 class NoRule(PlanError):
     """No sharded rule applies to this op with these input placements."""
+
+
+# -- how a rule asks for an input (the values of Decision.needs) -----------------------------
+
+@dataclass(frozen=True)
+class Cut:
+    """A replicated value cut on `dim` the way `like` is laid out (blocks, sequence)."""
+    dim: int
+    like: Shard
+
+
+@dataclass(frozen=True)
+class Enter:
+    """A replicated value broadcast over a shard: an activation's gradient from each rank is
+    a summand, so it enters through f (all-reduce backward), as Megatron's f does."""
+
+
+ENTER = Enter()
+
+
+@dataclass(frozen=True)
+class Whole:
+    """Replicated. exact: as the single process has it (a gathered sequence read from its
+    source, vocabulary or sequence padding cut off); else any replicated form
+    (a sequence shard all-gathered for a matmul)."""
+    exact: bool = False
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """A shard all-gathered plainly along `dim` (backward slices)."""
+    dim: int
+
+
+def redistribute(rw, x: fx.Node, need, old: fx.Node | None = None) -> fx.Node:
+    """x (a new-graph value) as `need` asks (None: as it is)."""
+    if need is None:
+        return x
+    if isinstance(need, Cut):
+        return rw.scatter_like(x, need.dim, need.like)
+    if isinstance(need, Enter):
+        return _entering_shards(rw, x)
+    if isinstance(need, Whole):
+        if need.exact:
+            return replicated(rw, x, old.meta.get("val") if old is not None else None)[0]
+        return rw.to_replicated(x)
+    if isinstance(need, Gathered):
+        return rw.gather(x, need.dim)
+    raise TypeError(f"unknown redistribution {need!r}")
+
+
+def _entering_shards(rw, a: fx.Node) -> fx.Node:
+    """Parameters (and values made from them alone) are summed by tp_grad_sync instead;
+    values without a gradient need no f."""
+    p = rw.place[a]
+    v = rw.val[a]
+    if not isinstance(p, Replicate) or p.partial_grad or not (isinstance(v, torch.Tensor) and v.dtype.is_floating_point):
+        return a
+    src = rw.old_of.get(a)
+    if src is None or rw._param_sources(src) is not None or not rw.has_grad(src):
+        return a
+    return rw.f(a)
 
 
 def replicated(rw, x: fx.Node, global_val=None) -> tuple[fx.Node, int]:

@@ -27,6 +27,7 @@ import torch.fx as fx
 from threefold.ir.program import tf
 from threefold.ops import families as fam
 from threefold.ops.families import args_of, op_name
+from threefold.ops.rules import Registry
 
 __all__ = ["Seq", "PARTIAL", "Perm", "Ptr", "RANK_LOCAL", "is_local", "Call", "Place", "Gather", "Refuse", "decide", "decision_for", "op_name",
            "RULES", "FAMILY_RULES", "REFUSALS", "GATHERABLE", "rule", "where"]
@@ -138,22 +139,15 @@ def _norm(d, rank):
 
 # -- registry --------------------------------------------------------------------------------
 
-RULES: dict[str, Callable] = {}          # op name -> rule
-FAMILY_RULES: dict[str, Callable] = {}   # family -> rule
-REFUSALS: dict[str, str] = {}            # op name -> why cp has no rule (reasoned refusal)
+REGISTRY = Registry("cp")                # the registry mechanics every axis shares (ops/rules.py)
+RULES: dict[str, Callable] = REGISTRY.by_name           # op name -> rule
+FAMILY_RULES: dict[str, Callable] = REGISTRY.by_family  # family -> rule
+REFUSALS: dict[str, str] = REGISTRY.refusals            # op name -> why cp has no rule (reasoned refusal)
 # families whose ops are exact on the gathered sequence when no position-wise rule applies
 GATHERABLE = {"reduction", "softmax", "scan", "sort", "conv", "pool", "matmul", "pad", "attention"}
 ROWS_RULE: list = []   # the rule for calls that read Perm / Ptr / RANK_LOCAL values (permutations.py)
 
-
-def rule(*names: str, family: str | None = None):
-    def register(fn):
-        for n in names:
-            RULES[n] = fn
-        if family:
-            FAMILY_RULES[family] = fn
-        return fn
-    return register
+rule = REGISTRY.rule
 
 
 def decision_for(name: str, node: fx.Node | None = None):
