@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import threefold
-from threefold.checkpoint import files, staging
+from threefold.checkpoint import files, reader, staging
 from threefold.checkpoint.async_save import AsyncSaver
 from threefold.checkpoint.save import _collect, index_fields
 from tests.test_checkpoint_async import _build
@@ -39,7 +39,7 @@ def test_a_sealed_snapshot_is_committed_as_the_newest_checkpoint_equal_to_a_bloc
     _staged(pm, opt, root, 3)           # the background write never happened: the rank was killed
     threefold.save(pm, opt, str(tmp_path / "blocking"), step=3, extra={"pos": 3})
     path = staging.settle(root)
-    assert path == os.path.join(root, files.step_name(3)) and files.resolve(root) == path
+    assert path == os.path.join(root, files.step_name(3)) and reader.resolve(root) == path
     assert not os.path.exists(staging.stage_dir(root))
     info, params, moments = _loaded(root)
     want_info, want_params, want_moments = _loaded(str(tmp_path / "blocking"))
@@ -62,7 +62,7 @@ def test_a_snapshot_that_is_not_whole_and_newer_is_dropped_and_the_previous_stay
             f.seek(7)
             f.write(bytes([byte[0] ^ 0xFF]))
     assert staging.settle(root, quiet=True) is None
-    assert files.list_steps(root) == [files.step_name(4)] and files.resolve(root).endswith(files.step_name(4))
+    assert files.list_steps(root) == [files.step_name(4)] and reader.resolve(root).endswith(files.step_name(4))
     assert not os.path.exists(staging.stage_dir(root))
 
 
