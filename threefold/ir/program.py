@@ -21,11 +21,8 @@ from threefold.runtime.eager_loss import call_loss
 
 
 
-@dataclass(frozen=True)
-class TensorMeta:
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
+class Sized:
+    """numel and nbytes of a value with `shape` and `dtype` fields (TensorMeta, BoundarySpec)."""
     @property
     def numel(self) -> int:
         return math.prod(int(s) for s in self.shape)
@@ -33,6 +30,12 @@ class TensorMeta:
     @property
     def nbytes(self) -> int:
         return self.numel * dtype_bytes(self.dtype)
+
+
+@dataclass(frozen=True)
+class TensorMeta(Sized):
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
     @classmethod
     def of(cls, t: torch.Tensor) -> "TensorMeta":

@@ -19,7 +19,6 @@ touched it. Stages save to and load from directories (ir/stage_io.py).
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -27,13 +26,13 @@ import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from threefold.ir.program import TensorMeta, dtype_bytes, format_stage, tf
+from threefold.ir.program import Sized, TensorMeta, format_stage, tf
 from threefold.placement import R, Placement, on_mesh_of
 from threefold.plan import Plan
 
 
 @dataclass(frozen=True)
-class BoundarySpec:
+class BoundarySpec(Sized):
     """A value crossing a chunk boundary: its name (the same in the sender's and the
     receiver's graph), local (per tp rank) shape, dtype, tensor-parallel placement and the
     placements on the other mesh axes that split it (read from the node's OnMesh)."""
@@ -42,14 +41,6 @@ class BoundarySpec:
     dtype: torch.dtype
     placement: Placement = R
     axes: tuple[tuple[str, Placement], ...] = ()    # other mesh axes than tp that split it
-
-    @property
-    def numel(self) -> int:
-        return math.prod(int(s) for s in self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * dtype_bytes(self.dtype)
 
     @classmethod
     def of(cls, node: fx.Node) -> "BoundarySpec":
