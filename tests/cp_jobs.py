@@ -151,28 +151,27 @@ def position_parity(modes: list, plan: str, steps: int = 3) -> list[list[float]]
     return out
 
 
-def zoo_batch2(arch: str, seq: int | None = None) -> dict:
-    """A zoo workload with 2 rows per batch (with the zoo's 4, cp=2's local length 8/2 equals
-    the batch, a coincidence HF's masks refuse); `seq` positions where given (16: a sliding
-    window of 4 then differs from the local length)."""
+def zoo_batch2(arch: str, seq: int | None = None, rows: int = 2) -> dict:
+    """A zoo workload with `rows` rows per batch (2: the batch differs from cp=2's local
+    length 8/2) and `seq` positions where given."""
     from tests.zoo import ZOO, common
     vocab, batch, length, seed = common.token_batch.__defaults__
-    common.token_batch.__defaults__ = (vocab, 2, seq or length, seed)
+    common.token_batch.__defaults__ = (vocab, rows, seq or length, seed)
     try:
         return ZOO[arch]()
     finally:
         common.token_batch.__defaults__ = (vocab, batch, length, seed)
 
 
-def zoo_parity(archs: list, plan: str, steps: int = 3, seq: int | None = None) -> dict:
-    """Each zoo arch (batch 2, `seq` positions where given) under `plan`: its SGD losses, or the
-    PlanError it met."""
+def zoo_parity(archs: list, plan: str, steps: int = 3, seq: int | None = None, rows: int = 2) -> dict:
+    """Each zoo arch (`rows` rows, `seq` positions where given) under `plan`: its SGD losses, or
+    the PlanError it met."""
     import threefold
     from tests.parity import parallel_sgd_losses
     torch.set_num_threads(1)
     out = {}
     for arch in archs:
-        w = zoo_batch2(arch, seq)
+        w = zoo_batch2(arch, seq, rows)
         try:
             pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
             out[arch] = parallel_sgd_losses(pm, w, steps)

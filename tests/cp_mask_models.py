@@ -17,6 +17,8 @@ class MaskedAttention(nn.Module):
     pad_hand:  hand-written: masked_fill(causal) + (1 - attention_mask) * -1e9
     alibi:     hand-written: scores + slope_h * (j - i), masked_fill(causal)
     window:    hand-written causal sliding window of `window` positions
+    half:      hand-written causal window of half the sequence (t // 2: a size computed from
+               the length, which a trace of one rank's share reads as a number)
     """
 
     def __init__(self, mode: str, vocab: int = 32, width: int = 16, heads: int = 2, window: int = 6):
@@ -39,8 +41,9 @@ class MaskedAttention(nn.Module):
             s = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5)
             if self.mode == "alibi":
                 s = s + self.slopes[:, None, None] * (i[None, :] - i[:, None]).float()
-            if self.mode == "window":
-                causal = causal & (i[None, :] > i[:, None] - self.window)
+            if self.mode in ("window", "half"):
+                window = self.window if self.mode == "window" else t // 2
+                causal = causal & (i[None, :] > i[:, None] - window)
             s = s.masked_fill(~causal, float("-inf"))
             if self.mode == "pad_hand":
                 s = s + (1.0 - attention_mask[:, None, None, :]) * -1e9

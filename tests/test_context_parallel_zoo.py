@@ -174,7 +174,7 @@ CP_ZOO = ["mixtral", "olmoe", "hw_moe_top2", "deepseek_v3", "bert_mlm", "hw_batc
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_sliding_windows_and_soft_capping_at_seq16_match_one_process():
-    """Sliding windows of 4 (at seq 8 the local length s/cp is 4 too, a coincidence refused),
+    """Sliding windows of 4 at seq 16,
     Gemma 2's logit soft-capping and gpt-oss's attention sinks in the ring, at seq 16."""
     from tests.cp_jobs import zoo_batch2, zoo_parity
     from tests.parity import max_rel_diff, sgd_losses
@@ -182,6 +182,23 @@ def test_sliding_windows_and_soft_capping_at_seq16_match_one_process():
     got = launch(zoo_parity, 2, archs, "cp=2", 3, 16, timeout=850)
     for arch in archs:
         ref = sgd_losses(zoo_batch2(arch, 16), 3)
+        for rank in got:
+            assert not isinstance(rank[arch], str), (arch, rank[arch])
+            assert max_rel_diff(rank[arch], ref) < 1e-5, (arch, rank[arch], ref)
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sizes_equal_to_the_local_length_match_one_process():
+    """The zoo's own batch (4 rows of 8 tokens): at cp=2 the batch and Mistral's and Gemma 2's
+    sliding windows of 4 equal the local length 4; masks read from the model traced at 8."""
+    from tests.cp_jobs import zoo_batch2, zoo_parity
+    from tests.parity import max_rel_diff, sgd_losses
+    archs = ["mistral", "gemma2", "llama"]
+    got = launch(zoo_parity, 2, archs, "cp=2", 3, 8, 4, timeout=850)
+    for arch in archs:
+        ref = sgd_losses(zoo_batch2(arch, 8, 4), 3)
         for rank in got:
             assert not isinstance(rank[arch], str), (arch, rank[arch])
             assert max_rel_diff(rank[arch], ref) < 1e-5, (arch, rank[arch], ref)

@@ -15,7 +15,7 @@ from tests.cp_jobs import mask_parity
 from tests.cp_mask_models import MaskedAttention, hf_llama_padded, masked_workload
 from tests.parity import max_rel_diff, sgd_losses
 
-MODES = ["pad_sdpa", "pad_hand", "alibi", "window"]
+MODES = ["pad_sdpa", "pad_hand", "alibi", "window", "half"]
 
 
 def _ring_call(mode: str) -> str:
@@ -30,6 +30,9 @@ def _ring_call(mode: str) -> str:
     ("pad_hand", "kbias=key_bias"),
     ("alibi", "rel=(None, 0, [0.5, 0.25], [0.0, 0.0], (2,))"),
     ("window", "rel=(-5, 0, [0.0], [0.0], ())"),
+    # a window of t // 2 at 16 positions is 8 (d = j - i >= -7); read from this rank's trace at
+    # 8 positions it was the number 4, and cp trained a window of 4 silently
+    ("half", "rel=(-7, 0, [0.0], [0.0], ())"),
 ])
 def test_masks_become_what_the_ring_recomputes(mode, words):
     call = _ring_call(mode)

@@ -184,15 +184,14 @@ def test_attention_the_ring_does_not_take_runs_on_the_gathered_sequence(monkeypa
     assert code.count("cp_gather.gather_seq(") == 3 and code.count("cp_gather.shard_seq(") == 1
 
 
-def test_sliding_window_equal_to_the_local_length_is_refused_not_guessed():
-    """Mistral with sliding_window=4 at 8 tokens, cp=2: the window equals the local length 4,
-    and the mask was evaluated at the whole length with the window read as the length (a
-    window of 8): trained 1e-2 off one process, silently. Now a one-line PlanError."""
-    import threefold
-    from tests.cp_jobs import zoo_batch2
-    with pytest.raises(threefold.PlanError, match="local length s/cp by coincidence") as err:
-        compile_workload(zoo_batch2("mistral"), "cp=2")
-    assert "\n" not in str(err.value)
+def test_sizes_equal_to_the_local_length_are_read_from_a_trace_at_the_whole_length():
+    """Mistral with sliding_window=4 at 8 tokens and 4 rows, cp=2: the window, the batch and
+    HF's arange(batch) all equal the local length 4. Read by replacing every 4 with 8, the
+    window became 8 (trained 1e-2 off one process, silently), and arange(batch) an expand
+    error; refused since. The mask is now read from the model traced at 8 positions."""
+    from tests.zoo import ZOO
+    code = build_sources(compile_workload(ZOO["mistral"](), "cp=2"))["chunk00.py"]
+    assert "rel=(-3, 0, [0.0], [0.0], ())" in code    # visible for -3 <= j - i <= 0: a window of 4
 
 
 class _FeatureOps(torch.nn.Module):

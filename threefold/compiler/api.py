@@ -89,7 +89,30 @@ def compile_workload(workload: Workload | dict, plan: Plan | str | None = None,
             if prog is not None:
                 return prog
         raise refusal from None
+    if plan.cp > 1:
+        traced = traced.evolve(retrace=_retracer(workload, inputs, target, plan, own_loss, seq_dims))
     return _finish(traced, workload, dims, sliced, seq_dims, batch, parts, plan, notes, progress)
+
+
+def _retracer(workload: Workload, inputs: tuple, target, plan: Plan, own_loss: bool, seq_dims: list):
+    """n -> the model's graph traced on inputs whose sequence dims hold n positions (the local
+    share's tokens repeated): cp reads a mask over the whole sequence from the model traced at
+    the whole length (passes/cp_masks.py). Traced on demand, once per n (a full export)."""
+    graphs: dict = {}
+
+    def at(x, d, n):
+        if d is None or not isinstance(x, torch.Tensor):
+            return x
+        return x.index_select(d, torch.arange(n, device=x.device) % x.shape[d])
+
+    def retrace(n: int):
+        if n not in graphs:
+            values = tuple(inputs) + ((target,) if target is not None else ())
+            values = tuple(at(x, d, n) for x, d in zip(values, seq_dims))
+            ins, tgt = (values[:-1], values[-1]) if target is not None else (values, None)
+            graphs[n] = trace(workload.model, ins, tgt, workload.loss_fn, plan, own_loss=own_loss).gm.graph
+        return graphs[n]
+    return retrace
 
 
 def _finish(traced, workload, dims, sliced, seq_dims, batch, parts, plan, notes, progress):
@@ -112,6 +135,7 @@ def _compile_reading(workload, table, length, plan, inputs, target, own_loss, pr
     try:
         with read_at_local_length(workload.model, [table], length // plan.cp):
             traced = trace(workload.model, inputs, target, workload.loss_fn, plan, own_loss=own_loss)
+        traced = traced.evolve(retrace=_retracer(workload, inputs, target, plan, own_loss, rest[2]))
         prog = _finish(traced, workload, *rest[:5], plan, rest[5], progress)
     except Exception:   # this candidate is not the position table (a pass failed on it): try the next
         return None

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -116,6 +116,9 @@ class Stage:
     # sequence length traced: this cp rank's share, S / cp
     seq_dims: list | None = None
     seq_len: int | None = None
+    # cp > 1: n -> the same model traced at a local length of n (compiler/api.py), which tells
+    # a size that is the sequence length from one equal to it by coincidence (passes/cp_masks.py)
+    retrace: Callable | None = field(default=None, compare=False, repr=False)
     output_batch_dims: list | None = None  # per model output: its batch dim (forward-only)
     # With a loss: the model's own outputs (the loss_fn's input) by value name, None where
     # the loss does not read one, and their full shapes; pm(x) returns them (codegen writes

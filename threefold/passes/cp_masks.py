@@ -6,12 +6,13 @@ masked_fill(-inf) and added biases on the scores) are split into leaves over `+`
 `&` (visible) and `|` (hidden), `~`, masked_fill(-inf) and where(cond, 0, -inf):
 
 * a free leaf (constants, buffers, aranges; no input, no parameter) is evaluated at compile
-  time over the whole sequence (every integer argument equal to the traced length n made s)
-  and must depend on d = j - i only, as causal masks, sliding windows and ALiBi biases do:
+  time over the whole sequence (its twin in the model traced at the whole length s: a trace
+  of one rank's share holds sizes computed from the length as numbers, a window of t // 2 or
+  HF's arange(batch) beside arange(t), which no reading of them can tell apart) and must
+  depend on d = j - i only, as causal masks, sliding windows and ALiBi biases do:
   visible for lo <= d <= hi, bias slope[l] * d + intercept[l] per leading index l (a head).
-  The fit is checked against the evaluated mask, and the mask evaluated at n against its
-  top-left corner, so anything else (document masks, a length that appears by coincidence)
-  is a PlanError, never a wrong mask. The ring computes the bias from global positions.
+  The fit is checked against the evaluated mask, so anything else (a document mask) is a
+  PlanError, never a wrong mask. The ring computes the bias from global positions.
 * a leaf from an input (a padding mask [B, S] as HF models take it, split along the
   sequence like every input) must be key-side, [..., 1, n]: cp_ops.key_bias turns such
   leaves into one additive bias that travels around the ring with its keys. A leaf that
@@ -24,7 +25,8 @@ import torch.fx as fx
 
 from threefold.ir.program import tf
 from threefold.errors import PlanError
-from threefold.ops.families import COPIES, is_pointwise, op_name
+from threefold.ops.families import COPIES, family, op_name
+from threefold.runtime.tp_ops import GroupRef
 
 _NEG = -1e30   # at or below: hidden (-inf, or finfo.min as HF writes it)
 
@@ -82,18 +84,8 @@ def split_mask(masks: list, is_causal: bool, stage, node: fx.Node, n: int):
         raise PlanError(f"cp: the mask of {where} cannot be checked on the meta device; compile with real "
                         "weights (threefold needs them to read the mask) or use cp=1")
     s = n * stage.plan.cp
-    whole = _additive(fixed, is_causal, stage, where, n, s)
-    local = _additive(fixed, is_causal, stage, where, n, n)
-    try:
-        lead = torch.broadcast_shapes(whole.shape[:-2], local.shape[:-2])
-    except RuntimeError:
-        raise PlanError(f"cp: the mask of {where} changes its leading dims {tuple(local.shape[:-2])} with the "
-                        "sequence length (a length that equals another size by coincidence?); use cp=1 or "
-                        "another sequence length") from None
-    whole, local = whole.expand(*lead, s, s), local.expand(*lead, n, n)
-    if not _same(local, whole[..., :n, :n]):
-        raise PlanError(f"cp: the mask of {where} over the first s/cp positions differs from its corner over "
-                        "the whole sequence (it depends on the length, not only on positions); use cp=1")
+    whole = _additive(fixed, is_causal, stage, where, s)
+    lead = whole.shape[:-2]
     lo, hi, slopes, intercepts = _fit(whole.reshape(-1, s, s), where)
     if len(set(slopes)) <= 1 and len(set(intercepts)) <= 1:   # the same for every batch row / head
         slopes, intercepts, lead = slopes[:1], intercepts[:1], ()
@@ -146,28 +138,29 @@ def _is_zero(x) -> bool:
     return val is not None and val.dim() == 0 and op_name(x) in ("zeros", "zeros_like") and free(x)
 
 
-def _additive(fixed: list, is_causal: bool, stage, where: str, n: int, length: int) -> torch.Tensor:
-    """The free leaves' sum as an additive float64 mask (-inf hidden) at `length` positions."""
+def _additive(fixed: list, is_causal: bool, stage, where: str, length: int) -> torch.Tensor:
+    """The free leaves' sum over the whole sequence (`length` positions) as an additive float64
+    mask (-inf hidden), read from their twins in the model traced at that length (`_twin`): a
+    trace of one rank's share holds sizes computed from the length (a window of t // 2, HF's
+    arange(batch) beside arange(t)) as plain numbers, which no reading of them can tell apart."""
     total = torch.zeros(length, length, dtype=torch.float64)
     if is_causal:
         total = total.masked_fill(~torch.tril(torch.ones(length, length, dtype=torch.bool)), float("-inf"))
     for kind, m in fixed:
         try:
-            v = evaluate(m, stage, {n: length}) if isinstance(m, fx.Node) else torch.tensor(m)
-            if isinstance(m, fx.Node) and not _same_mask(v, _or_none(evaluate, m, stage, {n: length}, values=False)):
-                # an operand equal to n in arithmetic (a window of n positions, or the length?)
-                raise PlanError(f"cp: the mask of {where} compares positions with the number {n}, the local "
-                                f"length s/cp by coincidence (a sliding window of {n}?): cp cannot tell which it "
-                                "is; use a sequence length or window such that they differ, or cp=1")
+            if not isinstance(m, fx.Node):
+                v = torch.tensor(m)
+            else:
+                _whole_on_every_tp_rank(m)
+                v = evaluate(_twin(m, stage, length, where), stage)
         except PlanError:
             raise
         except _PerRank as exc:
             raise PlanError(f"cp: the mask of {where} is split over tp ranks ({exc}: a per-head bias with "
                             "heads sharded); use tp=1 or cp=1") from None
         except Exception as exc:
-            raise PlanError(f"cp: the mask of {where} cannot be evaluated at the whole sequence's length "
-                            f"({type(exc).__name__}; does another size, e.g. the batch, equal the local length "
-                            f"{n}?); use a batch or sequence length that differs from s/cp, or cp=1") from None
+            raise PlanError(f"cp: the mask of {where} cannot be evaluated over the whole sequence "
+                            f"({type(exc).__name__}: {str(exc)[:120]}); use cp=1") from None
         v = torch.as_tensor(v)
         if kind == "add":
             v = v.to(torch.float64).masked_fill(v <= _NEG, float("-inf"))
@@ -183,18 +176,58 @@ def _additive(fixed: list, is_causal: bool, stage, where: str, n: int, length: i
     return total
 
 
+def _twin(m: fx.Node, stage, length: int, where: str) -> fx.Node:
+    """m's node in the model traced at `length` positions (stage.retrace): the node of m's name
+    computed by the same ops from the same leaves, else a PlanError (the graph changed with the
+    length: no twin can be trusted)."""
+    if getattr(stage, "retrace", None) is None:
+        raise PlanError(f"cp: the mask of {where} needs the model traced at the whole sequence's length, "
+                        "which this compile cannot do; use cp=1")
+    try:
+        graph = stage.retrace(length)
+    except PlanError as exc:
+        raise PlanError(f"cp: the mask of {where} needs the model traced at the whole sequence's length "
+                        f"{length}, which failed ({str(exc)[:120]}); use cp=1") from None
+    twin = next((x for x in graph.nodes if x.name == m.name), None)
+    if twin is None or _recipe(twin) != _recipe(m):
+        raise PlanError(f"cp: the mask of {where} is built by other ops at the whole sequence's length "
+                        f"{length} than at this rank's (control flow on the length?); use cp=1")
+    return twin
+
+
+def _whole_on_every_tp_rank(m: fx.Node) -> None:
+    """The twin is read from the model before tp: a mask tp slices per rank (a per-head bias with
+    heads sharded) would be read whole, so it is refused here."""
+    for x in _recipe_nodes(m):
+        if any(isinstance(a, GroupRef) for a in list(x.args) + list(x.kwargs.values())):
+            raise _PerRank(op_name(x))
+
+
+def _recipe_nodes(node: fx.Node) -> list:
+    seen, stack, out = set(), [node], []
+    while stack:
+        x = stack.pop()
+        if isinstance(x, fx.Node) and x not in seen:
+            seen.add(x)
+            out.append(x)
+            stack.extend(x.all_input_nodes)
+    return out
+
+
+def _recipe(node: fx.Node) -> list:
+    """The leaves node reads and the ops that compute it from them, layout ops aside (a table
+    sliced to the length, `mask[:t, :t]`, is no slice at all at the table's own length)."""
+    layout = ("copy", "view", "slicing", "dim_move")
+    leaves = ("placeholder", "get_attr")   # chunk graphs may rename leaves: their fqn says which
+    return sorted(("leaf", str(tf(x).get("fqn"))) if x.op in leaves else (x.op, str(x.target))
+                  for x in _recipe_nodes(node) if x.op in leaves or family(x) not in layout)
+
+
 def _broadcast(a: tuple, b: tuple):
     try:
         return torch.broadcast_shapes(a, b)
     except RuntimeError:
         return None
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    hidden = torch.isinf(a)
-    if not torch.equal(hidden, torch.isinf(b)):
-        return False
-    return bool(torch.allclose(a[~hidden], b[~hidden], rtol=1e-6, atol=1e-6))
 
 
 def _fit(m: torch.Tensor, where: str):
@@ -263,28 +296,9 @@ def key_bias_val(keyside: list) -> torch.Tensor:
     return like.new_empty(shape, dtype=dtype if dtype.is_floating_point else torch.float32)
 
 
-def _or_none(fn, *args, **kwargs):
-    try:
-        return fn(*args, **kwargs)
-    except Exception:
-        return None
-
-
-def _same_mask(a, b) -> bool:
-    """Equal masks; None (that reading cannot even be evaluated) counts as equal."""
-    if b is None:
-        return True
-    a, b = torch.as_tensor(a), torch.as_tensor(b)
-    return a.shape == b.shape and bool(torch.equal(a, b) or (a.is_floating_point() and _same(a.double(), b.double())))
-
-
-def evaluate(node: fx.Node, stage, lengths: dict | None = None, values: bool = True):
-    """The value of a free node, computed from the stage's buffers; integer arguments in
-    `lengths` (a sequence length, in aranges, slices, views) replaced by their value there;
-    with `values=False` not where they are operands of pointwise arithmetic (a window size)."""
-    lengths = lengths or {}
+def evaluate(node: fx.Node, stage):
+    """The value of a free node, computed from the stage's buffers and constants."""
     env: dict = {}
-    kept = dict(lengths)
 
     def value(x):
         if isinstance(x, fx.Node):
@@ -292,14 +306,7 @@ def evaluate(node: fx.Node, stage, lengths: dict | None = None, values: bool = T
                 env[x] = run(x)
             return env[x]
         if isinstance(x, (list, tuple)):
-            if x and all(isinstance(a, int) and not isinstance(a, bool) for a in x):
-                # a shape (view, expand, ones...): the length is one of its last two dims (the
-                # scores' query and key dims); a leading dim equal to n (heads, batch) is not it
-                keep = len(x) - 2
-                return type(x)(a if i < keep else lengths.get(a, a) for i, a in enumerate(x))
             return type(x)(value(a) for a in x)
-        if isinstance(x, int) and not isinstance(x, bool):
-            return lengths.get(x, x)
         return x
 
     def run(x: fx.Node):
@@ -307,16 +314,8 @@ def evaluate(node: fx.Node, stage, lengths: dict | None = None, values: bool = T
             return stage.state[tf(x)["fqn"]]
         if x.op == "get_attr":
             return getattr(x.graph.owning_module, x.target)
-        nonlocal lengths
-        for a in x.all_input_nodes:
-            value(a)                                  # inputs first: each sets its own lengths
-        lengths = {} if not values and is_pointwise(x) else kept
         args = [value(a) for a in x.args]
         kwargs = {k: value(v) for k, v in x.kwargs.items()}
-        lengths = kept
-        if any(type(a).__name__ == "GroupRef" for a in list(args) + list(kwargs.values())):
-            # a tp op (a per-rank slice of the mask): its value differs per tp rank
-            raise _PerRank(op_name(x))
         return x.target(*args, **kwargs)
     with torch.no_grad():
         return value(node)
