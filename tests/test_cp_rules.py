@@ -194,6 +194,15 @@ def test_sizes_equal_to_the_local_length_are_read_from_a_trace_at_the_whole_leng
     assert "rel=(-3, 0, [0.0], [0.0], ())" in code    # visible for -3 <= j - i <= 0: a window of 4
 
 
+def test_a_seq_first_model_is_split_along_its_sequence_without_batch_dims():
+    """nn.TransformerEncoder with batch_first=False takes [S=8, B=4]: with dp*m = 1 no batch
+    dim was looked for, dim 0 was taken for the batch and cp asked for batch_dims=1. The rows
+    are found by data flow as for a dp split (tests/zoo matrix: cp=2 matches one process)."""
+    from tests.zoo import ZOO
+    prog = compile_workload(ZOO["nn_encoder_seq_first"](), "cp=2")
+    assert prog.seq_dims == [0, 0]
+
+
 class _FeatureOps(torch.nn.Module):
     """Per-position ops on the feature dim (issue 40): a vector norm over the last dim,
     tensor_split / split of features, repeat and repeat_interleave of heads, outer of a

@@ -69,7 +69,8 @@ def compile_workload(workload: Workload | dict, plan: Plan | str | None = None,
         notes.append(f"batch dims {dims}: rows coupled by ops the plan accepts per microbatch, "
                      "so no split could be checked numerically; the usual dim 0 is taken")
     sliced = microbatch(batch, parts, name, dims)
-    seq_dims = find_seq_dims(batch, dims, len(workload.inputs), plan.cp, name)
+    rows = _rows_for_cp(workload, batch, dims, plan, declared, name) if plan.cp > 1 and parts == 1 else dims
+    seq_dims = find_seq_dims(batch, rows, len(workload.inputs), plan.cp, name)
     if plan.cp > 1:   # trace this cp rank's share of each sequence (passes/context_parallel.py)
         sliced = local_share(sliced, seq_dims, plan.cp)
     inputs, target = (sliced[:-1], sliced[-1]) if has_target else (sliced, None)
@@ -92,6 +93,18 @@ def compile_workload(workload: Workload | dict, plan: Plan | str | None = None,
     if plan.cp > 1:
         traced = traced.evolve(retrace=_retracer(workload, inputs, target, plan, own_loss, seq_dims))
     return _finish(traced, workload, dims, sliced, seq_dims, batch, parts, plan, notes, progress)
+
+
+def _rows_for_cp(workload: Workload, batch: tuple, dims: list, plan: Plan, declared, name: str) -> list:
+    """The batch dims cp must skip when looking for the sequence, where dp*m = 1 splits none:
+    found by data flow as for a split in two (a seq-first [S, B] input has its rows on dim 1);
+    dim 0 where that cannot tell (a batch of one row, rows the model couples)."""
+    if declared is not None:
+        return dims
+    try:
+        return find_batch_dims(workload.model, batch, len(workload.inputs), 2, None, name, [], workload.loss_fn)
+    except (PlanError, AmbiguousBatch):
+        return dims
 
 
 def _retracer(workload: Workload, inputs: tuple, target, plan: Plan, own_loss: bool, seq_dims: list):
