@@ -232,7 +232,12 @@ def _rewrite_attention(gm: fx.GraphModule, stage, n: int) -> int:
         if sink is not None:
             kwargs["sink"] = sink
         if masks or causal:
-            causal, rel, keyside = _split_mask(masks, causal, stage, last, n)   # leading dims as the ring sees them
+            try:
+                causal, rel, keyside = _split_mask(masks, causal, stage, last, n)   # leading dims as the ring sees them
+            except PlanError as exc:
+                if name not in _SDPA or not _gatherable_mask(str(exc)):
+                    raise
+                continue   # SDPA whose mask the ring cannot carry: the all-gather fallback runs it whole
             if rel is not None:
                 kwargs["rel"] = rel
             if keyside:
@@ -248,6 +253,12 @@ def _rewrite_attention(gm: fx.GraphModule, stage, n: int) -> int:
         _erase_dead([last] + dead + [m for _, m in masks], gm.graph)
         count += 1
     return count
+
+
+def _gatherable_mask(why: str) -> bool:
+    """A mask the ring cannot recompute per block but that is exact on the gathered sequence:
+    one computed from parameters (Doge's dynamic mask), or over queries as well as keys."""
+    return "depends on a parameter" in why or "not key-side" in why
 
 
 _INDEX_VIEWS = {"unsqueeze", "expand", "add", "sub"} | VIEWS | COPIES
