@@ -21,13 +21,10 @@ import torch
 import torch.fx as fx
 
 from threefold.errors import PlanError
+from threefold.ops.families import DTYPE_SETTERS
 
 GRAD_HOP = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
 AUTOCAST_HOP = getattr(torch.ops.higher_order, "wrap_with_autocast", None)
-
-# Ops that set a dtype themselves: an operand's dtype differing from the output's is the op.
-_CASTS = {"to", "_to_copy", "type_as", "_assert_tensor_metadata", "copy_", "copy", "clone",
-          "empty_like", "zeros_like", "ones_like", "full_like", "detach", "alias", "lift_fresh_copy"}
 
 
 def hop_arguments(node: fx.Node) -> dict:
@@ -57,7 +54,7 @@ def make_casts_explicit(graph: fx.Graph) -> int:
     inserted = 0
     for node in list(graph.nodes):
         state = node.meta.pop("threefold_autocast", None)
-        if state is None or not state["enabled"] or _name(node) in _CASTS:
+        if state is None or not state["enabled"] or _name(node) in DTYPE_SETTERS:
             continue
         dtype = _floating_output_dtype(node)
         if dtype is None:
@@ -80,7 +77,7 @@ def make_casts_explicit(graph: fx.Graph) -> int:
 def disabled_region_ops(graph: fx.Graph) -> list[fx.Node]:
     """Nodes traced under an `enabled=False` region (before make_casts_explicit drops the marks)."""
     return [n for n in graph.nodes if n.meta.get("threefold_autocast", {}).get("enabled") is False
-            and _name(n) not in _CASTS]
+            and _name(n) not in DTYPE_SETTERS]
 
 
 def _floating_output_dtype(node: fx.Node):

@@ -10,15 +10,12 @@ import torch
 import torch.fx as fx
 
 from threefold.passes.row_state import LOST, POS, Rows, op_name, rows_of, shape_of
-from threefold.ops.families import COPIES
-
-
-_SIZE_ONE_VIEWS = {"unsqueeze", "expand", "view", "reshape"} | (COPIES - {"contiguous", "type_as", "lift_fresh_copy"})
+from threefold.ops.families import SIZE_ONE_VIEWS
 
 
 def is_iota(node, n: int) -> bool:
     """Is `node` arange(n) (through casts and size-1 views): the rows' own positions?"""
-    while isinstance(node, fx.Node) and op_name(node) in _SIZE_ONE_VIEWS:
+    while isinstance(node, fx.Node) and op_name(node) in SIZE_ONE_VIEWS:
         node = node.args[0]
     if not isinstance(node, fx.Node) or op_name(node) != "arange":
         return False

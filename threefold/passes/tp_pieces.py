@@ -16,6 +16,7 @@ from threefold.passes.cost import op_name
 from threefold.ir.program import tf
 from threefold.passes.tp_patterns import _head_count, _is_param, _split_blocks
 from threefold.passes.tp_placement import Replicate, Shard
+from threefold.ops.families import RESHAPES
 
 aten = torch.ops.aten
 _SPLITS = ("split", "split_with_sizes", "chunk")
@@ -126,7 +127,7 @@ def _piece_heads(split: fx.Node, n: int) -> list[int | None]:
                 out[get.args[1]] = _head_count(lin)
                 last = lin.meta["val"].shape[-1]
                 for v in lin.users:   # a single head: [.., 1, head_dim]
-                    shape = list(v.meta["val"].shape) if op_name(v) in ("view", "reshape") else []
+                    shape = list(v.meta["val"].shape) if op_name(v) in RESHAPES else []
                     if len(shape) >= 2 and shape[-2] == 1 and shape[-1] == last:
                         out[get.args[1]] = 1
     return out
