@@ -213,6 +213,17 @@ KEEPS_LAST_DIM = (COPIES - {"detach", "lift_fresh_copy"}) | RESHAPES | {"add", "
 # ops between an unflatten and a select/unbind of its new dim that keep that dim (tp patterns)
 MOVES_DIMS_APART = frozenset({"unsqueeze", "transpose", "squeeze", "contiguous", "clone", "permute"})
 
+GEMMS = MATMULS - {"outer", "einsum"}                  # one (batched) matrix product per call
+CONV_CALLS = CONVS - {"_convolution"}                 # the conv calls a model makes (not ATen's internal one)
+CROSS_ENTROPIES = frozenset({"cross_entropy", "cross_entropy_loss"})     # F.cross_entropy, as traced
+# the loss over a row of logits under tp (runtime/tp_ops.py): the vocabulary split across ranks
+VOCAB_PARALLEL_CROSS_ENTROPIES = LOSSES & {"vocab_parallel_cross_entropy", "vocab_parallel_cross_entropy_full"}
+DROPOUTS = frozenset({"dropout", "tp_dropout"})        # dropout(x, p, train): as traced, or tp's (runtime/tp_ops.py)
+# the random ops random_ops.py seeds per microbatch (RANDOM's dropout is seeded as DROPOUTS;
+# exponential is not seeded yet)
+SEEDED_RANDOM = (RANDOM - {"dropout", "exponential"}) | {"feature_dropout", "alpha_dropout", "feature_alpha_dropout",
+                                                         "rrelu", "rrelu_with_noise"}
+
 UNIT_DIMS = frozenset({"squeeze", "unsqueeze"})       # add or drop a size-1 dim
 SCALINGS = frozenset({"mul", "div"})                  # times or over (a constant: a scale)
 GROUPED_MATMULS = frozenset({"_grouped_mm", "grouped_mm", "grouped_mm_fallback"})   # rows by group x its weight
@@ -235,7 +246,7 @@ MORE_CONVS = frozenset({"conv3d", "conv_transpose1d", "conv_transpose2d", "conv_
 # ops that mix entries along one dim only, each row of the other dims alone
 ALONG_ONE_DIM = SCANS | SOFTMAXES | (SORTS - {"msort"}) | {"mode", "glu", "flip", "roll"}
 ROW_REDUCTIONS = REDUCTIONS | MORE_REDUCTIONS
-ROW_MATMULS = (MATMULS - {"outer", "einsum"}) | MORE_MATMULS     # (einsum has a rule of its own)
+ROW_MATMULS = GEMMS | MORE_MATMULS     # (einsum has a rule of its own)
 ROW_CONVS = CONVS | MORE_CONVS
 ROW_LOSSES = TARGET_COUNTED_LOSSES | ELEMENT_MEAN_LOSSES | {"cosine_embedding_loss", "multilabel_margin_loss",
                                                            "multi_margin_loss"}

@@ -141,15 +141,15 @@ FLOP_RULES = {
     "mm": _matmul_flops, "bmm": _matmul_flops, "matmul": _matmul_flops,
     "linear": _linear_flops, "addmm": _addmm_flops, "baddbmm": _baddbmm_flops,
     **{name: _sdpa_flops for name in fam.ATTENTION},
-    "conv1d": _conv_flops, "conv2d": _conv_flops, "convolution": _conv_flops,
+    **{name: _conv_flops for name in fam.CONV_CALLS},
     "ring_attention": _ring_flops, "causal_conv1d": _conv_flops,
     "layer_norm": _norm_flops, "native_layer_norm": _norm_flops, "rms_norm": _norm_flops,
     "group_norm": _norm_flops, "batch_norm": _norm_flops,
     **{name: _softmax_flops for name in fam.SOFTMAXES},
     "sum": _reduction_flops, "mean": _reduction_flops, "amax": _reduction_flops,
     "max": _reduction_flops, "var": _reduction_flops, "var_mean": _reduction_flops,
-    "cross_entropy_loss": _cross_entropy_flops, "nll_loss": _reduction_flops,
-    "nll_loss_nd": _reduction_flops, "cross_entropy": _cross_entropy_flops,
+    **{name: _cross_entropy_flops for name in fam.CROSS_ENTROPIES},
+    "nll_loss": _reduction_flops, "nll_loss_nd": _reduction_flops,
     **{name: _zero_flops for name in _VIEW_OPS},
 }
 
@@ -228,7 +228,7 @@ def node_cost(node: fx.Node) -> NodeCost:
                     saved_bytes=sum(b for _, b in saved), saved=saved, weight_grad_flops=weight_grad)
 
 
-_WEIGHT_GEMMS = {"mm", "bmm", "matmul", "linear", "addmm", "baddbmm", "conv1d", "conv2d", "convolution"}
+_WEIGHT_GEMMS = fam.GEMMS | fam.CONV_CALLS
 
 
 def _reads_parameter(node: fx.Node) -> bool:

@@ -12,7 +12,7 @@ import torch.fx as fx
 from threefold.ir.annotations import Collective
 from threefold.passes.cost import op_name
 from threefold.ir.program import tf
-from threefold.ops.families import GROUPED_MATMULS, KEEPS_LAST_DIM, MOVES_DIMS_APART, RESHAPES, TRANSPOSES
+from threefold.ops.families import CROSS_ENTROPIES, GROUPED_MATMULS, KEEPS_LAST_DIM, MOVES_DIMS_APART, RESHAPES, TRANSPOSES
 
 
 def _is_param(a) -> bool:
@@ -166,7 +166,7 @@ def _head_count(old: fx.Node) -> int | None:
 
 def _feeds_cross_entropy(old: fx.Node) -> bool:
     for user in _chain(old):
-        if op_name(user) in ("cross_entropy_loss", "cross_entropy"):
+        if op_name(user) in CROSS_ENTROPIES:
             return True
     return False
 
