@@ -20,7 +20,7 @@ import torch.fx as fx
 from threefold.ops import families as fam
 from threefold.ops.rules import Registry
 from threefold.passes.expert_match import expert_matmul
-from threefold.passes.row_index_rules import INDEX_OPS, index_rule
+from threefold.passes.row_index_rules import index_rule
 from threefold.passes.row_state import (LOST, POS, Rows, arg_of, dims_of, rows_of, shape_of,
                                         op_name)
 
@@ -86,17 +86,13 @@ def _propagate(node: fx.Node, states: dict, rows: int):
     sx = rows_of(states, x)
     call = RowCall(node, name, states, rows, x, sx, shape_of(x), node.meta.get("val"))
     rule = ROWS.lookup(name)
-    if sx == POS and name not in BATCH_STAT_OPS and name not in _NO_STAT_NORMS and name not in _POS_INDEXING:
+    if sx == POS and name not in BATCH_STAT_OPS and name not in _NO_STAT_NORMS and name not in fam.POSITION_INDEXING:
         # positions of rows (nonzero, argsort) pass through arithmetic on them and views only
         if name in fam.POSITION_ARITHMETIC and all(states.get(a) is None for a in node.all_input_nodes if a is not x):
             return POS, None   # perm // k: positions of the rows the (row, k) pairs came from
         return (POS, None) if name in fam.ROW_VIEWS else (LOST, None)
     decided = rule(call) if callable(rule) else None
     return decided if decided is not None else _broadcast(node, states)
-
-
-_POS_INDEXING = {"index", "index_put", "index_put_", "index_add", "index_add_", "index_copy", "index_copy_",
-                 "index_select", "_unsafe_index"}
 
 
 @ROWS.rule(*BATCH_STAT_OPS)
@@ -221,7 +217,7 @@ def _positions(c: RowCall):
     return POS, None
 
 
-@ROWS.rule(*INDEX_OPS)
+@ROWS.rule(*fam.INDEXING)
 def _indexing(c: RowCall):
     return index_rule(c.node, c.name, c.states, c.rows)
 

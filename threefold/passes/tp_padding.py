@@ -28,7 +28,6 @@ from threefold.passes.tp_rules import is_elementwise
 # does not divide is padded too, and its padding never wins the softmax), the eager loss
 # (gathers and cuts its inputs)
 _OWN_PADDING = {"cross_entropy_loss", "call_loss"}
-_BATCHED = {"matmul", "bmm", "baddbmm", "scaled_dot_product_attention"}
 _ALONG = {"split": 2, "split_with_sizes": 2, "chunk": 2, "slice": 1, "narrow": 1, "select": 1,
           "index_select": 1, "softmax": 1, "_softmax": 1, "_safe_softmax": 1, "log_softmax": 1,
           "_log_softmax": 1, "cat": 1, "stack": 1}
@@ -61,7 +60,7 @@ def padding_ok(rw, old: fx.Node, padded: dict[fx.Node, int]) -> bool:
         return True
     if is_elementwise(old):
         return True
-    if base in _BATCHED:
+    if base in fam.BATCHED_PRODUCTS:
         return all(rw.place[rw.env[a]].dim < a.meta["val"].dim() - 2 for a in shards)
     if base in _ALONG:
         x = old.args[0][0] if base in fam.JOINS else old.args[0]

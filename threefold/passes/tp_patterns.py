@@ -12,7 +12,8 @@ import torch.fx as fx
 from threefold.ir.annotations import Collective
 from threefold.passes.cost import op_name
 from threefold.ir.program import tf
-from threefold.ops.families import CROSS_ENTROPIES, GROUPED_MATMULS, KEEPS_LAST_DIM, MOVES_DIMS_APART, RESHAPES, TRANSPOSES
+from threefold.ops.families import (CROSS_ENTROPIES, GROUPED_MATMULS, KEEPS_LAST_DIM, MOVES_DIMS_APART, RESHAPES,
+                                    SPLITS, TRANSPOSES)
 
 
 def _is_param(a) -> bool:
@@ -96,7 +97,7 @@ def _split_blocks(old: fx.Node, out: int) -> tuple[int, ...]:
             if user.args[1] % rank == rank - 1 and len(sizes) == 2 and sizes[0] > 1 and _selects_pieces(user):
                 return (out // sizes[0],) * sizes[0]
             return ()
-        if name in ("split", "split_with_sizes", "chunk"):
+        if name in SPLITS:
             rank = len(user.args[0].meta["val"].shape)
             dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
             if dim % rank != rank - 1:

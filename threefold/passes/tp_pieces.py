@@ -16,10 +16,9 @@ from threefold.passes.cost import op_name
 from threefold.ir.program import tf
 from threefold.passes.tp_patterns import _head_count, _is_param, _split_blocks
 from threefold.passes.tp_placement import Replicate, Shard
-from threefold.ops.families import RESHAPES
+from threefold.ops.families import RESHAPES, SPLITS
 
 aten = torch.ops.aten
-_SPLITS = ("split", "split_with_sizes", "chunk")
 
 
 def weight_piece(node) -> tuple[fx.Node, fx.Node, int] | None:
@@ -27,7 +26,7 @@ def weight_piece(node) -> tuple[fx.Node, fx.Node, int] | None:
     if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem):
         return None
     split = node.args[0]
-    if not isinstance(split, fx.Node) or op_name(split) not in _SPLITS or not _is_param(split.args[0]):
+    if not isinstance(split, fx.Node) or op_name(split) not in SPLITS or not _is_param(split.args[0]):
         return None
     dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
     if dim != 0:
