@@ -21,6 +21,7 @@ from threefold.codegen.backward_split import deferred_line, deferred_ops, splits
 from threefold.codegen.lines import annotation, wrap_call
 from threefold.ir.program import tf
 from threefold.ir.stages import Chunk, Program
+from threefold.ops import families as fam
 from threefold.runtime.mesh import chunk_layout, stage_of
 
 _HASH_LINE = "# content-hash: "
@@ -368,10 +369,7 @@ class _ClassWriter:
         raise NotImplementedError(f"codegen cannot write the argument {a!r} ({type(a).__name__})")
 
 
-_VIEW_OPS = {"view", "_unsafe_view", "reshape", "slice", "select", "transpose", "t", "permute",
-             "unsqueeze", "squeeze", "expand", "as_strided", "narrow", "split", "split_with_sizes",
-             "unbind", "chunk", "alias", "diagonal", "unflatten", "flatten", "view_as", "movedim",
-             "unfold", "detach"}
+_VIEW_OPS = fam.ALIASING | fam.ALIASING_PIECES   # a write through one is a write to its input
 
 
 def _mutated_inputs(graph: fx.Graph, args: list[fx.Node]) -> list[fx.Node]:

@@ -21,13 +21,10 @@ import torch
 import torch.fx as fx
 
 from threefold.errors import PlanError
+from threefold.ops.families import DTYPE_SETTERS, op_name
 
 GRAD_HOP = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
 AUTOCAST_HOP = getattr(torch.ops.higher_order, "wrap_with_autocast", None)
-
-# Ops that set a dtype themselves: an operand's dtype differing from the output's is the op.
-_CASTS = {"to", "_to_copy", "type_as", "_assert_tensor_metadata", "copy_", "copy", "clone",
-          "empty_like", "zeros_like", "ones_like", "full_like", "detach", "alias", "lift_fresh_copy"}
 
 
 def hop_arguments(node: fx.Node) -> dict:
@@ -57,7 +54,7 @@ def make_casts_explicit(graph: fx.Graph) -> int:
     inserted = 0
     for node in list(graph.nodes):
         state = node.meta.pop("threefold_autocast", None)
-        if state is None or not state["enabled"] or _name(node) in _CASTS:
+        if state is None or not state["enabled"] or op_name(node) in DTYPE_SETTERS:
             continue
         dtype = _floating_output_dtype(node)
         if dtype is None:
@@ -80,7 +77,7 @@ def make_casts_explicit(graph: fx.Graph) -> int:
 def disabled_region_ops(graph: fx.Graph) -> list[fx.Node]:
     """Nodes traced under an `enabled=False` region (before make_casts_explicit drops the marks)."""
     return [n for n in graph.nodes if n.meta.get("threefold_autocast", {}).get("enabled") is False
-            and _name(n) not in _CASTS]
+            and op_name(n) not in DTYPE_SETTERS]
 
 
 def _floating_output_dtype(node: fx.Node):
@@ -88,10 +85,3 @@ def _floating_output_dtype(node: fx.Node):
     vals = val if isinstance(val, (tuple, list)) else [val]
     dtypes = {v.dtype for v in vals if isinstance(v, torch.Tensor) and v.dtype.is_floating_point}
     return dtypes.pop() if len(dtypes) == 1 else None
-
-
-def _name(node: fx.Node) -> str:
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.name.split("::")[-1]
-    return getattr(target, "__name__", str(target))

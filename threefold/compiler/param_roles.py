@@ -16,7 +16,7 @@ import operator
 from threefold.roles import EMBEDDING, MATMUL, OTHER
 
 from threefold.ir.program import tf
-from threefold.ops.families import COPIES, RESHAPES
+from threefold.ops.families import SAME_MATRIX
 
 # op -> argument positions that are matrix operands
 _MATMUL_ARGS = {
@@ -30,12 +30,6 @@ _MATMUL_ARGS = {
 # depend on the plan)
 _EMBEDDING_ARGS = {"embedding": (0,), "embedding_bag": (0,), "_embedding_bag": (0,),
                    "vocab_parallel_embedding": (0,)}
-# ops through which a parameter is still "the same matrix" (views, casts, and the
-# tensor-parallel collectives runtime/tp_ops.py applies to a value as a whole)
-_SAME_VALUE = RESHAPES | COPIES | {"t", "transpose", "permute", "expand", "unsqueeze", "squeeze",
-               "numpy_T", "split", "split_with_sizes", "chunk", "unbind", "getitem", "_reshape_alias",
-               "view_as", "dequantize",
-               "f", "g", "scatter", "gather", "all_gather_seq", "scatter_blocks", "gather_blocks"}
 
 
 def _op(node) -> str:
@@ -70,7 +64,7 @@ def _role_of(node) -> str:
                 found.add(EMBEDDING)
             elif name in _MATMUL_ARGS and set(pos) & set(_MATMUL_ARGS[name]):
                 found.add(MATMUL)
-            elif name in _SAME_VALUE and pos and (name == "getitem" or pos[0] == 0):
+            elif name in SAME_MATRIX and pos and (name == "getitem" or pos[0] == 0):
                 frontier.append(user)
     return EMBEDDING if EMBEDDING in found else MATMUL if MATMUL in found else OTHER
 

@@ -147,3 +147,119 @@ def pointwise_names() -> frozenset:
     packets = {n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")}
     tagged = {n for n in packets if not n.endswith("_") and not n.startswith("_foreach") and family(n) == "pointwise"}
     return frozenset(tagged | POINTWISE_UNTAGGED)
+
+
+# -- named sets: the questions passes ask, answered here from the families above -------------
+# Each was a pass's own list. Where two passes' sets differ, the difference is written here,
+# so it stays visible in one place (and can be closed in one place).
+
+# small sets the questions below are built from
+PICKS = frozenset({"getitem"})                        # operator.getitem: one output of a tuple-valued op
+METADATA_CHECKS = frozenset({"_assert_tensor_metadata"})   # checks a tensor's dtype/shape, computes nothing
+SPLITS = frozenset({"split", "split_with_sizes", "chunk"})   # one dim cut into pieces, each read by a getitem
+TRANSPOSES = frozenset({"t", "transpose", "permute", "numpy_T"})     # swap or reorder dims
+UNIT_DIMS = frozenset({"squeeze", "unsqueeze"})       # add or drop a size-1 dim
+SCALINGS = frozenset({"mul", "div"})                  # times or over (a constant: a scale)
+DROPOUTS = frozenset({"dropout", "tp_dropout"})        # dropout(x, p, train): as traced, or tp's (runtime/tp_ops.py)
+GEMMS = MATMULS - {"outer", "einsum"}                  # one (batched) matrix product per call
+GROUPED_MATMULS = frozenset({"_grouped_mm", "grouped_mm", "grouped_mm_fallback"})   # rows by group x its weight
+CONV_CALLS = CONVS - {"_convolution"}                 # the conv calls a model makes (not ATen's internal one)
+CROSS_ENTROPIES = frozenset({"cross_entropy", "cross_entropy_loss"})     # F.cross_entropy, as traced
+# the loss over a row of logits under tp (runtime/tp_ops.py): the vocabulary split across ranks
+VOCAB_PARALLEL_CROSS_ENTROPIES = LOSSES & {"vocab_parallel_cross_entropy", "vocab_parallel_cross_entropy_full"}
+# the tensor-parallel collectives runtime/tp_ops.py applies to a value as a whole
+TP_WHOLE_VALUE_OPS = frozenset({"f", "g", "scatter", "gather", "all_gather_seq", "scatter_blocks", "gather_blocks"})
+# a constant of another tensor's shape (and dtype): reads nothing else of it
+CONSTANT_LIKE = LIKE_FACTORIES & {"empty_like", "zeros_like", "ones_like", "full_like"}
+
+# ops that read or write a tensor at the positions an index tensor gives (and, of them, those
+# that take a tensor of positions as the first argument's own rows: the batch-row rules)
+INDEXING = frozenset({"index", "_unsafe_index", "index_select", "gather", "take_along_dim", "scatter", "scatter_",
+                      "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_", "index_add", "index_add_",
+                      "index_copy", "index_copy_", "index_fill", "index_fill_", "index_reduce", "index_reduce_",
+                      "index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put"})
+POSITION_INDEXING = INDEXING & {"index", "index_put", "index_put_", "index_add", "index_add_", "index_copy",
+                                "index_copy_", "index_select", "_unsafe_index"}
+# products whose leading dims are batch dims (tp padding of a sharded leading dim)
+BATCHED_PRODUCTS = (GEMMS & {"matmul", "bmm", "baddbmm"}) | {"scaled_dot_product_attention"}
+
+# ops that read only their tensor arguments' shapes (and dtypes): the batch-row rules
+READS_SHAPE_ONLY = CONSTANT_LIKE | (FACTORIES & {"new_empty", "new_zeros", "new_ones", "new_full", "scalar_tensor"})
+
+# ops whose one output shares its first argument's storage: a write through it is a write to
+# the argument (what in-place tracking follows: codegen, batch_coupling)
+ALIASING = VIEWS | (DIM_MOVES - {"swapaxes", "expand_as", "broadcast_to"}) | {"slice", "select", "narrow"} \
+    | {"as_strided", "diagonal", "alias", "detach"}
+# views of pieces or windows of the argument (codegen's in-place check follows them;
+# batch_coupling's buffer tracking does not yet)
+ALIASING_PIECES = SPLITS | {"unbind", "unfold"}
+
+# ops whose output holds the argument's entries re-indexed, so a batch row can be followed
+# through them (the batch-row rules: passes/row_rules.py)
+ROW_VIEWS = ALIASING | COPIES | {"reshape_as", "swapaxes", "expand_as", "repeat", "view_copy", "numpy_T", "unfold",
+                                 "pixel_shuffle"}
+
+# ops the cost model counts no arithmetic for (passes/cost.py), and those of them that still
+# read and write their bytes (the rest move none)
+NO_ARITHMETIC = VIEWS | COPIES | PICKS | (DIM_MOVES - {"swapaxes", "broadcast_to"}) \
+    | (SLICING - {"tensor_split"}) | JOINS | (REPEATS - {"tile"}) | {"embedding", "dropout"} \
+    | {"arange", "ones", "zeros", "full", "empty", "scalar_tensor", "new_ones", "new_zeros"} \
+    | {"ones_like", "zeros_like", "full_like"} | {"as_strided", "copy", "index", "gather", "triu", "tril"}
+MOVES_BYTES = frozenset({"embedding", "cat", "index", "gather", "index_select", "repeat", "_to_copy", "clone", "copy",
+                         "contiguous"})
+
+# ops that move or copy dims without mixing entries along them (tensor-parallel padding:
+# passes/tp_padding.py; reshape has its own math there)
+LAYOUT_ONLY = RESHAPES | COPIES | PICKS | METADATA_CHECKS | (DIM_MOVES - {"swapaxes", "expand_as", "movedim"}) \
+    | {"flatten", "unflatten", "dropout", "native_dropout"}
+
+# ops that may run on a sequence shard whose last rank holds padding rows: each row alone
+# (passes/tp_padding.py; the eager loss `call_loss` gathers and cuts its inputs itself)
+ROW_WISE = (LAYER_NORMS - {"_fused_rms_norm"}) | {"dropout", "native_dropout"} \
+    | (COPIES - {"to", "type_as", "lift_fresh_copy"}) | PICKS | {"call_loss"}
+
+# ops through which a parameter is still "the same matrix": views, casts, and the
+# tensor-parallel collectives (compiler/param_roles.py)
+SAME_MATRIX = RESHAPES | COPIES | PICKS | SPLITS | {"unbind"} | TP_WHOLE_VALUE_OPS \
+    | {"t", "transpose", "permute", "expand", "unsqueeze", "squeeze", "numpy_T", "_reshape_alias", "view_as",
+       "dequantize"}
+
+# ops that set a dtype themselves: an operand's dtype differing from the output's is the op
+# (compiler/autocast_regions.py)
+DTYPE_SETTERS = CASTS | METADATA_CHECKS | (COPIES - {"contiguous"}) | {"copy_", "copy"} | CONSTANT_LIKE
+
+# views that keep a size-1 or same-size value's positions (arange through casts: row_index_rules)
+SIZE_ONE_VIEWS = (COPIES - {"contiguous", "type_as", "lift_fresh_copy"}) | {"unsqueeze", "expand", "view", "reshape"}
+
+# ops between a fused projection and its slices that keep the output's last dim (tp patterns)
+KEEPS_LAST_DIM = (COPIES - {"detach", "lift_fresh_copy"}) | RESHAPES | {"add", "dropout"}
+# ops between an unflatten and a select/unbind of its new dim that keep that dim (tp patterns)
+MOVES_DIMS_APART = frozenset({"unsqueeze", "transpose", "squeeze", "contiguous", "clone", "permute"})
+
+# the random ops passes/random_ops.py seeds per microbatch (RANDOM's dropout is seeded as
+# DROPOUTS; exponential is not seeded yet)
+SEEDED_RANDOM = (RANDOM - {"dropout", "exponential"}) | {"feature_dropout", "alpha_dropout", "feature_alpha_dropout",
+                                                         "rrelu", "rrelu_with_noise"}
+
+# how a loss op's reduction="mean" divides (passes/loss_form.py): by the targets it counts
+# (ignore_index left out), or by every element
+TARGET_COUNTED_LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d"})
+ELEMENT_MEAN_LOSSES = frozenset({"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+                                 "binary_cross_entropy_with_logits", "soft_margin_loss", "kl_div",
+                                 "hinge_embedding_loss", "margin_ranking_loss", "poisson_nll_loss"})
+
+# integer arithmetic that keeps positions positions (arange(T) // 2: the batch-row rules)
+POSITION_ARITHMETIC = frozenset({"floor_divide", "div", "remainder", "add", "sub", "mul", "fmod"})
+
+# -- the batch-row rules' (passes/row_rules.py) wider reach: ops of a family above that only
+# those rules know yet (the tp and cp rules would need a decision for each first) ----------
+MORE_REDUCTIONS = frozenset({"count_nonzero", "nanmean", "aminmax", "median", "nanmedian"})
+MORE_MATMULS = frozenset({"addbmm", "dot", "mv", "vdot"})
+MORE_CONVS = frozenset({"conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
+# ops that mix entries along one dim only, each row of the other dims alone
+ALONG_ONE_DIM = SCANS | SOFTMAXES | (SORTS - {"msort"}) | {"mode", "glu", "flip", "roll"}
+ROW_REDUCTIONS = REDUCTIONS | MORE_REDUCTIONS
+ROW_MATMULS = GEMMS | MORE_MATMULS     # (einsum has a rule of its own)
+ROW_CONVS = CONVS | MORE_CONVS
+ROW_LOSSES = TARGET_COUNTED_LOSSES | ELEMENT_MEAN_LOSSES | {"cosine_embedding_loss", "multilabel_margin_loss",
+                                                           "multi_margin_loss"}

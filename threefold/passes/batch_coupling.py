@@ -29,6 +29,7 @@ import operator
 import torch.fx as fx
 
 from threefold.ir.contracts import stage_pass
+from threefold.ops import families as fam
 from threefold.ir.program import tf
 from threefold.ir.stages import Traced
 from threefold.errors import PlanError
@@ -37,9 +38,8 @@ from threefold.passes.loss_form import exact_reductions, final_op, split_fix
 from threefold.passes.row_rules import BATCH_STAT_OPS, propagate
 from threefold.passes.row_state import LOST, Rows, op_name
 
-_VIEWS = {"view", "_unsafe_view", "reshape", "slice", "select", "transpose", "t", "permute",
-          "unsqueeze", "squeeze", "expand", "as_strided", "narrow", "alias", "diagonal",
-          "unflatten", "flatten", "view_as", "movedim", "detach", "getitem"}
+# a buffer written through a view of it (or through a pick of a written tuple) is written
+_VIEWS = fam.ALIASING | fam.PICKS
 
 
 def row_states(graph: fx.Graph, batch_dims: list, rows: int) -> tuple[dict, list]:
@@ -189,7 +189,7 @@ def _value_inputs(node: fx.Node) -> list[fx.Node]:
     counts over all rows feed them, yet every output row is its own row times its group's
     weight, so counting them per microbatch changes no row."""
     m = expert_matmul(node)
-    if m is None and op_name(node) in ("_grouped_mm", "grouped_mm", "grouped_mm_fallback"):
+    if m is None and op_name(node) in fam.GROUPED_MATMULS:
         offs = node.kwargs.get("offs", node.args[2] if len(node.args) > 2 else None)
         return [a for a in node.all_input_nodes if a is not offs]
     return [a for a in node.all_input_nodes if m is None or a is not m[3]]

@@ -16,6 +16,8 @@ import torch.fx as fx
 from threefold.ir.contracts import stage_pass
 from threefold.ir.program import TensorMeta, compute_nodes, meta_of, tf
 from threefold.ir.stages import Traced, copy_graph_module
+from threefold.ops import families as fam
+from threefold.ops.families import op_name   # (re-exported: passes import it from here)
 
 aten = torch.ops.aten
 
@@ -133,31 +135,21 @@ def _elementwise_flops(node, ins, outs):
     return sum(_numel(o.shape) for o in outs)
 
 
-_VIEW_OPS = {
-    "view", "_unsafe_view", "reshape", "transpose", "permute", "t", "expand", "unsqueeze",
-    "squeeze", "slice", "select", "alias", "detach", "split", "split_with_sizes", "chunk",
-    "unbind", "as_strided", "contiguous", "clone", "flatten", "unflatten", "narrow", "movedim",
-    "view_as", "expand_as", "lift_fresh_copy", "_to_copy", "to", "type_as", "dropout",
-    "embedding", "arange", "ones", "zeros", "full", "empty", "ones_like", "zeros_like",
-    "full_like", "index", "gather", "index_select", "cat", "stack", "repeat", "triu", "tril",
-    "scalar_tensor", "new_ones", "new_zeros", "copy", "repeat_interleave", "getitem",
-}
+_VIEW_OPS = fam.NO_ARITHMETIC   # views, copies, factories, gathers and joins: no FLOPs
 
 FLOP_RULES = {
     "mm": _matmul_flops, "bmm": _matmul_flops, "matmul": _matmul_flops,
     "linear": _linear_flops, "addmm": _addmm_flops, "baddbmm": _baddbmm_flops,
-    "scaled_dot_product_attention": _sdpa_flops, "_scaled_dot_product_flash_attention": _sdpa_flops,
-    "_scaled_dot_product_efficient_attention": _sdpa_flops,
-    "conv1d": _conv_flops, "conv2d": _conv_flops, "convolution": _conv_flops,
+    **{name: _sdpa_flops for name in fam.ATTENTION},
+    **{name: _conv_flops for name in fam.CONV_CALLS},
     "ring_attention": _ring_flops, "causal_conv1d": _conv_flops,
     "layer_norm": _norm_flops, "native_layer_norm": _norm_flops, "rms_norm": _norm_flops,
     "group_norm": _norm_flops, "batch_norm": _norm_flops,
-    "softmax": _softmax_flops, "_softmax": _softmax_flops, "log_softmax": _softmax_flops,
-    "_log_softmax": _softmax_flops, "_safe_softmax": _softmax_flops,
+    **{name: _softmax_flops for name in fam.SOFTMAXES},
     "sum": _reduction_flops, "mean": _reduction_flops, "amax": _reduction_flops,
     "max": _reduction_flops, "var": _reduction_flops, "var_mean": _reduction_flops,
-    "cross_entropy_loss": _cross_entropy_flops, "nll_loss": _reduction_flops,
-    "nll_loss_nd": _reduction_flops, "cross_entropy": _cross_entropy_flops,
+    **{name: _cross_entropy_flops for name in fam.CROSS_ENTROPIES},
+    "nll_loss": _reduction_flops, "nll_loss_nd": _reduction_flops,
     **{name: _zero_flops for name in _VIEW_OPS},
 }
 
@@ -165,21 +157,17 @@ FLOP_RULES = {
 # argument positions, "out" for the op's output, or "mask" for a dropout mask (1 byte per
 # element). Parameters and buffers are not activations and never count. Ops absent here
 # keep their floating-point tensor arguments (a safe over-estimate for pointwise math).
-_SAVES_NOTHING = ("add", "sub", "neg", "sum", "mean", "to", "_to_copy", "clone", "contiguous",
-                  "copy", "cat", "stack", "arange", "ones", "zeros", "full", "empty",
-                  "ones_like", "zeros_like", "full_like", "scalar_tensor", "new_ones",
-                  "new_zeros", "_assert_tensor_metadata", "lift_fresh_copy", "getitem",
-                  "amax", "max", "argmax", "triu", "tril", "eq", "ne", "lt", "le", "gt", "ge",
-                  "bitwise_not", "logical_not", "bitwise_and", "logical_and", "bitwise_or",
-                  "cumsum", "diff", "pipe_split")
+# (besides the no-arithmetic ops, whose backward needs no values either)
+_SAVES_NOTHING = fam.METADATA_CHECKS | {
+    "add", "sub", "neg", "sum", "mean", "amax", "max", "argmax", "eq", "ne", "lt", "le", "gt", "ge",
+    "bitwise_not", "logical_not", "bitwise_and", "logical_and", "bitwise_or", "cumsum", "diff", "pipe_split"}
 SAVE_RULES: dict[str, tuple] = {
-    **{name: () for name in _VIEW_OPS | set(_SAVES_NOTHING) if name not in ("embedding", "dropout")},
+    **{name: () for name in _VIEW_OPS | _SAVES_NOTHING if name not in ("embedding", "dropout")},
     "linear": (0,), "conv1d": (0,), "conv2d": (0,), "convolution": (0,),
     "mm": (0, 1), "bmm": (0, 1), "matmul": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2),
     "layer_norm": (0,), "native_layer_norm": (0,), "rms_norm": (0,), "group_norm": (0,),
     "batch_norm": (0,),
-    "softmax": ("out",), "_softmax": ("out",), "log_softmax": ("out",), "_log_softmax": ("out",),
-    "_safe_softmax": ("out",),
+    **{name: ("out",) for name in fam.SOFTMAXES},
     "scaled_dot_product_attention": (0, 1, 2, "out"),
     "relu": ("out",), "sigmoid": ("out",), "tanh": ("out",), "exp": ("out",), "rsqrt": ("out",),
     "sqrt": ("out",), "gelu": (0,), "silu": (0,), "pow": (0,), "masked_fill": (1,),
@@ -210,18 +198,11 @@ def _saved_values(node: fx.Node, name: str) -> list[tuple[str, int]]:
             a = node.args[r]
             m = meta_of(a)
             if m is not None and not (a.op == "placeholder" and tf(a).get("kind") in ("param", "buffer")
-                                      or name in ("mul", "div") and not m.dtype.is_floating_point):
+                                      or name in fam.SCALINGS and not m.dtype.is_floating_point):
                 out.append((a.name, m.nbytes))
-    if name in ("mul", "div") and sum(isinstance(a, fx.Node) for a in node.args[:2]) < 2:
+    if name in fam.SCALINGS and sum(isinstance(a, fx.Node) for a in node.args[:2]) < 2:
         return []  # times a constant: backward needs only the constant
     return list(dict(out).items())  # a value passed twice (x * x) is kept once
-
-
-def op_name(node: fx.Node) -> str:
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.name.split("::")[-1]
-    return getattr(target, "__name__", str(target))
 
 
 def node_cost(node: fx.Node) -> NodeCost:
@@ -236,9 +217,7 @@ def node_cost(node: fx.Node) -> NodeCost:
     except (IndexError, TypeError):
         flops = _elementwise_flops(node, ins, outs)
     # a view moves no bytes, and neither does a dtype assert (it only checks metadata)
-    is_view = name == "_assert_tensor_metadata" or name in _VIEW_OPS and name not in ("embedding", "cat", "index", "gather",
-                                                 "index_select", "repeat", "_to_copy", "clone",
-                                                 "copy", "contiguous")
+    is_view = name in fam.METADATA_CHECKS or name in _VIEW_OPS and name not in fam.MOVES_BYTES
     read = 0 if is_view else sum(m.nbytes for m in ins)
     written = 0 if is_view else sum(m.nbytes for m in outs)
     params = sum(meta_of(a).nbytes for a in node.all_input_nodes
@@ -249,7 +228,7 @@ def node_cost(node: fx.Node) -> NodeCost:
                     saved_bytes=sum(b for _, b in saved), saved=saved, weight_grad_flops=weight_grad)
 
 
-_WEIGHT_GEMMS = {"mm", "bmm", "matmul", "linear", "addmm", "baddbmm", "conv1d", "conv2d", "convolution"}
+_WEIGHT_GEMMS = fam.GEMMS | fam.CONV_CALLS
 
 
 def _reads_parameter(node: fx.Node) -> bool:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from threefold.ops.families import SCALINGS
 from threefold.runtime import kernels as rt
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -149,7 +150,7 @@ def classify(ops: list[Op], inputs: list[RegionInput]) -> tuple[str, str, str]:
     has = set(shorts)
 
     def scaled():
-        return any(o.short in ("mul", "div") and any(not isinstance(a, Ref) for a in o.args) for o in ops)
+        return any(o.short in SCALINGS and any(not isinstance(a, Ref) for a in o.args) for o in ops)
 
     if "softmax" in has:
         parts = ["scale"] if scaled() else []

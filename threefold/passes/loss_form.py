@@ -33,16 +33,13 @@ from threefold.ir.program import is_eager_loss
 from threefold.ir.program import tf
 from threefold.ir.stages import Draft, Traced
 from threefold.errors import PlanError
-from threefold.ops.families import COPIES, RESHAPES
+from threefold.ops.families import (COPIES, ELEMENT_MEAN_LOSSES, RESHAPES, SCALINGS, TARGET_COUNTED_LOSSES,
+                                    UNIT_DIMS)
 
 aten = torch.ops.aten
 
 MEAN, SUM, NONE = 1, 2, 0  # at::Reduction
-_TARGET_COUNTED = {"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d"}
-_ELEMENT_MEAN = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
-                 "binary_cross_entropy_with_logits", "soft_margin_loss", "kl_div",
-                 "hinge_embedding_loss", "margin_ranking_loss", "poisson_nll_loss"}
-_PASS_THROUGH = COPIES | RESHAPES | {"squeeze", "unsqueeze"}   # detach is not linear but has no gradient either
+_PASS_THROUGH = COPIES | RESHAPES | UNIT_DIMS   # detach is not linear but has no gradient either
 _FIX = ("set loss=microbatch_mean in the plan (the mean of per-microbatch losses), or use m=1 "
         "and dp=1")
 
@@ -97,7 +94,7 @@ def final_op(graph: fx.Graph) -> tuple[fx.Node, float]:
         name = _name(node)
         if name in _PASS_THROUGH and _val(node).numel() == 1:
             node = node.args[0]
-        elif name in ("mul", "div") and _is_number(node.args[1]) and isinstance(node.args[0], fx.Node):
+        elif name in SCALINGS and _is_number(node.args[1]) and isinstance(node.args[0], fx.Node):
             divisor *= node.args[1] if name == "div" else 1.0
             node = node.args[0]
         elif name == "neg":
@@ -117,7 +114,7 @@ def exact_reductions(graph: fx.Graph) -> set[fx.Node]:
 
 def _exact_at(node: fx.Node) -> set[fx.Node]:
     name = _name(node)
-    if name in _TARGET_COUNTED or name in _ELEMENT_MEAN:
+    if name in TARGET_COUNTED_LOSSES or name in ELEMENT_MEAN_LOSSES:
         return {node}
     if name in ("mean", "sum") and _val(node).numel() == 1:
         return {node}
@@ -132,7 +129,7 @@ def _rewrite(prog: Draft, node: fx.Node, divisor: float) -> dict:
         return _eager_form(prog, node)
     name = _name(node)
     op = f"aten.{name}"
-    if name in _TARGET_COUNTED or name in _ELEMENT_MEAN:
+    if name in TARGET_COUNTED_LOSSES or name in ELEMENT_MEAN_LOSSES:
         idx = _reduction_index(node)
         reduction = _arg(node, idx, "reduction", MEAN)
         if name == "kl_div" and reduction == MEAN:
@@ -142,7 +139,7 @@ def _rewrite(prog: Draft, node: fx.Node, divisor: float) -> dict:
         if reduction != MEAN:
             raise _NotSeparable(f"{op} with reduction={reduction} ends the loss")
         _set_reduction(node, idx, SUM)
-        if name in _TARGET_COUNTED:
+        if name in TARGET_COUNTED_LOSSES:
             return _count_denominator(prog, node, op)
         numel = _broadcast_numel(node)
         return {"reduction": "mean", "op": op, "denominator": {"kind": "const", "value": numel}}

@@ -14,16 +14,13 @@ import torch.fx as fx
 
 from threefold import placement
 from threefold.ir.contracts import stage_pass
+from threefold.ops import families as fam
 from threefold.ir.program import tf
 from threefold.ir.stages import Partitioned, copy_graph_module
 from threefold.runtime import random_ops as rt
 
 aten = torch.ops.aten
 
-_DROPOUT = {"dropout", "tp_dropout"}
-_RANDOM = {"bernoulli", "rand_like", "randn_like", "randint_like", "rand", "randn", "randint",
-           "normal", "uniform", "randperm", "multinomial", "native_dropout", "feature_dropout",
-           "alpha_dropout", "feature_alpha_dropout", "rrelu", "rrelu_with_noise"}
 _SDPA = {"scaled_dot_product_attention"}
 _TRAINING_ARG = {"batch_norm": 5, "native_batch_norm": 5, "_native_batch_norm_legit": 5,
                  "feature_dropout": 2, "alpha_dropout": 2, "feature_alpha_dropout": 2,
@@ -70,11 +67,11 @@ def _short(node: fx.Node) -> str:
 
 def _is_random(node: fx.Node) -> bool:
     name = _short(node).rstrip("_")
-    if name in _DROPOUT:
+    if name in fam.DROPOUTS:
         return float(node.args[1]) != 0.0
     if name in _SDPA:
         return float(_dropout_p(node)) > 0.0
-    return name in _RANDOM
+    return name in fam.SEEDED_RANDOM
 
 
 def _dropout_p(node: fx.Node):
@@ -110,7 +107,7 @@ def _rewrite(graph: fx.Graph, node: fx.Node, index: dict[str, int]) -> bool:
     if node.name not in index:
         return changed
     ref = rt.RngRef(index[node.name], _sharded(node) or base == "tp_dropout")
-    if base in _DROPOUT:
+    if base in fam.DROPOUTS:
         x, p = node.args[0], node.args[1]
         train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
         train = rt.TrainFlag() if train is True else train

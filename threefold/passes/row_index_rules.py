@@ -10,15 +10,12 @@ import torch
 import torch.fx as fx
 
 from threefold.passes.row_state import LOST, POS, Rows, op_name, rows_of, shape_of
-from threefold.ops.families import COPIES
-
-
-_SIZE_ONE_VIEWS = {"unsqueeze", "expand", "view", "reshape"} | (COPIES - {"contiguous", "type_as", "lift_fresh_copy"})
+from threefold.ops.families import INDEXING, SIZE_ONE_VIEWS
 
 
 def is_iota(node, n: int) -> bool:
     """Is `node` arange(n) (through casts and size-1 views): the rows' own positions?"""
-    while isinstance(node, fx.Node) and op_name(node) in _SIZE_ONE_VIEWS:
+    while isinstance(node, fx.Node) and op_name(node) in SIZE_ONE_VIEWS:
         node = node.args[0]
     if not isinstance(node, fx.Node) or op_name(node) != "arange":
         return False
@@ -196,15 +193,11 @@ def _index_put(node: fx.Node, states: dict, rows: int):
     return sx, None
 
 
-INDEX_OPS = {"index", "_unsafe_index", "index_select", "gather", "take_along_dim", "scatter",
-             "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
-             "index_add", "index_add_", "index_copy", "index_copy_", "index_fill", "index_fill_",
-             "index_reduce", "index_reduce_", "index_put", "index_put_", "_index_put_impl_",
-             "_unsafe_index_put"}
+INDEX_OPS = INDEXING   # (the name experts.py imports)
 
 
 def index_rule(node: fx.Node, name: str, states: dict, rows: int):
-    """(row state, reason) of an indexing op (name in INDEX_OPS)."""
+    """(row state, reason) of an indexing op (name in INDEXING)."""
     if name in ("index", "_unsafe_index"):
         return _index(node, states, rows)
     if name == "index_select":

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from threefold.ops import families as fam
 from threefold.ops.rules import Registry
 from threefold.passes.expert_match import expert_matmul
-from threefold.passes.row_index_rules import INDEX_OPS, index_rule
+from threefold.passes.row_index_rules import index_rule
 from threefold.passes.row_state import (LOST, POS, Rows, arg_of, dims_of, rows_of, shape_of,
                                         op_name)
 
@@ -29,21 +30,6 @@ BATCH_STAT_OPS = {"batch_norm": 5, "native_batch_norm": 5, "_native_batch_norm_l
                   "miopen_batch_norm": 5, "_batch_norm_impl_index": 5,
                   "_batch_norm_with_update": -1, "_batch_norm_with_update_functional": -1}
 _NO_STAT_NORMS = {"_native_batch_norm_legit_no_training", "_batch_norm_no_update"}
-_REDUCTIONS = {"sum", "mean", "amax", "amin", "prod", "var", "std", "var_mean", "std_mean",
-               "logsumexp", "norm", "linalg_vector_norm", "all", "any", "count_nonzero", "max",
-               "min", "argmax", "argmin", "nansum", "nanmean", "aminmax", "median", "nanmedian"}
-_SCANS = {"cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "softmax", "_softmax",
-          "log_softmax", "_log_softmax", "sort", "argsort", "topk", "kthvalue", "mode",
-          "_safe_softmax", "glu", "flip", "roll"}
-_MATMULS = {"mm", "bmm", "matmul", "addmm", "baddbmm", "addbmm", "linear", "dot", "mv", "vdot"}
-_LOSSES = {"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d", "mse_loss", "l1_loss",
-           "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
-           "soft_margin_loss", "kl_div", "hinge_embedding_loss", "margin_ranking_loss",
-           "poisson_nll_loss", "cosine_embedding_loss", "multilabel_margin_loss", "multi_margin_loss"}
-_GROUPED_MM = {"_grouped_mm", "grouped_mm", "grouped_mm_fallback"}
-_POS_ARITH = {"floor_divide", "div", "remainder", "add", "sub", "mul", "fmod"}
-_CONVS = {"convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
-          "conv_transpose3d", "_convolution"}
 
 
 def propagate(node: fx.Node, states: dict, rows: int):
@@ -81,14 +67,13 @@ def _propagate(node: fx.Node, states: dict, rows: int):
     ins = {a: states.get(a) for a in node.all_input_nodes}
     if all(s is None for s in ins.values()):
         return None, None
-    if name in _GROUPED_MM or expert_matmul(node) is not None:
+    if name in fam.GROUPED_MATMULS or expert_matmul(node) is not None:
         # rows sorted by group, each multiplied by its own group's weight: per row (the
         # offsets, counted over all rows, only say where each group's rows start; an
         # expert matmul is the same structure under any op name, passes/experts.py)
         sx, sw = states.get(node.args[0]), states.get(node.args[1])
         return (sx, None) if sw is None and isinstance(sx, Rows) and sx.dim == 0 else (LOST, None)
-    if name in ("empty_like", "zeros_like", "ones_like", "full_like", "new_empty", "new_zeros",
-                "new_ones", "new_full", "scalar_tensor"):
+    if name in fam.READS_SHAPE_ONLY:
         return None, None   # only the shape is read, which every microbatch has alike
     if node.meta.get("val") is None and not node.users:
         return None, None   # no value (an assertion on metadata)
@@ -101,17 +86,13 @@ def _propagate(node: fx.Node, states: dict, rows: int):
     sx = rows_of(states, x)
     call = RowCall(node, name, states, rows, x, sx, shape_of(x), node.meta.get("val"))
     rule = ROWS.lookup(name)
-    if sx == POS and name not in BATCH_STAT_OPS and name not in _NO_STAT_NORMS and name not in _POS_INDEXING:
+    if sx == POS and name not in BATCH_STAT_OPS and name not in _NO_STAT_NORMS and name not in fam.POSITION_INDEXING:
         # positions of rows (nonzero, argsort) pass through arithmetic on them and views only
-        if name in _POS_ARITH and all(states.get(a) is None for a in node.all_input_nodes if a is not x):
+        if name in fam.POSITION_ARITHMETIC and all(states.get(a) is None for a in node.all_input_nodes if a is not x):
             return POS, None   # perm // k: positions of the rows the (row, k) pairs came from
-        return (POS, None) if name in _VIEWLIKE else (LOST, None)
+        return (POS, None) if name in fam.ROW_VIEWS else (LOST, None)
     decided = rule(call) if callable(rule) else None
     return decided if decided is not None else _broadcast(node, states)
-
-
-_POS_INDEXING = {"index", "index_put", "index_put_", "index_add", "index_add_", "index_copy", "index_copy_",
-                 "index_select", "_unsafe_index"}
 
 
 @ROWS.rule(*BATCH_STAT_OPS)
@@ -130,12 +111,12 @@ def _no_stat_norm(c: RowCall):
     return _same_tuple(c.out, c.sx), None
 
 
-@ROWS.rule(*_LOSSES)
+@ROWS.rule(*fam.ROW_LOSSES)
 def _loss_rule(c: RowCall):
     return _loss(c.node, c.states)
 
 
-@ROWS.rule(*_REDUCTIONS)
+@ROWS.rule(*fam.ROW_REDUCTIONS)
 def _reduction(c: RowCall):
     x = c.x
     if isinstance(c.sx, Rows) and isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor):
@@ -143,7 +124,7 @@ def _reduction(c: RowCall):
     return None
 
 
-@ROWS.rule(*_SCANS)
+@ROWS.rule(*fam.ALONG_ONE_DIM)
 def _scan(c: RowCall):
     node, name, sx, shape_x, out = c.node, c.name, c.sx, c.shape_x, c.out
     if not isinstance(sx, Rows):
@@ -181,7 +162,7 @@ def _group_norm(c: RowCall):
     return _same_tuple(c.out, c.sx), None
 
 
-@ROWS.rule(*_MATMULS)
+@ROWS.rule(*fam.ROW_MATMULS)
 def _matmul_rule(c: RowCall):
     return _matmul(c.node, c.name, c.states)
 
@@ -197,7 +178,7 @@ def _sdpa_rule(c: RowCall):
     return _sdpa(c.node, c.states)
 
 
-@ROWS.rule(*_CONVS)
+@ROWS.rule(*fam.ROW_CONVS)
 def _conv(c: RowCall):
     node, sx = c.node, c.sx
     sw = rows_of(c.states, node.args[1] if len(node.args) > 1 else None)
@@ -236,7 +217,7 @@ def _positions(c: RowCall):
     return POS, None
 
 
-@ROWS.rule(*INDEX_OPS)
+@ROWS.rule(*fam.INDEXING)
 def _indexing(c: RowCall):
     return index_rule(c.node, c.name, c.states, c.rows)
 
@@ -398,14 +379,7 @@ def _sdpa(node: fx.Node, states: dict):
     return _same_tuple(out, state), None
 
 
-_VIEWLIKE = {"view", "_unsafe_view", "reshape", "flatten", "unflatten", "view_as", "reshape_as",
-             "transpose", "t", "permute", "movedim", "swapaxes", "unsqueeze", "squeeze", "select",
-             "slice", "narrow", "expand", "expand_as", "repeat", "alias", "detach", "clone",
-             "contiguous", "_to_copy", "to", "lift_fresh_copy", "view_copy", "numpy_T",
-             "diagonal", "unfold", "as_strided", "type_as", "pixel_shuffle"}
-
-
-@ROWS.rule(*_VIEWLIKE)
+@ROWS.rule(*fam.ROW_VIEWS)
 def _view_rule(c: RowCall):
     return _view(c.node, c.name, c.sx, c.shape_x, c.rows)
 
@@ -419,7 +393,7 @@ def _view(node: fx.Node, name: str, sx, shape_x, rows: int):
     if out is None or shape_x is None:
         return LOST, None
     d = sx.dim
-    if name in ("alias", "detach", "clone", "contiguous", "_to_copy", "to", "lift_fresh_copy", "type_as"):
+    if name in fam.COPIES:
         return sx, None
     if name in ("transpose", "swapaxes"):
         a, b = (arg_of(node, 1, "dim0") % len(shape_x), arg_of(node, 2, "dim1") % len(shape_x))

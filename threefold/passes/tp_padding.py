@@ -20,18 +20,14 @@ import torch
 import torch.fx as fx
 
 from threefold.passes.cost import op_name
-from threefold.ops.families import COPIES, RESHAPES
+from threefold.ops import families as fam
 from threefold.passes.tp_placement import Shard
 from threefold.passes.tp_rules import is_elementwise
 
-# ops that move or copy dims without mixing entries along them (reshape has its own math)
-_MOVERS = {"transpose", "t", "permute", "unsqueeze", "squeeze", "expand", "broadcast_to", "flatten", "unflatten",
-           "getitem", "dropout", "native_dropout", "_assert_tensor_metadata"} | RESHAPES | COPIES
 # rules that handle padding themselves: the vocab-parallel cross-entropy (a vocabulary tp
 # does not divide is padded too, and its padding never wins the softmax), the eager loss
 # (gathers and cuts its inputs)
 _OWN_PADDING = {"cross_entropy_loss", "call_loss"}
-_BATCHED = {"matmul", "bmm", "baddbmm", "scaled_dot_product_attention"}
 _ALONG = {"split": 2, "split_with_sizes": 2, "chunk": 2, "slice": 1, "narrow": 1, "select": 1,
           "index_select": 1, "softmax": 1, "_softmax": 1, "_safe_softmax": 1, "log_softmax": 1,
           "_log_softmax": 1, "cat": 1, "stack": 1}
@@ -60,14 +56,14 @@ def padding_ok(rw, old: fx.Node, padded: dict[fx.Node, int]) -> bool:
     sizes = {int(a.meta["val"].shape[rw.place[rw.env[a]].dim]) for a in shards}
     if len(sizes) > 1:
         return False
-    if base in _MOVERS or base in _OWN_PADDING:
+    if base in fam.LAYOUT_ONLY or base in _OWN_PADDING:
         return True
     if is_elementwise(old):
         return True
-    if base in _BATCHED:
+    if base in fam.BATCHED_PRODUCTS:
         return all(rw.place[rw.env[a]].dim < a.meta["val"].dim() - 2 for a in shards)
     if base in _ALONG:
-        x = old.args[0][0] if base in ("cat", "stack") else old.args[0]
+        x = old.args[0][0] if base in fam.JOINS else old.args[0]
         k = _arg(old, _ALONG[base], 0)
         ndim = x.meta["val"].dim() + (1 if base == "stack" else 0)
         return isinstance(k, int) and k % ndim not in dims
@@ -80,22 +76,18 @@ def _arg(old: fx.Node, i: int, default):
     return old.kwargs.get("dim", default)
 
 
-# What may run on a sequence shard whose last rank holds padding rows (a length tp does not
-# divide): ops that treat each row alone. Anything that mixes rows along the padded dim runs
-# on the gathered, cut value instead (the fallback).
-_ROW_WISE = {"layer_norm", "native_layer_norm", "rms_norm", "dropout", "native_dropout", "clone",
-             "_to_copy", "alias", "detach", "getitem", "call_loss", "contiguous"}
-
-
 def padding_safe(name: str, old: fx.Node, dims: set) -> bool:
-    """Whether `old` keeps the rows along `dims` (padded sequence shards) apart."""
+    """Whether `old` keeps the rows along `dims` (padded sequence shards) apart. What may run
+    on a sequence shard whose last rank holds padding rows (a length tp does not divide):
+    ops that treat each row alone (families.ROW_WISE). Anything that mixes rows along the
+    padded dim runs on the gathered, cut value instead (the fallback)."""
     base = name[:-1] if name.endswith("_") and is_elementwise(old) else name
     x = old.args[0] if old.args else None
     ndim = x.meta["val"].dim() if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor) else 0
     if base in ("layer_norm", "native_layer_norm", "rms_norm"):
         k = len(old.args[1]) if len(old.args) > 1 else 1
         return not dims & set(range(ndim - k, ndim))
-    if base in _ROW_WISE or is_elementwise(old):
+    if base in fam.ROW_WISE or is_elementwise(old):
         return True
     if base in ("sum", "mean", "amax", "amin") and len(old.args) > 1 and old.args[1] is not None:
         reduced = old.args[1] if isinstance(old.args[1], (list, tuple)) else [old.args[1]]

@@ -12,7 +12,8 @@ import torch.fx as fx
 from threefold.ir.annotations import Collective
 from threefold.passes.cost import op_name
 from threefold.ir.program import tf
-from threefold.ops.families import COPIES, RESHAPES
+from threefold.ops.families import (CROSS_ENTROPIES, GROUPED_MATMULS, KEEPS_LAST_DIM, MOVES_DIMS_APART, RESHAPES,
+                                    SPLITS, TRANSPOSES)
 
 
 def _is_param(a) -> bool:
@@ -29,19 +30,16 @@ def _param_weight(old: fx.Node, name: str):
         return a[1], a[2], a[0] if _is_param(a[0]) else None, 1
     if name in ("mm", "matmul") and _is_param(a[1]) and len(_shape(a[1])) == 2:
         return a[0], a[1], None, 1
-    if name in ("mm", "matmul") and isinstance(a[1], fx.Node) and op_name(a[1]) in _TRANSPOSES \
+    if name in ("mm", "matmul") and isinstance(a[1], fx.Node) and op_name(a[1]) in TRANSPOSES \
             and _is_param(a[1].args[0]) and len(_shape(a[1].args[0])) == 2 and _is_2d_swap(a[1]):
         return a[0], a[1].args[0], None, 0   # x @ W.T with W [out, in]
-    if name in _GROUPED and isinstance(a[1], fx.Node):   # MoE experts: x [N, in] @ w[e] [in, out]
+    if name in GROUPED_MATMULS and isinstance(a[1], fx.Node):   # MoE experts: x [N, in] @ w[e] [in, out]
         if _is_param(a[1]) and len(_shape(a[1])) == 3:
             return a[0], a[1], None, 2
-        if op_name(a[1]) in _TRANSPOSES and _is_param(a[1].args[0]) and len(_shape(a[1].args[0])) == 3 \
+        if op_name(a[1]) in TRANSPOSES and _is_param(a[1].args[0]) and len(_shape(a[1].args[0])) == 3 \
                 and _swaps_last_two(a[1]):
             return a[0], a[1].args[0], None, 1   # the parameter is [E, out, in]
     return None
-
-
-_GROUPED = {"grouped_mm_fallback", "_grouped_mm"}
 
 
 def _swaps_last_two(node: fx.Node) -> bool:
@@ -49,9 +47,6 @@ def _swaps_last_two(node: fx.Node) -> bool:
     if name == "transpose":
         return sorted(d % 3 for d in node.args[1:3]) == [1, 2]
     return name == "permute" and [d % 3 for d in node.args[1]] == [0, 2, 1]
-
-
-_TRANSPOSES = {"t", "transpose", "permute", "numpy_T"}
 
 
 def _is_2d_swap(node: fx.Node) -> bool:
@@ -75,9 +70,6 @@ def _shape(node: fx.Node) -> list[int]:
     return list(node.meta["val"].shape)
 
 
-_PASS_THROUGH = {"add", "dropout"} | (COPIES - {"detach", "lift_fresh_copy"}) | RESHAPES
-
-
 def _chain(old: fx.Node, limit: int = 6):
     """Single-user successors of a matmul output that keep its last dim."""
     node = old
@@ -86,7 +78,7 @@ def _chain(old: fx.Node, limit: int = 6):
             return
         user = next(iter(node.users))
         yield user
-        if op_name(user) not in _PASS_THROUGH or not isinstance(user.meta.get("val"), torch.Tensor):
+        if op_name(user) not in KEEPS_LAST_DIM or not isinstance(user.meta.get("val"), torch.Tensor):
             return
         if user.meta["val"].shape[-1] != old.meta["val"].shape[-1]:
             return
@@ -105,7 +97,7 @@ def _split_blocks(old: fx.Node, out: int) -> tuple[int, ...]:
             if user.args[1] % rank == rank - 1 and len(sizes) == 2 and sizes[0] > 1 and _selects_pieces(user):
                 return (out // sizes[0],) * sizes[0]
             return ()
-        if name in ("split", "split_with_sizes", "chunk"):
+        if name in SPLITS:
             rank = len(user.args[0].meta["val"].shape)
             dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
             if dim % rank != rank - 1:
@@ -131,7 +123,7 @@ def _selects_pieces(node: fx.Node, limit: int = 6) -> bool:
         if len(node.users) != 1:
             return False
         node = next(iter(node.users))
-        if op_name(node) not in ("unsqueeze", "transpose", "squeeze", "contiguous", "clone", "permute"):
+        if op_name(node) not in MOVES_DIMS_APART:
             return False
     return False
 
@@ -142,7 +134,7 @@ def _slice_blocks(old: fx.Node, out: int) -> tuple[int, ...]:
     node = old
     for user in _chain(old):
         v = user.meta.get("val")
-        if op_name(user) not in _PASS_THROUGH or not isinstance(v, torch.Tensor) or v.shape[-1] != out:
+        if op_name(user) not in KEEPS_LAST_DIM or not isinstance(v, torch.Tensor) or v.shape[-1] != out:
             break
         node = user
     users = list(node.users)
@@ -166,7 +158,7 @@ def _head_count(old: fx.Node) -> int | None:
     """Heads, if the matmul output is viewed as [..., heads, head_dim] right away."""
     last = old.meta["val"].shape[-1]
     for user in _chain(old):
-        if op_name(user) in ("view", "reshape", "_unsafe_view"):
+        if op_name(user) in RESHAPES:
             shape = list(user.meta["val"].shape)
             if len(shape) >= 2 and shape[-2] * shape[-1] == last and shape[-1] != last:
                 return shape[-2]
@@ -175,7 +167,7 @@ def _head_count(old: fx.Node) -> int | None:
 
 def _feeds_cross_entropy(old: fx.Node) -> bool:
     for user in _chain(old):
-        if op_name(user) in ("cross_entropy_loss", "cross_entropy"):
+        if op_name(user) in CROSS_ENTROPIES:
             return True
     return False
 

@@ -16,9 +16,9 @@ from threefold.passes.cost import op_name
 from threefold.ir.program import tf
 from threefold.passes.tp_patterns import _head_count, _is_param, _split_blocks
 from threefold.passes.tp_placement import Replicate, Shard
+from threefold.ops.families import RESHAPES, SPLITS
 
 aten = torch.ops.aten
-_SPLITS = ("split", "split_with_sizes", "chunk")
 
 
 def weight_piece(node) -> tuple[fx.Node, fx.Node, int] | None:
@@ -26,7 +26,7 @@ def weight_piece(node) -> tuple[fx.Node, fx.Node, int] | None:
     if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem):
         return None
     split = node.args[0]
-    if not isinstance(split, fx.Node) or op_name(split) not in _SPLITS or not _is_param(split.args[0]):
+    if not isinstance(split, fx.Node) or op_name(split) not in SPLITS or not _is_param(split.args[0]):
         return None
     dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
     if dim != 0:
@@ -126,7 +126,7 @@ def _piece_heads(split: fx.Node, n: int) -> list[int | None]:
                 out[get.args[1]] = _head_count(lin)
                 last = lin.meta["val"].shape[-1]
                 for v in lin.users:   # a single head: [.., 1, head_dim]
-                    shape = list(v.meta["val"].shape) if op_name(v) in ("view", "reshape") else []
+                    shape = list(v.meta["val"].shape) if op_name(v) in RESHAPES else []
                     if len(shape) >= 2 and shape[-2] == 1 and shape[-1] == last:
                         out[get.args[1]] = 1
     return out

@@ -7,6 +7,7 @@ import operator
 import torch
 
 from threefold.errors import PlanError
+from threefold.ops.families import RESHAPES
 from threefold.ops.rules import Op
 from threefold.passes.tp_decisions import REGISTRY, TpCall, TpDecision, global_val, refuse
 from threefold.passes.tp_dims import padded_reshape, reshape_placement
@@ -16,7 +17,7 @@ from threefold.passes.tp_redistribute import Cut, Gathered
 aten = torch.ops.aten
 
 
-@REGISTRY.rule("view", "reshape", "_unsafe_view", "flatten", "unflatten")
+@REGISTRY.rule(*RESHAPES, "flatten", "unflatten")
 def reshape(c: TpCall) -> TpDecision:
     """view/reshape/flatten/unflatten by a dimension map (tp_dims.reshape_placement): the
     sharded dim may sit anywhere in a group of merged dims (the result is block-strided:

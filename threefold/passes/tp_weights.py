@@ -16,7 +16,8 @@ import torch.fx as fx
 from threefold.passes.cost import op_name
 from threefold.ir.program import tf
 from threefold.errors import PlanError
-from threefold.passes.tp_patterns import (_GROUPED, _TRANSPOSES, _coll, _feeds_cross_entropy, _head_count,
+from threefold.ops.families import GROUPED_MATMULS, TRANSPOSES
+from threefold.passes.tp_patterns import (_coll, _feeds_cross_entropy, _head_count,
                                           _is_param, _replace, _split_blocks, x_old_of)
 from threefold.passes.tp_placement import P, R, Partial, Replicate, Shard, local_size, padded, to_meta
 from threefold.passes.tp_redistribute import NoRule, fallback, replicated
@@ -112,7 +113,7 @@ class WeightRewrites:
         w_new = self.param_arg(w_old)  # the weight's (and bias's) local shapes, for the shape check
         if b_old is not None:
             self.param_arg(b_old)
-        if name in ("mm", "matmul") or name in _GROUPED:
+        if name in ("mm", "matmul") or name in GROUPED_MATMULS:
             args = self._transposed_weight(old, args, w_new)
         out_node = self.emit(old.target, args, self._map(old.kwargs), place=Shard(len(old.meta["val"].shape) - 1, blocks))
         self.origin[out_node] = frozenset([fqn])
@@ -121,7 +122,7 @@ class WeightRewrites:
     def _transposed_weight(self, old, args, w_new):
         """`x @ W.T`: the matmul reads a transpose of the parameter; re-emit it on the shard."""
         arg = old.args[1] if len(old.args) > 1 else None
-        if isinstance(arg, fx.Node) and not _is_param(arg) and op_name(arg) in _TRANSPOSES:
+        if isinstance(arg, fx.Node) and not _is_param(arg) and op_name(arg) in TRANSPOSES:
             self.maybe_dead.append(self.env[arg])
             t_new = self.emit(arg.target, (w_new,) + tuple(arg.args[1:]), dict(arg.kwargs), place=R, src=arg)
             return _replace(args, self.env[arg], t_new)
@@ -141,7 +142,7 @@ class WeightRewrites:
             arg = old.args[1]
             self.maybe_dead.append(self.env[arg])
             w = self.emit(arg.target, (w,) + tuple(arg.args[1:]), dict(arg.kwargs), place=R, src=arg)
-        extra = tuple(self._map(old.args[2:])) if name in _GROUPED else ()   # group offsets
+        extra = tuple(self._map(old.args[2:])) if name in GROUPED_MATMULS else ()   # group offsets
         partial = self.emit(target, (x, w) + extra, place=P)
         partial._rename(f"{old.name}_partial")
         rank = len(self.val[partial].shape)

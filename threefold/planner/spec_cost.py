@@ -29,19 +29,17 @@ from threefold.passes import cost as cost_mod
 from threefold.ir.program import compute_nodes, meta_of, tf
 from threefold.ir.stages import Program
 from threefold.errors import PlanError
+from threefold.ops import families as fam
 from threefold.planner import tp_decisions as tpd
 from threefold.planner.model_cost import ACT_BYTES, ModelCost, Op, cross_entropy_bytes
 from threefold.ir.stages import copy_graph_module
 from threefold.passes.experts import expert_regions
 
 # the loss over a row of logits (vocab-parallel under tp): priced by model_cost.cross_entropy_bytes
-LOSS_OPS = {"vocab_parallel_cross_entropy", "vocab_parallel_cross_entropy_full", "cross_entropy",
-            "cross_entropy_loss"}
+LOSS_OPS = fam.CROSS_ENTROPIES | fam.VOCAB_PARALLEL_CROSS_ENTROPIES
 # lookups of rows of a parameter table by index (the embedding, under tp its vocab-parallel form)
-GATHER_OPS = {"embedding", "vocab_parallel_embedding"}
-MATMUL_OPS = {"linear", "mm", "bmm", "matmul", "addmm", "baddbmm", "scaled_dot_product_attention",
-              "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-              "convolution", "conv1d", "conv2d"}
+GATHER_OPS = fam.EMBEDDINGS
+MATMUL_OPS = fam.GEMMS | fam.ATTENTION | fam.CONV_CALLS
 
 
 def model_cost_from_spec(spec: str, progress=None) -> ModelCost:
@@ -278,8 +276,7 @@ class _Costing:
 
 # The attention kernels a GPU runs (flash / memory-efficient): backward keeps the inputs q, k,
 # v (and a mask), the output and one fp32 logsumexp per query row; nothing else of their own.
-ATTENTION_OPS = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-                 "_scaled_dot_product_efficient_attention"}
+ATTENTION_OPS = fam.ATTENTION
 
 
 class _GraphSaved:

@@ -6,7 +6,8 @@ groups. `step(batch)` slices the global batch for this dp rank into microbatches
 executes the action list in order: compute, point-to-point transfers posted in the verified
 order, and the step's collectives (runtime/collective_plan.py: the loss denominator and the
 loss, gradient reductions per bucket, ZeRO-3 gathers and frees, tied and sequence-parallel
-sums), each one a handler below. It returns the mean loss over the global batch on every rank.
+sums), each one a handler below (the gradient collectives' in runtime/grad_reduce.py). It
+returns the mean loss over the global batch on every rank.
 """
 from __future__ import annotations
 
@@ -25,16 +26,13 @@ from threefold.runtime.comm import Groups
 from threefold.runtime.receives import ReceivePlan, receive_plan
 from threefold.runtime.manifest import Manifest
 from threefold.runtime.cp_ops import local_blocks
-from threefold.runtime.flat_grads import unflatten_into
+from threefold.runtime.grad_reduce import GradReduce
 from threefold.runtime.mesh import BATCH_AXES, chunk_layout
 from threefold.runtime.module import ChunkModule
 from threefold.runtime.random_ops import shared_seed
 from threefold.runtime.schedule import Kind, Schedule, forward_only
 from threefold.runtime.slot import Slot, handed_over, input_grads, release_outputs
 from threefold.runtime import weight_grad   # zero bubble: W runs what B deferred
-
-
-_LOCAL = object()   # a reduction's marker: summed through shared memory (runtime/local_reduce.py)
 
 
 @dataclass
@@ -131,7 +129,7 @@ class PipelineEngine:
         self._programs: dict = {}       # id(schedule) -> its runtime/dispatch.Program
         self.recv_pool = BufferPool()   # receive buffers, reused once their last reader is gone
         self.tracer = None      # a runtime/trace.Recorder while a step is traced (else no clock reads)
-        self._local: tuple | None = None   # (LocalExchange or None,) once set up (runtime/local_reduce.py)
+        self.grads = GradReduce(self)   # the step's gradient collectives (runtime/grad_reduce.py)
         self._links: tuple | None = None   # (local_p2p.Links or None,) once set up (runtime/local_p2p.py)
         self.memo: dict = {}            # caches of pure functions of this engine's fixed parts (grad_norm.py)
 
@@ -227,7 +225,7 @@ class PipelineEngine:
             raise PlanError(self._optimizer_needed)
         with_loss = self.has_loss and not model_outputs
         st.with_loss = with_loss
-        st.local = self._local_exchange() if train else None
+        st.local = self.grads.local_exchange() if train else None
         st.links = self._p2p_links()
         self._step_count += 1
         self._casts.hold()   # bf16/fp16: one weight copy per step, not per microbatch
@@ -235,8 +233,8 @@ class PipelineEngine:
                     Kind.BACKWARD: self._backward_action, Kind.SEND_GRAD: self._send_grad,
                     Kind.WEIGHT: self._weight_action,
                     Kind.LOSS_DENOMINATOR: self._denominator_action, Kind.LOSS: self._loss_action,
-                    Kind.ALL_REDUCE_GRADS: self._reduce_action, Kind.REDUCE_SCATTER_GRADS: self._reduce_action,
-                    Kind.WAIT_GRADS: self._wait_grads, Kind.TIED_SUM: self._tied_sum, Kind.SP_SUM: self._sp_sum,
+                    Kind.ALL_REDUCE_GRADS: self.grads.reduce, Kind.REDUCE_SCATTER_GRADS: self.grads.reduce,
+                    Kind.WAIT_GRADS: self.grads.wait, Kind.TIED_SUM: self.grads.tied_sum, Kind.SP_SUM: self.grads.sp_sum,
                     Kind.UNSHARD: self._unshard, Kind.RESHARD: self._reshard}
         post, land = self._post_recv, self._land
         if self.tracer is not None:   # --trace: each action timed (runtime/trace.py)
@@ -457,85 +455,13 @@ class PipelineEngine:
         if not st.with_loss:
             return
         total = self._loss_share(st.losses, st.denominator)
-        if st.local is not None:   # summed by the gradient exchange's barrier (_wait_grads)
+        if st.local is not None:   # summed by the gradient exchange's barrier (grad_reduce.py)
             st.loss_posted, st.loss_deferred = (total, None), True
             return
         group = None if self.mesh.pp > 1 else self.batch_group
         work = comm.all_reduce(total, group, "the loss", async_op=True) if (
             self.mesh.pp > 1 or self.batch_group is not None) else None
         st.loss_posted = (total, work)
-
-    def _reduce_action(self, st: "_StepState", a) -> None:
-        """Start reducing one gradient bucket (all-reduce, or ZeRO-1's reduce-scatter)."""
-        if not st.train:
-            return
-        fqns = self.collectives.bucket(self.stage, a).fqns
-        if self.dp_grad_hook is not None:   # zero=1: reduce-scatter (runtime/zero.py)
-            st.reductions.extend(self.dp_grad_hook.start(list(fqns)))
-            return
-        if self.batch_group is None:
-            return
-        grads = []
-        for f in fqns:   # a parameter without a gradient this step contributes zeros
-            p = self.params[f]
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        bucket = self.collectives.bucket(self.stage, a)
-        if st.local is not None and bucket.axes == BATCH_AXES:   # shared memory: straight into our slot
-            key = (bucket.chunk, bucket.index)
-            torch.cat([g.reshape(-1) for g in grads], out=st.local.slot(key))
-            st.reductions.append((_LOCAL, key, grads))
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        axes = bucket.axes
-        group = self.batch_group if axes == BATCH_AXES else self.groups.of(axes)
-        if group is None:   # experts under ep = dp: no other rank holds them; average only
-            st.reductions.append((None, flat, grads))
-            return
-        st.reductions.append((comm.all_reduce(flat, group, "gradients", async_op=True), flat, grads))
-
-    def _wait_grads(self, st: "_StepState", a) -> None:
-        if self.sharded is not None:
-            self.sharded.finish()
-        elif self.dp_grad_hook is not None:
-            self.dp_grad_hook.finish(st.reductions)
-        else:
-            if st.local is not None and (st.loss_deferred or any(r[0] is _LOCAL for r in st.reductions)):
-                self._exchange(st)
-            for work, flat, grads in st.reductions:
-                if work is _LOCAL:
-                    flat = st.local.summed(flat)
-                elif work is not None:
-                    comm.wait(work, "data-parallel gradient all-reduce", self.batch_group)
-                unflatten_into(flat, grads, scale=1.0 / self.batch_ranks)
-        st.reductions = []
-
-    def _exchange(self, st: "_StepState") -> None:
-        """The shared-memory exchange's one collective: every slot is written; it sums the
-        loss share on the way (the step's only all-reduce)."""
-        if st.loss_deferred:
-            carried, what = st.loss_posted[0], "gradients and the loss"
-            st.loss_deferred = False
-        else:
-            carried, what = torch.zeros((), dtype=torch.float64), "gradients"
-        st.local.barrier(carried, what)
-
-    def _local_exchange(self):
-        """This step's shared-memory gradient exchange (runtime/local_reduce.py), or None:
-        plain data parallelism over CPU ranks of one host (no pipeline: the loss's group is
-        the batch group; no ZeRO: the buckets are all-reduced whole; a GPU job's collectives
-        are NCCL's). Set up once, by every rank at the same step (the conditions are the
-        plan's and the job's, the same on every rank)."""
-        if (self.mesh.pp > 1 or self.collectives.zero or self.batch_group is None or self.device.type != "cpu"
-                or self.dp_grad_hook is not None or self.sharded is not None):
-            return None
-        if self._local is None:
-            # lazy: start-up: runtime.local_reduce loads only on this path
-            from threefold.runtime import local_reduce
-            sizes, dtype = local_reduce.batch_buckets(self.collectives.buckets[self.stage], self.params)
-            self._local = (local_reduce.open_exchange(self.batch_group, sizes, dtype),)
-        return self._local[0]
 
     def _p2p_links(self):
         """The pipeline channels through shared memory (runtime/local_p2p.py), or None: CPU
@@ -548,33 +474,6 @@ class PipelineEngine:
             from threefold.runtime import local_p2p
             self._links = (local_p2p.open_links(dispatch.p2p_messages(self)),)
         return self._links[0]
-
-    def _grad_tensor(self, fqn: str) -> torch.Tensor:
-        """The gradient this rank holds for a parameter: whole, or its zero>=2 row shard."""
-        if self.sharded is not None:
-            g = self.sharded.grad_rows(fqn)
-            if g is None:
-                s = self.sharded.rows[fqn]
-                g = self.sharded.grads[fqn] = torch.zeros((s.count, *s.param.shape[1:]) if s.param.dim()
-                                                          else (s.count,), device=s.shard.device)
-            return g
-        p = self.params[fqn]
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        return p.grad
-
-    def _tied_sum(self, st: "_StepState", a) -> None:
-        """A tied parameter's gradient, summed over the stages holding it."""
-        fqn, stages = self.collectives.ties[a.mb]
-        comm.all_reduce(self._grad_tensor(fqn), self.groups.ties[stages], f"tied gradient {fqn}")
-
-    def _sp_sum(self, st: "_StepState", a) -> None:
-        """Parameters applied to sequence shards: each tp rank has part of the gradient."""
-        for fqn in self.collectives.sp:
-            p = self.params.get(fqn)
-            if p is not None and p.requires_grad and self.groups.tp is not None and (
-                    p.grad is not None or self.sharded is not None):
-                comm.all_reduce(self._grad_tensor(fqn), self.groups.tp, f"sequence-parallel gradient {fqn}")
 
     def _unshard(self, st: "_StepState", a) -> None:
         self.sharded.hold(a.chunk, a.mb)
