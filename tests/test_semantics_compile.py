@@ -104,6 +104,16 @@ def test_batchnorm_follows_eval_mode_in_generated_code():
     assert "self.training, 0.1" in src
 
 
+def test_rrelu_follows_eval_mode_in_generated_code():
+    """rrelu's training flag is its 4th argument (rrelu_with_noise's 5th): read by position as
+    the 5th, it stayed True in the chunk, so pm.eval() still drew random slopes."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.RReLU()).train()
+    w = {"model": model, "inputs": (torch.randn(4, 8),), "target": torch.randn(4, 8), "loss_fn": F.mse_loss}
+    src = build_sources(compile_workload(w, "pp=1"))["chunk00.py"]
+    call = src[src.index("aten.rrelu.default"):]
+    assert call[:call.index(")")].rstrip().endswith("self.training")
+
+
 def test_batch_dims_found_declared_or_asked_for():
     prog = compile_workload(sm.seq_first(), "m=2")
     assert prog.batch_dims == [1, 0]

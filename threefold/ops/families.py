@@ -241,6 +241,11 @@ MOVES_DIMS_APART = frozenset({"unsqueeze", "transpose", "squeeze", "contiguous",
 SEEDED_RANDOM = (RANDOM - {"dropout", "exponential"}) | {"feature_dropout", "alpha_dropout", "feature_alpha_dropout",
                                                          "rrelu", "rrelu_with_noise"}
 
+# ops with a train-mode argument (`training` / `train` in their schema) that
+# passes/random_ops.py turns into the module's mode, so pm.eval() reaches them
+TRAIN_FLAGGED = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "native_dropout",
+                           "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "rrelu", "rrelu_with_noise"})
+
 # how a loss op's reduction="mean" divides (passes/loss_form.py): by the targets it counts
 # (ignore_index left out), or by every element
 TARGET_COUNTED_LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d"})

@@ -22,9 +22,12 @@ from threefold.runtime import random_ops as rt
 aten = torch.ops.aten
 
 _SDPA = {"scaled_dot_product_attention"}
-_TRAINING_ARG = {"batch_norm": 5, "native_batch_norm": 5, "_native_batch_norm_legit": 5,
-                 "feature_dropout": 2, "alpha_dropout": 2, "feature_alpha_dropout": 2,
-                 "native_dropout": 2, "rrelu": 4, "rrelu_with_noise": 5}
+def _train_index(node: fx.Node) -> int | None:
+    """The position of the op's train-mode argument, read from its schema (counted by hand,
+    rrelu's and rrelu_with_noise's were one off, so their flag stayed True in eval)."""
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    return next((i for i, a in enumerate(names) if a in ("training", "train")), None)
 
 
 @stage_pass(needs=Partitioned)
@@ -55,7 +58,7 @@ def _to_rewrite(node: fx.Node, index: dict[str, int]) -> bool:
     if node.op != "call_function":
         return False
     base = _short(node).rstrip("_")
-    return node.name in index or base in _TRAINING_ARG or base in _SDPA
+    return node.name in index or base in fam.TRAIN_FLAGGED or base in _SDPA
 
 
 def _short(node: fx.Node) -> str:
@@ -88,9 +91,9 @@ def _rewrite(graph: fx.Graph, node: fx.Node, index: dict[str, int]) -> bool:
     name = _short(node)
     base = name.rstrip("_")
     changed = False
-    if base in _TRAINING_ARG and not name.startswith("_batch_norm_with"):
-        i = _TRAINING_ARG[base]
-        if i < len(node.args) and node.args[i] is True:
+    if base in fam.TRAIN_FLAGGED and not name.startswith("_batch_norm_with"):
+        i = _train_index(node)
+        if i is not None and i < len(node.args) and node.args[i] is True:
             args = list(node.args)
             args[i] = rt.TrainFlag()
             node.args = tuple(args)
