@@ -34,6 +34,7 @@ from threefold.ir.stages import Partitioned
 from threefold.errors import PlanError
 from threefold.ops import families as fam
 from threefold.passes.expert_match import _param_root, _val, expert_matmul, schema_arg, weight_chain  # noqa: F401 (schema_arg: read from here too)
+from threefold.passes.module_experts import module_expert_groups
 from threefold.passes.row_index_rules import INDEX_OPS
 from threefold.passes.row_rules import propagate
 from threefold.passes.row_state import LOST, POS, Rows
@@ -50,6 +51,7 @@ def find_experts(prog: Partitioned) -> Partitioned:
     ep = getattr(prog.plan, "ep", 1)
     chunks = []
     found = 0
+    refusals: list[str] = []
     for chunk in prog.chunks:
         regions = _regions(chunk.gm.graph, strict=ep > 1)
         found += len(regions)
@@ -57,20 +59,43 @@ def find_experts(prog: Partitioned) -> Partitioned:
             if ep > 1 and r["experts"] % ep:
                 raise PlanError(f"plan ep={ep}: {r['name']} has {r['experts']} experts, which ep does not "
                                 f"divide; choose an ep that divides {r['experts']}")
-        chunks.append(chunk.evolve(experts=tuple(regions)))
+        groups = _module_groups(chunk.gm.graph, regions, refusals) if ep > 1 else []
+        found += len(groups)
+        for g in groups:
+            if g["experts"] % ep:
+                raise PlanError(f"plan ep={ep}: {g['name']} has {g['experts']} experts (separate modules), which "
+                                f"ep does not divide; choose an ep that divides {g['experts']}")
+        chunks.append(chunk.evolve(experts=tuple(regions), module_experts=tuple(groups)))
+    if ep > 1 and not found and refusals:
+        raise PlanError(refusals[0])
     if ep > 1 and not found:
         loop = next((d for d in (per_module_experts(c.gm.graph) for c in prog.chunks) if d), None)
         why = (f": its experts are {loop[0]} separate modules applied one by one ({loop[0]} linear layers of "
-               f"weight {loop[1]} over pieces of one tensor at {loop[2]}), which ep cannot place per rank"
+               f"weight {loop[1]} over pieces of one tensor at {loop[2]}), whose results are not combined by one "
+               "stack, cat or sum, so ep cannot place them per rank"
                if loop else "")
         raise PlanError(f"plan ep={ep}: no expert computation found in {prog.name}{why} (ep splits grouped matmuls "
-                        "over [experts, in, out] parameter weights with per-expert row offsets); drop ep (tp and "
+                        "over [experts, in, out] parameter weights with per-expert row offsets, and experts held as "
+                        "separate modules whose results are stacked, concatenated or summed); drop ep (tp and "
                         "dp shard the experts as they are), or write each projection as one stacked [experts, in, "
                         "out] parameter applied with a grouped matmul to rows sorted by expert")
     if ep > 1 and getattr(prog.plan, "recompute", "none") != "none":
         raise PlanError(f"plan ep={ep} with recompute={prog.plan.recompute} is not supported yet "
                         "(an expert region inside a recomputed segment); use recompute=none with ep")
     return prog.evolve(chunks=tuple(chunks))
+
+
+def _module_groups(graph: fx.Graph, regions: list[dict], refusals: list[str]) -> list[dict]:
+    """Module expert groups (passes/module_experts.py) outside the grouped-matmul regions. A
+    group ep cannot split exactly is left inline (exact, not split) and its reason kept: it
+    is the PlanError when the model has no other expert computation."""
+    try:
+        groups = module_expert_groups(graph)
+    except PlanError as err:
+        refusals.append(str(err))
+        return []
+    grouped = {x for r in regions for x in r["nodes"]}
+    return [g for g in groups if not grouped & set(g["nodes"])]
 
 
 def per_module_experts(graph: fx.Graph):
