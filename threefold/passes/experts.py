@@ -35,14 +35,8 @@ from threefold.errors import PlanError
 from threefold.ops import families as fam
 from threefold.passes.expert_match import _param_root, _val, expert_matmul, schema_arg, weight_chain  # noqa: F401 (schema_arg: read from here too)
 from threefold.passes.module_experts import module_expert_groups
-from threefold.passes.row_index_rules import INDEX_OPS
-from threefold.passes.row_rules import propagate
-from threefold.passes.row_state import LOST, POS, Rows
-
-# ops that place values by a position tensor: given one computed from the rows, it is a
-# global position, which means nothing on the expert's rank
-_BY_POSITION = INDEX_OPS | {"embedding", "embedding_bag", "nonzero", "argwhere", "sort", "argsort",
-                            "take", "put", "put_"}
+from threefold.passes.ep_rules import decide as region_decision
+from threefold.passes.row_state import Rows
 
 
 @stage_pass(needs=Partitioned)
@@ -220,9 +214,10 @@ def _reach(start, step) -> set:
 
 def _check_row_wise(name: str, nodes: list[fx.Node], rows: int, outside: set) -> None:
     """Every op of the region keeps each row's result a function of that row alone, in its
-    place on dim 0 (passes/row_rules.py's per-op rules, with the region's row inputs and
-    expert matmul outputs as the rows): then any subset of rows, on any rank, computes what
-    one process computes for them. Expert weights, offsets and parameters carry no rows."""
+    place on dim 0 (ep's region rules, passes/ep_rules.py, over the batch-row rules, with the
+    region's row inputs and expert matmul outputs as the rows): then any subset of rows, on
+    any rank, computes what one process computes for them. Expert weights, offsets and
+    parameters carry no rows."""
     inside = set(nodes)
     states: dict = {}
     for n in nodes:
@@ -232,26 +227,8 @@ def _check_row_wise(name: str, nodes: list[fx.Node], rows: int, outside: set) ->
                 states[a] = Rows(0, 1) if isinstance(v, torch.Tensor) and v.dim() >= 1 \
                     and v.shape[0] == rows else None
     for n in nodes:
-        state, reason = propagate(n, states, rows)
-        states[n] = state
-        parts = state if isinstance(state, tuple) else (state,)
-        bad = reason or (None if _rows_kept(n, rows) else "it does not keep the rows on dim 0")
-        if bad is None and any(p in (LOST, POS) or isinstance(p, Rows) and p.dim != 0 for p in parts):
-            bad = "no rule keeps its rows in place"
-        if bad is None and op_name(n) in _BY_POSITION and any(states.get(a) is not None
-                                                             for a in n.all_input_nodes[1:]):
-            bad = "it places values by positions computed from the rows"
+        states[n], bad = region_decision(n, states, rows)
         if bad:
             raise PlanError(f"expert region {name}: {op_name(n)} ({tf(n).get('module', '') or n.name}) between "
                             f"the expert matmuls is not row-wise ({bad}), so its rows cannot be computed on the "
                             "experts' ranks; drop ep for this model")
-
-
-def _rows_kept(n: fx.Node, rows: int) -> bool:
-    """Every tensor this op makes keeps the region's rows on dim 0 (asserts make none)."""
-    v = _val(n)
-    vals = v if isinstance(v, (tuple, list)) else [v]
-    tensors = [t for t in vals if isinstance(t, torch.Tensor)]
-    if op_name(n) == "_assert_tensor_metadata":
-        return True
-    return bool(tensors) and all(t.dim() >= 1 and t.shape[0] == rows for t in tensors)
