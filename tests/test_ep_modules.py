@@ -48,6 +48,19 @@ def test_without_ep_nothing_is_searched_and_generated_code_calls_the_experts():
     assert "def _mexperts_0_3(" in src and "EXPERT_MODULES = {" in src
 
 
+def test_inspect_lists_module_experts_per_rank_and_their_all_to_all_bytes():
+    from threefold.cli.inspect_experts import expert_report, format_experts
+    w = FACTORIES["dense_mixture"]()
+    report = expert_report(_compile(w), tuple(w["inputs"]) + (w["target"],))
+    [layer] = report["layers"]
+    assert layer["held_by_ep_rank"] == [[0, 1], [2, 3]] and layer["separate_modules"]
+    tokens = 2 * 8 * 16 * 4                    # one rank's [2, 8, 16] fp32 tokens
+    gates = 2 * 8 * 1 * 4                      # each expert's router weight [2, 8, 1]
+    # the tokens once to each of 2 ranks, 4 gate slices, 4 results back
+    assert layer["all_to_all_bytes"]["forward"] == 2 * tokens + 4 * gates + 4 * tokens
+    assert "  4  2  -  " in format_experts(report)
+
+
 def test_groups_ep_cannot_split_exactly_are_one_line_plan_errors():
     class ReadOutside(nn.Module):   # expert hidden values also feed an extra term
         def __init__(self):
@@ -161,7 +174,15 @@ def test_dp2_ep2_module_experts_train_like_one_process_each_rank_holding_half():
                 assert got, (name, fqn)              # dense on both ranks, an expert's on its own
                 for g in got:
                     torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-6, msg=f"{name} {fqn} step {step}")
-        assert a["sent"]["expert inputs"] > 0 and a["sent"]["expert outputs"] > 0, a["sent"]
+        # inspect's bytes per layer and microbatch (forward) are what the exchanges moved
+        from threefold.cli.inspect_experts import expert_report
+        w = FACTORIES[name]()
+        report = expert_report(_compile(w), tuple(w["inputs"]) + (w["target"],))
+        forward = sum(l["all_to_all_bytes"]["forward"] for l in report["layers"])
+        for r in (a, b):
+            assert r["sent"]["expert inputs"] + r["sent"]["expert outputs"] == STEPS * forward, (name, r["sent"])
+            assert r["sent"]["expert inputs gradients"] + r["sent"]["expert outputs gradients"] == \
+                STEPS * forward, (name, r["sent"])
 
 
 def _checkpoint_rank(directory: str) -> list[float]:

@@ -9,6 +9,8 @@ The zoo tier runs every MoE config at ep=2, ep=4 and with tp/pp/dp (tests/zoo/ma
 """
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -162,7 +164,9 @@ def test_inspect_reports_experts_per_rank_tokens_per_expert_and_all_to_all_bytes
 
 # -- zoo tier: every MoE config under every ep plan family --------------------------------
 ZOO_ARCHS = ["mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "hw_moe_top2", "hw_moe_interleaved", "gpt_oss",
-             "qwen3_moe", "granitemoe", "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "deepseek_v2", "flex_olmo"]
+             "qwen3_moe", "granitemoe", "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "deepseek_v2", "flex_olmo",
+             # experts held as separate modules (tests/test_ep_modules.py): a dense mixture, Soft MoE
+             "hw_moe_softmax"] + (["soft_moe"] if importlib.util.find_spec("soft_moe_pytorch") else [])
 ZOO_PLANS = ["dp=2,ep=2", "dp=4,ep=4", "dp=4,ep=2", "tp=2,dp=2,ep=2", "pp=2,dp=2,ep=2,m=2"]
 _cells: dict = {}
 
