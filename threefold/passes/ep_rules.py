@@ -75,6 +75,7 @@ def _assert(c: RegionCall) -> Decision:
 
 @EP.rule(*sorted(BY_POSITION))
 def _by_position(c: RegionCall) -> Decision:
+    """Refused where a position argument is computed from the rows, else as row_wise."""
     d = row_wise(c)
     if any(c.states.get(a) is not None for a in c.node.all_input_nodes[1:]):
         refuse("it places values by positions computed from the rows")
