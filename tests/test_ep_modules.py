@@ -180,9 +180,10 @@ def test_dp2_ep2_module_experts_train_like_one_process_each_rank_holding_half():
         report = expert_report(_compile(w), tuple(w["inputs"]) + (w["target"],))
         forward = sum(l["all_to_all_bytes"]["forward"] for l in report["layers"])
         for r in (a, b):
-            assert r["sent"]["expert inputs"] + r["sent"]["expert outputs"] == STEPS * forward, (name, r["sent"])
-            assert r["sent"]["expert inputs gradients"] + r["sent"]["expert outputs gradients"] == \
-                STEPS * forward, (name, r["sent"])
+            sent = r["sent"]
+            assert sent["expert module inputs"] + sent["expert module outputs"] == STEPS * forward, (name, sent)
+            assert sent["expert module inputs gradients"] + sent["expert module outputs gradients"] == \
+                STEPS * forward, (name, sent)
 
 
 def _checkpoint_rank(directory: str) -> list[float]:

@@ -83,11 +83,7 @@ def _module_groups(graph: fx.Graph, regions: list[dict], refusals: list[str]) ->
     """Module expert groups (passes/module_experts.py) outside the grouped-matmul regions. A
     group ep cannot split exactly is left inline (exact, not split) and its reason kept: it
     is the PlanError when the model has no other expert computation."""
-    try:
-        groups = module_expert_groups(graph)
-    except PlanError as err:
-        refusals.append(str(err))
-        return []
+    groups = module_expert_groups(graph, refusals)
     grouped = {x for r in regions for x in r["nodes"]}
     return [g for g in groups if not grouped & set(g["nodes"])]
 

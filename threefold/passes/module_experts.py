@@ -36,8 +36,9 @@ from threefold.passes.cost import op_name
 from threefold.passes.expert_match import _val, schema_arg
 
 
-def module_expert_groups(graph: fx.Graph) -> list[dict]:
-    """The graph's module expert groups (a PlanError for a group ep cannot split exactly)."""
+def module_expert_groups(graph: fx.Graph, refusals: list | None = None) -> list[dict]:
+    """The graph's module expert groups. A group ep cannot split exactly is a PlanError, or
+    with `refusals` given, left out (inline: exact, not split) and its reason appended."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     params = [n for n in graph.nodes if n.op == "placeholder" and tf(n).get("kind") == "param"]
     anc: dict = {}
@@ -51,7 +52,13 @@ def module_expert_groups(graph: fx.Graph) -> list[dict]:
         nodes = {x for m in built for x in m["nodes"]}
         if nodes & taken:   # a group inside another's member: the outer one moves it whole
             continue
-        _check_alike(name, built)
+        try:
+            _check_alike(name, built)
+        except PlanError as err:
+            if refusals is None:
+                raise
+            refusals.append(str(err))
+            continue
         taken |= nodes
         groups.append({
             "name": name, "combine": op_name(combine), "experts": len(built),

@@ -38,14 +38,14 @@ def run_module_experts(fns, inputs, params, group) -> tuple:
         col = [ins[k] for ins in inputs]
         if all(c is col[0] for c in col):   # read by every expert: once to every rank
             got = _AllToAll.apply(col[0].unsqueeze(0).expand(ep, *col[0].shape), [1] * ep, [1] * ep,
-                                  group, "expert inputs")
+                                  group, "expert module inputs")
             there.append(lambda s, i, got=got: got[s])
         else:                               # one per expert: to its rank
-            got = _AllToAll.apply(torch.stack(col), [local] * ep, [local] * ep, group, "expert inputs")
+            got = _AllToAll.apply(torch.stack(col), [local] * ep, [local] * ep, group, "expert module inputs")
             there.append(lambda s, i, got=got: got[s * local + i])
     outs = [fns[me * local + i](*(f(s, i) for f in there), *params[me * local + i])
             for s in range(ep) for i in range(local)]
-    back = _AllToAll.apply(torch.stack(outs), [local] * ep, [local] * ep, group, "expert outputs")
+    back = _AllToAll.apply(torch.stack(outs), [local] * ep, [local] * ep, group, "expert module outputs")
     return tuple(back.unbind(0))     # from rank k its experts' results: expert order
 
 
