@@ -125,15 +125,17 @@ def _rank(names: list[str]) -> list[dict]:
             owned = pm.manifest["expert_modules"]
             held = sorted(f for f, p in pm.named_parameters() if f in owned and p.numel())
             opt = pm.optimizer(torch.optim.SGD, lr=0.1)
-            losses, grads = [], []
+            losses, grads, norms = [], [], []
             sent.clear()
             for _ in range(STEPS):
                 opt.zero_grad()
                 losses.append(pm.step(*w["inputs"], target=w["target"]))
                 grads.append({f: p.grad.clone() for f, p in pm.named_parameters()
                               if p.numel() and p.grad is not None})
+                norms.append(pm.clip_grad_norm_(1e9))    # counts each expert once, on its rank
                 opt.step()
-            out.append({"losses": losses, "grads": grads, "held": held, "owned": owned, "sent": dict(sent)})
+            out.append({"losses": losses, "grads": grads, "norms": norms, "held": held, "owned": owned,
+                        "sent": dict(sent)})
         return out
     finally:
         comm.all_to_all = real
@@ -143,15 +145,16 @@ def _reference(name: str):
     w = FACTORIES[name]()
     model = w["model"]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses, grads = [], []
+    losses, grads, norms = [], [], []
     for _ in range(STEPS):
         opt.zero_grad()
         loss = w["loss_fn"](model(*w["inputs"]), w["target"])
         loss.backward()
         losses.append(loss.item())
         grads.append({f: p.grad.clone() for f, p in model.named_parameters()})
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
         opt.step()
-    return losses, grads
+    return losses, grads, norms
 
 
 @pytest.mark.slow
@@ -160,10 +163,12 @@ def test_dp2_ep2_module_experts_train_like_one_process_each_rank_holding_half():
     names = ["slot_experts", "dense_mixture"]
     ranks = threefold.launch(_rank, 2, names, timeout=360)
     for k, name in enumerate(names):
-        ref_losses, ref_grads = _reference(name)
+        ref_losses, ref_grads, ref_norms = _reference(name)
         a, b = ranks[0][k], ranks[1][k]
         assert a["losses"] == b["losses"], name
         assert max_rel_diff(a["losses"], ref_losses) < 1e-5, (name, a["losses"], ref_losses)
+        for r in (a, b):
+            assert max_rel_diff(r["norms"], ref_norms) < 1e-5, (name, r["norms"], ref_norms)
         owned = a["owned"]
         assert set(owned) and not set(a["held"]) & set(b["held"]), name       # each expert on one rank
         assert set(a["held"]) | set(b["held"]) == set(owned), name
