@@ -18,7 +18,9 @@ Guarantees: `chunk.experts` is a tuple of regions {"name" (module path), "nodes"
 nodes in graph order), "offs", "rows", "weights", "others", "outputs" (node names),
 "experts" (E), "params" (FQN -> E)}. Under ep=N a model with no region, or an E that N
 does not divide, is a PlanError. Codegen writes each region as a method that
-ChunkModule.experts runs on the ranks holding its experts (runtime/experts.py).
+ChunkModule.experts runs on the ranks holding its experts (runtime/experts.py). Which ops a
+region may hold is ep's region rules' answer (passes/ep_rules.py). Under ep, experts held as
+separate modules (passes/module_experts.py) go to `chunk.module_experts`.
 """
 from __future__ import annotations
 
