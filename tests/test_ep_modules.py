@@ -223,3 +223,15 @@ def test_checkpoint_stores_each_module_expert_whole_from_its_rank_and_loads_unde
     ranks = threefold.launch(_checkpoint_rank, 2, str(tmp_path), timeout=360)
     for losses in ranks:
         assert max_rel_diff(losses, ref[2:] * 2) < 1e-5, (losses, ref)
+
+
+def test_a_top_level_submodule_named_like_a_chunk_method_loads():
+    """SlotExperts keeps its experts in `self.experts`, a name ChunkModule's methods use: the
+    generated module registers them through _modules and keeps the method."""
+    from threefold.codegen.artifact import build_sources
+    src = next(v for k, v in build_sources(_compile(FACTORIES["slot_experts"](), "dp=2")).items()
+               if k.endswith(".py"))
+    scope: dict = {}
+    exec(compile(src, "chunk0", "exec"), scope)
+    module = next(v for k, v in scope.items() if k.startswith("Chunk") and k != "ChunkModule")()
+    assert "experts.0.0.weight" in dict(module.named_parameters()) and callable(module.experts)
