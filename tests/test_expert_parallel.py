@@ -9,6 +9,8 @@ The zoo tier runs every MoE config at ep=2, ep=4 and with tp/pp/dp (tests/zoo/ma
 """
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -162,7 +164,9 @@ def test_inspect_reports_experts_per_rank_tokens_per_expert_and_all_to_all_bytes
 
 # -- zoo tier: every MoE config under every ep plan family --------------------------------
 ZOO_ARCHS = ["mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "hw_moe_top2", "hw_moe_interleaved", "gpt_oss",
-             "qwen3_moe", "granitemoe", "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "deepseek_v2", "flex_olmo"]
+             "qwen3_moe", "granitemoe", "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "deepseek_v2", "flex_olmo",
+             # experts held as separate modules (tests/test_ep_modules.py): a dense mixture, Soft MoE
+             "hw_moe_softmax"] + (["soft_moe"] if importlib.util.find_spec("soft_moe_pytorch") else [])
 ZOO_PLANS = ["dp=2,ep=2", "dp=4,ep=4", "dp=4,ep=2", "tp=2,dp=2,ep=2", "pp=2,dp=2,ep=2,m=2"]
 _cells: dict = {}
 
@@ -235,9 +239,10 @@ def test_data_dependent_expert_loop_is_one_line_plan_error():
         compile_workload(loop_moe(), "dp=2,ep=2")
 
 
-def test_experts_as_a_module_list_are_refused_in_one_line_naming_the_loop():
-    """Experts held as a ModuleList, each applied to its piece of the slots (soft-MoE style):
-    ep has no stacked weight to place per rank; the refusal names the loop and the rewrite."""
+def test_module_list_experts_combined_by_no_stack_cat_or_sum_are_refused_in_one_line_naming_the_loop():
+    """Experts held as a ModuleList, each applied to its piece of the slots, but combined by
+    an elementwise maximum: ep splits such experts only when one stack, cat or sum combines
+    them (tests/test_ep_modules.py); the refusal names the loop and the rewrite."""
     import re
 
     import torch.nn as nn
@@ -253,7 +258,11 @@ def test_experts_as_a_module_list_are_refused_in_one_line_naming_the_loop():
         def forward(self, idx):
             x = self.emb(idx)                                          # [b, 8 slots, 16]
             pieces = x.chunk(4, dim=1)                                 # 2 slots per expert
-            return self.head(torch.cat([e(p) for e, p in zip(self.experts, pieces)], dim=1))
+            outs = [e(p) for e, p in zip(self.experts, pieces)]
+            y = outs[0]
+            for o in outs[1:]:
+                y = torch.maximum(y, o)                                # [b, 2, 16]
+            return self.head(y.repeat(1, 4, 1))
 
     idx = torch.randint(0, 32, (4, 9))
     w = {"model": SlotExperts(), "inputs": (idx[:, :-1],), "target": idx[:, 1:],
@@ -262,4 +271,4 @@ def test_experts_as_a_module_list_are_refused_in_one_line_naming_the_loop():
         compile_workload(w, "dp=2,ep=2")
     msg = str(err.value)
     assert "\n" not in msg and re.search(r"4 separate modules applied one by one .*weight \[16, 16\]", msg), msg
-    assert "stacked [experts, in, out] parameter" in msg
+    assert "not combined by one stack, cat or sum" in msg and "stacked [experts, in, out] parameter" in msg

@@ -59,6 +59,16 @@ def layout_of(pm, fqn: str, local: torch.Tensor) -> Sharded:
         rows.expert_rows = True
         rows.rows_base = (s, pm.engine.coord.ep * count)   # ZeRO rows of these rows compose (zero_state)
         return rows
+    owned = pm.manifest.get("expert_modules") or {}
+    if fqn in owned and mesh.ep > 1:
+        # ep over experts held as separate modules: the expert's rank holds the parameter
+        # whole (all of its local rows), every other rank none of it (runtime/expert_modules.py)
+        # lazy: start-up: checkpoint.zero_state loads only on this path
+        from threefold.checkpoint.zero_state import RowsOf
+        rows = RowsOf(s, 0, local.shape[0] if local.dim() else 0, local)
+        rows.expert_rows = True
+        rows.rows_base = (s, 0)
+        return rows
     return s
 
 

@@ -18,7 +18,8 @@ from threefold.ir.program import tf
 def expert_report(prog, batch: tuple | None = None) -> dict | None:
     """{"ep", "layers": [...]} for a program with expert regions, else None."""
     regions = [(c, r) for c in prog.chunks for r in c.experts]
-    if not regions:
+    groups = [(c, g) for c in prog.chunks for g in getattr(c, "module_experts", ())]
+    if not regions and not groups:
         return None
     ep = getattr(prog.plan, "ep", 1)
     counts, why = _tokens_per_expert(prog, batch)
@@ -43,10 +44,34 @@ def expert_report(prog, batch: tuple | None = None) -> dict | None:
                                  "backward": there + back if ep > 1 else 0},
             "tokens_per_expert": counts.get(r["offs"] + f"@{chunk.index}"),
         })
+    layers += [_module_layer(chunk, g, ep) for chunk, g in groups]
     out = {"ep": ep, "layers": layers}
     if why:
         out["tokens_per_expert_missing"] = why
     return out
+
+
+def _module_layer(chunk, g: dict, ep: int) -> dict:
+    """Experts held as separate modules (passes/module_experts.py): each on one ep rank; one
+    rank sends each expert its own inputs (a tensor every expert reads: once per ep rank)
+    and gets every expert's result back (runtime/expert_modules.py)."""
+    nodes = {n.name: n for n in chunk.gm.graph.nodes}
+
+    def nbytes(name):
+        t = nodes[name].meta["val"]
+        return t.numel() * t.element_size()
+    members = g["members"]
+    there = 0
+    for k in range(len(members[0]["inputs"])):
+        names = {m["inputs"][k] for m in members}
+        there += ep * nbytes(members[0]["inputs"][k]) if len(names) == 1 else sum(nbytes(x) for x in names)
+    back = sum(nbytes(m["output"]) for m in members)
+    per = g["experts"] // ep
+    a2a = there + back if ep > 1 else 0
+    return {"layer": g["name"], "chunk": chunk.index, "experts": g["experts"], "experts_per_rank": per,
+            "held_by_ep_rank": [[k * per, (k + 1) * per - 1] for k in range(ep)], "params": sorted(g["owned"]),
+            "rows_per_microbatch": None, "all_to_all_bytes": {"forward": a2a, "backward": a2a},
+            "tokens_per_expert": None, "separate_modules": True}
 
 
 def format_experts(report: dict) -> str:
@@ -55,7 +80,8 @@ def format_experts(report: dict) -> str:
     for l in report["layers"]:
         a2a = l["all_to_all_bytes"]["forward"] + l["all_to_all_bytes"]["backward"]
         tokens = l["tokens_per_expert"]
-        lines.append(f"  {l['layer']}  {l['experts']}  {l['experts_per_rank']}  {l['rows_per_microbatch']}  "
+        rows = l["rows_per_microbatch"]
+        lines.append(f"  {l['layer']}  {l['experts']}  {l['experts_per_rank']}  {rows if rows is not None else '-'}  "
                      f"{a2a}  {tokens if tokens is not None else '-'}")
     if report.get("tokens_per_expert_missing"):
         lines.append(f"  (tokens per expert: {report['tokens_per_expert_missing']})")

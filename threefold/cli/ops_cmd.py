@@ -1,4 +1,4 @@
-"""`threefold ops [--axis tp|cp] [--json]`: the op table, per axis, from the rule registries."""
+"""`threefold ops [--axis tp|cp|ep] [--json]`: the op table, per axis, from the rule registries."""
 from __future__ import annotations
 
 from threefold.cli.jsonout import dumps
@@ -8,10 +8,10 @@ def register(sub) -> None:
     p = sub.add_parser(
         "ops", help="list the ATen ops the compiler knows and how each axis splits them",
         description="Every op with a family or a rule (threefold/ops/families.py, the tp and cp rule "
-        "registries): its family and, per axis, the rule that splits it, the fallback it takes "
+        "and ep registries): its family and, per axis, the rule that splits it, the fallback it takes "
         "(tp: replicated around it; cp: the sequence all-gathered around it, listed by inspect, a "
         "PlanError under strict=true) or why it is refused.")
-    p.add_argument("--axis", choices=["tp", "cp"], default=None, help="show one axis only")
+    p.add_argument("--axis", choices=["tp", "cp", "ep"], default=None, help="show one axis only")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.set_defaults(func=run)
 

@@ -182,6 +182,8 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
         model_outputs_missing=missing_reason(prog),
         op_modules=op_modules(prog),
         experts={f: e for c in prog.chunks for r in c.experts for f, e in r["params"].items()},
+        expert_modules={f: [e, g["experts"]] for c in prog.chunks for g in c.module_experts
+                        for f, e in g["owned"].items()},
         frozen=tuple(sorted({tf(n)["fqn"] for _, n in prog.chunk_nodes()
                              if n.op == "placeholder" and tf(n).get("frozen")})),
         notes=tuple(prog.notes),

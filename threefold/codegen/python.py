@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from threefold.codegen.backward_split import deferred_line, deferred_ops, splits_backward
 from threefold.codegen.lines import annotation, wrap_call
+from threefold.codegen.module_experts import emit_order, module_experts_call
 from threefold.ir.program import tf
 from threefold.ir.stages import Chunk, Program
 from threefold.ops import families as fam
@@ -123,6 +124,9 @@ class _ClassWriter:
         experts = {f: e for r in self.chunk.experts for f, e in r["params"].items()}
         if experts:  # expert weights: under ep=N each rank keeps E/N of them (runtime/experts.py)
             cls.append(f"    EXPERTS = {experts!r}")
+        owned = {f: [e, g["experts"]] for g in self.chunk.module_experts for f, e in g["owned"].items()}
+        if owned:  # experts held as separate modules: FQN -> [expert, experts]; under ep only its rank keeps it
+            cls.append(f"    EXPERT_MODULES = {owned!r}")
         if frozen:  # requires_grad=False in the model: no gradient, no optimizer state
             cls.append(f"    FROZEN = {frozen!r}")
         cls.append("    BUFFERS = {" + "".join(f"\n        {tf(n)['fqn']!r}: {spec(n)}," for n in buffers)
@@ -180,8 +184,18 @@ class _ClassWriter:
                    any(o in present for o in r["outputs"])] if name in ("forward", "model_outputs") else []
         region_last = {[x for x in r["nodes"] if x in present][-1]: r for r in regions}
         in_region = {x for r in regions for x in r["nodes"]}
-        for node in graph.nodes:
-            if node.name in region_last:
+        # experts held as separate modules (passes/module_experts.py): one step each
+        groups = [g for g in self.chunk.module_experts if all(x in present for x in g["nodes"])] \
+            if name in ("forward", "model_outputs") else []
+        index = {n.name: i for i, n in enumerate(graph.nodes)}
+        group_at = {max(g["nodes"], key=index.get): g for g in groups}   # emit_order's step for the group
+        in_group = {x for g in groups for x in g["nodes"]}
+        for node in emit_order(graph, groups):
+            if node.name in group_at:
+                lines += module_experts_call(self, graph, group_at[node.name])
+            elif node.name in in_group:
+                continue
+            elif node.name in region_last:
                 lines += self._experts_call(graph, region_last[node.name])
             elif node.name in in_region:
                 continue

@@ -73,6 +73,7 @@ class Chunk:
     recompute: tuple = ()                   # segments rerun in backward (passes/recompute.py)
     units: tuple = ()                       # zero>=2: parameter units (passes/shard_units.py)
     experts: tuple = ()                     # expert regions (passes/experts.py)
+    module_experts: tuple = ()              # experts held as separate modules (passes/module_experts.py)
 
     @property
     def input_names(self) -> list[str]:

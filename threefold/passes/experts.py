@@ -18,7 +18,9 @@ Guarantees: `chunk.experts` is a tuple of regions {"name" (module path), "nodes"
 nodes in graph order), "offs", "rows", "weights", "others", "outputs" (node names),
 "experts" (E), "params" (FQN -> E)}. Under ep=N a model with no region, or an E that N
 does not divide, is a PlanError. Codegen writes each region as a method that
-ChunkModule.experts runs on the ranks holding its experts (runtime/experts.py).
+ChunkModule.experts runs on the ranks holding its experts (runtime/experts.py). Which ops a
+region may hold is ep's region rules' answer (passes/ep_rules.py). Under ep, experts held as
+separate modules (passes/module_experts.py) go to `chunk.module_experts`.
 """
 from __future__ import annotations
 
@@ -34,14 +36,9 @@ from threefold.ir.stages import Partitioned
 from threefold.errors import PlanError
 from threefold.ops import families as fam
 from threefold.passes.expert_match import _param_root, _val, expert_matmul, schema_arg, weight_chain  # noqa: F401 (schema_arg: read from here too)
-from threefold.passes.row_index_rules import INDEX_OPS
-from threefold.passes.row_rules import propagate
-from threefold.passes.row_state import LOST, POS, Rows
-
-# ops that place values by a position tensor: given one computed from the rows, it is a
-# global position, which means nothing on the expert's rank
-_BY_POSITION = INDEX_OPS | {"embedding", "embedding_bag", "nonzero", "argwhere", "sort", "argsort",
-                            "take", "put", "put_"}
+from threefold.passes.module_experts import module_expert_groups
+from threefold.passes.ep_rules import decide as region_decision
+from threefold.passes.row_state import Rows
 
 
 @stage_pass(needs=Partitioned)
@@ -50,6 +47,7 @@ def find_experts(prog: Partitioned) -> Partitioned:
     ep = getattr(prog.plan, "ep", 1)
     chunks = []
     found = 0
+    refusals: list[str] = []
     for chunk in prog.chunks:
         regions = _regions(chunk.gm.graph, strict=ep > 1)
         found += len(regions)
@@ -57,20 +55,39 @@ def find_experts(prog: Partitioned) -> Partitioned:
             if ep > 1 and r["experts"] % ep:
                 raise PlanError(f"plan ep={ep}: {r['name']} has {r['experts']} experts, which ep does not "
                                 f"divide; choose an ep that divides {r['experts']}")
-        chunks.append(chunk.evolve(experts=tuple(regions)))
+        groups = _module_groups(chunk.gm.graph, regions, refusals) if ep > 1 else []
+        found += len(groups)
+        for g in groups:
+            if g["experts"] % ep:
+                raise PlanError(f"plan ep={ep}: {g['name']} has {g['experts']} experts (separate modules), which "
+                                f"ep does not divide; choose an ep that divides {g['experts']}")
+        chunks.append(chunk.evolve(experts=tuple(regions), module_experts=tuple(groups)))
+    if ep > 1 and not found and refusals:
+        raise PlanError(refusals[0])
     if ep > 1 and not found:
         loop = next((d for d in (per_module_experts(c.gm.graph) for c in prog.chunks) if d), None)
         why = (f": its experts are {loop[0]} separate modules applied one by one ({loop[0]} linear layers of "
-               f"weight {loop[1]} over pieces of one tensor at {loop[2]}), which ep cannot place per rank"
+               f"weight {loop[1]} over pieces of one tensor at {loop[2]}), whose results are not combined by one "
+               "stack, cat or sum, so ep cannot place them per rank"
                if loop else "")
         raise PlanError(f"plan ep={ep}: no expert computation found in {prog.name}{why} (ep splits grouped matmuls "
-                        "over [experts, in, out] parameter weights with per-expert row offsets); drop ep (tp and "
+                        "over [experts, in, out] parameter weights with per-expert row offsets, and experts held as "
+                        "separate modules whose results are stacked, concatenated or summed); drop ep (tp and "
                         "dp shard the experts as they are), or write each projection as one stacked [experts, in, "
                         "out] parameter applied with a grouped matmul to rows sorted by expert")
     if ep > 1 and getattr(prog.plan, "recompute", "none") != "none":
         raise PlanError(f"plan ep={ep} with recompute={prog.plan.recompute} is not supported yet "
                         "(an expert region inside a recomputed segment); use recompute=none with ep")
     return prog.evolve(chunks=tuple(chunks))
+
+
+def _module_groups(graph: fx.Graph, regions: list[dict], refusals: list[str]) -> list[dict]:
+    """Module expert groups (passes/module_experts.py) outside the grouped-matmul regions. A
+    group ep cannot split exactly is left inline (exact, not split) and its reason kept: it
+    is the PlanError when the model has no other expert computation."""
+    groups = module_expert_groups(graph, refusals)
+    grouped = {x for r in regions for x in r["nodes"]}
+    return [g for g in groups if not grouped & set(g["nodes"])]
 
 
 def per_module_experts(graph: fx.Graph):
@@ -195,9 +212,10 @@ def _reach(start, step) -> set:
 
 def _check_row_wise(name: str, nodes: list[fx.Node], rows: int, outside: set) -> None:
     """Every op of the region keeps each row's result a function of that row alone, in its
-    place on dim 0 (passes/row_rules.py's per-op rules, with the region's row inputs and
-    expert matmul outputs as the rows): then any subset of rows, on any rank, computes what
-    one process computes for them. Expert weights, offsets and parameters carry no rows."""
+    place on dim 0 (ep's region rules, passes/ep_rules.py, over the batch-row rules, with the
+    region's row inputs and expert matmul outputs as the rows): then any subset of rows, on
+    any rank, computes what one process computes for them. Expert weights, offsets and
+    parameters carry no rows."""
     inside = set(nodes)
     states: dict = {}
     for n in nodes:
@@ -207,26 +225,8 @@ def _check_row_wise(name: str, nodes: list[fx.Node], rows: int, outside: set) ->
                 states[a] = Rows(0, 1) if isinstance(v, torch.Tensor) and v.dim() >= 1 \
                     and v.shape[0] == rows else None
     for n in nodes:
-        state, reason = propagate(n, states, rows)
-        states[n] = state
-        parts = state if isinstance(state, tuple) else (state,)
-        bad = reason or (None if _rows_kept(n, rows) else "it does not keep the rows on dim 0")
-        if bad is None and any(p in (LOST, POS) or isinstance(p, Rows) and p.dim != 0 for p in parts):
-            bad = "no rule keeps its rows in place"
-        if bad is None and op_name(n) in _BY_POSITION and any(states.get(a) is not None
-                                                             for a in n.all_input_nodes[1:]):
-            bad = "it places values by positions computed from the rows"
+        states[n], bad = region_decision(n, states, rows)
         if bad:
             raise PlanError(f"expert region {name}: {op_name(n)} ({tf(n).get('module', '') or n.name}) between "
                             f"the expert matmuls is not row-wise ({bad}), so its rows cannot be computed on the "
                             "experts' ranks; drop ep for this model")
-
-
-def _rows_kept(n: fx.Node, rows: int) -> bool:
-    """Every tensor this op makes keeps the region's rows on dim 0 (asserts make none)."""
-    v = _val(n)
-    vals = v if isinstance(v, (tuple, list)) else [v]
-    tensors = [t for t in vals if isinstance(t, torch.Tensor)]
-    if op_name(n) == "_assert_tensor_metadata":
-        return True
-    return bool(tensors) and all(t.dim() >= 1 and t.shape[0] == rows for t in tensors)

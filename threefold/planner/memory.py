@@ -174,6 +174,12 @@ def program_memory(prog) -> list[RankMemory]:
                 shape, nbytes, trainable = local[fqn]
                 if shape[0] == experts:
                     local[fqn] = ((experts // ep,) + shape[1:], nbytes // ep, trainable)
+        for group in getattr(chunk, "module_experts", ()) if ep > 1 else ():
+            # experts held as separate modules: ep rank 0's (every ep rank holds as many, alike)
+            for fqn, expert in group["owned"].items():
+                if expert // (group["experts"] // ep) and fqn in local:
+                    shape, _, trainable = local[fqn]
+                    local[fqn] = ((0,) + shape[1:], 0, trainable)
     mesh = plan.mesh
     out = []
     for stage in range(plan.pp):

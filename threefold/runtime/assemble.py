@@ -23,6 +23,7 @@ from threefold.errors import PlanError
 from threefold.runtime.collective_plan import plan_collectives, with_collectives
 from threefold.runtime.comm import GROUP_AXES, build_groups
 from threefold.runtime.engine import PipelineEngine
+from threefold.runtime.expert_modules import keep_local_modules
 from threefold.runtime.experts import keep_local_experts
 from threefold.runtime.manifest import ChunkEntry, Manifest
 from threefold.runtime.mesh import Mesh, chunk_layout
@@ -56,6 +57,7 @@ def assemble_rank(manifest: Manifest, source: RankSource, rank: int | None = Non
         source.load_weights(module, entry, coord.tp, dev)
         if mesh.ep > 1:   # this rank's E/ep whole experts (runtime/experts.py)
             keep_local_experts(module, coord.ep, mesh.ep)
+            keep_local_modules(module, coord.ep, mesh.ep)
         modules[c] = module
     schedule, collectives = step_schedule(manifest)
     axes = GROUP_AXES + (ROW_PEER_GROUPS if collectives.zero >= 1 else ()) + (

@@ -58,7 +58,7 @@ from threefold.runtime.comm import MAX_TIMEOUT_S, default_timeout, in_graph_fail
 from threefold.runtime.module import ChunkModule
 
 # ChunkModule methods that communicate or read per-microbatch Python state: eager always.
-_EAGER_METHODS = ("rng_seed", "step_start", "unit", "needs_whole", "experts")
+_EAGER_METHODS = ("rng_seed", "step_start", "unit", "needs_whole", "experts", "module_experts")
 
 
 def cache_dir() -> str:

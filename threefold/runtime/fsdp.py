@@ -30,6 +30,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from threefold.runtime.manifest import expert_params
 from threefold.runtime import comm, mixed_precision
 from threefold.runtime.zero import RowShard, all_gather_flat, reduce_scatter_flat, row_peer_groups, split_rows
 
@@ -69,7 +70,7 @@ class ShardedParams:
         # other data (replicas, cp ranks, and ep ranks for dense rows: zero.DENSE_ROW_PEERS)
         self.dense_peers, self.expert_peers = row_peer_groups(engine)
         ep = mesh.ep > 1
-        self.experts = frozenset(engine.manifest.get("experts") or {}) if ep else frozenset()
+        self.experts = expert_params(engine.manifest) if ep else frozenset()
         trainable = dict(engine.named_parameters())
         own = self.zero >= 3   # the shard keeps its own storage: the parameter's is freed
         self.rows: dict[str, RowShard] = {f: split_rows(f, p, self.d, coord.dp_shard, own=own)

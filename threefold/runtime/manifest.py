@@ -166,6 +166,9 @@ class Manifest:
     # expert parameters (passes/experts.py): FQN -> number of experts along dim 0; under ep=N
     # each rank keeps E/N of them and their gradients are reduced over the edp ranks
     experts: dict[str, int] = field(default_factory=dict)
+    # parameters of experts held as separate modules (passes/module_experts.py): FQN ->
+    # [expert, experts]; under ep=N only the expert's ep rank keeps it, gradients over edp
+    expert_modules: dict[str, list[int]] = field(default_factory=dict)
     # custom ops the generated code calls: "ns::name" -> {"module", "sha256"} of the Python
     # module that registers it, imported by the loader (runtime/op_modules.py)
     op_modules: dict[str, dict] = field(default_factory=dict)
@@ -260,6 +263,7 @@ class Manifest:
             "output_tree": self.output_tree,
             "frozen": list(self.frozen),
             "experts": dict(self.experts),
+            "expert_modules": {k: list(v) for k, v in self.expert_modules.items()},
             "op_modules": {k: dict(v) for k, v in self.op_modules.items()},
             "model_outputs_missing": self.model_outputs_missing,
         }
@@ -300,6 +304,7 @@ class Manifest:
                 output_tree=m.get("output_tree"),
                 frozen=tuple(m.get("frozen", [])),
                 experts={str(k): int(v) for k, v in (m.get("experts") or {}).items()},
+                expert_modules={str(k): [int(x) for x in v] for k, v in (m.get("expert_modules") or {}).items()},
                 op_modules={str(k): {"module": str(v["module"]), "sha256": str(v["sha256"])}
                             for k, v in (m.get("op_modules") or {}).items()},
                 model_outputs_missing=m.get("model_outputs_missing", _OLD_OUTPUTS if m.get("has_loss") else ""),
@@ -449,3 +454,9 @@ def _check_against_plan(root: str, m: dict, plan: RunPlan) -> None:
     sched = {"kind": plan.schedule, "microbatches": plan.microbatches, "interleave": plan.interleave}
     if {k: m["schedule"].get(k) for k in sched} != sched:
         _bad(root, f"schedule {m['schedule']} is not plan {plan}'s {sched}")
+
+
+def expert_params(manifest) -> frozenset:
+    """Every expert parameter's FQN: rows of stacked experts and separate experts' modules
+    alike, each held by some ep ranks only (its gradient is reduced over edp)."""
+    return frozenset(manifest.get("experts") or {}) | frozenset(manifest.get("expert_modules") or {})

@@ -28,6 +28,9 @@ class ChunkModule(torch.nn.Module):
     # expert parameters (passes/experts.py): FQN -> number of experts along dim 0; under
     # ep=N the runtime keeps this rank's E/N of them (runtime/experts.keep_local_experts)
     EXPERTS: dict[str, int] = {}
+    # parameters of experts held as separate modules (passes/module_experts.py): FQN ->
+    # [expert, experts]; under ep=N only the expert's rank keeps it (runtime/expert_modules.py)
+    EXPERT_MODULES: dict[str, list[int]] = {}
     tp_group = None              # tensor-parallel process group, set by the runtime
     ep_group = None              # expert-parallel process group (None: ep=1), set by the runtime
     cp_group = None              # context-parallel process group (ring attention), set by the runtime
@@ -62,9 +65,11 @@ class ChunkModule(torch.nn.Module):
     def _owner(self, fqn: str) -> torch.nn.Module:
         module: torch.nn.Module = self
         for part in fqn.split(".")[:-1]:
-            if not hasattr(module, part) or not isinstance(getattr(module, part), torch.nn.Module):
-                module.add_module(part, torch.nn.Module())
-            module = getattr(module, part)
+            # through _modules, not attributes: a model's top-level submodule may share a name
+            # with a ChunkModule method (`experts`, `unit`), which keeps the method's name
+            if not isinstance(module._modules.get(part), torch.nn.Module):
+                module._modules[part] = torch.nn.Module()
+            module = module._modules[part]
         return module
 
     def p(self, fqn: str) -> torch.Tensor:
@@ -136,6 +141,13 @@ class ChunkModule(torch.nn.Module):
         # lazy: start-up: runtime.experts loads only on this path
         from threefold.runtime.experts import run_experts
         return run_experts(fn, num_experts, offs, rows, weights, others, self.ep_group)
+
+    def module_experts(self, fns, inputs, params):
+        """Experts held as separate modules (generated methods `fns`, one per expert): each
+        run on the rank holding it, inputs and results moved by all-to-all (runtime/expert_modules.py)."""
+        # lazy: start-up: runtime.expert_modules loads only on this path
+        from threefold.runtime.expert_modules import run_module_experts
+        return run_module_experts(fns, inputs, params, self.ep_group)
 
     @property
     def device(self) -> torch.device:

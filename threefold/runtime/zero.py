@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from threefold.errors import PlanError
+from threefold.runtime.manifest import expert_params
 from threefold.runtime import comm
 from threefold.runtime.mesh import BATCH_AXES
 from threefold.runtime.wrapped_optimizer import WrappedOptimizer
@@ -239,7 +240,7 @@ class ZeroOptimizer(WrappedOptimizer):
         ep = engine.mesh.ep > 1
         self.sync = ZeroGradSync(self.shards, engine.groups.of("dp_shard"), d, row_peer_groups(engine),
                                  engine.mesh.size(BATCH_AXES),
-                                 frozenset(engine.manifest.get("experts") or {}) if ep else frozenset())
+                                 expert_params(engine.manifest) if ep else frozenset())
         if self.sharded is None:
             engine.use_grad_sync(self.sync)
 

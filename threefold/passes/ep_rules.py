@@ -1,0 +1,100 @@
+"""Expert parallelism's region rules: which ops may sit between the expert matmuls of one
+expert region (passes/experts.py), one pure function per op on the shared registry
+(threefold/ops/rules.Registry, as tp's passes/tp_decisions.py and cp's passes/cp_rules).
+
+A region runs on the experts' ranks, on any subset of its rows, so every op in it must keep
+each row's result a function of that row alone, in its place on dim 0. Where the rows go
+through an op is the batch-row rules' answer (passes/row_rules.propagate, with the region's
+row inputs and expert matmul outputs as the rows); a rule here turns that answer, for one
+call, into a decision: `Decision(out=row state)` (the op keeps the rows in place) or
+`NoRule(why)` (the op is not row-wise; passes/experts.py makes it a PlanError naming the op).
+Rules never touch the graph.
+
+  every op (`row_wise`)       its rows are kept in place on dim 0 in every tensor it makes
+  `_assert_tensor_metadata`   makes no tensor: only the row state is checked
+  ops placing by position     also refused when a position argument is computed from the
+  (index ops, embedding,      rows: a global position means nothing on the expert's rank
+   nonzero, sort...)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from threefold.ops.rules import Decision, NoRule, Refused, Registry, refuse
+from threefold.passes.row_index_rules import INDEX_OPS
+from threefold.passes.row_rules import propagate
+from threefold.passes.row_state import LOST, POS, Rows, op_name
+
+# ops that place values by a position tensor: given one computed from the rows, it is a
+# global position, which means nothing on the expert's rank
+BY_POSITION = INDEX_OPS | {"embedding", "embedding_bag", "nonzero", "argwhere", "sort", "argsort",
+                           "take", "put", "put_"}
+
+EP = Registry("ep")
+
+
+@dataclass(frozen=True, eq=False)
+class RegionCall:
+    """One op of an expert region as an ep rule sees it (read only)."""
+    node: fx.Node
+    name: str
+    states: dict        # node -> row state of the region's values before it
+    rows: int           # the region's rows
+    state: object       # the op's output row state (row_rules.propagate)
+    reason: str | None  # why the batch-row rules say it mixes rows, or None
+
+
+def decide(node: fx.Node, states: dict, rows: int) -> tuple:
+    """(the op's output row state, why it is not row-wise or None)."""
+    state, reason = propagate(node, states, rows)
+    call = RegionCall(node, op_name(node), states, rows, state, reason)
+    d = EP.decide(call.name, node, call)
+    if d is None:
+        try:
+            d = row_wise(call)
+        except Refused as exc:
+            d = NoRule(str(exc))
+    return state, (d.why if isinstance(d, NoRule) else None)
+
+
+def row_wise(c: RegionCall) -> Decision:
+    """The default: the batch-row rules keep every row in place on dim 0 of every output."""
+    _rows_in_place(c, makes_tensors=True)
+    return Decision(out=c.state)
+
+
+@EP.rule("_assert_tensor_metadata")
+def _assert(c: RegionCall) -> Decision:
+    """An assertion export leaves on a region value: it makes no tensor."""
+    _rows_in_place(c, makes_tensors=False)
+    return Decision(out=c.state)
+
+
+@EP.rule(*sorted(BY_POSITION))
+def _by_position(c: RegionCall) -> Decision:
+    """Refused where a position argument is computed from the rows, else as row_wise."""
+    d = row_wise(c)
+    if any(c.states.get(a) is not None for a in c.node.all_input_nodes[1:]):
+        refuse("it places values by positions computed from the rows")
+    return d
+
+
+def _rows_in_place(c: RegionCall, makes_tensors: bool) -> None:
+    if c.reason:
+        refuse(c.reason)
+    if makes_tensors and not _rows_kept(c.node, c.rows):
+        refuse("it does not keep the rows on dim 0")
+    parts = c.state if isinstance(c.state, tuple) else (c.state,)
+    if any(p in (LOST, POS) or isinstance(p, Rows) and p.dim != 0 for p in parts):
+        refuse("no rule keeps its rows in place")
+
+
+def _rows_kept(n: fx.Node, rows: int) -> bool:
+    """Every tensor this op makes keeps the region's rows on dim 0."""
+    v = n.meta.get("val")
+    vals = v if isinstance(v, (tuple, list)) else [v]
+    tensors = [t for t in vals if isinstance(t, torch.Tensor)]
+    return bool(tensors) and all(t.dim() >= 1 and t.shape[0] == rows for t in tensors)
