@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from threefold.ops.rules import Decision, NoRule
-from threefold.passes.ep_rules import EP, BY_POSITION, RegionCall, decide, row_wise
+from threefold.ops.families import PLACE_BY_POSITION as BY_POSITION
+from threefold.passes.ep_rules import EP, RegionCall, decide, row_wise
 from threefold.passes.row_state import Rows
 
 

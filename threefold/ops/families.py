@@ -183,6 +183,11 @@ POSITION_INDEXING = INDEXING & {"index", "index_put", "index_put_", "index_add",
 # products whose leading dims are batch dims (tp padding of a sharded leading dim)
 BATCHED_PRODUCTS = (GEMMS & {"matmul", "bmm", "baddbmm"}) | {"scaled_dot_product_attention"}
 
+# ops that place values by a position tensor: given one computed from a rank's own rows, it
+# is a global position, meaningless on another rank (ep's expert regions refuse them)
+PLACE_BY_POSITION = INDEXING | frozenset({"embedding", "embedding_bag", "nonzero", "argwhere", "sort", "argsort",
+                                          "take", "put", "put_"})
+
 # ops that read only their tensor arguments' shapes (and dtypes): the batch-row rules
 READS_SHAPE_ONLY = CONSTANT_LIKE | (FACTORIES & {"new_empty", "new_zeros", "new_ones", "new_full", "scalar_tensor"})
 

@@ -23,15 +23,11 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from threefold.ops import families as fam
 from threefold.ops.rules import Decision, NoRule, Refused, Registry, refuse
-from threefold.passes.row_index_rules import INDEX_OPS
 from threefold.passes.row_rules import propagate
 from threefold.passes.row_state import LOST, POS, Rows, op_name
 
-# ops that place values by a position tensor: given one computed from the rows, it is a
-# global position, which means nothing on the expert's rank
-BY_POSITION = INDEX_OPS | {"embedding", "embedding_bag", "nonzero", "argwhere", "sort", "argsort",
-                           "take", "put", "put_"}
 
 EP = Registry("ep")
 
@@ -73,7 +69,7 @@ def _assert(c: RegionCall) -> Decision:
     return Decision(out=c.state)
 
 
-@EP.rule(*sorted(BY_POSITION))
+@EP.rule(*sorted(fam.PLACE_BY_POSITION))
 def _by_position(c: RegionCall) -> Decision:
     """Refused where a position argument is computed from the rows, else as row_wise."""
     d = row_wise(c)
