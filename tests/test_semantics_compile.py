@@ -114,6 +114,22 @@ def test_rrelu_follows_eval_mode_in_generated_code():
     assert call[:call.index(")")].rstrip().endswith("self.training")
 
 
+def test_exponential_noise_is_seeded_like_every_random_op():
+    """Gumbel noise, -log(exponential_()): it read the default generator (each rank and each
+    replay drew its own); now seeded per op like bernoulli and uniform."""
+    class Gumbel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.a(x)
+            return h - torch.empty_like(h).exponential_().log()
+    w = {"model": Gumbel(), "inputs": (torch.randn(4, 8),), "target": torch.randn(4, 8), "loss_fn": F.mse_loss}
+    src = build_sources(compile_workload(w, "pp=1"))["chunk00.py"]
+    assert "random_ops.seeded(self.rng_seed(0, False), aten.exponential_.default" in src
+
+
 def test_batch_dims_found_declared_or_asked_for():
     prog = compile_workload(sm.seq_first(), "m=2")
     assert prog.batch_dims == [1, 0]

@@ -242,8 +242,8 @@ KEEPS_LAST_DIM = (COPIES - {"detach", "lift_fresh_copy"}) | RESHAPES | {"add", "
 MOVES_DIMS_APART = frozenset({"unsqueeze", "transpose", "squeeze", "contiguous", "clone", "permute"})
 
 # the random ops passes/random_ops.py seeds per microbatch (RANDOM's dropout is seeded as
-# DROPOUTS; exponential is not seeded yet)
-SEEDED_RANDOM = (RANDOM - {"dropout", "exponential"}) | {"feature_dropout", "alpha_dropout", "feature_alpha_dropout",
+# DROPOUTS)
+SEEDED_RANDOM = (RANDOM - {"dropout"}) | {"feature_dropout", "alpha_dropout", "feature_alpha_dropout",
                                                          "rrelu", "rrelu_with_noise"}
 
 # ops with a train-mode argument (`training` / `train` in their schema) that
