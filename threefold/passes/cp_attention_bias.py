@@ -214,6 +214,7 @@ def _blocks(bias: fx.Node, stage, n: int) -> list:
     if stage.is_meta:
         raise PlanError(f"cp: the position bias of {where} cannot be checked on the meta device; compile with "
                         "real weights or use cp=1")
+    _one_arange_per_use(bias, n)
     try:
         queries, keys = _roles(bias, stage, n, where)
         _check(bias, stage, n, queries, keys, where)
@@ -253,6 +254,19 @@ def _blocks(bias: fx.Node, stage, n: int) -> list:
                     env[x] = _copy(graph, x, env)
             out.append(env[bias])
     return out
+
+
+def _one_arange_per_use(bias: fx.Node, n: int) -> None:
+    """An arange read by several ops inside the bias (`i[None, :] - i[:, None]`) gets one copy
+    per reader, so each copy can be told query or key positions."""
+    inside = set(_ancestors(bias))
+    for a in _aranges(bias, n):
+        readers = [u for u in a.users if u in inside]
+        for u in readers[1:]:
+            with a.graph.inserting_after(a):
+                twin = a.graph.node_copy(a)
+            twin.meta = dict(a.meta)
+            u.replace_input_with(a, twin)
 
 
 def _copy(graph: fx.Graph, x: fx.Node, env: dict) -> fx.Node:
