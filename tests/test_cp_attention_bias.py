@@ -115,3 +115,15 @@ def test_t5_style_relative_bias_cp2_matches_one_process():
                     scale = b[name].abs().max().item()
                     assert scale > 0 and (a[name] - b[name]).abs().max().item() <= 1e-5 * scale + 1e-7, \
                         (mode, step, name)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("plan", ["tp=2,cp=2", "cp=4"])
+def test_t5_style_relative_bias_on_four_ranks_matches_one_process(plan):
+    """tp shards the heads of the bias table; cp=4 meets three other key blocks."""
+    got = launch(relbias_parity, 4, MODES, plan, 3, timeout=550)
+    for i, mode in enumerate(MODES):
+        ref_losses, _ = one_process(mode, 3)
+        for losses, _ in (rank[i] for rank in got):
+            assert max_rel_diff(losses, ref_losses) < 1e-5, (mode, plan, losses, ref_losses)

@@ -233,7 +233,7 @@ def _rewrite_attention(gm: fx.GraphModule, stage, n: int) -> int:
         if sink is not None:
             kwargs["sink"] = sink
         operands = masks
-        masks, pbias = take_position_biases(masks, stage, n, biases)   # passes/cp_attention_bias.py
+        masks, pbias = take_position_biases(masks, stage, n, biases, last)   # passes/cp_attention_bias.py
         if pbias is not None:
             kwargs["pbias"] = pbias
         if masks or causal:

@@ -50,9 +50,10 @@ def carries_position_bias(node, n: int) -> bool:
         and all(is_position_bias(x, n) or param_free(x) for x in leaves)
 
 
-def take_position_biases(masks: list, stage, n: int, cache: dict) -> tuple[list, list | None]:
+def take_position_biases(masks: list, stage, n: int, cache: dict, last: fx.Node) -> tuple[list, list | None]:
     """(masks without their position-bias leaves, the summed per-ring-step bias blocks or
-    None). `cache`: bias node -> its blocks, so a bias shared by every layer is copied once."""
+    None). `cache`: bias node -> its blocks, so a bias shared by every layer is copied once;
+    `last`: the attention's output (its leading dims are the ring's)."""
     rest, found = [], []
     for kind, m in masks:
         if kind != "add" or not carries_position_bias(m, n):
@@ -65,6 +66,13 @@ def take_position_biases(masks: list, stage, n: int, cache: dict) -> tuple[list,
                 rest.append(("add", leaf))
     if not found:
         return masks, None
+    lead = tuple(last.meta["val"].shape[:-2])
+    for b in found:
+        mine = tuple(b.meta["val"].shape[:-2])
+        if len(mine) > len(lead) or _broadcast(mine, lead) != lead:
+            raise PlanError(f"cp: the position bias of attention at {tf(b).get('module') or '<top>'} has leading "
+                            f"dims {mine} that do not broadcast to the attention's {lead} (scores reshaped between "
+                            "the bias and the softmax?); use cp=1")
     per_leaf = [cache[b] if b in cache else cache.setdefault(b, _blocks(b, stage, n)) for b in found]
     if len(per_leaf) == 1:
         return rest, per_leaf[0]
@@ -81,6 +89,13 @@ def take_position_biases(masks: list, stage, n: int, cache: dict) -> tuple[list,
             cache[key] = total
         summed.append(cache[key])
     return rest, summed
+
+
+def _broadcast(a: tuple, b: tuple):
+    try:
+        return tuple(torch.broadcast_shapes(a, b))
+    except RuntimeError:
+        return None
 
 
 def _order(graph: fx.Graph):
@@ -105,19 +120,26 @@ def _arange_of(node: fx.Node, n: int) -> bool:
     return bounds is not None and bounds() == (0, n, 1)
 
 
-def _ancestors(node: fx.Node) -> list:
-    """node and everything it is computed from, in graph order."""
+def _upstream(node: fx.Node) -> set:
+    """node and everything it is computed from."""
     seen, stack = set(), [node]
     while stack:
         x = stack.pop()
         if x not in seen:
             seen.add(x)
             stack.extend(x.all_input_nodes)
+    return seen
+
+
+def _ancestors(node: fx.Node) -> list:
+    """_upstream(node) in graph order."""
+    seen = _upstream(node)
     return [x for x in node.graph.nodes if x in seen]
 
 
 def _aranges(node: fx.Node, n: int) -> list:
-    return [x for x in _ancestors(node) if _arange_of(x, n)]
+    up = _upstream(node)
+    return [x for x in _ancestors(node) if _arange_of(x, n)] if any(_arange_of(x, n) for x in up) else []
 
 
 # -- evaluation at compile time ----------------------------------------------------------------
@@ -259,7 +281,7 @@ def _blocks(bias: fx.Node, stage, n: int) -> list:
 def _one_arange_per_use(bias: fx.Node, n: int) -> None:
     """An arange read by several ops inside the bias (`i[None, :] - i[:, None]`) gets one copy
     per reader, so each copy can be told query or key positions."""
-    inside = set(_ancestors(bias))
+    inside = _upstream(bias)
     for a in _aranges(bias, n):
         readers = [u for u in a.users if u in inside]
         for u in readers[1:]:
