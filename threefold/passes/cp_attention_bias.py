@@ -26,7 +26,7 @@ from torch.fx.node import map_arg
 from threefold.errors import PlanError
 from threefold.ir.program import tf
 from threefold.ops.families import op_name
-from threefold.passes.cp_masks import evaluate, free, input_free, param_free
+from threefold.passes.cp_masks import free, input_free, param_free
 from threefold.runtime import cp_bias
 from threefold.runtime.cp_ops import block_positions
 from threefold.runtime.tp_ops import GroupRef
@@ -144,9 +144,21 @@ def _aranges(node: fx.Node, n: int) -> list:
 
 # -- evaluation at compile time ----------------------------------------------------------------
 
-def _run(node: fx.Node, stage, overrides: dict) -> torch.Tensor:
-    """node's value from the stage's parameters and buffers, the nodes in `overrides` replaced."""
-    env = dict(overrides)
+def _run(node: fx.Node, stage, overrides: dict, lengths: dict | None = None) -> torch.Tensor:
+    """node's value from the stage's parameters and buffers, the nodes in `overrides` replaced;
+    integer arguments in `lengths` (the traced length n) replaced by their value there (in a
+    shape, only its last two dims: a leading dim equal to n is heads or batch). A tp op (it
+    takes a process group) is read as the identity: its value over every tp rank, the same
+    reading in every evaluation compared, and it acts on heads or features, not positions."""
+    env, lengths = dict(overrides), lengths or {}
+
+    def sized(a):
+        if isinstance(a, (list, tuple)) and a and all(type(v) is int for v in a):
+            return type(a)(v if i < len(a) - 2 else lengths.get(v, v) for i, v in enumerate(a))
+        if isinstance(a, (list, tuple)):
+            return type(a)(sized(v) for v in a)
+        return lengths.get(a, a) if type(a) is int else a
+
     for x in _ancestors(node):
         if x in env:
             continue
@@ -155,46 +167,48 @@ def _run(node: fx.Node, stage, overrides: dict) -> torch.Tensor:
         elif x.op == "get_attr":
             env[x] = getattr(x.graph.owning_module, x.target)
         else:
-            args = map_arg(x.args, lambda a: env[a])
-            kwargs = map_arg(x.kwargs, lambda a: env[a])
+            args = sized(map_arg(x.args, lambda a: env[a]))
+            kwargs = {k: sized(v) for k, v in map_arg(x.kwargs, lambda a: env[a]).items()}
             if any(isinstance(a, GroupRef) for a in list(args) + list(kwargs.values())):
-                raise _Collective(op_name(x))
+                env[x] = args[0]
+                continue
             env[x] = x.target(*args, **kwargs)
     return env[node]
 
 
-class _Collective(Exception):
-    """The bias runs a collective (tp shards it): one compile-time value cannot stand for all ranks."""
-
-
 def _roles(bias: fx.Node, stage, n: int, where: str) -> tuple[list, list]:
     """(query aranges, key aranges) of the bias, by permuting each and seeing which of the
-    bias's dims follows (two random permutations: a symmetric bias cannot fool both)."""
-    queries, keys = [], []
+    bias's dims follows (a cyclic shift and a random permutation: a bias symmetric under one
+    is rarely under both). One that both dims follow under every permutation (a symmetric
+    bias at a tiny length) takes the role still missing; _check then confirms the reading."""
+    queries, keys, either = [], [], []
+    perms = [torch.roll(torch.arange(n), 1), torch.randperm(n, generator=torch.Generator().manual_seed(0))]
+    perms = [p for p in perms if not torch.equal(p, torch.arange(n))]
     with torch.no_grad():
         base = _run(bias, stage, {})
         for a in _aranges(bias, n):
             ar = _run(a, stage, {})
             seen = set()
-            for seed in (0, 1):
-                perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+            for perm in perms:
                 out = _run(bias, stage, {a: ar[perm]})
                 rows = torch.equal(out, base.index_select(-2, perm))
                 cols = torch.equal(out, base.index_select(-1, perm))
-                if torch.equal(out, base):
-                    seen.add("none")
-                elif rows != cols:
-                    seen.add("query" if rows else "key")
-                else:
-                    seen.add("mixed")
+                seen.add("none" if torch.equal(out, base) else "both" if rows and cols else
+                         "query" if rows else "key" if cols else "mixed")
+            if len(seen) > 1:
+                seen.discard("both")
             if seen == {"query"}:
                 queries.append(a)
             elif seen == {"key"}:
                 keys.append(a)
+            elif seen == {"both"}:
+                either.append(a)
             elif seen != {"none"}:
                 raise PlanError(f"cp: the position bias of {where} uses one arange for both query and key "
                                 "positions (or mixes them): cp cannot tell which positions to give it; "
                                 "use cp=1")
+    for a in either:
+        (queries if keys and not queries else keys).append(a)
     if not keys:
         raise PlanError(f"cp: the position bias of {where} does not depend on key positions as cp can "
                         "tell; use cp=1")
@@ -210,7 +224,7 @@ def _check(bias: fx.Node, stage, n: int, queries: list, keys: list, where: str) 
         return
     with torch.no_grad():
         try:
-            whole = torch.as_tensor(evaluate(bias, stage, {n: s}))
+            whole = torch.as_tensor(_run(bias, stage, {}, {n: s}))
         except Exception as exc:
             raise PlanError(f"cp: the position bias of {where} cannot be evaluated over the whole sequence "
                             f"({type(exc).__name__}; does another size equal the local length {n}?); use "
@@ -237,12 +251,8 @@ def _blocks(bias: fx.Node, stage, n: int) -> list:
         raise PlanError(f"cp: the position bias of {where} cannot be checked on the meta device; compile with "
                         "real weights or use cp=1")
     _one_arange_per_use(bias, n)
-    try:
-        queries, keys = _roles(bias, stage, n, where)
-        _check(bias, stage, n, queries, keys, where)
-    except _Collective as exc:
-        raise PlanError(f"cp: the position bias of {where} is split over tp ranks ({exc}); use tp=1 or "
-                        "cp=1") from None
+    queries, keys = _roles(bias, stage, n, where)
+    _check(bias, stage, n, queries, keys, where)
     graph = bias.graph
     nodes = _ancestors(bias)
     reads_keys = set(keys)
