@@ -60,14 +60,30 @@ class _LengthScaled(RelBiasLM):
         return self.head(x)
 
 
-@pytest.mark.parametrize("how,words", [("div", "depends on the length"), ("last", "query and key positions")])
-def test_a_bias_that_depends_on_the_length_is_refused(how, words):
-    w = relbias_workload("causal")
+@pytest.mark.parametrize("how,words,seq", [("div", "depends on the length", 16), ("last", "query and key positions", 16),
+                                           ("div", "depends on the length", 64)])
+def test_a_bias_that_depends_on_the_length_is_refused(how, words, seq, monkeypatch):
+    """seq 64 with a small budget: the bias is read at a shorter local length (as at long
+    sequences, where reading it whole at compile time would cost too much)."""
+    import threefold.passes.cp_attention_bias as pb
+    monkeypatch.setattr(pb, "_WHOLE_CHECK", 2000 if seq == 64 else pb._WHOLE_CHECK)
+    w = relbias_workload("causal", seq=seq)
     torch.manual_seed(0)
     w["model"] = _LengthScaled(how)
     with pytest.raises(threefold.PlanError, match=words) as err:
         compile_workload(w, "cp=2")
     assert "\n" not in str(err.value) and "cp=1" in str(err.value)
+
+
+def test_a_long_sequence_reads_the_bias_at_a_shorter_length(monkeypatch):
+    import threefold.passes.cp_attention_bias as pb
+    monkeypatch.setattr(pb, "_WHOLE_CHECK", 2000)
+    seen = []
+    real = pb._check
+    monkeypatch.setattr(pb, "_check", lambda bias, stage, n, m, *a: (seen.append((n, m)), real(bias, stage, n, m, *a)))
+    for mode in MODES:
+        assert len(_ring_calls(relbias_workload(mode, seq=64))) == 2
+    assert seen and all(n == 32 and m < 32 for n, m in seen), seen
 
 
 def test_ring_attention_adds_one_bias_block_and_returns_its_gradient():

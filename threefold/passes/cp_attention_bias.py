@@ -176,21 +176,27 @@ def _run(node: fx.Node, stage, overrides: dict, lengths: dict | None = None) -> 
     return env[node]
 
 
-def _roles(bias: fx.Node, stage, n: int, where: str) -> tuple[list, list]:
+def _roles(bias: fx.Node, stage, n: int, m: int, where: str) -> tuple[list, list]:
     """(query aranges, key aranges) of the bias, by permuting each and seeing which of the
     bias's dims follows (a cyclic shift and a random permutation: a bias symmetric under one
     is rarely under both). One that both dims follow under every permutation (a symmetric
-    bias at a tiny length) takes the role still missing; _check then confirms the reading."""
+    bias at a tiny length) takes the role still missing; _check then confirms the reading.
+    Evaluated at local length m (see _analysis_length)."""
     queries, keys, either = [], [], []
-    perms = [torch.roll(torch.arange(n), 1), torch.randperm(n, generator=torch.Generator().manual_seed(0))]
-    perms = [p for p in perms if not torch.equal(p, torch.arange(n))]
+    perms = [torch.roll(torch.arange(m), 1), torch.randperm(m, generator=torch.Generator().manual_seed(0))]
+    perms = [p for p in perms if not torch.equal(p, torch.arange(m))]
+    lengths = {n: m}
     with torch.no_grad():
-        base = _run(bias, stage, {})
+        try:
+            base = _run(bias, stage, {}, lengths)
+        except Exception as exc:
+            raise PlanError(f"cp: the position bias of {where} cannot be evaluated at compile time "
+                            f"({type(exc).__name__}); use cp=1") from None
         for a in _aranges(bias, n):
-            ar = _run(a, stage, {})
+            ar = _run(a, stage, {}, lengths)
             seen = set()
             for perm in perms:
-                out = _run(bias, stage, {a: ar[perm]})
+                out = _run(bias, stage, {a: ar[perm]}, lengths)
                 rows = torch.equal(out, base.index_select(-2, perm))
                 cols = torch.equal(out, base.index_select(-1, perm))
                 seen.add("none" if torch.equal(out, base) else "both" if rows and cols else
@@ -215,10 +221,34 @@ def _roles(bias: fx.Node, stage, n: int, where: str) -> tuple[list, list]:
     return queries, keys
 
 
-def _check(bias: fx.Node, stage, n: int, queries: list, keys: list, where: str) -> None:
+def _analysis_length(bias: fx.Node, n: int, cp: int) -> int:
+    """The local length at which to read the bias at compile time: n while the bias over the
+    whole sequence has at most _WHOLE_CHECK elements, else a smaller even m such that neither
+    m nor cp*m is an integer the subgraph reads (a coincidence would change its meaning), as
+    the mask code reads masks at s and s/cp (passes/cp_masks.py)."""
+    lead = bias.meta["val"].shape[:-2].numel()
+    if lead * (cp * n) ** 2 <= _WHOLE_CHECK:
+        return n
+    taken: set = set()
+    for x in _ancestors(bias):
+        stack = list(x.args) + list(x.kwargs.values())
+        while stack:
+            a = stack.pop()
+            if isinstance(a, (list, tuple)):
+                stack.extend(a)
+            elif type(a) is int:
+                taken.add(a)
+    for m in range(2 * cp + 6, n, 2):
+        if m not in taken and cp * m not in taken and lead * (cp * m) ** 2 <= _WHOLE_CHECK:
+            return m
+    return n
+
+
+def _check(bias: fx.Node, stage, n: int, m: int, queries: list, keys: list, where: str) -> None:
     """Each (rank, step) block as the copies compute it equals the bias over the whole
-    sequence at those positions (skipped past _WHOLE_CHECK elements)."""
-    cp, s = stage.plan.cp, n * stage.plan.cp
+    sequence at those positions, read at local length m (see _analysis_length; skipped where
+    even that exceeds _WHOLE_CHECK elements)."""
+    cp, s = stage.plan.cp, m * stage.plan.cp
     lead = bias.meta["val"].shape[:-2].numel()
     if lead * s * s > _WHOLE_CHECK:
         return
@@ -230,12 +260,12 @@ def _check(bias: fx.Node, stage, n: int, queries: list, keys: list, where: str) 
                             f"({type(exc).__name__}; does another size equal the local length {n}?); use "
                             "another sequence length or cp=1") from None
         for r in range(cp):
-            qpos = block_positions(n, cp, r)
+            qpos = block_positions(m, cp, r)
             for step in range(cp):
-                kpos = block_positions(n, cp, (r - step) % cp)
+                kpos = block_positions(m, cp, (r - step) % cp)
                 env = {a: qpos.to(a.meta["val"].dtype) for a in queries}
                 env.update({a: kpos.to(a.meta["val"].dtype) for a in keys})
-                got = _run(bias, stage, env)
+                got = _run(bias, stage, env, {n: m})
                 want = whole.index_select(-2, qpos).index_select(-1, kpos)
                 if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-6, atol=1e-6):
                     raise PlanError(f"cp: the position bias of {where} over a block of positions differs from "
@@ -251,8 +281,15 @@ def _blocks(bias: fx.Node, stage, n: int) -> list:
         raise PlanError(f"cp: the position bias of {where} cannot be checked on the meta device; compile with "
                         "real weights or use cp=1")
     _one_arange_per_use(bias, n)
-    queries, keys = _roles(bias, stage, n, where)
-    _check(bias, stage, n, queries, keys, where)
+    m = _analysis_length(bias, n, stage.plan.cp)
+    try:
+        queries, keys = _roles(bias, stage, n, m, where)
+    except Exception:
+        if m == n:
+            raise
+        m = n   # the shorter reading may meet a size it should not change: read at n
+        queries, keys = _roles(bias, stage, n, m, where)
+    _check(bias, stage, n, m, queries, keys, where)
     graph = bias.graph
     nodes = _ancestors(bias)
     reads_keys = set(keys)
