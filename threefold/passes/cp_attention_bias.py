@@ -36,10 +36,16 @@ _WHOLE_CHECK = 1 << 24   # evaluate the bias over the whole sequence when it has
 
 
 def is_position_bias(node, n: int) -> bool:
-    """Reads a parameter, no user input, an arange(n), and ends in [..., n, n]."""
+    """Ends in [..., n, n], reads no user input, and either reads a parameter and an arange(n)
+    or is a constant the mask code cannot read because tp slices it (T5's zero bias of its
+    cross attention, [1, heads, n, n], with the heads sharded): the same for every block."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return isinstance(val, torch.Tensor) and val.dim() >= 2 and tuple(val.shape[-2:]) == (n, n) \
-        and input_free(node) and not free(node) and bool(_aranges(node, n))
+    if not (isinstance(val, torch.Tensor) and val.dim() >= 2 and tuple(val.shape[-2:]) == (n, n)
+            and input_free(node)):
+        return False
+    if not free(node):
+        return bool(_aranges(node, n))
+    return not _aranges(node, n) and any(isinstance(a, GroupRef) for x in _upstream(node) for a in x.args)
 
 
 def carries_position_bias(node, n: int) -> bool:
@@ -215,7 +221,7 @@ def _roles(bias: fx.Node, stage, n: int, m: int, where: str) -> tuple[list, list
                                 "use cp=1")
     for a in either:
         (queries if keys and not queries else keys).append(a)
-    if not keys:
+    if queries and not keys:
         raise PlanError(f"cp: the position bias of {where} does not depend on key positions as cp can "
                         "tell; use cp=1")
     return queries, keys
@@ -290,6 +296,8 @@ def _blocks(bias: fx.Node, stage, n: int) -> list:
         m = n   # the shorter reading may meet a size it should not change: read at n
         queries, keys = _roles(bias, stage, n, m, where)
     _check(bias, stage, n, m, queries, keys, where)
+    if not queries and not keys:   # no positions read, and checked the same over the whole sequence
+        return [bias] * stage.plan.cp
     graph = bias.graph
     nodes = _ancestors(bias)
     reads_keys = set(keys)
