@@ -16,6 +16,7 @@ class RelBiasLM(nn.Module):
     bi_pad:  bidirectional buckets (T5's encoder), the bias summed with a key padding mask
              from attention_mask [B, S] before it meets the scores (T5's position_bias + mask)
     causal:  unidirectional buckets (T5's decoder) and a causal masked_fill on the scores
+    sdpa:    bidirectional buckets, each layer its own table, SDPA with the bias as attn_mask
     """
 
     def __init__(self, mode: str, vocab: int = 32, width: int = 16, heads: int = 2, buckets: int = 10,
@@ -26,6 +27,8 @@ class RelBiasLM(nn.Module):
         self.qkv = nn.ModuleList(nn.Linear(width, 3 * width, bias=False) for _ in range(2))
         self.proj = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(2))
         self.rel = nn.Embedding(buckets, heads)
+        if mode == "sdpa":
+            self.rel2 = nn.Embedding(buckets, heads)
 
     def bucket(self, rel: torch.Tensor) -> torch.Tensor:
         """T5's relative position buckets: exact below max_exact, log-spaced up to max_distance."""
@@ -48,12 +51,17 @@ class RelBiasLM(nn.Module):
         bias = self.rel(self.bucket(i[None, :] - i[:, None])).permute(2, 0, 1).unsqueeze(0)   # [1, h, t, t]
         if attention_mask is not None:
             bias = bias + (1.0 - attention_mask[:, None, None, :]) * -1e9
-        for qkv, proj in zip(self.qkv, self.proj):
+        for layer, (qkv, proj) in enumerate(zip(self.qkv, self.proj)):
             q, k, v = qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)   # [b, h, t, d]
-            s = q @ k.transpose(-2, -1) + bias   # T5: no 1/sqrt(d)
-            if self.mode == "causal":
-                s = s.masked_fill(~(i[None, :] <= i[:, None]), float("-inf"))
-            y = torch.softmax(s, -1) @ v
+            if self.mode == "sdpa":
+                if layer:
+                    bias = self.rel2(self.bucket(i[None, :] - i[:, None])).permute(2, 0, 1).unsqueeze(0)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
+            else:
+                s = q @ k.transpose(-2, -1) + bias   # T5: no 1/sqrt(d)
+                if self.mode == "causal":
+                    s = s.masked_fill(~(i[None, :] <= i[:, None]), float("-inf"))
+                y = torch.softmax(s, -1) @ v
             x = x + proj(y.transpose(1, 2).reshape(b, t, -1))
         return self.head(x)
 
@@ -66,7 +74,8 @@ def relbias_workload(mode: str, seq: int = 16, batch: int = 4) -> dict:
     torch.manual_seed(0)
     model = RelBiasLM(mode)
     with torch.no_grad():
-        model.rel.weight.mul_(4.0)   # a bias that matters next to the scores
+        for table in (model.rel, getattr(model, "rel2", model.rel)):
+            table.weight.mul_(4.0)   # a bias that matters next to the scores
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 32, (batch, seq + 1), generator=g)
     inputs = (idx[:, :-1],)

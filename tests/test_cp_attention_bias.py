@@ -13,7 +13,7 @@ from tests.cp_bias_jobs import relbias_parity, ring_bias_vs_full
 from tests.cp_bias_models import RelBiasLM, one_process, relbias_workload
 from tests.parity import max_rel_diff
 
-MODES = ["bi_pad", "causal"]
+MODES = ["bi_pad", "causal"]   # tests/cp_bias_models.RelBiasLM
 
 
 def _ring_calls(w) -> list[str]:
@@ -75,6 +75,12 @@ def test_a_bias_that_depends_on_the_length_is_refused(how, words, seq, monkeypat
     assert "\n" not in str(err.value) and "cp=1" in str(err.value)
 
 
+def test_each_layer_its_own_bias_through_sdpa():
+    calls = _ring_calls(relbias_workload("sdpa"))
+    blocks = [c.split("pbias=")[1].split("]")[0] for c in calls]
+    assert len(calls) == 2 and blocks[0] != blocks[1] and all(b.count(",") == 1 for b in blocks), calls
+
+
 def test_a_long_sequence_reads_the_bias_at_a_shorter_length(monkeypatch):
     import threefold.passes.cp_attention_bias as pb
     monkeypatch.setattr(pb, "_WHOLE_CHECK", 2000)
@@ -120,8 +126,9 @@ def _ring_cases():
 @pytest.mark.timeout(600)
 def test_t5_style_relative_bias_cp2_matches_one_process():
     """Losses and every parameter's gradient (the bias table included) over 3 SGD steps, fp32."""
-    got = launch(relbias_parity, 2, MODES, "cp=2", 3, timeout=550)
-    for i, mode in enumerate(MODES):
+    modes = MODES + ["sdpa"]
+    got = launch(relbias_parity, 2, modes, "cp=2", 3, timeout=550)
+    for i, mode in enumerate(modes):
         ref_losses, ref_grads = one_process(mode, 3)
         for losses, grads in (rank[i] for rank in got):
             assert max_rel_diff(losses, ref_losses) < 1e-5, (mode, losses, ref_losses)
