@@ -231,7 +231,8 @@ def _analysis_length(bias: fx.Node, n: int, cp: int) -> int:
     """The local length at which to read the bias at compile time: n while the bias over the
     whole sequence has at most _WHOLE_CHECK elements, else a smaller even m such that neither
     m nor cp*m is an integer the subgraph reads (a coincidence would change its meaning), as
-    the mask code reads masks at s and s/cp (passes/cp_masks.py)."""
+    the mask code reads masks at s and s/cp (passes/cp_masks.py); the smallest such m if
+    none keeps within the budget."""
     lead = bias.meta["val"].shape[:-2].numel()
     if lead * (cp * n) ** 2 <= _WHOLE_CHECK:
         return n
@@ -244,20 +245,16 @@ def _analysis_length(bias: fx.Node, n: int, cp: int) -> int:
                 stack.extend(a)
             elif type(a) is int:
                 taken.add(a)
-    for m in range(2 * cp + 6, n, 2):
-        if m not in taken and cp * m not in taken and lead * (cp * m) ** 2 <= _WHOLE_CHECK:
-            return m
-    return n
+    fits = [m for m in range(2 * cp + 6, n, 2) if m not in taken and cp * m not in taken]
+    return fits[0] if fits else n
 
 
 def _check(bias: fx.Node, stage, n: int, m: int, queries: list, keys: list, where: str) -> None:
     """Each (rank, step) block as the copies compute it equals the bias over the whole
-    sequence at those positions, read at local length m (see _analysis_length; skipped where
-    even that exceeds _WHOLE_CHECK elements)."""
+    sequence at those positions, read at local length m (see _analysis_length). This is what
+    catches a position-dependent value that is not an arange (a tril(ones(n, n)) would be
+    copied as it is into every block)."""
     cp, s = stage.plan.cp, m * stage.plan.cp
-    lead = bias.meta["val"].shape[:-2].numel()
-    if lead * s * s > _WHOLE_CHECK:
-        return
     with torch.no_grad():
         try:
             whole = torch.as_tensor(_run(bias, stage, {}, {n: s}))
