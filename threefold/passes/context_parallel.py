@@ -32,6 +32,7 @@ from threefold.errors import PlanError
 from threefold.passes.cp_masks import evaluate, free, input_free, key_bias_val as _key_bias_val, \
     param_free as _param_free, split_mask as _split_mask
 from threefold.ops.families import COPIES, RESHAPES, VIEWS, args_of
+from threefold.passes.cp_attention_bias import carries_position_bias, take_position_biases
 from threefold.passes.cp_fallback import gather_around
 from threefold.passes.cp_rules import PARTIAL, Gather, Place, Refuse, Seq, decide, op_name
 from threefold.passes.cp_rules.core import is_local
@@ -210,7 +211,7 @@ __all__ = ["context_parallel", "check_sequence", "PARTIAL"]
 # -- attention -----------------------------------------------------------------------------
 
 def _rewrite_attention(gm: fx.GraphModule, stage, n: int) -> int:
-    count = 0
+    count, biases = 0, {}   # biases: a position bias's per-step blocks, shared by the layers reading it
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or getattr(node, "_erased", False):   # erased by an earlier rewrite
             continue
@@ -231,6 +232,10 @@ def _rewrite_attention(gm: fx.GraphModule, stage, n: int) -> int:
             kwargs["softcap"] = softcap
         if sink is not None:
             kwargs["sink"] = sink
+        operands = masks
+        masks, pbias = take_position_biases(masks, stage, n, biases, last)   # passes/cp_attention_bias.py
+        if pbias is not None:
+            kwargs["pbias"] = pbias
         if masks or causal:
             try:
                 causal, rel, keyside = _split_mask(masks, causal, stage, last, n)   # leading dims as the ring sees them
@@ -250,7 +255,7 @@ def _rewrite_attention(gm: fx.GraphModule, stage, n: int) -> int:
         ring.meta = dict(last.meta)
         ring.meta["tf"] = dict(tf(last))
         last.replace_all_uses_with(ring)
-        _erase_dead([last] + dead + [m for _, m in masks], gm.graph)
+        _erase_dead([last] + dead + [m for _, m in operands], gm.graph)
         count += 1
     return count
 
@@ -438,6 +443,14 @@ def _handwritten(sm: fx.Node, stage=None):
                 chain.append(x)
                 x = left
             elif _param_free(left) and not _param_free(right):
+                masks.append(("add", left))
+                chain.append(x)
+                x = right
+            elif stage is not None and carries_position_bias(right, stage.seq_len):   # T5's learned buckets
+                masks.append(("add", right))
+                chain.append(x)
+                x = left
+            elif stage is not None and carries_position_bias(left, stage.seq_len):
                 masks.append(("add", left))
                 chain.append(x)
                 x = right

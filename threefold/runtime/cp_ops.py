@@ -167,7 +167,7 @@ class _Ring:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, group, kbias=None, rel=None, cap=None, sink=None):
+    def forward(ctx, q, k, v, scale, causal, group, kbias=None, rel=None, cap=None, sink=None, *pbias):
         ring = _Ring(group)
         cp, r, n = ring.cp, ring.r, q.shape[-2]
         out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
@@ -177,7 +177,7 @@ class _RingAttention(torch.autograd.Function):
             wait = ring.shift(kv, "keys and values") if step < cp - 1 else None   # next block in flight
             qs, ks, mask = _pieces(step, r, cp, n, causal)
             allowed = _diag_mask(n, cp, r, q.device) if mask == "diag" else None
-            bias = _step_bias(kv, rel, step, r, cp, n, qs, ks, q)
+            bias = _step_bias(kv, rel, step, r, cp, n, qs, ks, q, pbias)
             o, l = _block(q[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :], scale, allowed, bias, cap)
             out[..., qs, :], lse[..., qs, :] = _merge(out[..., qs, :], lse[..., qs, :], o, l)
             if wait is not None:
@@ -185,8 +185,9 @@ class _RingAttention(torch.autograd.Function):
         if sink is not None:   # a sink logit per query with a zero value (gpt-oss): one more key, after the ring
             out, lse = _merge(out, lse, torch.zeros_like(out), sink.to(lse.dtype).expand_as(lse))
         ctx.sink = sink is not None
+        ctx.npbias = len(pbias)
         ctx.save_for_backward(q, k, v, out, lse, *([kbias] if kbias is not None else []),
-                              *([sink] if sink is not None else []))
+                              *([sink] if sink is not None else []), *pbias)
         ctx.scale, ctx.causal, ctx.group, ctx.rel, ctx.cap = scale, causal, group, rel, cap
         return out
 
@@ -195,7 +196,10 @@ class _RingAttention(torch.autograd.Function):
     @torch.autocast("cuda", enabled=False)
     def backward(ctx, dout):
         q, k, v, out, lse, *kb = ctx.saved_tensors
+        pbias = kb[len(kb) - ctx.npbias:]   # position-bias blocks, one per ring step (runtime/cp_bias.py)
+        kb = kb[:len(kb) - ctx.npbias]
         sink = kb.pop() if ctx.sink else None
+        dpbias = [torch.zeros_like(b) for b in pbias]
         scale, causal, rel, cap = ctx.scale, ctx.causal, ctx.rel, ctx.cap
         ring = _Ring(ctx.group)
         cp, r, n = ring.cp, ring.r, q.shape[-2]
@@ -210,10 +214,13 @@ class _RingAttention(torch.autograd.Function):
             kb_, vb = kv[0][..., ks, :], kv[1][..., ks, :]
             qb, dob = q[..., qs, :], dout[..., qs, :]
             allowed = _diag_mask(n, cp, r, q.device) if mask == "diag" else None
-            s = _scores(qb, kb_, scale, allowed, _step_bias(kv, rel, step, r, cp, n, qs, ks, q), cap)
+            s = _scores(qb, kb_, scale, allowed, _step_bias(kv, rel, step, r, cp, n, qs, ks, q, pbias), cap)
             p = torch.exp(s - lse[..., qs, :])
             dv = torch.matmul(p.transpose(-2, -1), dob)
             ds = p * (torch.matmul(dob, vb.transpose(-2, -1)) - delta[..., qs, :])
+            if pbias:   # the bias is added to the final scores: its gradient is ds, summed where broadcast
+                at = dpbias[step][..., qs, ks]
+                dpbias[step][..., qs, ks] = at + _reduce_to(ds, at.shape).to(at.dtype)
             if cap is not None:   # through cap * tanh(raw / cap): d/draw = 1 - tanh^2
                 ds = ds * (1 - torch.tanh(torch.matmul(qb, kb_.transpose(-2, -1)) * scale / cap) ** 2)
             dq[..., qs, :] += torch.matmul(ds, kb_) * scale
@@ -229,18 +236,22 @@ class _RingAttention(torch.autograd.Function):
         dsink = None
         if sink is not None:   # d lse / d sink = p_sink; the sink's value is 0: d sink = -p_sink * delta
             dsink = _reduce_to(-(torch.exp(sink.to(lse.dtype).expand_as(lse) - lse) * delta), sink.shape)
-        return dq, _reduce_to(acc[0], k.shape), _reduce_to(acc[1], v.shape), None, None, None, None, None, None, dsink
+        return dq, _reduce_to(acc[0], k.shape), _reduce_to(acc[1], v.shape), None, None, None, None, None, None, \
+            dsink, *dpbias
 
 
-def _step_bias(kv: list, rel, step: int, r: int, cp: int, n: int, qs: slice, ks: slice, q: torch.Tensor):
+def _step_bias(kv: list, rel, step: int, r: int, cp: int, n: int, qs: slice, ks: slice, q: torch.Tensor,
+               pbias=()):
     """The additive mask of ring step `step` for its (query, key) slices: the relative-position
     part from global positions (keys of rank (r-step) mod cp), plus the key-side bias that
-    travelled with the keys; None when there is neither."""
-    bias = None
+    travelled with the keys, plus the step's position-bias block (runtime/cp_bias.py); None
+    when there is none."""
+    bias = pbias[step][..., qs, ks].to(q.dtype) if pbias else None
     if rel is not None:
         qpos = block_positions(n, cp, r, device=q.device)[qs]
         kpos = block_positions(n, cp, (r - step) % cp, device=q.device)[ks]
-        bias = relative_bias(qpos, kpos, rel, q.dtype)
+        rb = relative_bias(qpos, kpos, rel, q.dtype)
+        bias = rb if bias is None else bias + rb
     if len(kv) > 2:
         kb = kv[2][..., ks].to(q.dtype)
         bias = kb if bias is None else bias + kb
@@ -261,7 +272,8 @@ def _reduce_to(g: torch.Tensor, shape) -> torch.Tensor:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
                    group, ranks: int = 1, kbias: torch.Tensor | None = None, rel=None,
-                   softcap: float | None = None, sink: torch.Tensor | None = None) -> torch.Tensor:
+                   softcap: float | None = None, sink: torch.Tensor | None = None,
+                   pbias: list | None = None) -> torch.Tensor:
     """softmax(q k^T * scale [causal over global positions]) v over the whole sequence, with
     q, k, v [..., n_local, d] this rank's blocks. `ranks` is the cp size the code was compiled
     for (the cost model reads it). Saved for backward: q, k, v, the output and the
@@ -270,7 +282,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     e.g. padding; it travels with K/V); `causal` then says the mask hides at least the
     future, so the ring skips the blocks causality hides. `softcap`: the scores are
     softcap * tanh(scores / softcap) before the mask (Gemma 2). `sink` [..., n, 1]: a logit per
-    query for one more key whose value is zero (attention sinks, gpt-oss)."""
+    query for one more key whose value is zero (attention sinks, gpt-oss). `pbias`: one
+    additive bias block [..., n, n] per ring step, a function of (query, key) positions and
+    parameters evaluated for this rank's queries and the keys of that step (runtime/cp_bias.py);
+    its gradient flows back to whatever computed it."""
     if group is not None and _size(group) != ranks:
         raise RuntimeError(f"ring attention was compiled for cp={ranks} but runs on a group of {_size(group)}")
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
@@ -282,7 +297,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         # group None: one rank's view (cp=1, or the memory model running the op alone on
         # fakes): the same autograd function, so it saves what a real rank saves
         o = _RingAttention.apply(q, k, v, scale, causal, group, kbias, rel, softcap,
-                                 sink.to(work) if sink is not None else None)
+                                 sink.to(work) if sink is not None else None, *(pbias or ())[:_size(group)])
     return o.to(dtype)
 
 

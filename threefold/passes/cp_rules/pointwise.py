@@ -65,7 +65,8 @@ def _pointwise(c: Call):
         if {p.dim for p in places} == {r - 2, r - 1}:   # a [query, key] grid of positions
             _fail(c, "pairs query positions with key positions (a mask or relative positions for an attention "
                   "cp does not recognise: SDPA, or matmul/einsum, scale, mask, softmax, matmul/einsum, run in the "
-                  "ring; attention sinks and relative-position tables are not)")
+                  "ring with sinks, masks of j - i, key padding and biases computed from positions and parameters "
+                  "only; a bias that also reads activations, as DeBERTa's, is not)")
         _fail(c, "combines values split along different dims")
     s = places.pop()
     d = s.dim
