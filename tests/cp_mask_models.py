@@ -17,6 +17,8 @@ class MaskedAttention(nn.Module):
     pad_hand:  hand-written: masked_fill(causal) + (1 - attention_mask) * -1e9
     alibi:     hand-written: scores + slope_h * (j - i), masked_fill(causal)
     window:    hand-written causal sliding window of `window` positions
+    pad_query: SDPA, causal & a padding mask over queries (padded queries see key 0 only):
+               not key-side, so the all-gather fallback runs it
     half:      hand-written causal window of half the sequence (t // 2: a size computed from
                the length, which a trace of one rank's share reads as a number)
     """
@@ -36,6 +38,9 @@ class MaskedAttention(nn.Module):
         causal = i[None, :] <= i[:, None]                                          # [t, t] visible
         if self.mode == "pad_sdpa":
             keep = causal[None, None] & attention_mask[:, None, None, :].bool()
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        elif self.mode == "pad_query":   # padded queries see key 0 only: a mask over queries
+            keep = causal[None, None] & (attention_mask[:, None, :, None].bool() | (i == 0))
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
         else:
             s = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5)

@@ -15,7 +15,7 @@ from tests.cp_jobs import mask_parity
 from tests.cp_mask_models import MaskedAttention, hf_llama_padded, masked_workload
 from tests.parity import max_rel_diff, sgd_losses
 
-MODES = ["pad_sdpa", "pad_hand", "alibi", "window", "half"]
+MODES = ["pad_sdpa", "pad_hand", "alibi", "window", "half", "pad_query"]
 
 
 def _ring_call(mode: str) -> str:
@@ -62,6 +62,15 @@ class _Document(MaskedAttention):
         keep = (i[None, :] // 4) == (i[:, None] // 4)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
         return self.head(x + self.proj(y.transpose(1, 2).reshape(b, t, -1)))
+
+
+def test_sdpa_masks_the_ring_cannot_carry_run_on_the_gathered_sequence():
+    """A padding mask over queries (or one computed from parameters, Doge's) is no key-side
+    bias: SDPA takes the all-gather fallback instead of a refusal (parity: MODES below)."""
+    prog = compile_workload(masked_workload("pad_query"), "cp=2")
+    assert [n for n in prog.notes if n.startswith("cp fallback: scaled_dot_product_attention")]
+    with pytest.raises(threefold.PlanError, match="fallback"):
+        compile_workload(masked_workload("pad_query"), "cp=2,strict=true")
 
 
 @pytest.mark.parametrize("cls,words", [(_QueryPadding, "not key-side"), (_Document, "not a band")])

@@ -240,7 +240,7 @@ def _rewrite_attention(gm: fx.GraphModule, stage, n: int) -> int:
             try:
                 causal, rel, keyside = _split_mask(masks, causal, stage, last, n)   # leading dims as the ring sees them
             except PlanError as exc:
-                if name not in _SDPA or not _gatherable_mask(str(exc)):
+                if name not in _SDPA or pbias is not None or not _gatherable_mask(str(exc)):
                     raise
                 continue   # SDPA whose mask the ring cannot carry: the all-gather fallback runs it whole
             if rel is not None:
