@@ -82,7 +82,8 @@ def _lm(logits, target):
 
 
 def _sdpa_padding(m, x, pad):
-    """A padding mask over queries: the ring can carry key-side masks only (tests/test_cp_masks.py)."""
+    """A padding mask over queries: the ring carries key-side masks only, so SDPA takes the
+    all-gather fallback (tests/test_cp_masks.py), an error under strict=true."""
     q = x.unsqueeze(1)
     return F.scaled_dot_product_attention(q, q, q, attn_mask=pad[:, None, :, None].bool()).squeeze(1)
 
@@ -94,7 +95,7 @@ def _sdpa_padding(m, x, pad):
     (lambda m, x: x + torch.linspace(0, 1, x.shape[1])[:, None], "varies per position"),
     (lambda m, x: m.same(x.transpose(1, 2)).transpose(1, 2), "conv1d at same mixes sequence positions"),
     (lambda m, x: x - x.mean(dim=1, keepdim=True), "mean at <top> mixes sequence positions"),
-    (_sdpa_padding, "not key-side"),
+    (_sdpa_padding, "scaled_dot_product_attention at <top> mixes sequence positions"),
 ])
 def test_ops_that_mix_positions_are_refused_in_one_line(op, words):
     g = torch.Generator().manual_seed(0)
