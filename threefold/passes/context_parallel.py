@@ -32,6 +32,7 @@ from threefold.errors import PlanError
 from threefold.passes.cp_masks import evaluate, free, input_free, key_bias_val as _key_bias_val, \
     param_free as _param_free, split_mask as _split_mask
 from threefold.ops.families import COPIES, RESHAPES, VIEWS, args_of
+from threefold.passes.cp_factories import split_factories
 from threefold.passes.cp_fallback import gather_around
 from threefold.passes.cp_rules import PARTIAL, Gather, Place, Refuse, Seq, decide, op_name
 from threefold.passes.cp_rules.core import is_local
@@ -111,7 +112,7 @@ def check_sequence(gm: fx.GraphModule, stage, fallbacks: list | None = None, tab
         elif node.op == "call_function":
             d = _place(node, state, stage, fallbacks)
             if isinstance(d, Refuse) and d.table is not None:
-                moved = _rows_at_positions(d.table, stage)
+                moved = _rows_at_positions(d.table, stage) or split_factories(d.table, state, stage)
                 if moved:
                     tables.extend(m for m in moved if op_name(m) == "index_select")
                     _replace_after(moved, node, state, stage, fallbacks)
@@ -142,10 +143,10 @@ def _replace_after(new: list, upto: fx.Node, state: dict, stage, fallbacks: list
         if x not in seen:
             seen.add(x)
             stack.extend(x.users)
-    for x in list(upto.graph.nodes):
+    for x in upto.graph.nodes:   # live: a fallback's cuts inserted on the way are placed too
         if x is upto:
             break
-        if x in seen and x.op == "call_function":
+        if (x in seen or x not in state) and x.op == "call_function":
             d = _place(x, state, stage, fallbacks)
             if isinstance(d, Refuse):
                 _refuse(x, stage, d.why)

@@ -1,0 +1,110 @@
+"""Small models whose per-position values come from a factory made in forward at the traced
+length (passes/cp_factories.py), and the jobs their cp parity tests launch (importable by
+spawned ranks).
+
+`FactoryPositions(mode)`, each after an embedding and before a causal attention layer:
+    cumsum:  OPT's positions: mask = ones(b, t); pos = cumsum(mask, 1) * mask - 1, + an
+             offset of 2, looked up in a learned position table
+    scale:   DeBERTa's embeddings: x * ones(b, t).unsqueeze(-1) (a mask made when none is given)
+    running: a running mean over time, x.cumsum(1) / full((b, t, 1), 1.0).cumsum(1)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+MODES = ["cumsum", "scale", "running"]
+
+
+class FactoryPositions(nn.Module):
+    def __init__(self, mode: str, vocab: int = 32, width: int = 16, rows: int = 40):
+        super().__init__()
+        self.mode = mode
+        self.emb, self.pos = nn.Embedding(vocab, width), nn.Embedding(rows, width)
+        self.qkv, self.proj, self.head = nn.Linear(width, 3 * width), nn.Linear(width, width), nn.Linear(width, vocab)
+
+    def forward(self, idx):
+        b, t = idx.shape
+        x = self.emb(idx)
+        if self.mode == "cumsum":
+            mask = torch.ones(b, t, device=idx.device)
+            pos = (torch.cumsum(mask, dim=1) * mask - 1).long()
+            x = x + self.pos(pos + 2)
+        elif self.mode == "scale":
+            mask = torch.ones(b, t, device=idx.device)
+            x = x * mask.unsqueeze(-1).to(x.dtype)
+        else:
+            count = torch.full((b, t, 1), 1.0, device=idx.device).cumsum(1)
+            x = x + x.cumsum(1) / count
+        q, k, v = self.qkv(x).view(b, t, 3, 2, -1).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(x + self.proj(y.transpose(1, 2).reshape(b, t, -1)))
+
+
+def lm_loss(logits, target):
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+def factory_workload(mode: str, seq: int = 16, batch: int = 2) -> dict:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 32, (batch, seq + 1), generator=g)
+    return {"model": FactoryPositions(mode), "inputs": (idx[:, :-1],), "target": idx[:, 1:], "loss_fn": lm_loss}
+
+
+def losses_and_grads(step, params, steps: int, lr: float = 0.1, make_opt=None):
+    """`steps` SGD steps: (the loss of each, each step's gradients by parameter name)."""
+    opt = make_opt(torch.optim.SGD, lr=lr) if make_opt else torch.optim.SGD([p for _, p in params], lr=lr)
+    losses, grads = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        losses.append(float(step()))
+        grads.append({k: p.grad.detach().clone() for k, p in params if p.grad is not None})
+        opt.step()
+    return losses, grads
+
+
+def reference(w: dict, steps: int = 3):
+    model = w["model"]
+
+    def step():
+        loss = w["loss_fn"](model(*w["inputs"]), w["target"])
+        loss.backward()
+        return loss.item()
+    return losses_and_grads(step, list(model.named_parameters()), steps)
+
+
+def parallel(w: dict, plan: str, steps: int = 3):
+    import threefold
+    pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
+    return losses_and_grads(lambda: pm.step(*w["inputs"], target=w["target"]), list(pm.named_parameters()),
+                            steps, make_opt=pm.optimizer)
+
+
+def factory_parity(modes: list, plan: str, steps: int = 3) -> list:
+    """Run on every rank: each FactoryPositions mode under `plan`, (losses, grads)."""
+    torch.set_num_threads(1)
+    return [parallel(factory_workload(m), plan, steps) for m in modes]
+
+
+def zoo_grads_parity(archs: list, plan: str, steps: int = 3) -> dict:
+    """Run on every rank: each zoo arch (batch 2) under `plan`, (losses, grads)."""
+    from tests.cp_jobs import zoo_batch2
+    torch.set_num_threads(1)
+    return {a: parallel(zoo_batch2(a), plan, steps) for a in archs}
+
+
+def grad_diff(got: list, ref: list) -> float:
+    """The largest gradient difference over the steps and parameters, relative to the
+    largest gradient of that parameter or, where that is rounding noise (a key bias, whose
+    gradient is 0 in exact arithmetic: softmax ignores a shift per query), to 1e-3 of the
+    step's largest gradient. Missing or extra gradients are infinitely off."""
+    worst = 0.0
+    for g, r in zip(got, ref):
+        if set(g) != set(r):
+            return float("inf")
+        floor = 1e-3 * max(v.abs().max().item() for v in r.values())
+        for k in r:
+            worst = max(worst, ((g[k] - r[k]).abs().max() / max(r[k].abs().max().item(), floor)).item())
+    return worst

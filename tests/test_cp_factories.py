@@ -1,0 +1,46 @@
+"""Values made in forward from the traced length along the sequence under cp (passes/cp_factories.py):
+a ones mask made when none is given (OPT's positions by cumsum, DeBERTa's embedding mask), a
+count made by `full` and summed over time. Each was refused ("varies per position"); now the
+factory is the whole-length one cut to this rank's blocks, a scan over it takes the exact
+all-gather fallback, and cp=2 equals one process (losses and gradients, fp32, 3 SGD steps)."""
+import pytest
+
+from threefold.compiler.api import compile_workload
+from threefold.runtime.launch import launch
+from tests.cp_factory_models import MODES, factory_parity, factory_workload, grad_diff, reference, zoo_grads_parity
+from tests.parity import max_rel_diff
+
+
+@pytest.mark.parametrize("mode,scans", [("cumsum", 1), ("scale", 0), ("running", 2)])
+def test_factory_along_the_sequence_is_split_and_its_scans_gathered(mode, scans):
+    prog = compile_workload(factory_workload(mode), "cp=2")
+    falls = [n for n in prog.notes if n.startswith("cp fallback:")]
+    assert len(falls) == scans and all(f.startswith("cp fallback: cumsum (") for f in falls), falls
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_factories_at_cp2_match_one_process_losses_and_grads():
+    got = launch(factory_parity, 2, MODES, "cp=2", 3, timeout=550)
+    for i, mode in enumerate(MODES):
+        ref_losses, ref_grads = reference(factory_workload(mode))
+        for rank in got:
+            losses, grads = rank[i]
+            assert max_rel_diff(losses, ref_losses) < 1e-5, (mode, losses, ref_losses)
+            assert grad_diff(grads, ref_grads) < 1e-4, (mode, grad_diff(grads, ref_grads))
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_opt_at_cp2_matches_one_process_losses_and_grads():
+    """HF OPT numbers its learned positions by a cumsum over a ones mask made in forward."""
+    from tests.cp_jobs import zoo_batch2
+    archs = ["opt"]
+    got = launch(zoo_grads_parity, 2, archs, "cp=2", 3, timeout=850)
+    for arch in archs:
+        ref_losses, ref_grads = reference(zoo_batch2(arch))
+        for rank in got:
+            losses, grads = rank[arch]
+            assert max_rel_diff(losses, ref_losses) < 1e-5, (arch, losses, ref_losses)
+            assert grad_diff(grads, ref_grads) < 1e-4, (arch, grad_diff(grads, ref_grads))
