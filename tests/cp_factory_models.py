@@ -7,6 +7,8 @@ spawned ranks).
              offset of 2, looked up in a learned position table
     scale:   DeBERTa's embeddings: x * ones(b, t).unsqueeze(-1) (a mask made when none is given)
     running: a running mean over time, x.cumsum(1) / full((b, t, 1), 1.0).cumsum(1)
+and `TailAlibi` ("alibi_tail"): MPT's ALiBi, a table [heads, 1, L] of slope * (j - L + 1)
+built in forward and sliced to its last t keys (`bias[:, :, L - t:]`), added to the scores.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-MODES = ["cumsum", "scale", "running"]
+MODES = ["cumsum", "scale", "running", "alibi_tail"]
 
 
 class FactoryPositions(nn.Module):
@@ -42,6 +44,27 @@ class FactoryPositions(nn.Module):
         return self.head(x + self.proj(y.transpose(1, 2).reshape(b, t, -1)))
 
 
+class TailAlibi(nn.Module):
+    def __init__(self, vocab: int = 32, width: int = 16, heads: int = 2, longest: int = 40):
+        super().__init__()
+        self.heads, self.longest = heads, longest
+        self.emb, self.qkv = nn.Embedding(vocab, width), nn.Linear(width, 3 * width)
+        self.proj, self.head = nn.Linear(width, width), nn.Linear(width, vocab)
+
+    def forward(self, idx):
+        b, t = idx.shape
+        x = self.emb(idx)
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        slopes = 1.0 / 2 ** torch.arange(1, self.heads + 1, device=idx.device).float()
+        bias = torch.arange(1 - self.longest, 1, device=idx.device).view(1, 1, -1) * slopes.view(-1, 1, 1)
+        bias = bias[:, max(0, bias.size(1) - t):, max(0, bias.size(2) - t):]      # [heads, 1, t]
+        s = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5) + bias
+        i = torch.arange(t, device=idx.device)
+        s = s.masked_fill(i[None, :] > i[:, None], float("-inf"))
+        y = torch.softmax(s, -1) @ v
+        return self.head(x + self.proj(y.transpose(1, 2).reshape(b, t, -1)))
+
+
 def lm_loss(logits, target):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
@@ -50,7 +73,8 @@ def factory_workload(mode: str, seq: int = 16, batch: int = 2) -> dict:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 32, (batch, seq + 1), generator=g)
-    return {"model": FactoryPositions(mode), "inputs": (idx[:, :-1],), "target": idx[:, 1:], "loss_fn": lm_loss}
+    model = TailAlibi() if mode == "alibi_tail" else FactoryPositions(mode)
+    return {"model": model, "inputs": (idx[:, :-1],), "target": idx[:, 1:], "loss_fn": lm_loss}
 
 
 def losses_and_grads(step, params, steps: int, lr: float = 0.1, make_opt=None):

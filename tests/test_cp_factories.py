@@ -18,6 +18,15 @@ def test_factory_along_the_sequence_is_split_and_its_scans_gathered(mode, scans)
     assert len(falls) == scans and all(f.startswith("cp fallback: cumsum (") for f in falls), falls
 
 
+def test_alibi_table_sliced_to_its_last_keys_runs_in_the_ring():
+    """MPT's ALiBi: a [heads, 1, L] table sliced to its last t keys. At the whole length the
+    slice is the last s rows (was evaluated at t rows: "(2, 1, 8), not over the sequence"),
+    and its bias shifts with the length by a number per query the softmax ignores."""
+    from threefold.codegen.artifact import build_sources
+    code = build_sources(compile_workload(factory_workload("alibi_tail"), "cp=2"))["chunk00.py"]
+    assert "rel=(None, 0, [0.5, 0.25]" in code
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_factories_at_cp2_match_one_process_losses_and_grads():
@@ -33,10 +42,11 @@ def test_factories_at_cp2_match_one_process_losses_and_grads():
 @pytest.mark.zoo
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_opt_at_cp2_matches_one_process_losses_and_grads():
-    """HF OPT numbers its learned positions by a cumsum over a ones mask made in forward."""
+def test_opt_and_mpt_at_cp2_match_one_process_losses_and_grads():
+    """HF OPT numbers its learned positions by a cumsum over a ones mask made in forward; MPT
+    slices its ALiBi table to the last keys."""
     from tests.cp_jobs import zoo_batch2
-    archs = ["opt"]
+    archs = ["opt", "mpt"]
     got = launch(zoo_grads_parity, 2, archs, "cp=2", 3, timeout=850)
     for arch in archs:
         ref_losses, ref_grads = reference(zoo_batch2(arch))

@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from threefold.ir.program import tf
 from threefold.errors import PlanError
-from threefold.ops.families import COPIES, is_pointwise, op_name
+from threefold.ops.families import COPIES, args_of, is_pointwise, op_name
 
 _NEG = -1e30   # at or below: hidden (-inf, or finfo.min as HF writes it)
 
@@ -91,7 +91,7 @@ def split_mask(masks: list, is_causal: bool, stage, node: fx.Node, n: int):
                         "sequence length (a length that equals another size by coincidence?); use cp=1 or "
                         "another sequence length") from None
     whole, local = whole.expand(*lead, s, s), local.expand(*lead, n, n)
-    if not _same(local, whole[..., :n, :n]):
+    if not _same_per_query(local, whole[..., :n, :n]):
         raise PlanError(f"cp: the mask of {where} over the first s/cp positions differs from its corner over "
                         "the whole sequence (it depends on the length, not only on positions); use cp=1")
     lo, hi, slopes, intercepts = _fit(whole.reshape(-1, s, s), where)
@@ -190,6 +190,18 @@ def _broadcast(a: tuple, b: tuple):
         return None
 
 
+def _same_per_query(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal masks up to a number per query (row): the softmax over each query's keys does not
+    see it (MPT's ALiBi, slope * (j - T + 1), shifts every row by the length T)."""
+    hidden = torch.isinf(a)
+    if not torch.equal(hidden, torch.isinf(b)):
+        return False
+    diff = torch.where(hidden, torch.zeros((), dtype=a.dtype), a - b)
+    count = (~hidden).sum(-1, keepdim=True).clamp(min=1)
+    shift = diff.sum(-1, keepdim=True) / count
+    return _same(a, torch.where(hidden, b, b + shift))
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     hidden = torch.isinf(a)
     if not torch.equal(hidden, torch.isinf(b)):
@@ -240,6 +252,25 @@ def _fit_per_query(row: torch.Tensor, d: torch.Tensor, vis: torch.Tensor, where:
         raise PlanError(f"cp: the additive mask of {where} is not slope * (j - i) + c per head (not an "
                         "ALiBi-style bias); ring attention cannot recompute it: use cp=1")
     return torch.tensor([slope, 0.0], dtype=torch.float64)
+
+
+def _last_rows(x: fx.Node, whole, lengths: dict):
+    """t[L - n:] (the last n rows of a table, as MPT slices its ALiBi table [h, 1, max_len] to
+    the keys: start = max(0, L - key_length)) at another length: the last lengths[n] rows of
+    the evaluated table, or None where x is not such a slice."""
+    if not isinstance(whole, torch.Tensor) or not lengths:
+        return None
+    a = args_of(x)
+    src = a["self"].meta.get("val")
+    if not isinstance(src, torch.Tensor) or a["step"] != 1 or not isinstance(a["start"], int):
+        return None
+    d = a["dim"] % src.dim()
+    size, start = src.shape[d], a["start"] % src.shape[d] if a["start"] < 0 else a["start"]
+    end = size if a["end"] is None else min(a["end"], size)
+    n = size - start
+    if end != size or n not in lengths or n == size or whole.shape[d] < lengths[n]:
+        return None
+    return whole.narrow(d, whole.shape[d] - lengths[n], lengths[n])
 
 
 class _PerRank(Exception):
@@ -317,6 +348,7 @@ def evaluate(node: fx.Node, stage, lengths: dict | None = None, values: bool = T
         if any(type(a).__name__ == "GroupRef" for a in list(args) + list(kwargs.values())):
             # a tp op (a per-rank slice of the mask): its value differs per tp rank
             raise _PerRank(op_name(x))
-        return x.target(*args, **kwargs)
+        tail = _last_rows(x, value(x.args[0]) if op_name(x) == "slice" else None, kept)
+        return tail if tail is not None else x.target(*args, **kwargs)
     with torch.no_grad():
         return value(node)
