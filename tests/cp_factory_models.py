@@ -8,7 +8,9 @@ spawned ranks).
     scale:   DeBERTa's embeddings: x * ones(b, t).unsqueeze(-1) (a mask made when none is given)
     running: a running mean over time, x.cumsum(1) / full((b, t, 1), 1.0).cumsum(1)
 and `TailAlibi` ("alibi_tail"): MPT's ALiBi, a table [heads, 1, L] of slope * (j - L + 1)
-built in forward and sliced to its last t keys (`bias[:, :, L - t:]`), added to the scores.
+built in forward and sliced to its last t keys (`bias[:, :, L - t:]`), added to the scores;
+`FeatureProbe` ("seq_probe"): an input [2, 16, 16] whose sequence and feature dims are both
+divisible by 2*cp, read by a linear layer over its last dim and a causal attention.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-MODES = ["cumsum", "scale", "running", "alibi_tail"]
+MODES = ["cumsum", "scale", "running", "alibi_tail", "seq_probe"]
 
 
 class FactoryPositions(nn.Module):
@@ -65,6 +67,18 @@ class TailAlibi(nn.Module):
         return self.head(x + self.proj(y.transpose(1, 2).reshape(b, t, -1)))
 
 
+class FeatureProbe(nn.Module):
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, -1).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(torch.tanh(y.transpose(1, 2).reshape(b, t, -1)))
+
+
 def lm_loss(logits, target):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
@@ -73,6 +87,10 @@ def factory_workload(mode: str, seq: int = 16, batch: int = 2) -> dict:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 32, (batch, seq + 1), generator=g)
+    if mode == "seq_probe":
+        x = torch.randn(batch, seq, 16, generator=g)
+        return {"model": FeatureProbe(), "inputs": (x,), "target": torch.randn(batch, seq, 16, generator=g),
+                "loss_fn": F.mse_loss}
     model = TailAlibi() if mode == "alibi_tail" else FactoryPositions(mode)
     return {"model": model, "inputs": (idx[:, :-1],), "target": idx[:, 1:], "loss_fn": lm_loss}
 

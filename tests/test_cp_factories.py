@@ -27,6 +27,34 @@ def test_alibi_table_sliced_to_its_last_keys_runs_in_the_ring():
     assert "rel=(None, 0, [0.5, 0.25]" in code
 
 
+def test_sequence_dim_is_the_one_candidate_cp_compiles():
+    """Input [2, 16, 16]: both dims could be the sequence by their sizes (was "cannot tell the
+    sequence dim ... candidates [1, 2]"); the linear layer reads dim 2 whole, so only dim 1
+    compiles, and the note says why."""
+    prog = compile_workload(factory_workload("seq_probe"), "cp=2")
+    note = [n for n in prog.notes if "sequence is dim" in n]
+    assert len(note) == 1 and note[0].startswith("cp: input 0's sequence is dim 1,") and "dim 2: " in note[0], note
+    assert prog.seq_dims[0] == 1
+
+
+def test_sequence_dim_still_asked_where_each_candidate_compiles():
+    """Nothing in the graph tells the dims apart (an elementwise model): the one-line question stays."""
+    import torch
+    import threefold
+
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            return x * self.w
+    x = torch.randn(2, 8, 8)
+    w = {"model": Scale(), "inputs": (x,), "target": torch.zeros(2, 8, 8), "loss_fn": torch.nn.functional.mse_loss}
+    with pytest.raises(threefold.PlanError, match="cannot tell the sequence dim of input 0"):
+        compile_workload(w, "cp=2")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_factories_at_cp2_match_one_process_losses_and_grads():
