@@ -10,7 +10,11 @@ spawned ranks).
 and `TailAlibi` ("alibi_tail"): MPT's ALiBi, a table [heads, 1, L] of slope * (j - L + 1)
 built in forward and sliced to its last t keys (`bias[:, :, L - t:]`), added to the scores;
 `FeatureProbe` ("seq_probe"): an input [2, 16, 16] whose sequence and feature dims are both
-divisible by 2*cp, read by a linear layer over its last dim and a causal attention.
+divisible by 2*cp, read by a linear layer over its last dim and a causal attention;
+`RelPosAttention` ("relpos"): DeBERTa's disentangled attention in small, scores q k^T + c2p with
+c2p = gather(q R^T, -1, clamp(i - j + K, 0, 2K - 1)) and a ones mask made in forward paired
+as mask[:, None, :, None] * mask[:, None, None, :]: grids of positions the ring does not take,
+computed whole on every rank (passes/cp_whole.py).
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-MODES = ["cumsum", "scale", "running", "alibi_tail", "seq_probe"]
+MODES = ["cumsum", "scale", "running", "alibi_tail", "seq_probe", "relpos"]
 
 
 class FactoryPositions(nn.Module):
@@ -67,6 +71,29 @@ class TailAlibi(nn.Module):
         return self.head(x + self.proj(y.transpose(1, 2).reshape(b, t, -1)))
 
 
+class RelPosAttention(nn.Module):
+    def __init__(self, vocab: int = 32, width: int = 12, heads: int = 2, span: int = 3):
+        super().__init__()
+        self.heads, self.span = heads, span
+        self.emb, self.qkv = nn.Embedding(vocab, width), nn.Linear(width, 3 * width)
+        self.proj, self.head = nn.Linear(width, width), nn.Linear(width, vocab)
+        self.rel = nn.Parameter(torch.randn(2 * span, width // heads) * 0.3)
+
+    def forward(self, idx):
+        b, t = idx.shape
+        x = self.emb(idx)
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)    # [b, h, t, d]
+        i = torch.arange(t, device=idx.device)
+        rel = torch.clamp(i[:, None] - i[None, :] + self.span, 0, 2 * self.span - 1)  # [t, t]
+        c2p = torch.gather(q @ self.rel.T, -1, rel.expand(b, self.heads, t, t))
+        mask = torch.ones(b, t, device=idx.device)
+        pair = mask[:, None, :, None] * mask[:, None, None, :]
+        s = (q @ k.transpose(-2, -1) + c2p) * (q.shape[-1] ** -0.5)
+        s = s.masked_fill(pair == 0, float("-inf"))
+        y = torch.softmax(s, -1) @ v
+        return self.head(x + self.proj(y.transpose(1, 2).reshape(b, t, -1)))
+
+
 class FeatureProbe(nn.Module):
     def __init__(self, width: int = 16):
         super().__init__()
@@ -91,7 +118,8 @@ def factory_workload(mode: str, seq: int = 16, batch: int = 2) -> dict:
         x = torch.randn(batch, seq, 16, generator=g)
         return {"model": FeatureProbe(), "inputs": (x,), "target": torch.randn(batch, seq, 16, generator=g),
                 "loss_fn": F.mse_loss}
-    model = TailAlibi() if mode == "alibi_tail" else FactoryPositions(mode)
+    model = TailAlibi() if mode == "alibi_tail" else RelPosAttention() if mode == "relpos" \
+        else FactoryPositions(mode)
     return {"model": model, "inputs": (idx[:, :-1],), "target": idx[:, 1:], "loss_fn": lm_loss}
 
 
@@ -130,11 +158,12 @@ def factory_parity(modes: list, plan: str, steps: int = 3) -> list:
     return [parallel(factory_workload(m), plan, steps) for m in modes]
 
 
-def zoo_grads_parity(archs: list, plan: str, steps: int = 3) -> dict:
-    """Run on every rank: each zoo arch (batch 2) under `plan`, (losses, grads)."""
+def zoo_grads_parity(archs: list, plan: str, steps: int = 3, seq: int | None = None) -> dict:
+    """Run on every rank: each zoo arch (batch 2, `seq` positions where given) under `plan`,
+    (losses, grads)."""
     from tests.cp_jobs import zoo_batch2
     torch.set_num_threads(1)
-    return {a: parallel(zoo_batch2(a), plan, steps) for a in archs}
+    return {a: parallel(zoo_batch2(a, seq), plan, steps) for a in archs}
 
 
 def grad_diff(got: list, ref: list) -> float:

@@ -34,6 +34,7 @@ from threefold.passes.cp_masks import evaluate, free, input_free, key_bias_val a
 from threefold.ops.families import COPIES, RESHAPES, VIEWS, args_of
 from threefold.passes.cp_factories import split_factories
 from threefold.passes.cp_fallback import gather_around
+from threefold.passes.cp_whole import is_whole, whole_inputs
 from threefold.passes.cp_rules import PARTIAL, Gather, Place, Refuse, Seq, decide, op_name
 from threefold.passes.cp_rules.core import is_local
 from threefold.runtime import cp_ops
@@ -124,6 +125,8 @@ def check_sequence(gm: fx.GraphModule, stage, fallbacks: list | None = None, tab
 
 def _place(node, state: dict, stage, fallbacks: list):
     """Apply the rules' decision for one call to `state` (Refuse is returned, not applied)."""
+    if any(is_whole(a) for a in node.all_input_nodes):   # computed from a grid kept whole (cp_whole.py)
+        return whole_inputs(node, state, stage, fallbacks, _message(node, stage, "mixes sequence positions"))
     if all(state.get(a) is None for a in node.all_input_nodes) and op_name(node) != "shard_seq":
         state[node] = Seq(0) if op_name(node) == "positions" else None
         return None

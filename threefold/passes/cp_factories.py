@@ -35,6 +35,11 @@ def split_factories(value: fx.Node, state: dict, stage) -> list:
     values not along the sequence) to its whole-length form cut to this rank's blocks.
     Returns the shard_seq nodes inserted ([] where there is none)."""
     n, cp = stage.seq_len, stage.plan.cp
+    return [_whole_then_cut(x, d, n, cp) for x, d in local_factories(value, state, n)]
+
+
+def local_factories(value: fx.Node, state: dict, n: int) -> list:
+    """(node, dim) of each uniform factory of the local length n that `value` is made of."""
     found, seen, stack = [], set(), [value]
     while stack:
         x = stack.pop()
@@ -45,7 +50,7 @@ def split_factories(value: fx.Node, state: dict, stage) -> list:
         d = _sequence_dim(x, n)
         if d is not None:
             found.append((x, d))
-    return [_whole_then_cut(x, d, n, cp) for x, d in found]
+    return found
 
 
 def _sequence_dim(x: fx.Node, n: int):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from threefold.ops import families as fam
-from threefold.passes.cp_rules.core import RULES, Call, Seq, _fail, _val, rule
+from threefold.passes.cp_rules.core import RULES, Call, Gather, Seq, _fail, _val, rule
 
 
 @rule("getitem")
@@ -62,10 +62,10 @@ def _pointwise(c: Call):
     operands = [a for k, v in c.args.items() if k not in skip for a in (v if isinstance(v, (list, tuple)) else [v])]
     places = {c.place(a).at(c.place(a).dim + r - _val(a).dim()) for a in operands if isinstance(c.place(a), Seq)}
     if len(places) != 1:
-        if {p.dim for p in places} == {r - 2, r - 1}:   # a [query, key] grid of positions
-            _fail(c, "pairs query positions with key positions (a mask or relative positions for an attention "
-                  "cp does not recognise: SDPA, or matmul/einsum, scale, mask, softmax, matmul/einsum, run in the "
-                  "ring; attention sinks and relative-position tables are not)")
+        if {p.dim for p in places} == {r - 2, r - 1}:   # a [query, key] grid of positions: computed whole
+            return Gather("pairs query positions with key positions (a mask or relative positions for an "
+                          "attention cp does not recognise: SDPA, or matmul/einsum, scale, mask, softmax, "
+                          "matmul/einsum, run in the ring; attention sinks and relative-position tables are not)")
         _fail(c, "combines values split along different dims")
     s = places.pop()
     d = s.dim
