@@ -110,6 +110,9 @@ def check_sequence(gm: fx.GraphModule, stage, fallbacks: list | None = None, tab
                     _refuse(node, stage, "the loss is not reduced over the sequence")
                 if is_local(state.get(out)):
                     _refuse(node, stage, "returns rows sorted on this rank (a routing sort) or counted on it")
+                if is_whole(out):
+                    _refuse(node, stage, "returns a grid of positions computed whole on every rank (attention "
+                                         "weights?)")
         elif node.op == "call_function":
             d = _place(node, state, stage, fallbacks)
             if isinstance(d, Refuse) and d.table is not None:
