@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from threefold.errors import PlanError
-from threefold.ops.families import RESHAPES, args_of, op_name
+from threefold.ops.families import RESHAPES, SLICING, args_of, op_name
 
 WHOLE = "cp_whole"
 
@@ -67,10 +67,30 @@ def regrow(node: fx.Node, n: int, why: str) -> None:
         else:
             node.kwargs = {**node.kwargs, "size": list(size)}
         return
+    if name in SLICING:
+        _full_range(node, name, why)
     if _names_length(node, n):
         raise PlanError(f"{why} (it names the number {n}, the local length s/cp, beside a value computed on "
                         "the whole sequence: a length or a coincidence of sizes; use another sequence length "
                         "or cp=1)")
+
+
+def _full_range(node: fx.Node, name: str, why: str) -> None:
+    """A slice along a dim of positions computed whole must keep all of it: its bounds were
+    traced at the local length (t - 1, t // 2 ...) and would cut the whole one wrongly."""
+    a = args_of(node)
+    src = a.get("self", a.get("input"))
+    old = _traced(src) if isinstance(src, fx.Node) else None
+    if old is None or a.get("dim") is None:
+        return
+    new = src.meta["val"].shape
+    d = a["dim"] % len(new)
+    if old[d] == new[d]:
+        return
+    if name == "slice" and a["start"] in (0, None) and (a["end"] is None or a["end"] >= old[d]) and a["step"] == 1:
+        return
+    raise PlanError(f"{why} (it runs {name} along positions computed whole, with bounds traced at the local "
+                    "length: cp cannot carry them to the whole sequence)")
 
 
 def _traced(src: fx.Node):
