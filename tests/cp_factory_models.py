@@ -14,7 +14,9 @@ divisible by 2*cp, read by a linear layer over its last dim and a causal attenti
 `RelPosAttention` ("relpos"): DeBERTa's disentangled attention in small, scores q k^T + c2p with
 c2p = gather(q R^T, -1, clamp(i - j + K, 0, 2K - 1)) and a ones mask made in forward paired
 as mask[:, None, :, None] * mask[:, None, None, :]: grids of positions the ring does not take,
-computed whole on every rank (passes/cp_whole.py).
+computed whole on every rank (passes/cp_whole.py); "t5bias": T5's in small, a learned bias
+per head looked up at clamp(j - i) plus an all-visible mask over queries expanded over keys
+(where(mask, 0, finfo.min)), which is widened to the whole keys beside the whole bias.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-MODES = ["cumsum", "scale", "running", "alibi_tail", "seq_probe", "relpos"]
+MODES = ["cumsum", "scale", "running", "alibi_tail", "seq_probe", "relpos", "t5bias"]
 
 
 class FactoryPositions(nn.Module):
@@ -72,9 +74,10 @@ class TailAlibi(nn.Module):
 
 
 class RelPosAttention(nn.Module):
-    def __init__(self, vocab: int = 32, width: int = 12, heads: int = 2, span: int = 3):
+    def __init__(self, vocab: int = 32, width: int = 12, heads: int = 2, span: int = 3, t5: bool = False):
         super().__init__()
-        self.heads, self.span = heads, span
+        self.heads, self.span, self.t5 = heads, span, t5
+        self.bias = nn.Embedding(2 * span, heads)
         self.emb, self.qkv = nn.Embedding(vocab, width), nn.Linear(width, 3 * width)
         self.proj, self.head = nn.Linear(width, width), nn.Linear(width, vocab)
         self.rel = nn.Parameter(torch.randn(2 * span, width // heads) * 0.3)
@@ -85,6 +88,12 @@ class RelPosAttention(nn.Module):
         q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)    # [b, h, t, d]
         i = torch.arange(t, device=idx.device)
         rel = torch.clamp(i[:, None] - i[None, :] + self.span, 0, 2 * self.span - 1)  # [t, t]
+        if self.t5:
+            visible = (i >= 0)[None, None, :, None].expand(b, 1, t, t)
+            s = q @ k.transpose(-2, -1) + self.bias(rel).permute(2, 0, 1)[None] \
+                + torch.where(visible, 0.0, torch.finfo(q.dtype).min)
+            y = torch.softmax(s, -1) @ v
+            return self.head(x + self.proj(y.transpose(1, 2).reshape(b, t, -1)))
         c2p = torch.gather(q @ self.rel.T, -1, rel.expand(b, self.heads, t, t))
         mask = torch.ones(b, t, device=idx.device)
         pair = mask[:, None, :, None] * mask[:, None, None, :]
@@ -118,7 +127,7 @@ def factory_workload(mode: str, seq: int = 16, batch: int = 2) -> dict:
         x = torch.randn(batch, seq, 16, generator=g)
         return {"model": FeatureProbe(), "inputs": (x,), "target": torch.randn(batch, seq, 16, generator=g),
                 "loss_fn": F.mse_loss}
-    model = TailAlibi() if mode == "alibi_tail" else RelPosAttention() if mode == "relpos" \
+    model = TailAlibi() if mode == "alibi_tail" else RelPosAttention(t5=mode == "t5bias") if mode in ("relpos", "t5bias") \
         else FactoryPositions(mode)
     return {"model": model, "inputs": (idx[:, :-1],), "target": idx[:, 1:], "loss_fn": lm_loss}
 

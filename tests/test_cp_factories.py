@@ -65,6 +65,15 @@ def test_grids_of_positions_are_computed_whole_on_every_rank():
         assert f"cp fallback: {op}" in falls, (op, falls)
 
 
+def test_mask_broadcast_over_keys_is_widened_beside_a_whole_bias():
+    """T5's all-visible mask [b, 1, q, k], expanded over its keys, added with a relative-position
+    bias computed whole (was "cannot run on the gathered sequence"): read at one key, broadcast
+    to the whole keys, then gathered over queries."""
+    prog = compile_workload(factory_workload("t5bias"), "cp=2")
+    falls = " ".join(n for n in prog.notes if n.startswith("cp fallback:"))
+    assert "cp fallback: add (" in falls and "cp fallback: matmul (" in falls, falls
+
+
 def test_whole_grid_beside_a_number_equal_to_the_local_length_is_refused():
     """DeBERTa at seq 8: its bucket middle (4) equals the local length s/cp = 4 beside a grid
     computed whole: a length or a coincidence cp cannot tell, refused in one line."""
@@ -116,12 +125,13 @@ def test_factories_at_cp2_match_one_process_losses_and_grads():
 @pytest.mark.zoo
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_opt_mpt_deberta_at_cp2_match_one_process_losses_and_grads():
+def test_opt_mpt_t5_deberta_at_cp2_match_one_process_losses_and_grads():
     """HF OPT numbers its learned positions by a cumsum over a ones mask made in forward; MPT
-    slices its ALiBi table to the last keys; DeBERTa-v2's disentangled attention is computed
+    slices its ALiBi table to the last keys; T5's bucketed relative-position bias and
+    DeBERTa-v2's disentangled attention is computed
     whole (at seq 24: at 8 and 16 its bucket sizes equal s/cp, refused as a coincidence)."""
     from tests.cp_jobs import zoo_batch2
-    archs = ["opt", "mpt"]
+    archs = ["opt", "mpt", "t5"]
     got = launch(zoo_grads_parity, 2, archs, "cp=2", 3, timeout=850)
     got24 = launch(zoo_grads_parity, 2, ["deberta_v2"], "cp=2", 3, 24, timeout=850)
     for g, r in zip(got, got24):
