@@ -16,7 +16,8 @@ from threefold.compiler.trace import trace
 from threefold.errors import PlanError
 from threefold.passes.batch_coupling import check_batch_coupling
 from threefold.passes.batch_dims import AmbiguousBatch, find_batch_dims
-from threefold.passes.seq_dims import find_seq_dims, full_length_refusal, full_length_tables, local_share, \
+from threefold.compiler.seq_choice import compile_each_candidate
+from threefold.passes.seq_dims import AmbiguousSeq, find_seq_dims, full_length_refusal, full_length_tables, local_share, \
     read_at_local_length
 from threefold.plan import Plan
 from threefold.workload import Workload
@@ -70,7 +71,20 @@ def compile_workload(workload: Workload | dict, plan: Plan | str | None = None,
                      "so no split could be checked numerically; the usual dim 0 is taken")
     sliced = microbatch(batch, parts, name, dims)
     rows = _rows_for_cp(workload, batch, dims, plan, declared, name) if plan.cp > 1 and parts == 1 else dims
-    seq_dims = find_seq_dims(batch, rows, len(workload.inputs), plan.cp, name)
+    try:
+        seq_dims = find_seq_dims(batch, rows, len(workload.inputs), plan.cp, name)
+    except AmbiguousSeq as exc:   # several dims could be the sequence: keep the only one cp compiles
+        if len(exc.candidates) < 2:
+            raise
+        return compile_each_candidate(exc, lambda chosen: _compile_split(
+            workload, plan, name, batch, dims, sliced, parts, list(notes), progress, own_loss,
+            find_seq_dims(batch, rows, len(workload.inputs), plan.cp, name, chosen)))
+    return _compile_split(workload, plan, name, batch, dims, sliced, parts, notes, progress, own_loss, seq_dims)
+
+
+def _compile_split(workload, plan, name, batch, dims, sliced, parts, notes, progress, own_loss, seq_dims):
+    """Trace this cp rank's share (sequence dims `seq_dims`) and run the passes."""
+    has_target = workload.loss_fn is not None
     if plan.cp > 1:   # trace this cp rank's share of each sequence (passes/context_parallel.py)
         sliced = local_share(sliced, seq_dims, plan.cp)
     inputs, target = (sliced[:-1], sliced[-1]) if has_target else (sliced, None)

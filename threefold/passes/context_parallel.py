@@ -33,7 +33,9 @@ from threefold.passes.cp_masks import evaluate, free, input_free, key_bias_val a
     param_free as _param_free, split_mask as _split_mask
 from threefold.ops.families import COPIES, RESHAPES, VIEWS, args_of
 from threefold.passes.cp_attention_bias import carries_position_bias, take_position_biases
+from threefold.passes.cp_factories import split_factories
 from threefold.passes.cp_fallback import gather_around
+from threefold.passes.cp_whole import is_whole, whole_inputs
 from threefold.passes.cp_rules import PARTIAL, Gather, Place, Refuse, Seq, decide, op_name
 from threefold.passes.cp_rules.core import is_local
 from threefold.runtime import cp_ops
@@ -109,10 +111,13 @@ def check_sequence(gm: fx.GraphModule, stage, fallbacks: list | None = None, tab
                     _refuse(node, stage, "the loss is not reduced over the sequence")
                 if is_local(state.get(out)):
                     _refuse(node, stage, "returns rows sorted on this rank (a routing sort) or counted on it")
+                if is_whole(out):
+                    _refuse(node, stage, "returns a grid of positions computed whole on every rank (attention "
+                                         "weights?)")
         elif node.op == "call_function":
             d = _place(node, state, stage, fallbacks)
             if isinstance(d, Refuse) and d.table is not None:
-                moved = _rows_at_positions(d.table, stage)
+                moved = _rows_at_positions(d.table, stage) or split_factories(d.table, state, stage)
                 if moved:
                     tables.extend(m for m in moved if op_name(m) == "index_select")
                     _replace_after(moved, node, state, stage, fallbacks)
@@ -124,6 +129,8 @@ def check_sequence(gm: fx.GraphModule, stage, fallbacks: list | None = None, tab
 
 def _place(node, state: dict, stage, fallbacks: list):
     """Apply the rules' decision for one call to `state` (Refuse is returned, not applied)."""
+    if any(is_whole(a) for a in node.all_input_nodes):   # computed from a grid kept whole (cp_whole.py)
+        return whole_inputs(node, state, stage, fallbacks, _message(node, stage, "mixes sequence positions"))
     if all(state.get(a) is None for a in node.all_input_nodes) and op_name(node) != "shard_seq":
         state[node] = Seq(0) if op_name(node) == "positions" else None
         return None
@@ -143,10 +150,10 @@ def _replace_after(new: list, upto: fx.Node, state: dict, stage, fallbacks: list
         if x not in seen:
             seen.add(x)
             stack.extend(x.users)
-    for x in list(upto.graph.nodes):
+    for x in upto.graph.nodes:   # live: a fallback's cuts inserted on the way are placed too
         if x is upto:
             break
-        if x in seen and x.op == "call_function":
+        if (x in seen or x not in state) and x.op == "call_function":
             d = _place(x, state, stage, fallbacks)
             if isinstance(d, Refuse):
                 _refuse(x, stage, d.why)

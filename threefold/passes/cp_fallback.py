@@ -23,7 +23,8 @@ import torch.fx as fx
 
 from threefold.ir.program import tf
 from threefold.errors import PlanError
-from threefold.ops.families import family
+from threefold.ops.families import RESHAPES, family, op_name
+from threefold.passes.cp_whole import is_whole, mark, regrow, remember
 from threefold.runtime import cp_gather
 from threefold.runtime.tp_ops import GroupRef
 
@@ -42,7 +43,9 @@ def gather_around(node: fx.Node, state: dict, stage, why: str, fallbacks: list, 
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     ins = [a for a in node.all_input_nodes if state.get(a) is not None]
     if not outs or not all(isinstance(o, torch.Tensor) for o in outs) or \
-            any(not isinstance(state[a], seq_cls) for a in ins) or _names_length(node, n):
+            any(not isinstance(state[a], seq_cls) for a in ins) or \
+            (_names_length(node, n) and not any(is_whole(a) for a in node.all_input_nodes)
+             and op_name(node) not in RESHAPES | {"expand"}):
         raise PlanError(why) from None
     merged = {a: _digits(a.meta["val"].shape, state[a], n) for a in ins
               if state[a].inner != 1 or a.meta["val"].shape[state[a].dim] != n}
@@ -67,15 +70,23 @@ def gather_around(node: fx.Node, state: dict, stage, why: str, fallbacks: list, 
                           "elements": val.numel(), "bytes": (cp - 1) * val.numel() * val.element_size()})
     node.args = fx.node.map_arg(node.args, lambda a: whole.get(a, a))
     node.kwargs = fx.node.map_arg(node.kwargs, lambda a: whole.get(a, a))
+    for a, g in whole.items():
+        remember(g, a.meta["val"])
+    regrow(node, n, why)   # a view / expand of the whole value: its shape argument carried over
     try:
         full = node.target(*fx.node.map_arg(node.args, lambda a: a.meta["val"]),
                            **fx.node.map_arg(node.kwargs, lambda a: a.meta["val"]))
     except Exception as exc:
         raise PlanError(f"{why} (and it cannot run on the gathered sequence: {type(exc).__name__})") from None
     fulls = list(full) if isinstance(full, (tuple, list)) else [full]
-    cuts = [_seq_dim(o, f, cp, why) for o, f in zip(outs, fulls)]
+    grid = not isinstance(out, (tuple, list)) and not merged and _grid(out, full, cp)
+    cuts = [None] if grid else [_seq_dim(o, f, cp, why) for o, f in zip(outs, fulls)]
     layout = next(iter(merged.values()), None)   # outputs of a merged op keep its input's digits
     node.meta["val"] = full
+    if grid:   # it runs along the sequence twice (positions paired with positions): kept whole
+        remember(node, out)
+        mark(node, out, full)
+        return None
     if not isinstance(out, (tuple, list)):
         if cuts[0] is not None:
             _cut(node, cuts[0], out, cp, layout)
@@ -127,6 +138,12 @@ def _gather(graph, node: fx.Node, a: fx.Node, d: int, layout, cp: int) -> fx.Nod
         r = graph.call_function(torch.ops.aten.reshape.default, (g, shape))
         r.meta = {"val": g.meta["val"].reshape(shape), "tf": dict(tf(node))}
         return r
+
+
+def _grid(out, full, cp: int) -> bool:
+    """Two or more dims of the whole output run along the sequence (cp_whole.py keeps it whole)."""
+    dims = [d for d in range(out.dim()) if full.shape[d] != out.shape[d]]
+    return len(dims) > 1 and all(full.shape[d] == out.shape[d] * cp for d in dims)
 
 
 def _seq_dim(out, full, cp: int, why: str):

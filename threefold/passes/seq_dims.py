@@ -16,8 +16,19 @@ import torch
 from threefold.errors import PlanError
 
 
-def find_seq_dims(batch: tuple, batch_dims: list, num_model_inputs: int, cp: int, name: str = "") -> list:
-    """One entry per batch entry: its sequence dim, or None where it is not split."""
+class AmbiguousSeq(PlanError):
+    """Input `index` has several dims the sequence could be (`candidates`): the compiler then
+    tries each (compiler/seq_choice.py) and keeps the only one cp compiles."""
+
+    def __init__(self, msg: str, index: int, candidates: list):
+        super().__init__(msg)
+        self.index, self.candidates = index, candidates
+
+
+def find_seq_dims(batch: tuple, batch_dims: list, num_model_inputs: int, cp: int, name: str = "",
+                  chosen: dict | None = None) -> list:
+    """One entry per batch entry: its sequence dim, or None where it is not split. `chosen`:
+    {input index: dim} where the caller picked among an AmbiguousSeq's candidates."""
     if cp == 1:
         return [None] * len(batch)
     batch_dims = [0 if d is None else d for d in batch_dims]   # not split (dp*m = 1): dim 0
@@ -26,6 +37,8 @@ def find_seq_dims(batch: tuple, batch_dims: list, num_model_inputs: int, cp: int
         if not isinstance(t, torch.Tensor) or t.dim() < 2:
             continue
         cands = [d for d in range(t.dim()) if d != batch_dims[i] and t.shape[d] % (2 * cp) == 0]
+        if chosen and i in chosen:
+            cands = [chosen[i]]
         if len(cands) != 1:
             others = [d for d in range(t.dim()) if d != batch_dims[i]]
             if len(others) == 1:
@@ -34,8 +47,9 @@ def find_seq_dims(batch: tuple, batch_dims: list, num_model_inputs: int, cp: int
                 raise PlanError(f"{name}: cp={cp} splits the sequence into 2*cp={2 * cp} blocks, but input "
                                 f"{i} has {t.shape[others[0]]} positions (dim {others[0]}); use a sequence "
                                 f"length that is a multiple of {2 * cp}{first}")
-            raise PlanError(f"{name}: cp={cp} cannot tell the sequence dim of input {i} {tuple(t.shape)} "
-                            f"(candidates {cands}); pass the sequence as the one non-batch dim divisible by {2 * cp}")
+            raise AmbiguousSeq(f"{name}: cp={cp} cannot tell the sequence dim of input {i} {tuple(t.shape)} "
+                               f"(candidates {cands}); pass the sequence as the one non-batch dim divisible by "
+                               f"{2 * cp}", i, cands)
         length = t.shape[cands[0]]
         break
     if length is None:
@@ -46,6 +60,9 @@ def find_seq_dims(batch: tuple, batch_dims: list, num_model_inputs: int, cp: int
             out.append(None)
             continue
         dims = [d for d in range(t.dim()) if d != batch_dims[i] and t.shape[d] == length]
+        like = [j for j in (chosen or {}) if tuple(batch[j].shape) == tuple(t.shape)]
+        if len(dims) > 1 and like:   # the chosen input's dim, for it and for values shaped like it (a target)
+            dims = [chosen[like[0]]]
         if len(dims) > 1:
             raise PlanError(f"{name}: input {i} {tuple(t.shape)} has {len(dims)} dims of the sequence length "
                             f"{length}; cp cannot tell which to split (a [seq, seq] mask?): use cp=1")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from threefold.ops import families as fam
-from threefold.passes.cp_rules.core import RULES, Call, Seq, _fail, _val, rule
+from threefold.passes.cp_rules.core import RULES, Call, Gather, Seq, _fail, _val, rule
 
 
 @rule("getitem")
@@ -62,11 +62,11 @@ def _pointwise(c: Call):
     operands = [a for k, v in c.args.items() if k not in skip for a in (v if isinstance(v, (list, tuple)) else [v])]
     places = {c.place(a).at(c.place(a).dim + r - _val(a).dim()) for a in operands if isinstance(c.place(a), Seq)}
     if len(places) != 1:
-        if {p.dim for p in places} == {r - 2, r - 1}:   # a [query, key] grid of positions
-            _fail(c, "pairs query positions with key positions (a mask or relative positions for an attention "
-                  "cp does not recognise: SDPA, or matmul/einsum, scale, mask, softmax, matmul/einsum, run in the "
-                  "ring with sinks, masks of j - i, key padding and biases computed from positions and parameters "
-                  "only; a bias that also reads activations, as DeBERTa's, is not)")
+        if {p.dim for p in places} == {r - 2, r - 1}:   # a [query, key] grid of positions: computed whole
+            return Gather("pairs query positions with key positions (a mask or relative positions for an "
+                          "attention cp does not recognise: SDPA, or matmul/einsum, scale, mask, softmax, "
+                          "matmul/einsum, run in the ring with sinks, masks of j - i, key padding and biases "
+                          "computed from positions and parameters only)")
         _fail(c, "combines values split along different dims")
     s = places.pop()
     d = s.dim
@@ -84,9 +84,10 @@ RULES.update({n: _pointwise for n in fam.COPIES | fam.LIKE_FACTORIES | {"copy", 
 
 # element by element, though ATen does not tag them pointwise: floor_divide (a routing sort's
 # row numbers // top_k), polar / complex (rotary tables as complex numbers, DeepSeek-V2),
-# real / imag / conj, isin and bucketize (a lookup per element)
+# real / imag / conj, isin and bucketize (a lookup per element); broadcast_tensors (mse_loss's
+# operands brought to one shape: each output laid out as the broadcast of its inputs)
 RULES.update({n: _pointwise for n in ("floor_divide", "polar", "complex", "real", "imag", "conj", "isin",
-                                      "bucketize")})
+                                      "bucketize", "broadcast_tensors")})
 
 
 @rule("new_empty", "new_zeros", "new_ones", "new_full")

@@ -1,0 +1,144 @@
+"""Values made in forward from the traced length along the sequence under cp (passes/cp_factories.py):
+a ones mask made when none is given (OPT's positions by cumsum, DeBERTa's embedding mask), a
+count made by `full` and summed over time. Each was refused ("varies per position"); now the
+factory is the whole-length one cut to this rank's blocks, a scan over it takes the exact
+all-gather fallback, and cp=2 equals one process (losses and gradients, fp32, 3 SGD steps)."""
+import pytest
+
+from threefold.compiler.api import compile_workload
+from threefold.runtime.launch import launch
+from tests.cp_factory_models import MODES, factory_parity, factory_workload, grad_diff, reference, zoo_grads_parity
+from tests.parity import max_rel_diff
+
+
+@pytest.mark.parametrize("mode,scans", [("cumsum", 1), ("scale", 0), ("running", 2)])
+def test_factory_along_the_sequence_is_split_and_its_scans_gathered(mode, scans):
+    prog = compile_workload(factory_workload(mode), "cp=2")
+    falls = [n for n in prog.notes if n.startswith("cp fallback:")]
+    assert len(falls) == scans and all(f.startswith("cp fallback: cumsum (") for f in falls), falls
+
+
+def test_alibi_table_sliced_to_its_last_keys_runs_in_the_ring():
+    """MPT's ALiBi: a [heads, 1, L] table sliced to its last t keys. At the whole length the
+    slice is the last s rows (was evaluated at t rows: "(2, 1, 8), not over the sequence"),
+    and its bias shifts with the length by a number per query the softmax ignores."""
+    from threefold.codegen.artifact import build_sources
+    code = build_sources(compile_workload(factory_workload("alibi_tail"), "cp=2"))["chunk00.py"]
+    assert "rel=(None, 0, [0.5, 0.25]" in code
+
+
+def test_sequence_dim_is_the_one_candidate_cp_compiles():
+    """Input [2, 16, 16]: both dims could be the sequence by their sizes (was "cannot tell the
+    sequence dim ... candidates [1, 2]"); the linear layer reads dim 2 whole, so only dim 1
+    compiles, and the note says why."""
+    prog = compile_workload(factory_workload("seq_probe"), "cp=2")
+    note = [n for n in prog.notes if "sequence is dim" in n]
+    assert len(note) == 1 and note[0].startswith("cp: input 0's sequence is dim 1,") and "dim 2: " in note[0], note
+    assert prog.seq_dims[0] == 1
+
+
+def test_sequence_dim_still_asked_where_each_candidate_compiles():
+    """Nothing in the graph tells the dims apart (an elementwise model): the one-line question stays."""
+    import torch
+    import threefold
+
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            return x * self.w
+    x = torch.randn(2, 8, 8)
+    w = {"model": Scale(), "inputs": (x,), "target": torch.zeros(2, 8, 8), "loss_fn": torch.nn.functional.mse_loss}
+    with pytest.raises(threefold.PlanError, match="cannot tell the sequence dim of input 0"):
+        compile_workload(w, "cp=2")
+
+
+def test_grids_of_positions_are_computed_whole_on_every_rank():
+    """Relative positions i - j and a mask paired with itself, read by scores the ring does not
+    take (was "pairs query positions with key positions"): gathered, computed whole, and the
+    probabilities times the gathered values cut back to this rank's blocks."""
+    prog = compile_workload(factory_workload("relpos"), "cp=2")
+    falls = " ".join(n for n in prog.notes if n.startswith("cp fallback:"))
+    for op in ("sub (", "mul (", "matmul (", "gather ("):
+        assert f"cp fallback: {op}" in falls, (op, falls)
+
+
+def test_mask_broadcast_over_keys_is_widened_beside_a_whole_bias():
+    """T5's all-visible mask [b, 1, q, k], expanded over its keys, added with a relative-position
+    bias computed whole (was "cannot run on the gathered sequence"): read at one key, broadcast
+    to the whole keys, then gathered over queries."""
+    prog = compile_workload(factory_workload("t5bias"), "cp=2")
+    falls = " ".join(n for n in prog.notes if n.startswith("cp fallback:"))
+    assert "cp fallback: add (" in falls and "cp fallback: matmul (" in falls, falls
+
+
+def test_whole_grid_beside_a_number_equal_to_the_local_length_is_refused():
+    """DeBERTa at seq 8: its bucket middle (4) equals the local length s/cp = 4 beside a grid
+    computed whole: a length or a coincidence cp cannot tell, refused in one line."""
+    import threefold
+    from tests.cp_jobs import zoo_batch2
+    with pytest.raises(threefold.PlanError, match="names the number 4, the local length") as err:
+        compile_workload(zoo_batch2("deberta_v2"), "cp=2")
+    assert "\n" not in str(err.value)
+
+
+def test_slice_of_a_whole_grid_with_bounds_of_the_local_length_is_refused():
+    """s[..., :t - 1] of attention weights computed whole: the bound t - 1 was traced at the
+    local length (7 of 8 keys, not 15 of 16), so the sum over it would miss half the keys
+    (compiled silently before the guard): refused in one line."""
+    import torch
+    import threefold
+
+    class CutScores(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = factory_workload("relpos")["model"]
+
+        def forward(self, idx):
+            m = self.inner
+            b, t = idx.shape
+            x = m.emb(idx)
+            q, k, v = m.qkv(x).view(b, t, 3, m.heads, -1).permute(2, 0, 3, 1, 4)
+            s = torch.softmax(q @ k.transpose(-2, -1), -1)
+            mass = s[..., : t - 1].sum(-1, keepdim=True)      # weight on every key but the last
+            return m.head(x + m.proj((s @ v * mass).transpose(1, 2).reshape(b, t, -1)))
+    w = {**factory_workload("relpos"), "model": CutScores()}
+    with pytest.raises(threefold.PlanError, match="runs slice along positions computed whole") as err:
+        compile_workload(w, "cp=2")
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_factories_at_cp2_match_one_process_losses_and_grads():
+    got = launch(factory_parity, 2, MODES, "cp=2", 3, timeout=550)
+    for i, mode in enumerate(MODES):
+        ref_losses, ref_grads = reference(factory_workload(mode))
+        for rank in got:
+            losses, grads = rank[i]
+            assert max_rel_diff(losses, ref_losses) < 1e-5, (mode, losses, ref_losses)
+            assert grad_diff(grads, ref_grads) < 1e-4, (mode, grad_diff(grads, ref_grads))
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_opt_mpt_t5_deberta_at_cp2_match_one_process_losses_and_grads():
+    """HF OPT numbers its learned positions by a cumsum over a ones mask made in forward; MPT
+    slices its ALiBi table to the last keys; T5's bucketed relative-position bias and
+    DeBERTa-v2's disentangled attention is computed
+    whole (at seq 24: at 8 and 16 its bucket sizes equal s/cp, refused as a coincidence)."""
+    from tests.cp_jobs import zoo_batch2
+    archs = ["opt", "mpt", "t5"]
+    got = launch(zoo_grads_parity, 2, archs, "cp=2", 3, timeout=850)
+    got24 = launch(zoo_grads_parity, 2, ["deberta_v2"], "cp=2", 3, 24, timeout=850)
+    for g, r in zip(got, got24):
+        g.update(r)
+    for arch in archs + ["deberta_v2"]:
+        ref_losses, ref_grads = reference(zoo_batch2(arch, 24 if arch == "deberta_v2" else None))
+        for rank in got:
+            losses, grads = rank[arch]
+            assert max_rel_diff(losses, ref_losses) < 1e-5, (arch, losses, ref_losses)
+            assert grad_diff(grads, ref_grads) < 1e-4, (arch, grad_diff(grads, ref_grads))

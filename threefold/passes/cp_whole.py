@@ -1,0 +1,262 @@
+"""Values over a grid of positions, computed whole on every cp rank (the all-gather fallback's
+second form, plan `cp=N`).
+
+An op whose result pairs positions with positions (relative positions i - j, a mask built as
+mask[:, None] * mask[None, :], scores q k^T that the ring does not take over, DeBERTa's
+disentangled attention) has no share of its own on a rank: its output runs along the sequence
+twice. passes/cp_fallback.py gathers its inputs and runs it; where two or more dims of the
+result run along the sequence, the result is kept whole (every rank computes the same value,
+in global order) and marked `cp_whole` in its meta. Everything computed from it then runs on
+the whole values too (`run_whole`: the op rerun on the whole fakes for its new shape), with its
+shape arguments derived again (`regrow`: a view or expand of the whole value keeps its
+traced dims but those that grew), until an op gives back one dim along the sequence (the
+probabilities times the gathered values): the fallback cuts that back to this rank's blocks.
+Exact, since every rank computes what one process computes; the gradients of the whole
+values flow back through the gathers' reduce-scatters. An op that names the local length in
+another argument (a number in arithmetic equal to s/cp, a slice to it) is refused: it cannot
+tell a length from a coincidence of sizes.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from threefold.errors import PlanError
+from threefold.ops.families import RESHAPES, SLICING, args_of, is_pointwise, op_name
+
+WHOLE = "cp_whole"
+
+
+def is_whole(x) -> bool:
+    return isinstance(x, fx.Node) and bool(x.meta.get(WHOLE))
+
+
+def mark(node: fx.Node, traced, full) -> None:
+    """Record that `node`'s value is now `full` (its traced value: `traced`)."""
+    node.meta["val"] = full
+    if _shapes(full) != _shapes(traced):
+        node.meta[WHOLE] = True
+
+
+def _shapes(v):
+    if isinstance(v, (tuple, list)):
+        return tuple(_shapes(x) for x in v)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def regrow(node: fx.Node, n: int, why: str) -> None:
+    """Rewrite the shape argument of a view / reshape / expand whose input was made whole (its
+    grown dims carried to the output), so that it runs on the whole value. Other ops must not
+    name the local length n in their arguments (a PlanError `why`)."""
+    name = op_name(node)
+    if name in RESHAPES or name == "expand":
+        a = args_of(node)
+        src = a["self"]
+        old, new = _traced(src), src.meta["val"].shape
+        if old is None or tuple(old) == tuple(new):
+            return
+        out = node.meta["val"].shape
+        size = _view_size(old, new, out) if name in RESHAPES else _expand_size(old, new, a["size"])
+        if size is None:
+            raise PlanError(f"{why} (its {name} to {tuple(out)} cannot be carried to the whole sequence)")
+        i = [arg.name for arg in node.target._schema.arguments].index("size")
+        if i < len(node.args):
+            node.args = node.args[:i] + (list(size),) + node.args[i + 1:]
+        else:
+            node.kwargs = {**node.kwargs, "size": list(size)}
+        return
+    if name in SLICING:
+        _full_range(node, name, why)
+    if _names_length(node, n):
+        raise PlanError(f"{why} (it names the number {n}, the local length s/cp, beside a value computed on "
+                        "the whole sequence: a length or a coincidence of sizes; use another sequence length "
+                        "or cp=1)")
+
+
+def _full_range(node: fx.Node, name: str, why: str) -> None:
+    """A slice along a dim of positions computed whole must keep all of it: its bounds were
+    traced at the local length (t - 1, t // 2 ...) and would cut the whole one wrongly."""
+    a = args_of(node)
+    src = a.get("self", a.get("input"))
+    old = _traced(src) if isinstance(src, fx.Node) else None
+    if old is None or a.get("dim") is None:
+        return
+    new = src.meta["val"].shape
+    d = a["dim"] % len(new)
+    if old[d] == new[d]:
+        return
+    if name == "slice" and a["start"] in (0, None) and (a["end"] is None or a["end"] >= old[d]) and a["step"] == 1:
+        return
+    raise PlanError(f"{why} (it runs {name} along positions computed whole, with bounds traced at the local "
+                    "length: cp cannot carry them to the whole sequence)")
+
+
+def _traced(src: fx.Node):
+    return src.meta.get("cp_traced_shape")
+
+
+def _view_size(old, new, out):
+    """The view of `new` (a whole value; `old` its traced shape) matching view `out` of `old`:
+    dims grouped where the running products agree, a group that grew must be one dim on both
+    sides (a merged or split dim that grew is not guessed)."""
+    groups, i, j = [], 0, 0
+    while i < len(old) or j < len(out):
+        gi, gj = [i] if i < len(old) else [], [j] if j < len(out) else []
+        pi = old[i] if i < len(old) else 1
+        pj = out[j] if j < len(out) else 1
+        i, j = i + bool(gi), j + bool(gj)
+        while pi != pj:
+            if pi < pj and i < len(old):
+                pi *= old[i]
+                gi.append(i)
+                i += 1
+            elif j < len(out):
+                pj *= out[j]
+                gj.append(j)
+                j += 1
+            else:
+                return None
+        groups.append((gi, gj))
+    size = list(out)
+    for gi, gj in groups:
+        grown = math.prod(new[k] for k in gi) // max(math.prod(old[k] for k in gi), 1)
+        if grown == 1:
+            continue
+        if len(gj) == 1:
+            size[gj[0]] = out[gj[0]] * grown
+        elif len(gi) == 1 and sum(out[k] != 1 for k in gj) == 1:
+            k = next(k for k in gj if out[k] != 1)
+            size[k] = out[k] * grown
+        else:
+            return None
+    return size
+
+
+def _expand_size(old, new, size):
+    size = list(size)
+    lead = len(size) - len(old)
+    for k in range(len(old)):
+        if old[k] != new[k] and size[lead + k] != -1:
+            size[lead + k] = new[k]
+    return size
+
+
+def _names_length(node: fx.Node, n: int) -> bool:
+    found = []
+
+    def look(a):
+        if isinstance(a, (list, tuple)):
+            for x in a:
+                look(x)
+        elif isinstance(a, int) and not isinstance(a, bool) and a == n:
+            found.append(a)
+    look(list(node.args[1:]))
+    look(list(node.kwargs.values()))
+    return bool(found)
+
+
+def run_whole(node: fx.Node, n: int, why: str) -> None:
+    """`node` reads whole values only (no input split along the sequence): rerun it on their
+    whole fakes, its shape arguments carried over (regrow); its output is whole too."""
+    traced = node.meta.get("val")
+    regrow(node, n, why)
+    try:
+        full = node.target(*fx.node.map_arg(node.args, lambda a: a.meta["val"]),
+                           **fx.node.map_arg(node.kwargs, lambda a: a.meta["val"]))
+    except Exception as exc:
+        raise PlanError(f"{why} (and it cannot run on the whole sequence: {type(exc).__name__})") from None
+    remember(node, traced)
+    mark(node, traced, full)
+
+
+def remember(node: fx.Node, traced) -> None:
+    """Keep the traced shape beside the whole one (regrow reads it at the node's users)."""
+    if isinstance(traced, torch.Tensor):
+        node.meta.setdefault("cp_traced_shape", tuple(traced.shape))
+
+
+def whole_inputs(node: fx.Node, state: dict, stage, fallbacks: list, why: str):
+    """The decision for an op that reads a whole value: rerun on whole values alone, else the
+    all-gather fallback around it (its split inputs gathered, its output cut back where one
+    dim runs along the sequence)."""
+    # lazy: cp_fallback imports this module
+    from threefold.passes.cp_factories import local_factories
+    from threefold.passes.cp_fallback import gather_around
+    from threefold.passes.cp_rules import Gather, Refuse, Seq
+    n = stage.seq_len
+    for a in node.all_input_nodes:   # a mask made of ones(b, n) beside the whole scores: split it first
+        v = a.meta.get("val")
+        if state.get(a) is None and not is_whole(a) and isinstance(v, torch.Tensor) and n in v.shape \
+                and local_factories(a, state, n):
+            return Refuse(f"{why} (it meets a value of the local length made in forward)", a)
+    _widen_broadcasts(node, state, stage, Seq)
+    if not any(isinstance(state.get(a), Seq) for a in node.all_input_nodes):
+        if any(state.get(a) is not None for a in node.all_input_nodes):
+            raise PlanError(f"{why} (it meets a value that is neither split nor whole)")
+        run_whole(node, stage.seq_len, why)
+        state[node] = None
+        return None
+    state[node] = gather_around(node, state, stage, why, fallbacks, op_name(node), Seq)
+    return Gather(why)
+
+
+def _widen_broadcasts(node: fx.Node, state: dict, stage, seq_cls) -> None:
+    """A split input of `node` that is a broadcast of size 1 along another dim of the local
+    length, where a whole input has the whole length (T5's all-visible mask [b, 1, q, k],
+    expanded over its keys, beside the whole relative-position bias): read it at one key and
+    broadcast it to the whole length there. Exact, since it is uniform along that dim."""
+    n, whole_len = stage.seq_len, stage.seq_len * stage.plan.cp
+    out = node.meta.get("val")
+    if not isinstance(out, torch.Tensor):
+        return
+    wides = [a.meta["val"] for a in node.all_input_nodes if is_whole(a) and isinstance(a.meta.get("val"), torch.Tensor)]
+    for a in list(node.all_input_nodes):
+        s, v = state.get(a), a.meta.get("val")
+        if not isinstance(s, seq_cls) or not isinstance(v, torch.Tensor):
+            continue
+        r = v.dim()
+        dims = [e for e in uniform_dims(a) if e != s.dim and v.shape[e] == n
+                and any(w.dim() >= r - e and w.shape[w.dim() - (r - e)] == whole_len for w in wides)]
+        if not dims:
+            continue
+        shape = [whole_len if e in dims else v.shape[e] for e in range(r)]
+        graph = node.graph
+        with graph.inserting_before(node):
+            one = a
+            for e in dims:
+                one = graph.call_function(torch.ops.aten.narrow.default, (one, e, 0, 1))
+                one.meta = {"val": (one.args[0].meta["val"]).narrow(e, 0, 1), "tf": dict(a.meta.get("tf", {}))}
+                state[one] = s
+            wide = graph.call_function(torch.ops.aten.expand.default, (one, shape))
+        wide.meta = {"val": one.meta["val"].expand(shape), "tf": dict(a.meta.get("tf", {}))}
+        state[wide] = s
+        node.args = fx.node.map_arg(node.args, lambda x: wide if x is a else x)
+        node.kwargs = fx.node.map_arg(node.kwargs, lambda x: wide if x is a else x)
+
+
+def uniform_dims(x, depth: int = 8) -> set:
+    """Dims along which x's value is the same everywhere (by construction: broadcasts of size 1
+    through expand and element-wise ops), as dims of x."""
+    if not isinstance(x, fx.Node) or depth == 0 or not isinstance(x.meta.get("val"), torch.Tensor):
+        return set()
+    v = x.meta["val"]
+    name = op_name(x)
+    if name == "expand":
+        src = args_of(x)["self"]
+        sv = src.meta.get("val")
+        lead = v.dim() - sv.dim()
+        ones = {e for e in range(v.dim()) if e < lead or sv.shape[e - lead] == 1}
+        return ones | {e + lead for e in uniform_dims(src, depth - 1)}
+    if is_pointwise(x):
+        dims = set(range(v.dim()))
+        for a in x.all_input_nodes:
+            av = a.meta.get("val")
+            if not isinstance(av, torch.Tensor):
+                continue
+            lead = v.dim() - av.dim()
+            dims &= {e for e in range(v.dim()) if e < lead or av.shape[e - lead] == 1} | \
+                {e + lead for e in uniform_dims(a, depth - 1)}
+        return dims
+    return set()
