@@ -275,6 +275,10 @@ def _fit_per_query(row: torch.Tensor, d: torch.Tensor, vis: torch.Tensor, where:
     return torch.tensor([slope, 0.0], dtype=torch.float64)
 
 
+class _PerRank(Exception):
+    """The mask runs a collective op (tp): one value cannot stand for every rank."""
+
+
 def _snap(x: float) -> float:
     """x as the float32 it is within least-squares rounding of (the mask's own dtype, usually)."""
     f = float(torch.tensor(x, dtype=torch.float32))

@@ -85,9 +85,10 @@ RULES.update({n: _pointwise for n in fam.COPIES | fam.LIKE_FACTORIES | {"copy", 
 # element by element, though ATen does not tag them pointwise: floor_divide (a routing sort's
 # row numbers // top_k), polar / complex (rotary tables as complex numbers, DeepSeek-V2),
 # real / imag / conj, isin and bucketize (a lookup per element); broadcast_tensors (mse_loss's
-# operands brought to one shape: each output laid out as the broadcast of its inputs)
+# operands brought to one shape: each output laid out as the broadcast of its inputs); the
+# bitwise `&`, `|`, `^` of boolean masks
 RULES.update({n: _pointwise for n in ("floor_divide", "polar", "complex", "real", "imag", "conj", "isin",
-                                      "bucketize", "broadcast_tensors")})
+                                      "bucketize", "broadcast_tensors", "__and__", "__or__", "__xor__")})
 
 
 @rule("new_empty", "new_zeros", "new_ones", "new_full")
