@@ -35,6 +35,7 @@ from threefold.ops.families import COPIES, RESHAPES, VIEWS, args_of
 from threefold.passes.cp_fallback import gather_around
 from threefold.passes.cp_rules import PARTIAL, Gather, Place, Refuse, Seq, decide, op_name
 from threefold.passes.cp_rules.core import is_local
+from threefold.passes.mesh_axes import place_sequence
 from threefold.runtime import cp_ops
 from threefold.runtime.tp_ops import GroupRef
 
@@ -58,7 +59,7 @@ def context_parallel(stage: Sharded) -> Sharded:
     _drop_unread(gm.graph)   # a mask the model builds and never reads (Qwen2-MoE) is not checked
     fallbacks: list = []
     tables: list = []
-    check_sequence(gm, stage, fallbacks, tables)
+    place_sequence(gm, check_sequence(gm, stage, fallbacks, tables))   # each value's cp entry (OnMesh)
     gm.graph.lint()
     gm.recompile()
     names = sorted({tf(t.args[0]).get("fqn") for t in tables if tf(t.args[0]).get("fqn")})
