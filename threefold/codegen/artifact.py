@@ -176,7 +176,6 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
         # semantics the runtime keeps (passes/loss_form.py, passes/batch_dims.py, trace.py)
         loss=LossForm.from_json(prog.loss_form),
         batch_dims=prog.batch_dims,
-        seq_dims=prog.seq_dims,
         output_batch_dims=prog.output_batch_dims,
         output_tree=prog.output_tree,
         model_outputs_missing=missing_reason(prog),

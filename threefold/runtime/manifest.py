@@ -25,11 +25,11 @@ from threefold import placement as placements
 from threefold.errors import PlanError
 from threefold.placement import Placement
 from threefold.runtime.mesh import Mesh, chunk_layout, stage_of
-from threefold.runtime.run_plan import RunPlan
+from threefold.runtime.run_plan import InputSplit, RunPlan
 from threefold.runtime.shard import ShardSpec
 
 MANIFEST = "manifest.json"
-FORMAT = 5                         # 5: the plan's values; 4: the mesh as named axes; 3: one module per chunk, shared by its tp ranks
+FORMAT = 6                         # 6: each input's placement on the mesh (was seq_dims); 5: the plan's values; 4: the mesh as named axes; 3: one module per chunk, shared by its tp ranks
 MAX_RANKS = 1 << 16                # a mesh beyond this is a corrupt manifest, not a job
 MAX_SCHEDULE_ACTIONS = 300_000     # pp*v*m*3: ~60 us each to build and verify, so a few seconds at most
 
@@ -148,7 +148,7 @@ class Manifest:
     has_loss: bool
     num_model_inputs: int
     model: str = ""
-    inputs: tuple[TensorSpec, ...] = ()         # user inputs (model inputs, then target)
+    inputs: tuple[TensorSpec, ...] = ()         # user inputs (model inputs, then target), each on the mesh
     outputs: tuple[dict, ...] = ()              # the graph's outputs: {"shape", "dtype"}
     ties: dict = field(default_factory=dict)    # canonical FQN -> every FQN of it
     tp_grad_sync: tuple[str, ...] = ()          # params whose grads are summed over tp (sp)
@@ -158,8 +158,8 @@ class Manifest:
     param_roles: dict[str, str] = field(default_factory=dict)   # FQN -> threefold/roles.py role
     model_flops: int = 0                        # forward + backward of one step (compiler/model_flops.py)
     loss: LossForm = field(default_factory=LossForm)
-    batch_dims: list | None = None              # per user input: its batch dim (None: whole)
-    seq_dims: list | None = None                # cp > 1: per user input its sequence dim (None: whole)
+    batch_dims: list | None = None              # per user input: its batch dim (None: whole); for readers:
+                                                # a step cuts inputs by `input_splits` (their placements)
     output_batch_dims: list | None = None       # per model output: its batch dim
     output_tree: dict | None = None             # the model's return structure (runtime/output_tree.py)
     frozen: tuple[str, ...] = ()
@@ -196,6 +196,11 @@ class Manifest:
     @property
     def num_chunks(self) -> int:
         return len(self.chunks)
+
+    @functools.cached_property
+    def input_splits(self) -> tuple[InputSplit, ...]:
+        """How a step cuts each user input (batch order), read once from their placements."""
+        return tuple(InputSplit.of(s.on_mesh) for s in self.inputs)
 
     @property
     def scatter_gather(self) -> bool:
@@ -255,7 +260,6 @@ class Manifest:
             "notes": list(self.notes),
             "loss": self.loss.to_json(),
             "batch_dims": self.batch_dims,
-            "seq_dims": self.seq_dims,
             "output_batch_dims": self.output_batch_dims,
             "output_tree": self.output_tree,
             "frozen": list(self.frozen),
@@ -295,7 +299,6 @@ class Manifest:
                 model_flops=int(m.get("model_flops") or 0),
                 loss=LossForm.from_json(m.get("loss")),
                 batch_dims=m.get("batch_dims"),
-                seq_dims=m.get("seq_dims"),
                 output_batch_dims=m.get("output_batch_dims"),
                 output_tree=m.get("output_tree"),
                 frozen=tuple(m.get("frozen", [])),
@@ -359,7 +362,7 @@ def check_manifest(root: str, m) -> None:
         _bad(root, "it is not a JSON object")
     if m.get("format") != FORMAT:
         raise PlanError(f"{root!r}: artifact format {m.get('format')!r} is not supported (expected {FORMAT}; "
-                        "older formats had no plan values, weight hashes or one module per tp rank): recompile it with `threefold compile`")
+                        "older formats had no per-input placements, plan values, weight hashes or one module per tp rank): recompile it with `threefold compile`")
     mesh, chunks, files = m.get("mesh"), m.get("chunks"), m.get("files")
     if not isinstance(files, dict) or not all(isinstance(v, str) and len(v) == 64 for v in files.values()):
         _bad(root, "'files' must map each file to its sha256")
