@@ -19,7 +19,7 @@ from threefold.runtime.loader import BATCH_FILE, MANIFEST, Artifact, open_artifa
 from threefold.runtime.manifest import ChunkEntry, LossForm, Manifest, TensorSpec
 from threefold.runtime.mesh import chunk_layout, stage_of
 from threefold.runtime.shard import rank_state
-from threefold.placement import parse as parse_placement
+from threefold.placement import on_mesh_of, parse as parse_placement
 
 
 def chunk_state(prog: Program, chunk, tp_rank: int) -> dict[str, torch.Tensor]:
@@ -181,6 +181,7 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
         model_outputs_missing=missing_reason(prog),
         op_modules=op_modules(prog),
         experts={f: e for c in prog.chunks for r in c.experts for f, e in r["params"].items()},
+        param_placements=_param_placements(prog),
         frozen=tuple(sorted({tf(n)["fqn"] for _, n in prog.chunk_nodes()
                              if n.op == "placeholder" and tf(n).get("frozen")})),
         notes=tuple(prog.notes),
@@ -188,6 +189,18 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
         threefold_version=threefold.__version__,
         torch_version=torch.__version__,
     )
+
+
+def _param_placements(prog) -> dict:
+    """FQN -> its placement on the mesh (threefold/placement.OnMesh), for every parameter the
+    passes placed on some axis (a tied one: where it is first held)."""
+    out = {}
+    for _, n in prog.chunk_nodes():
+        if n.op == "placeholder" and tf(n).get("kind") == "param" and tf(n)["fqn"] not in out:
+            on = on_mesh_of(n)
+            if on.items:
+                out[tf(n)["fqn"]] = on
+    return out
 
 
 def _chunk_flops(chunk) -> tuple[int, int, int]:

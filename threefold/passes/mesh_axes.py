@@ -83,14 +83,11 @@ def place_expert_axis(prog: Partitioned) -> Partitioned:
     expert region has its `ep` entry, S(0): the experts, or the rows sorted by expert."""
     if getattr(prog.plan, "ep", 1) == 1 or not any(c.experts for c in prog.chunks):
         return prog.evolve()
+    params = {f for c in prog.chunks for r in c.experts for f in r["params"]}   # wherever they are held
     chunks = []
     for chunk in prog.chunks:
-        if not chunk.experts:
-            chunks.append(chunk)
-            continue
         gm = copy_graph_module(chunk.gm)
         by_name = {n.name: n for n in gm.graph.nodes}
-        params = {f for r in chunk.experts for f in r["params"]}
         for node in gm.graph.nodes:
             if node.op == "placeholder" and tf(node).get("fqn") in params:
                 place_on(node, "ep", Shard(0))

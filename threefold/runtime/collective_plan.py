@@ -150,7 +150,7 @@ def _stage_buckets(manifest, schedule: Schedule, stage: int, frozen: set, numel:
     out: list[Bucket] = []
     # under ep an expert's gradient sums over the ranks holding the same experts (edp), a
     # dense one over every batch rank: separate buckets, expert ones after the chunk's dense
-    experts = set(manifest.experts) if manifest.mesh.ep > 1 else set()
+    experts = manifest.sharded_over("ep")   # the expert weights (their placement: ep S(0))
     for c in sorted(local, key=lambda c: last.get(c.index, -1)):
         k = 0
         for axes, expert in ((BATCH_AXES, False), ("edp", True)):

@@ -68,8 +68,7 @@ class ShardedParams:
         # after the reduce-scatter a shard is summed over the ranks holding the same rows with
         # other data (replicas, cp ranks, and ep ranks for dense rows: zero.DENSE_ROW_PEERS)
         self.dense_peers, self.expert_peers = row_peer_groups(engine)
-        ep = mesh.ep > 1
-        self.experts = frozenset(engine.manifest.get("experts") or {}) if ep else frozenset()
+        self.experts = engine.manifest.sharded_over("ep")   # the expert weights (placed ep S(0))
         trainable = dict(engine.named_parameters())
         own = self.zero >= 3   # the shard keeps its own storage: the parameter's is freed
         self.rows: dict[str, RowShard] = {f: split_rows(f, p, self.d, coord.dp_shard, own=own)

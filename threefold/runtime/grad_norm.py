@@ -79,7 +79,7 @@ def _owned_cuts(engine, as_batch_rank_0: bool, zero: int) -> list[tuple]:
     # dp_shard rank owns its rows, and the replicas of a shard group (HSDP) are equal
     # ep: an expert's gradient is equal over the ranks holding it (edp) and each ep rank holds
     # different experts, so edp rank 0 of every ep rank counts its experts
-    experts = set(manifest.get("experts") or {}) if engine.mesh.ep > 1 else set()
+    experts = manifest.sharded_over("ep")   # the expert weights (their placement: ep S(0))
     if zero == 0:
         counts_dense, counts_experts = coord["dp"] == 0, coord["edp"] == 0
     else:   # zero=1 with ep: dp_shard ranks own rows; dense rows are equal over ep ranks too

@@ -166,6 +166,10 @@ class Manifest:
     # expert parameters (passes/experts.py): FQN -> number of experts along dim 0; under ep=N
     # each rank keeps E/N of them and their gradients are reduced over the edp ranks
     experts: dict[str, int] = field(default_factory=dict)
+    # each parameter's placement on the mesh where it is not replicated (passes/mesh_axes.py):
+    # what the runtime's readers ask through `param_on_mesh` / `sharded_over` (tp's cut
+    # itself is `shards`; ep: the expert weights, S(0); zero=3: dp_shard rows, S(0))
+    param_placements: dict[str, placements.OnMesh] = field(default_factory=dict)
     # custom ops the generated code calls: "ns::name" -> {"module", "sha256"} of the Python
     # module that registers it, imported by the loader (runtime/op_modules.py)
     op_modules: dict[str, dict] = field(default_factory=dict)
@@ -213,6 +217,14 @@ class Manifest:
     def local_chunks(self, stage: int) -> list[int]:
         """The chunks pipeline stage `stage` holds."""
         return [c.index for c in self.chunks if c.stage == stage]
+
+    def param_on_mesh(self, fqn: str) -> placements.OnMesh:
+        """A parameter's placement on every mesh axis (replicated where the manifest has none)."""
+        return self.param_placements.get(fqn) or placements.OnMesh()
+
+    def sharded_over(self, axis: str) -> frozenset:
+        """The parameters `axis` shards (ep: the expert weights, each rank holding its experts)."""
+        return frozenset(f for f, on in self.param_placements.items() if on.dim(axis) is not None)
 
     def replace(self, **changes) -> "Manifest":
         return dataclasses.replace(self, **changes)
@@ -264,6 +276,7 @@ class Manifest:
             "output_tree": self.output_tree,
             "frozen": list(self.frozen),
             "experts": dict(self.experts),
+            "param_placements": {fqn: str(on) for fqn, on in self.param_placements.items()},
             "op_modules": {k: dict(v) for k, v in self.op_modules.items()},
             "model_outputs_missing": self.model_outputs_missing,
         }
@@ -303,6 +316,8 @@ class Manifest:
                 output_tree=m.get("output_tree"),
                 frozen=tuple(m.get("frozen", [])),
                 experts={str(k): int(v) for k, v in (m.get("experts") or {}).items()},
+                param_placements={str(k): placements.parse_on_mesh(str(v))
+                                  for k, v in (m.get("param_placements") or {}).items()},
                 op_modules={str(k): {"module": str(v["module"]), "sha256": str(v["sha256"])}
                             for k, v in (m.get("op_modules") or {}).items()},
                 model_outputs_missing=m.get("model_outputs_missing", _OLD_OUTPUTS if m.get("has_loss") else ""),

@@ -236,10 +236,8 @@ class ZeroOptimizer(WrappedOptimizer):
                                 "ParallelModule: pass pm.parameters() (or groups over them)")
             mapped.append({**g, "params": [by_id[id(p)].shard for p in ps]})
         self.inner = optimizer_cls(mapped, *args, **kwargs)
-        ep = engine.mesh.ep > 1
         self.sync = ZeroGradSync(self.shards, engine.groups.of("dp_shard"), d, row_peer_groups(engine),
-                                 engine.mesh.size(BATCH_AXES),
-                                 frozenset(engine.manifest.get("experts") or {}) if ep else frozenset())
+                                 engine.mesh.size(BATCH_AXES), engine.manifest.sharded_over("ep"))
         if self.sharded is None:
             engine.use_grad_sync(self.sync)
 
