@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import threefold
+from threefold.cli.inspect_params import parameter_rows
 from threefold.codegen.artifact import build_manifest, build_sources
 from threefold.compiler.api import compile_workload
 from threefold.ir.stage_io import stage_from_bytes, stage_to_bytes
@@ -78,6 +79,8 @@ def test_dp2_ep2_fills_the_batch_rows_and_the_experts():
     dense = [f for f in manifest.state_shapes if f not in experts]
     assert dense and not any(manifest.param_on_mesh(f).dim("ep") is not None for f in dense)
     assert manifest.input_splits == (InputSplit(0, None), InputSplit(0, None))
+    rows = {r["fqn"]: r for r in parameter_rows(prog)}   # inspect --json's parameters
+    assert all(rows[f]["axes"] == {"ep": "S(0)"} for f in experts) and "axes" not in rows[dense[0]]
 
 
 def test_fsdp_fills_dp_shard_on_every_trainable_parameter_and_stages_keep_it():
