@@ -60,7 +60,8 @@ def test_attention_becomes_a_ring_and_positions_global(factory, kwargs):
     assert code.count("cp_ops.ring_attention(") == 2          # one per layer
     assert "cp_ops.positions(8, self.cp_group" in code         # arange(8) -> global positions
     assert "softmax" not in code and "masked_fill" not in code and "cumsum" not in code
-    assert prog.seq_dims == [1, 1] and prog.seq_len == 8
+    # each input's sequence dim is its cp placement, which the manifest's inputs carry
+    assert [b.on_mesh.dim("cp") for b in prog.user_inputs] == [1, 1] and prog.seq_len == 8
 
 
 class _Emb(nn.Module):

@@ -1,8 +1,15 @@
 """Typed placements: how a value is laid out over the ranks of each mesh axis.
 
 `OnMesh` holds one placement per mesh axis (as DTensor's), the axes it does not name
-replicated. The compiler's tensor-parallel pass decides the `tp` entry of every value; other
-axes (sequence shards over `cp`, rows over `dp_shard` under zero=3, ...) add theirs.
+replicated. Each axis's pass writes its entry (`place_on`), every reader asks `on_mesh_of`:
+
+  tp        the tensor-parallel pass, every value it emits
+  cp        the context-parallel pass: S(d) along the sequence, P for a sum over this
+            rank's tokens (the loss numerator)
+  dp        the batch rows (passes/mesh_axes.py): S(d) where the batch dim d is, split over
+            the batch axes, the `dp` alias of dp_replicate x dp_shard x ep, and microbatches
+  dp_shard  zero=3: a trainable parameter's rows (dim 0) over the dp_shard ranks
+  ep        expert weights (dim 0, the experts) and the rows of an expert region
 
 Neutral ground: the compiler writes these, the manifest stores their text (`str(p)`, which
 `parse` reads back), and the runtime decides transfers with them. Nothing here imports the
@@ -98,6 +105,11 @@ class OnMesh:
     def axes(self) -> tuple[str, ...]:
         return tuple(a for a, _ in self.items)
 
+    def dim(self, axis: str) -> int | None:
+        """The dim `axis` splits (its Shard's), None where it does not shard this value."""
+        p = self[axis]
+        return p.dim if isinstance(p, Shard) else None
+
     def __str__(self):
         if not self.items:
             return "R"
@@ -115,6 +127,12 @@ def on_mesh_of(node) -> OnMesh:
     if isinstance(on, OnMesh):
         return on
     return OnMesh.of(tp=(meta.get("tf") or {}).get("placement") or R)
+
+
+def place_on(node, axis: str, place) -> None:
+    """Record `node`'s placement on one mesh axis (its other axes' entries kept): the one
+    writer of `node.meta["on_mesh"]` for the axes after tp."""
+    node.meta["on_mesh"] = on_mesh_of(node).with_axis(axis, place)
 
 
 def parse_on_mesh(text) -> OnMesh:

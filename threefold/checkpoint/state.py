@@ -44,9 +44,8 @@ def layout_of(pm, fqn: str, local: torch.Tensor) -> Sharded:
     dim, parts = pieces(spec, shape, pm.engine.coord.tp)
     s = Sharded(local, dim, parts, shape)
     s.spec = spec
-    experts = pm.manifest.get("experts") or {}
     mesh = pm.engine.mesh
-    if fqn in experts and mesh.ep > 1:
+    if pm.manifest.param_on_mesh(fqn).dim("ep") == 0 and mesh.ep > 1:
         # ep: this rank's E/ep experts are rows of the full tensor (runtime/experts.py), so
         # they are saved as those rows, under the same key and full shape as any other plan
         # lazy: start-up: checkpoint.zero_state loads only on this path
@@ -54,7 +53,7 @@ def layout_of(pm, fqn: str, local: torch.Tensor) -> Sharded:
         if spec is not None and spec.dim == 0:   # RowsOf reads dim 0 as global rows
             raise PlanError(f"{fqn}: an expert weight split over tp along its expert dim cannot be "
                             "saved under ep; checkpoint it with ep=1")
-        count = experts[fqn] // mesh.ep
+        count = shape[0] // mesh.ep   # dim 0 holds the experts
         rows = RowsOf(s, pm.engine.coord.ep * count, count, local)
         rows.expert_rows = True
         rows.rows_base = (s, pm.engine.coord.ep * count)   # ZeRO rows of these rows compose (zero_state)

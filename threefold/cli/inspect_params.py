@@ -5,8 +5,9 @@ of fallbacks); nothing is decided again here.
 
 One row per parameter: FQN, the chunks holding it (several for a tied one), full and local
 (per tp rank) shape, placement (`S(d)` sharded along d, with blocks for fused projections
-and the padded size of a padded vocabulary; `R` whole on every rank), frozen, and where it
-is kept whole or blocked by a fallback, the pass's reason.
+and the padded size of a padded vocabulary; `R` whole on every rank), the other mesh axes
+that split it (`axes`, e.g. {"ep": "S(0)"}), frozen, and where it is kept whole or blocked
+by a fallback, the pass's reason.
 """
 from __future__ import annotations
 
@@ -34,10 +35,14 @@ def parameter_rows(prog) -> list[dict]:
             val = node.meta.get("val")
             full = prog.state.get(fqn)
             spec = prog.shard_fns.get(fqn)
+            on = on_mesh_of(node)
             row = {"fqn": fqn, "chunks": [chunk.index],
                    "shape": list(full.shape) if full is not None else None,
                    "local_shape": list(val.shape) if val is not None else None,
-                   "placement": _placement(on_mesh_of(node)["tp"], spec, full), "frozen": bool(info.get("frozen", False))}
+                   "placement": _placement(on["tp"], spec, full), "frozen": bool(info.get("frozen", False))}
+            axes = {a: str(p) for a, p in on.items if a != "tp"}
+            if axes:   # the other mesh axes that split it (ep: its experts; zero=3: dp_shard rows)
+                row["axes"] = axes
             if fqn in kept:
                 row["kept_whole"] = kept[fqn]
             if fqn in blocked:

@@ -19,7 +19,7 @@ from threefold.runtime.loader import BATCH_FILE, MANIFEST, Artifact, open_artifa
 from threefold.runtime.manifest import ChunkEntry, LossForm, Manifest, TensorSpec
 from threefold.runtime.mesh import chunk_layout, stage_of
 from threefold.runtime.shard import rank_state
-from threefold.placement import parse as parse_placement
+from threefold.placement import on_mesh_of, parse as parse_placement
 
 
 def chunk_state(prog: Program, chunk, tp_rank: int) -> dict[str, torch.Tensor]:
@@ -176,7 +176,6 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
         # semantics the runtime keeps (passes/loss_form.py, passes/batch_dims.py, trace.py)
         loss=LossForm.from_json(prog.loss_form),
         batch_dims=prog.batch_dims,
-        seq_dims=prog.seq_dims,
         output_batch_dims=prog.output_batch_dims,
         output_tree=prog.output_tree,
         model_outputs_missing=missing_reason(prog),
@@ -184,6 +183,7 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
         experts={f: e for c in prog.chunks for r in c.experts for f, e in r["params"].items()},
         expert_modules={f: [e, g["experts"]] for c in prog.chunks for g in c.module_experts
                         for f, e in g["owned"].items()},
+        param_placements=_param_placements(prog),
         frozen=tuple(sorted({tf(n)["fqn"] for _, n in prog.chunk_nodes()
                              if n.op == "placeholder" and tf(n).get("frozen")})),
         notes=tuple(prog.notes),
@@ -191,6 +191,18 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
         threefold_version=threefold.__version__,
         torch_version=torch.__version__,
     )
+
+
+def _param_placements(prog) -> dict:
+    """FQN -> its placement on the mesh (threefold/placement.OnMesh), for every parameter the
+    passes placed on some axis (a tied one: where it is first held)."""
+    out = {}
+    for _, n in prog.chunk_nodes():
+        if n.op == "placeholder" and tf(n).get("kind") == "param" and tf(n)["fqn"] not in out:
+            on = on_mesh_of(n)
+            if on.items:
+                out[tf(n)["fqn"]] = on
+    return out
 
 
 def _chunk_flops(chunk) -> tuple[int, int, int]:

@@ -19,6 +19,7 @@ from threefold.passes.batch_dims import AmbiguousBatch, find_batch_dims
 from threefold.compiler.seq_choice import compile_each_candidate
 from threefold.passes.seq_dims import AmbiguousSeq, find_seq_dims, full_length_refusal, full_length_tables, local_share, \
     read_at_local_length
+from threefold.placement import Shard, place_on
 from threefold.plan import Plan
 from threefold.workload import Workload
 
@@ -145,15 +146,25 @@ def _retracer(workload: Workload, inputs: tuple, target, plan: Plan, own_loss: b
 def _finish(traced, workload, dims, sliced, seq_dims, batch, parts, plan, notes, progress):
     rows = [sliced[i].shape[d] for i, d in enumerate(dims) if d is not None]
     lengths = [sliced[i].shape[d] for i, d in enumerate(seq_dims) if d is not None]
+    if plan.cp > 1:   # each input's sequence dim: its cp entry, which the cp pass starts from
+        _place_inputs(traced.gm, "cp", seq_dims)
     traced = traced.evolve(batch_dims=list(dims), micro_rows=rows[0] if rows else None,
                            notes=traced.notes + tuple(notes),
-                           seq_dims=list(seq_dims) if plan.cp > 1 else None,
                            seq_len=lengths[0] if plan.cp > 1 and lengths else None)
     traced = traced.evolve(output_batch_dims=_output_batch_dims(traced, dims, batch, parts))
     eager = eager_node(traced)
     if eager is not None and parts > 1:   # how the eager loss combines rows, measured once
         tf(eager)["eager_reduction"] = loss_reduction(workload.model, batch, dims, workload.loss_fn)
     return run_passes(traced, progress=progress)
+
+
+def _place_inputs(gm, axis: str, dims: list) -> None:
+    """Write `axis`'s entry (S(d), threefold/placement.OnMesh) on each user input of a
+    freshly traced graph (no pass has read it yet) where `dims` has its dim."""
+    for node in gm.graph.nodes:
+        i = tf(node).get("input_index") if node.op == "placeholder" and tf(node).get("kind") == "input" else None
+        if i is not None and i < len(dims) and dims[i] is not None:
+            place_on(node, axis, Shard(dims[i]))
 
 
 def _compile_reading(workload, table, length, plan, inputs, target, own_loss, progress, *rest):

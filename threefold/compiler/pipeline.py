@@ -26,6 +26,7 @@ from threefold.passes.context_parallel import context_parallel
 from threefold.passes.experts import find_experts
 from threefold.passes.fusion import fuse
 from threefold.passes.loss_form import loss_form
+from threefold.passes.mesh_axes import place_batch_axes, place_expert_axis
 from threefold.passes.pipeline_split import split_pipeline
 from threefold.passes.random_ops import seed_random_ops
 from threefold.passes.recompute import plan_recompute
@@ -45,10 +46,12 @@ def default_passes() -> list[Pass]:
     group the final chunk graphs' parameters by layer. Expert regions are found in the final
     chunk graphs (a pipeline cut between two expert matmuls leaves a region on each side).
     Context parallelism rewrites attention on the sharded graph (the tp rules saw the plain
-    ops; the ring runs per head shard)."""
+    ops; the ring runs per head shard). The batch axes' and ep's placements (passes/mesh_axes.py)
+    are recorded where their facts are known: the batch rows on the sharded graph (the
+    boundaries and the manifest's inputs carry them), the experts once regions are found."""
     return [check_static_shapes, check_batch_coupling, loss_form, tensor_parallel, context_parallel,
-            annotate_costs, split_pipeline, fuse, seed_random_ops, find_experts, plan_recompute,
-            plan_shard_units]
+            place_batch_axes, annotate_costs, split_pipeline, fuse, seed_random_ops, find_experts,
+            place_expert_axis, plan_recompute, plan_shard_units]
 
 
 class PassFailed(RuntimeError):

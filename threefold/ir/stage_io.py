@@ -28,7 +28,7 @@ from threefold.ir.program import format_stage
 from threefold.ir.stages import Stage
 
 STAGE_FILE = "stage.pkl"
-_META_KEYS = ("val", "tf", "nn_module_stack", "stack_trace")
+_META_KEYS = ("val", "tf", "on_mesh", "nn_module_stack", "stack_trace")
 
 
 class _Ref:

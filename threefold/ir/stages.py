@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from threefold.ir.program import Sized, TensorMeta, format_stage, tf
-from threefold.placement import R, Placement, on_mesh_of
+from threefold.placement import OnMesh, R, Placement, on_mesh_of
 from threefold.plan import Plan
 
 
@@ -50,6 +50,11 @@ class BoundarySpec(Sized):
         on = on_mesh_of(node)
         return cls(node.name, tuple(int(s) for s in val.shape), val.dtype, on["tp"],
                    tuple((a, p) for a, p in on.items if a != "tp"))
+
+    @property
+    def on_mesh(self) -> OnMesh:
+        """The placement on every mesh axis (tp included)."""
+        return OnMesh(self.axes).with_axis("tp", self.placement)
 
 
 @dataclass(frozen=True)
@@ -113,9 +118,8 @@ class Stage:
     loss_denominator: fx.GraphModule | None = None
     batch_dims: list | None = None   # per user input: its batch dim, None = not split
     micro_rows: int | None = None    # rows (batch-dim length) of the traced microbatch
-    # cp > 1 (passes/seq_dims.py): per user input its sequence dim (None = not split), and the
-    # sequence length traced: this cp rank's share, S / cp
-    seq_dims: list | None = None
+    # cp > 1: the sequence length traced, this cp rank's share S / cp (each user input's
+    # sequence dim is its placeholder's cp entry, threefold/placement.OnMesh)
     seq_len: int | None = None
     # cp > 1: n -> the same model traced at a local length of n (compiler/api.py), which tells
     # a size that is the sequence length from one equal to it by coincidence (passes/cp_masks.py)

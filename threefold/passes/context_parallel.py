@@ -38,6 +38,8 @@ from threefold.passes.cp_fallback import gather_around
 from threefold.passes.cp_whole import is_whole, whole_inputs
 from threefold.passes.cp_rules import PARTIAL, Gather, Place, Refuse, Seq, decide, op_name
 from threefold.passes.cp_rules.core import is_local
+from threefold.passes.mesh_axes import place_sequence
+from threefold.placement import on_mesh_of
 from threefold.runtime import cp_ops
 from threefold.runtime.tp_ops import GroupRef
 
@@ -61,7 +63,7 @@ def context_parallel(stage: Sharded) -> Sharded:
     _drop_unread(gm.graph)   # a mask the model builds and never reads (Qwen2-MoE) is not checked
     fallbacks: list = []
     tables: list = []
-    check_sequence(gm, stage, fallbacks, tables)
+    place_sequence(gm, check_sequence(gm, stage, fallbacks, tables))   # each value's cp entry (OnMesh)
     gm.graph.lint()
     gm.recompile()
     names = sorted({tf(t.args[0]).get("fqn") for t in tables if tf(t.args[0]).get("fqn")})
@@ -98,12 +100,10 @@ def check_sequence(gm: fx.GraphModule, stage, fallbacks: list | None = None, tab
     what it meets is a position table sliced to the local length (then this rank's rows)."""
     fallbacks = [] if fallbacks is None else fallbacks
     tables = [] if tables is None else tables
-    seq_dims = stage.seq_dims or []
     state: dict = {}
     for node in gm.graph.nodes:   # live: the fallback's cuts, inserted after a node, are placed in turn
-        if node.op == "placeholder":
-            i = tf(node).get("input_index")
-            d = seq_dims[i] if tf(node).get("kind") == "input" and i is not None and i < len(seq_dims) else None
+        if node.op == "placeholder":   # a user input's sequence dim: its cp entry (compiler/api.py)
+            d = on_mesh_of(node).dim("cp") if tf(node).get("kind") == "input" else None
             state[node] = Seq(d) if d is not None else None
         elif node.op == "output":
             for out in node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]:

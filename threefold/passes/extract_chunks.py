@@ -50,6 +50,8 @@ def _extract(cut: ChunkCut, by_name, graph_pos, input_ph, state_ph) -> Chunk:
         ann = dict(tf(src))
         ann["kind"] = kind
         ph.meta["tf"] = ann
+        if "on_mesh" in src.meta:   # its placement on every mesh axis (threefold/placement.OnMesh)
+            ph.meta["on_mesh"] = src.meta["on_mesh"]
         env[src] = ph
 
     for name in cut.inputs:

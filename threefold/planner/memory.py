@@ -49,6 +49,7 @@ from threefold.errors import PlanError
 from threefold.plan import Plan
 from threefold.runtime.schedule import inflight_bound
 from threefold.ir.program import tf
+from threefold.placement import on_mesh_of
 from threefold.runtime.mesh import chunk_layout, stage_of
 from threefold.runtime.mixed_precision import COMPUTE_DTYPES
 
@@ -159,22 +160,20 @@ def program_memory(prog) -> list[RankMemory]:
     layout = chunk_layout(plan.schedule)
     local = {}        # fqn -> (local shape, bytes, trainable), from the chunk graphs' placeholders
     saved = {}
+    ep = getattr(plan, "ep", 1)
     for chunk in prog.chunks:
         for n in chunk.gm.graph.nodes:
             val = n.meta.get("val")
             if n.op == "placeholder" and tf(n).get("kind") in ("param", "buffer") and hasattr(val, "shape"):
                 key = tf(n).get("fqn") or n.name
-                local[key] = (tuple(val.shape), val.numel() * val.element_size(),
-                              tf(n).get("kind") == "param" and not tf(n).get("frozen"))
+                shape, nbytes = tuple(val.shape), val.numel() * val.element_size()
+                on = on_mesh_of(n)   # ep: a rank holds E/ep of each expert weight (its experts, dim 0)
+                if on.dim("ep") == 0 and on.dim("tp") != 0:
+                    shape, nbytes = (shape[0] // ep,) + shape[1:], nbytes // ep
+                local[key] = (shape, nbytes, tf(n).get("kind") == "param" and not tf(n).get("frozen"))
         saved[chunk.index] = chunk_saved(chunk.gm, autocast, chunk.recompute)
-    ep = getattr(plan, "ep", 1)
-    for chunk in prog.chunks:   # ep: a rank holds E/ep of each expert weight (passes/experts.py)
-        for region in getattr(chunk, "experts", ()):
-            for fqn, experts in region["params"].items():
-                shape, nbytes, trainable = local[fqn]
-                if shape[0] == experts:
-                    local[fqn] = ((experts // ep,) + shape[1:], nbytes // ep, trainable)
-        for group in getattr(chunk, "module_experts", ()) if ep > 1 else ():
+    for chunk in prog.chunks if ep > 1 else ():
+        for group in getattr(chunk, "module_experts", ()):
             # experts held as separate modules: ep rank 0's (every ep rank holds as many, alike)
             for fqn, expert in group["owned"].items():
                 if expert // (group["experts"] // ep) and fqn in local:

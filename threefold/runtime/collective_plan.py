@@ -36,7 +36,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from threefold.runtime.manifest import expert_params
 from threefold.runtime.mesh import BATCH_AXES
 from threefold.runtime.schedule import Action, Kind, Schedule, collective
 from threefold.runtime.ties import tied_param_stages
@@ -151,7 +150,7 @@ def _stage_buckets(manifest, schedule: Schedule, stage: int, frozen: set, numel:
     out: list[Bucket] = []
     # under ep an expert's gradient sums over the ranks holding the same experts (edp), a
     # dense one over every batch rank: separate buckets, expert ones after the chunk's dense
-    experts = set(expert_params(manifest)) if manifest.mesh.ep > 1 else set()
+    experts = manifest.expert_weights()   # placed ep S(0), or whole on their ep rank
     for c in sorted(local, key=lambda c: last.get(c.index, -1)):
         k = 0
         for axes, expert in ((BATCH_AXES, False), ("edp", True)):

@@ -87,8 +87,7 @@ class PipelineEngine:
         self.has_loss = manifest.has_loss
         # how partial losses combine (compiler's passes/loss_form.py)
         self.loss_form = manifest.loss
-        self.batch_dims = manifest.batch_dims
-        self.seq_dims = manifest.seq_dims
+        self.input_splits = manifest.input_splits   # how a step cuts each input (its placement)
         self._step_count = 0
         self._rng_base = shared_seed()
         for mod in modules.values():
@@ -410,11 +409,10 @@ class PipelineEngine:
         dp, d = self.mesh.dp, self.coord.dp if d is None else d
         c = self.coord.cp if c is None else c
         out = [[] for _ in range(m)]
-        dims = self.batch_dims
+        splits = self.input_splits
         for i, t in enumerate(batch):
-            # the batch dim found by the compiler (manifest); old artifacts: dim 0
-            bd = dims[i] if dims is not None and i < len(dims) else (0 if dims is None else None)
-            sd = self.seq_dims[i] if self.seq_dims and i < len(self.seq_dims) else None
+            # the batch and sequence dims the compiler placed this input along (manifest)
+            bd, sd = (splits[i].batch, splits[i].seq) if i < len(splits) else (None, None)
             if isinstance(t, torch.Tensor) and sd is not None:
                 # cp: this rank's blocks r and 2cp-1-r of each sequence (runtime/cp_ops.py)
                 t = local_blocks(t, sd, self.mesh.cp, c)

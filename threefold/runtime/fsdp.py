@@ -30,7 +30,6 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from threefold.runtime.manifest import expert_params
 from threefold.runtime import comm, mixed_precision
 from threefold.runtime.zero import RowShard, all_gather_flat, reduce_scatter_flat, row_peer_groups, split_rows
 
@@ -69,8 +68,7 @@ class ShardedParams:
         # after the reduce-scatter a shard is summed over the ranks holding the same rows with
         # other data (replicas, cp ranks, and ep ranks for dense rows: zero.DENSE_ROW_PEERS)
         self.dense_peers, self.expert_peers = row_peer_groups(engine)
-        ep = mesh.ep > 1
-        self.experts = expert_params(engine.manifest) if ep else frozenset()
+        self.experts = engine.manifest.expert_weights()   # placed ep S(0), or whole on their ep rank
         trainable = dict(engine.named_parameters())
         own = self.zero >= 3   # the shard keeps its own storage: the parameter's is freed
         self.rows: dict[str, RowShard] = {f: split_rows(f, p, self.d, coord.dp_shard, own=own)

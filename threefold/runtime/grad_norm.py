@@ -35,7 +35,6 @@ import math
 import torch
 import torch.distributed as dist
 
-from threefold.runtime.manifest import expert_params
 from threefold.runtime import comm
 from threefold.runtime.shard import ShardSpec, pieces
 
@@ -80,7 +79,7 @@ def _owned_cuts(engine, as_batch_rank_0: bool, zero: int) -> list[tuple]:
     # dp_shard rank owns its rows, and the replicas of a shard group (HSDP) are equal
     # ep: an expert's gradient is equal over the ranks holding it (edp) and each ep rank holds
     # different experts, so edp rank 0 of every ep rank counts its experts
-    experts = set(expert_params(manifest)) if engine.mesh.ep > 1 else set()
+    experts = manifest.expert_weights()   # placed ep S(0), or whole on their ep rank
     if zero == 0:
         counts_dense, counts_experts = coord["dp"] == 0, coord["edp"] == 0
     else:   # zero=1 with ep: dp_shard ranks own rows; dense rows are equal over ep ranks too

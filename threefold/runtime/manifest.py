@@ -25,11 +25,11 @@ from threefold import placement as placements
 from threefold.errors import PlanError
 from threefold.placement import Placement
 from threefold.runtime.mesh import Mesh, chunk_layout, stage_of
-from threefold.runtime.run_plan import RunPlan
+from threefold.runtime.run_plan import InputSplit, RunPlan
 from threefold.runtime.shard import ShardSpec
 
 MANIFEST = "manifest.json"
-FORMAT = 5                         # 5: the plan's values; 4: the mesh as named axes; 3: one module per chunk, shared by its tp ranks
+FORMAT = 6                         # 6: each input's placement on the mesh (was seq_dims); 5: the plan's values; 4: the mesh as named axes; 3: one module per chunk, shared by its tp ranks
 MAX_RANKS = 1 << 16                # a mesh beyond this is a corrupt manifest, not a job
 MAX_SCHEDULE_ACTIONS = 300_000     # pp*v*m*3: ~60 us each to build and verify, so a few seconds at most
 
@@ -148,7 +148,7 @@ class Manifest:
     has_loss: bool
     num_model_inputs: int
     model: str = ""
-    inputs: tuple[TensorSpec, ...] = ()         # user inputs (model inputs, then target)
+    inputs: tuple[TensorSpec, ...] = ()         # user inputs (model inputs, then target), each on the mesh
     outputs: tuple[dict, ...] = ()              # the graph's outputs: {"shape", "dtype"}
     ties: dict = field(default_factory=dict)    # canonical FQN -> every FQN of it
     tp_grad_sync: tuple[str, ...] = ()          # params whose grads are summed over tp (sp)
@@ -158,8 +158,8 @@ class Manifest:
     param_roles: dict[str, str] = field(default_factory=dict)   # FQN -> threefold/roles.py role
     model_flops: int = 0                        # forward + backward of one step (compiler/model_flops.py)
     loss: LossForm = field(default_factory=LossForm)
-    batch_dims: list | None = None              # per user input: its batch dim (None: whole)
-    seq_dims: list | None = None                # cp > 1: per user input its sequence dim (None: whole)
+    batch_dims: list | None = None              # per user input: its batch dim (None: whole); for readers:
+                                                # a step cuts inputs by `input_splits` (their placements)
     output_batch_dims: list | None = None       # per model output: its batch dim
     output_tree: dict | None = None             # the model's return structure (runtime/output_tree.py)
     frozen: tuple[str, ...] = ()
@@ -169,6 +169,10 @@ class Manifest:
     # parameters of experts held as separate modules (passes/module_experts.py): FQN ->
     # [expert, experts]; under ep=N only the expert's ep rank keeps it, gradients over edp
     expert_modules: dict[str, list[int]] = field(default_factory=dict)
+    # each parameter's placement on the mesh where it is not replicated (passes/mesh_axes.py):
+    # what the runtime's readers ask through `param_on_mesh` / `sharded_over` (tp's cut
+    # itself is `shards`; ep: the expert weights, S(0); zero=3: dp_shard rows, S(0))
+    param_placements: dict[str, placements.OnMesh] = field(default_factory=dict)
     # custom ops the generated code calls: "ns::name" -> {"module", "sha256"} of the Python
     # module that registers it, imported by the loader (runtime/op_modules.py)
     op_modules: dict[str, dict] = field(default_factory=dict)
@@ -200,6 +204,11 @@ class Manifest:
     def num_chunks(self) -> int:
         return len(self.chunks)
 
+    @functools.cached_property
+    def input_splits(self) -> tuple[InputSplit, ...]:
+        """How a step cuts each user input (batch order), read once from their placements."""
+        return tuple(InputSplit.of(s.on_mesh) for s in self.inputs)
+
     @property
     def scatter_gather(self) -> bool:
         return bool(self.plan.scatter_gather and self.plan.tp > 1)
@@ -211,6 +220,20 @@ class Manifest:
     def local_chunks(self, stage: int) -> list[int]:
         """The chunks pipeline stage `stage` holds."""
         return [c.index for c in self.chunks if c.stage == stage]
+
+    def param_on_mesh(self, fqn: str) -> placements.OnMesh:
+        """A parameter's placement on every mesh axis (replicated where the manifest has none)."""
+        return self.param_placements.get(fqn) or placements.OnMesh()
+
+    def sharded_over(self, axis: str) -> frozenset:
+        """The parameters `axis` shards (ep: the expert weights, each rank holding its experts)."""
+        return frozenset(f for f, on in self.param_placements.items() if on.dim(axis) is not None)
+
+    def expert_weights(self) -> frozenset:
+        """The parameters only some ep ranks hold (their gradients reduce over edp): the stacked
+        experts ep splits (placed ep S(0)) and experts held as separate modules, each whole on
+        its rank (passes/module_experts.py)."""
+        return self.sharded_over("ep") | frozenset(self.expert_modules)
 
     def replace(self, **changes) -> "Manifest":
         return dataclasses.replace(self, **changes)
@@ -258,12 +281,12 @@ class Manifest:
             "notes": list(self.notes),
             "loss": self.loss.to_json(),
             "batch_dims": self.batch_dims,
-            "seq_dims": self.seq_dims,
             "output_batch_dims": self.output_batch_dims,
             "output_tree": self.output_tree,
             "frozen": list(self.frozen),
             "experts": dict(self.experts),
             "expert_modules": {k: list(v) for k, v in self.expert_modules.items()},
+            "param_placements": {fqn: str(on) for fqn, on in self.param_placements.items()},
             "op_modules": {k: dict(v) for k, v in self.op_modules.items()},
             "model_outputs_missing": self.model_outputs_missing,
         }
@@ -299,12 +322,13 @@ class Manifest:
                 model_flops=int(m.get("model_flops") or 0),
                 loss=LossForm.from_json(m.get("loss")),
                 batch_dims=m.get("batch_dims"),
-                seq_dims=m.get("seq_dims"),
                 output_batch_dims=m.get("output_batch_dims"),
                 output_tree=m.get("output_tree"),
                 frozen=tuple(m.get("frozen", [])),
                 experts={str(k): int(v) for k, v in (m.get("experts") or {}).items()},
                 expert_modules={str(k): [int(x) for x in v] for k, v in (m.get("expert_modules") or {}).items()},
+                param_placements={str(k): placements.parse_on_mesh(str(v))
+                                  for k, v in (m.get("param_placements") or {}).items()},
                 op_modules={str(k): {"module": str(v["module"]), "sha256": str(v["sha256"])}
                             for k, v in (m.get("op_modules") or {}).items()},
                 model_outputs_missing=m.get("model_outputs_missing", _OLD_OUTPUTS if m.get("has_loss") else ""),
@@ -364,7 +388,7 @@ def check_manifest(root: str, m) -> None:
         _bad(root, "it is not a JSON object")
     if m.get("format") != FORMAT:
         raise PlanError(f"{root!r}: artifact format {m.get('format')!r} is not supported (expected {FORMAT}; "
-                        "older formats had no plan values, weight hashes or one module per tp rank): recompile it with `threefold compile`")
+                        "older formats had no per-input placements, plan values, weight hashes or one module per tp rank): recompile it with `threefold compile`")
     mesh, chunks, files = m.get("mesh"), m.get("chunks"), m.get("files")
     if not isinstance(files, dict) or not all(isinstance(v, str) and len(v) == 64 for v in files.values()):
         _bad(root, "'files' must map each file to its sha256")
@@ -454,9 +478,3 @@ def _check_against_plan(root: str, m: dict, plan: RunPlan) -> None:
     sched = {"kind": plan.schedule, "microbatches": plan.microbatches, "interleave": plan.interleave}
     if {k: m["schedule"].get(k) for k in sched} != sched:
         _bad(root, f"schedule {m['schedule']} is not plan {plan}'s {sched}")
-
-
-def expert_params(manifest) -> frozenset:
-    """Every expert parameter's FQN: rows of stacked experts and separate experts' modules
-    alike, each held by some ep ranks only (its gradient is reduced over edp)."""
-    return frozenset(manifest.get("experts") or {}) | frozenset(manifest.get("expert_modules") or {})

@@ -6,12 +6,18 @@ The compiler writes the plan's values into the manifest (`plan_values`, beside i
 readers), and runtime/manifest.py builds this value from them once. Fields read as
 attributes (`run_plan.tp`, `.zero`, `.schedule`...); `str()` is the plan's text, so what is
 printed, compared and stored in checkpoints is the same as for the `Plan` it came from.
+
+`InputSplit` is the other half of what the runtime reads once: how a step cuts each user
+input of the global batch, derived from the input's placement on the mesh (the manifest's
+per-input OnMesh: its `dp` and `cp` entries).
 """
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from threefold.errors import PlanError
+from threefold.placement import OnMesh
 from threefold.runtime.mesh import Mesh
 
 _SCALARS = (bool, int, str, type(None))
@@ -98,3 +104,17 @@ class RunPlan:
     @property
     def num_chunks(self) -> int:
         return self.pp * self.interleave
+
+
+@dataclass(frozen=True)
+class InputSplit:
+    """How a step cuts one user input of the global batch: `batch` is the dim its rows lie
+    along, split over the batch axes (dp) and the microbatches; `seq` the dim cp cuts into
+    2*cp blocks, two per cp rank (runtime/cp_ops.local_blocks); None: not cut."""
+    batch: int | None = None
+    seq: int | None = None
+
+    @classmethod
+    def of(cls, on: OnMesh) -> "InputSplit":
+        """The split an input's placement says (its `dp` and `cp` entries)."""
+        return cls(on.dim("dp"), on.dim("cp"))

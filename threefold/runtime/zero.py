@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 from threefold.errors import PlanError
-from threefold.runtime.manifest import expert_params
 from threefold.runtime import comm
 from threefold.runtime.mesh import BATCH_AXES
 from threefold.runtime.wrapped_optimizer import WrappedOptimizer
@@ -237,10 +236,8 @@ class ZeroOptimizer(WrappedOptimizer):
                                 "ParallelModule: pass pm.parameters() (or groups over them)")
             mapped.append({**g, "params": [by_id[id(p)].shard for p in ps]})
         self.inner = optimizer_cls(mapped, *args, **kwargs)
-        ep = engine.mesh.ep > 1
         self.sync = ZeroGradSync(self.shards, engine.groups.of("dp_shard"), d, row_peer_groups(engine),
-                                 engine.mesh.size(BATCH_AXES),
-                                 expert_params(engine.manifest) if ep else frozenset())
+                                 engine.mesh.size(BATCH_AXES), engine.manifest.expert_weights())
         if self.sharded is None:
             engine.use_grad_sync(self.sync)
 
