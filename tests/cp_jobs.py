@@ -190,3 +190,11 @@ def grad_norm_after_one_step(factory: str, kwargs: dict, plan: str) -> float:
     pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
     pm.step(*w["inputs"], target=w["target"])
     return pm.clip_grad_norm_()
+
+
+def input_seq_dims(prog) -> list:
+    """Each user input's sequence dim in a compiled program (its cp placement), None: not split."""
+    from threefold.ir.program import tf
+    from threefold.placement import on_mesh_of
+    return [on_mesh_of(n).dim("cp") for n in prog.chunks[0].gm.graph.nodes
+            if n.op == "placeholder" and tf(n).get("kind") == "input"]

@@ -7,6 +7,7 @@ import pytest
 
 from threefold.compiler.api import compile_workload
 from threefold.runtime.launch import launch
+from tests.cp_jobs import input_seq_dims
 from tests.cp_factory_models import MODES, factory_parity, factory_workload, grad_diff, reference, zoo_grads_parity
 from tests.parity import max_rel_diff
 
@@ -34,7 +35,7 @@ def test_sequence_dim_is_the_one_candidate_cp_compiles():
     prog = compile_workload(factory_workload("seq_probe"), "cp=2")
     note = [n for n in prog.notes if "sequence is dim" in n]
     assert len(note) == 1 and note[0].startswith("cp: input 0's sequence is dim 1,") and "dim 2: " in note[0], note
-    assert prog.seq_dims[0] == 1
+    assert input_seq_dims(prog)[0] == 1
 
 
 def test_sequence_dim_still_asked_where_each_candidate_compiles():

@@ -200,7 +200,8 @@ def test_a_seq_first_model_is_split_along_its_sequence_without_batch_dims():
     are found by data flow as for a dp split (tests/zoo matrix: cp=2 matches one process)."""
     from tests.zoo import ZOO
     prog = compile_workload(ZOO["nn_encoder_seq_first"](), "cp=2")
-    assert prog.seq_dims == [0, 0]
+    from tests.cp_jobs import input_seq_dims
+    assert input_seq_dims(prog) == [0, 0]
 
 
 class _FeatureOps(torch.nn.Module):

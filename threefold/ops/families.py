@@ -188,6 +188,10 @@ BATCHED_PRODUCTS = (GEMMS & {"matmul", "bmm", "baddbmm"}) | {"scaled_dot_product
 PLACE_BY_POSITION = INDEXING | frozenset({"embedding", "embedding_bag", "nonzero", "argwhere", "sort", "argsort",
                                           "take", "put", "put_"})
 
+# factories whose value is the same at every position: one of the local length made in forward
+# is the whole-length one cut to this rank's blocks under cp (passes/cp_factories.py)
+UNIFORM_FACTORIES = frozenset({"ones", "zeros", "full", "empty", "new_ones", "new_zeros", "new_full", "new_empty"})
+
 # ops that read only their tensor arguments' shapes (and dtypes): the batch-row rules
 READS_SHAPE_ONLY = CONSTANT_LIKE | (FACTORIES & {"new_empty", "new_zeros", "new_ones", "new_full", "scalar_tensor"})
 

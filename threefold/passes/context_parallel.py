@@ -35,7 +35,8 @@ from threefold.ops.families import COPIES, RESHAPES, VIEWS, args_of
 from threefold.passes.cp_attention_bias import carries_position_bias, take_position_biases
 from threefold.passes.cp_factories import split_factories
 from threefold.passes.cp_fallback import gather_around
-from threefold.passes.cp_whole import is_whole, whole_inputs
+from threefold.passes.cp_whole import is_whole
+from threefold.passes.cp_whole_inputs import whole_inputs
 from threefold.passes.cp_rules import PARTIAL, Gather, Place, Refuse, Seq, decide, op_name
 from threefold.passes.cp_rules.core import is_local
 from threefold.passes.mesh_axes import place_sequence

@@ -22,12 +22,11 @@ import torch
 import torch.fx as fx
 
 from threefold.ir.program import tf
-from threefold.ops.families import args_of, op_name
+from threefold.ops.families import UNIFORM_FACTORIES, args_of, op_name
 from threefold.runtime import cp_gather
 from threefold.runtime.tp_ops import GroupRef
 
 CP = GroupRef("cp")
-UNIFORM = frozenset({"ones", "zeros", "full", "empty", "new_ones", "new_zeros", "new_full", "new_empty"})
 
 
 def split_factories(value: fx.Node, state: dict, stage) -> list:
@@ -59,7 +58,7 @@ def _sequence_dim(x: fx.Node, n: int):
     if x.op != "call_function" or not isinstance(x.target, torch._ops.OpOverload):
         return None
     name, val = op_name(x), x.meta.get("val")
-    if not isinstance(val, torch.Tensor) or name not in UNIFORM | {"expand"}:
+    if not isinstance(val, torch.Tensor) or name not in UNIFORM_FACTORIES | {"expand"}:
         return None
     dims = [d for d in range(val.dim()) if val.shape[d] == n]
     if len(dims) != 1:

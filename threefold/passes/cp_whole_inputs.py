@@ -1,0 +1,94 @@
+"""What cp decides for an op that reads a value computed whole on every rank (passes/cp_whole.py):
+rerun it on whole values alone, else the all-gather fallback around it."""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from threefold.errors import PlanError
+from threefold.ops.families import args_of, is_pointwise, op_name
+from threefold.passes.cp_factories import local_factories
+from threefold.passes.cp_fallback import gather_around
+from threefold.passes.cp_rules import Gather, Refuse, Seq
+from threefold.passes.cp_whole import is_whole, run_whole
+
+
+def whole_inputs(node: fx.Node, state: dict, stage, fallbacks: list, why: str):
+    """The decision for an op that reads a whole value: rerun on whole values alone, else the
+    all-gather fallback around it (its split inputs gathered, its output cut back where one
+    dim runs along the sequence)."""
+    n = stage.seq_len
+    for a in node.all_input_nodes:   # a mask made of ones(b, n) beside the whole scores: split it first
+        v = a.meta.get("val")
+        if state.get(a) is None and not is_whole(a) and isinstance(v, torch.Tensor) and n in v.shape \
+                and local_factories(a, state, n):
+            return Refuse(f"{why} (it meets a value of the local length made in forward)", a)
+    _widen_broadcasts(node, state, stage, Seq)
+    if not any(isinstance(state.get(a), Seq) for a in node.all_input_nodes):
+        if any(state.get(a) is not None for a in node.all_input_nodes):
+            raise PlanError(f"{why} (it meets a value that is neither split nor whole)")
+        run_whole(node, stage.seq_len, why)
+        state[node] = None
+        return None
+    state[node] = gather_around(node, state, stage, why, fallbacks, op_name(node), Seq)
+    return Gather(why)
+
+
+def _widen_broadcasts(node: fx.Node, state: dict, stage, seq_cls) -> None:
+    """A split input of `node` that is a broadcast of size 1 along another dim of the local
+    length, where a whole input has the whole length (T5's all-visible mask [b, 1, q, k],
+    expanded over its keys, beside the whole relative-position bias): read it at one key and
+    broadcast it to the whole length there. Exact, since it is uniform along that dim."""
+    n, whole_len = stage.seq_len, stage.seq_len * stage.plan.cp
+    out = node.meta.get("val")
+    if not isinstance(out, torch.Tensor):
+        return
+    wides = [a.meta["val"] for a in node.all_input_nodes if is_whole(a) and isinstance(a.meta.get("val"), torch.Tensor)]
+    for a in list(node.all_input_nodes):
+        s, v = state.get(a), a.meta.get("val")
+        if not isinstance(s, seq_cls) or not isinstance(v, torch.Tensor):
+            continue
+        r = v.dim()
+        dims = [e for e in uniform_dims(a) if e != s.dim and v.shape[e] == n
+                and any(w.dim() >= r - e and w.shape[w.dim() - (r - e)] == whole_len for w in wides)]
+        if not dims:
+            continue
+        shape = [whole_len if e in dims else v.shape[e] for e in range(r)]
+        graph = node.graph
+        with graph.inserting_before(node):
+            one = a
+            for e in dims:
+                one = graph.call_function(torch.ops.aten.narrow.default, (one, e, 0, 1))
+                one.meta = {"val": (one.args[0].meta["val"]).narrow(e, 0, 1), "tf": dict(a.meta.get("tf", {}))}
+                state[one] = s
+            wide = graph.call_function(torch.ops.aten.expand.default, (one, shape))
+        wide.meta = {"val": one.meta["val"].expand(shape), "tf": dict(a.meta.get("tf", {}))}
+        state[wide] = s
+        node.args = fx.node.map_arg(node.args, lambda x: wide if x is a else x)
+        node.kwargs = fx.node.map_arg(node.kwargs, lambda x: wide if x is a else x)
+
+
+def uniform_dims(x, depth: int = 8) -> set:
+    """Dims along which x's value is the same everywhere (by construction: broadcasts of size 1
+    through expand and element-wise ops), as dims of x."""
+    if not isinstance(x, fx.Node) or depth == 0 or not isinstance(x.meta.get("val"), torch.Tensor):
+        return set()
+    v = x.meta["val"]
+    name = op_name(x)
+    if name == "expand":
+        src = args_of(x)["self"]
+        sv = src.meta.get("val")
+        lead = v.dim() - sv.dim()
+        ones = {e for e in range(v.dim()) if e < lead or sv.shape[e - lead] == 1}
+        return ones | {e + lead for e in uniform_dims(src, depth - 1)}
+    if is_pointwise(x):
+        dims = set(range(v.dim()))
+        for a in x.all_input_nodes:
+            av = a.meta.get("val")
+            if not isinstance(av, torch.Tensor):
+                continue
+            lead = v.dim() - av.dim()
+            dims &= {e for e in range(v.dim()) if e < lead or av.shape[e - lead] == 1} | \
+                {e + lead for e in uniform_dims(a, depth - 1)}
+        return dims
+    return set()
