@@ -27,12 +27,12 @@ def one_rank(path: str, seq: int, steps: int) -> dict:
     import torch.distributed as dist
 
     import threefold
-    from threefold.passes import context_parallel
+    from threefold.passes import cp_attention
     from threefold.runtime import zero
     from tests.cp_mask_models import PositionTables, lm_loss
     torch.set_num_threads(1)
     if path == "fallback":
-        context_parallel._sdpa = lambda node: None          # the ring does not take it: gathered
+        cp_attention._sdpa = lambda node: None          # the ring does not take it: gathered
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 32, (2, seq + 1), generator=g)

@@ -175,8 +175,8 @@ def test_ops_command_lists_every_op_per_axis(capsys):
 
 def test_attention_the_ring_does_not_take_runs_on_the_gathered_sequence(monkeypatch):
     """(bench/cp_fallback_vs_ring.py measures this path against the ring: same losses.)"""
-    from threefold.passes import context_parallel
-    monkeypatch.setattr(context_parallel, "_sdpa", lambda node: None)
+    from threefold.passes import cp_attention
+    monkeypatch.setattr(cp_attention, "_sdpa", lambda node: None)
     prog = compile_workload(position_workload("rotary"), "cp=2")
     notes = _fallbacks(prog)
     assert len(notes) == 3 and all(n.startswith("cp fallback: scaled_dot_product_attention (") for n in notes)

@@ -265,6 +265,16 @@ ELEMENT_MEAN_LOSSES = frozenset({"mse_loss", "l1_loss", "smooth_l1_loss", "huber
 # integer arithmetic that keeps positions positions (arange(T) // 2: the batch-row rules)
 POSITION_ARITHMETIC = frozenset({"floor_divide", "div", "remainder", "add", "sub", "mul", "fmod"})
 
+# ops an arange passes on its way to index an input (views, casts, + 0): cp reads the arange as
+# that input's positions (passes/context_parallel.py)
+ARANGE_TO_INDEX = VIEWS | COPIES | frozenset({"unsqueeze", "expand", "add", "sub"})
+
+# cp's permutation rules (passes/cp_rules/permutations.py): the indexing ops a routing sort's
+# rows meet, and the ops that keep row numbers row numbers (arithmetic, casts, reshapes)
+PERMUTATION_INDEXING = INDEXING & {"index", "index_select", "index_add", "index_put", "index_put_", "index_add_",
+                                   "gather"}
+KEEPS_ROW_NUMBERS = POSITION_ARITHMETIC | (COPIES - {"type_as", "lift_fresh_copy"}) | RESHAPES | {"flatten"}
+
 # -- the batch-row rules' (passes/row_rules.py) wider reach: ops of a family above that only
 # those rules know yet (the tp and cp rules would need a decision for each first) ----------
 MORE_REDUCTIONS = frozenset({"count_nonzero", "nanmean", "aminmax", "median", "nanmedian"})

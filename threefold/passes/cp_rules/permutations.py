@@ -25,9 +25,8 @@ from threefold.passes.cp_rules.core import (RANK_LOCAL, ROWS_RULE, Call, Perm, P
                                             _val, decision_for, rule)
 from threefold.passes.experts import expert_matmul
 
-_INDEXING = {"index", "index_select", "index_add", "index_put", "index_put_", "index_add_", "gather"}
-_KEEPS_PTR = {"floor_divide", "div", "remainder", "fmod", "add", "sub", "mul", "to", "_to_copy", "clone",
-              "contiguous", "alias", "detach", "view", "reshape", "_unsafe_view", "flatten"}
+_INDEXING = fam.PERMUTATION_INDEXING
+_KEEPS_PTR = fam.KEEPS_ROW_NUMBERS
 _SORTS = {"sort", "argsort"}
 _COUNTS = {"histc", "bincount"}
 
