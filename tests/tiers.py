@@ -78,13 +78,17 @@ DEFAULT_SAMPLE = [
     # expert parallelism
     "tests/test_expert_parallel.py::test_ep2_trains_like_one_process_with_half_the_experts_per_rank",
     "tests/test_ep_fsdp.py::test_ep2_zero2_zero3_train_like_one_process_with_sharded_bytes",
+    "tests/test_ep_modules.py::test_dp2_ep2_module_experts_train_like_one_process_each_rank_holding_half",
     # batch dims when sizes coincide (batch == seq / heads); autocast regions and ep's weight
     # views run multi-rank in the extended tier (their graph rules are unit-tested here)
     "tests/test_batch_dims_flow.py::test_coinciding_sizes_train_like_one_process_under_dp_and_pp",
-    # context parallelism: ring attention with masks, the all-gather fallback (cp=2)
+    # context parallelism: ring attention with masks and position biases, the all-gather
+    # fallback, factories along the sequence (cp=2)
     "tests/test_cp_masks.py::test_masked_attention_cp2_matches_one_process",
     "tests/test_cp_fallback.py::test_fallback_cp2_matches_one_process",
     "tests/test_cp_rules.py::test_sequence_ops_cp2_match_one_process",
+    "tests/test_cp_attention_bias.py::test_t5_style_relative_bias_cp2_matches_one_process",
+    "tests/test_cp_factories.py::test_factories_at_cp2_match_one_process_losses_and_grads",
     # the zoo's representative sample (the full matrices are `-m zoo`)
     "tests/test_zoo.py::test_zoo_sample_matches_single_process[llama-tp=2]",
     "tests/test_zoo.py::test_zoo_sample_matches_single_process[hw_nanogpt-pp=2,m=2]",
