@@ -1,10 +1,10 @@
 """cp=2 over the zoo, compile only: per arch pass / all-gather fallbacks used / refused (with the
 one-line reason). Compile decides every cp refusal; parity of what compiles is the tests' job.
 
-    python bench/cp_zoo_survey.py [arch ...] [--json out.json]
+    python bench/cp_zoo_survey.py [arch ...] [--rows N] [--json out.json]
 
-The zoo's token batches (tests/zoo/common.token_batch) hold 2 rows here, not 4: with 4, cp=2's
-local length 8/2 equals the batch and HF's masks refuse the coincidence.
+The zoo's own token batches (tests/zoo/common.token_batch: 4 rows of 8 tokens, so cp=2's local
+length equals the batch and a sliding window of 4) unless `--rows` says otherwise.
 """
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]   # be
 sys.path.insert(0, os.path.dirname(_HERE))
 
 
-def survey(archs: list, plan: str = "cp=2") -> dict:
+def survey(archs: list, plan: str = "cp=2", rows: int | None = None) -> dict:
     import torch
     from threefold.compiler.api import compile_workload
     from threefold.errors import PlanError
     from tests.zoo import ZOO, common
     torch.set_num_threads(1)
-    vocab, _, seq, seed = common.token_batch.__defaults__
-    common.token_batch.__defaults__ = (vocab, 2, seq, seed)
+    vocab, batch, seq, seed = common.token_batch.__defaults__
+    common.token_batch.__defaults__ = (vocab, rows or batch, seq, seed)
     out = {}
     for a in archs or list(ZOO):
         try:
@@ -46,7 +46,11 @@ def main(argv: list) -> None:
     if "--json" in argv:
         i = argv.index("--json")
         dest, argv = argv[i + 1], argv[:i] + argv[i + 2:]
-    res = survey(argv)
+    rows = None
+    if "--rows" in argv:
+        i = argv.index("--rows")
+        rows, argv = int(argv[i + 1]), argv[:i] + argv[i + 2:]
+    res = survey(argv, rows=rows)
     counts = {}
     for r in res.values():
         counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
