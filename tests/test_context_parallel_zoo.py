@@ -169,7 +169,7 @@ def test_cp2_in_bf16_matches_single_process_autocast_within_rounding_noise():
 CP_ZOO = ["mixtral", "olmoe", "hw_moe_top2", "deepseek_v3", "bert_mlm", "hw_batchnorm", "gpt_neo", "qwen2_moe", "xglm", "bloom",
           "gpt2", "gptj", "codegen", "cohere", "glm", "nn_multihead_attention", "nn_decoder",
           "hw_gqa_repeat_interleave", "hw_flat_mlp", "hw_einsum", "llama_cache", "qwen2_cache", "meta_llama",
-          "falcon", "llama", "qwen2", "gemma", "phi3", "nn_encoder_seq_first"]
+          "falcon", "llama", "qwen2", "gemma", "phi3", "nn_encoder_seq_first", "llama4_text"]
 
 
 @pytest.mark.zoo

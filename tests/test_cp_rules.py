@@ -5,6 +5,7 @@ fallback and equal one process at cp=2."""
 import pytest
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from threefold.codegen.artifact import build_sources
 from threefold.compiler.api import compile_workload
@@ -202,6 +203,31 @@ def test_a_seq_first_model_is_split_along_its_sequence_without_batch_dims():
     prog = compile_workload(ZOO["nn_encoder_seq_first"](), "cp=2")
     from tests.cp_jobs import input_seq_dims
     assert input_seq_dims(prog) == [0, 0]
+
+
+def test_rows_tiled_per_expert_keep_their_positions():
+    """Llama 4's MoE repeats the [b*s] token rows once per expert (`x.repeat(E, 1)`): one more
+    outer digit on a dim that already merges the sequence, refused before as a repeat "along
+    the sequence" (a held-out survey; the zoo matrix runs its cp=2 parity); a repeat of an
+    unmerged sequence stays refused."""
+    from tests.zoo import ZOO
+    prog = compile_workload(ZOO["llama4_text"](), "cp=2")
+    assert not [n for n in prog.notes if n.startswith("cp fallback:")]
+
+    class Tiled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(32, 8), torch.nn.Linear(8, 32)
+
+        def forward(self, idx):
+            return self.head(self.emb(idx).repeat(1, 2, 1))[:, :idx.shape[1]]
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 32, (2, 9), generator=g)
+    w = {"model": Tiled(), "inputs": (idx[:, :-1],), "target": idx[:, 1:],
+         "loss_fn": lambda y, t: F.cross_entropy(y.reshape(-1, 32), t.reshape(-1))}
+    import threefold
+    with pytest.raises(threefold.PlanError, match="repeats along the sequence"):
+        compile_workload(w, "cp=2")
 
 
 class _FeatureOps(torch.nn.Module):

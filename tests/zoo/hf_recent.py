@@ -63,9 +63,14 @@ RECENT = {
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(_GQA, head_dim=8)),
     # PhiMoE: sparsemixer routing through a custom autograd.Function (refused: exact backward unknown)
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", dict(_GQA, num_local_experts=4, num_experts_per_tok=2)),
+    # Llama 4 (text): every token's rows repeated per expert ([b*s] tiled E times) and weighted
+    # by its router scores, a bmm over stacked experts, a shared expert; chunked and no-rope
+    # layers (found by a held-out survey: cp refused the tiling "along the sequence")
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM", dict(_GQA, head_dim=8, num_local_experts=4,
+                    num_experts_per_tok=1, intermediate_size_mlp=64, pad_token_id=0)),
 }
 
 MOE = ["gpt_oss", "qwen3_moe", "granitemoe", "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "deepseek_v2",
-       "flex_olmo", "phimoe"]
+       "flex_olmo", "phimoe", "llama4_text"]
 
 FACTORIES = {arch: functools.partial(build, *RECENT[arch]) for arch in RECENT}

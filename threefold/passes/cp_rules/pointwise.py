@@ -25,7 +25,7 @@ def _ring(c: Call):
     """Ring attention rotates key/value blocks along dim -2: q, k and v must be split there."""
     d = c.out.dim() - 2
     if any(not isinstance(c.place(a), Seq) or c.place(a).inner != 1 or c.place(a).dim != _val(a).dim() - 2
-           for a in (c.args["q"], c.args["k"], c.args["v"])):
+           or _val(a).shape[-2] != c.stage.seq_len for a in (c.args["q"], c.args["k"], c.args["v"])):
         _fail(c, "is attention over a dim that is not the split sequence (q, k, v must be split along dim -2)")
     return Seq(d)
 

@@ -124,7 +124,10 @@ def _repeat(c: Call):
     e = s0.dim + len(reps) - src.dim() if len(reps) >= src.dim() else s0.dim
     if len(reps) >= src.dim() and reps[e] != 1 or len(reps) < src.dim() and s0.dim >= src.dim() - len(reps) \
             and reps[s0.dim - (src.dim() - len(reps))] != 1:
-        _fail(c, "repeats along the sequence")
+        if src.shape[s0.dim] == c.stage.seq_len * s0.inner:
+            _fail(c, "repeats along the sequence")
+        # tiles of a dim that merges the sequence with an outer one ([b*s] rows repeated per
+        # expert, Llama 4's MoE): one more outer digit, the positions digit where it was
     return s0.at(e)
 
 
