@@ -144,3 +144,20 @@ def test_opt_mpt_t5_deberta_at_cp2_match_one_process_losses_and_grads():
             losses, grads = rank[arch]
             assert max_rel_diff(losses, ref_losses) < 1e-5, (arch, losses, ref_losses)
             assert grad_diff(grads, ref_grads) < 1e-4, (arch, grad_diff(grads, ref_grads))
+
+
+def test_a_reshape_of_a_whole_value_is_carried_to_the_whole_length():
+    """reshape names its size `shape` (view and expand: `size`): carrying it to the whole
+    sequence crashed the cp pass (Doge's mask under a held-out survey)."""
+    import torch
+    import torch.fx as fx
+    from threefold.passes.cp_whole import regrow, remember
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, 16)            # made whole (s = 16), traced at s/cp = 8
+    remember(x, torch.empty(4, 8))
+    for op in (torch.ops.aten.reshape.default, torch.ops.aten.view.default):
+        r = g.call_function(op, (x, [32]))
+        r.meta["val"] = torch.empty(32)
+        regrow(r, 8, "why")
+        assert r.args[1] == [64]

@@ -66,6 +66,9 @@ RECENT = {
     # Llama 4 (text): every token's rows repeated per expert ([b*s] tiled E times) and weighted
     # by its router scores, a bmm over stacked experts, a shared expert; chunked and no-rope
     # layers (found by a held-out survey: cp refused the tiling "along the sequence")
+    # Doge: a dynamic mask computed from the values through parameters, added to SDPA's mask
+    # (cp: no key-side bias the ring can carry; SDPA runs on the gathered sequence)
+    "doge": ("DogeConfig", "DogeForCausalLM", dict(_GQA, head_dim=8)),
     "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM", dict(_GQA, head_dim=8, num_local_experts=4,
                     num_experts_per_tok=1, intermediate_size_mlp=64, pad_token_id=0)),
 }

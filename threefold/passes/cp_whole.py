@@ -61,11 +61,13 @@ def regrow(node: fx.Node, n: int, why: str) -> None:
         size = _view_size(old, new, out) if name in RESHAPES else _expand_size(old, new, a["size"])
         if size is None:
             raise PlanError(f"{why} (its {name} to {tuple(out)} cannot be carried to the whole sequence)")
-        i = [arg.name for arg in node.target._schema.arguments].index("size")
+        names = [arg.name for arg in node.target._schema.arguments]
+        key = "size" if "size" in names else "shape"      # view / expand: size; reshape: shape
+        i = names.index(key)
         if i < len(node.args):
             node.args = node.args[:i] + (list(size),) + node.args[i + 1:]
         else:
-            node.kwargs = {**node.kwargs, "size": list(size)}
+            node.kwargs = {**node.kwargs, key: list(size)}
         return
     if name in SLICING:
         _full_range(node, name, why)
