@@ -161,3 +161,12 @@ def test_a_reshape_of_a_whole_value_is_carried_to_the_whole_length():
         r.meta["val"] = torch.empty(32)
         regrow(r, 8, "why")
         assert r.args[1] == [64]
+
+
+def test_a_factory_whose_batch_equals_the_local_length_is_read_from_the_retrace():
+    """OPT at the zoo's own batch, 4 rows of 8 tokens: its ones(b, T) mask is (4, 4) at cp=2,
+    both dims the local length; the model traced at 8 tokens says dim 1 is the sequence (was
+    refused as a value that varies per position)."""
+    from tests.zoo import ZOO
+    prog = compile_workload(ZOO["opt"](), "cp=2")
+    assert [n for n in prog.notes if n.startswith("cp fallback: cumsum")]

@@ -34,10 +34,10 @@ def split_factories(value: fx.Node, state: dict, stage) -> list:
     values not along the sequence) to its whole-length form cut to this rank's blocks.
     Returns the shard_seq nodes inserted ([] where there is none)."""
     n, cp = stage.seq_len, stage.plan.cp
-    return [_whole_then_cut(x, d, n, cp) for x, d in local_factories(value, state, n)]
+    return [_whole_then_cut(x, d, n, cp) for x, d in local_factories(value, state, n, stage)]
 
 
-def local_factories(value: fx.Node, state: dict, n: int) -> list:
+def local_factories(value: fx.Node, state: dict, n: int, stage=None) -> list:
     """(node, dim) of each uniform factory of the local length n that `value` is made of."""
     found, seen, stack = [], set(), [value]
     while stack:
@@ -46,21 +46,24 @@ def local_factories(value: fx.Node, state: dict, n: int) -> list:
             continue
         seen.add(x)
         stack.extend(x.all_input_nodes)
-        d = _sequence_dim(x, n)
+        d = _sequence_dim(x, n, stage)
         if d is not None:
             found.append((x, d))
     return found
 
 
-def _sequence_dim(x: fx.Node, n: int):
+def _sequence_dim(x: fx.Node, n: int, stage=None):
     """The dim along which x is a uniform factory of the local length n, else None. One dim
-    of size n only, and no other dim of that size: a coincidence of sizes is not guessed."""
+    of size n only; where another has that size too (a batch of n rows), the one that has the
+    whole length in the model traced at it (stage.retrace) — a coincidence is not guessed."""
     if x.op != "call_function" or not isinstance(x.target, torch._ops.OpOverload):
         return None
     name, val = op_name(x), x.meta.get("val")
     if not isinstance(val, torch.Tensor) or name not in UNIFORM_FACTORIES | {"expand"}:
         return None
     dims = [d for d in range(val.dim()) if val.shape[d] == n]
+    if len(dims) > 1:
+        dims = _grown_dims(x, dims, n, stage)
     if len(dims) != 1:
         return None
     d = dims[0]
@@ -73,6 +76,23 @@ def _sequence_dim(x: fx.Node, n: int):
     if not isinstance(size, (list, tuple)) or len(size) != val.dim() or size[d] != n:
         return None
     return d
+
+
+def _grown_dims(x: fx.Node, dims: list, n: int, stage) -> list:
+    """Of x's dims of size n, those its twin in the model traced at the whole length has grown
+    to it ([] where there is no retrace or no twin of the same op)."""
+    if getattr(stage, "retrace", None) is None:
+        return []
+    whole = n * stage.plan.cp
+    try:
+        graph = stage.retrace(whole)
+    except Exception:   # the model does not trace at the whole length: no answer, no guess
+        return []
+    twin = next((t for t in graph.nodes if t.name == x.name and t.target == x.target), None)
+    val = twin.meta.get("val") if twin is not None else None
+    if not isinstance(val, torch.Tensor) or val.dim() != x.meta["val"].dim():
+        return []
+    return [d for d in dims if val.shape[d] == whole]
 
 
 def _whole_then_cut(x: fx.Node, d: int, n: int, cp: int) -> fx.Node:

@@ -21,7 +21,7 @@ def whole_inputs(node: fx.Node, state: dict, stage, fallbacks: list, why: str):
     for a in node.all_input_nodes:   # a mask made of ones(b, n) beside the whole scores: split it first
         v = a.meta.get("val")
         if state.get(a) is None and not is_whole(a) and isinstance(v, torch.Tensor) and n in v.shape \
-                and local_factories(a, state, n):
+                and local_factories(a, state, n, stage):
             return Refuse(f"{why} (it meets a value of the local length made in forward)", a)
     _widen_broadcasts(node, state, stage, Seq)
     if not any(isinstance(state.get(a), Seq) for a in node.all_input_nodes):
