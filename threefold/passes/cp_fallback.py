@@ -24,7 +24,7 @@ import torch.fx as fx
 from threefold.ir.program import tf
 from threefold.errors import PlanError
 from threefold.ops.families import RESHAPES, family, op_name
-from threefold.passes.cp_whole import is_whole, mark, regrow, remember
+from threefold.passes.cp_whole import is_whole, mark, names_length, regrow, remember
 from threefold.runtime import cp_gather
 from threefold.runtime.tp_ops import GroupRef
 
@@ -44,7 +44,7 @@ def gather_around(node: fx.Node, state: dict, stage, why: str, fallbacks: list, 
     ins = [a for a in node.all_input_nodes if state.get(a) is not None]
     if not outs or not all(isinstance(o, torch.Tensor) for o in outs) or \
             any(not isinstance(state[a], seq_cls) for a in ins) or \
-            (_names_length(node, n) and not any(is_whole(a) for a in node.all_input_nodes)
+            (names_length(node, n) and not any(is_whole(a) for a in node.all_input_nodes)
              and op_name(node) not in RESHAPES | {"expand"}):
         raise PlanError(why) from None
     merged = {a: _digits(a.meta["val"].shape, state[a], n) for a in ins
@@ -176,18 +176,3 @@ def _cut(node: fx.Node, d: int, local, cp: int, layout=None) -> None:
         back = graph.call_function(torch.ops.aten.reshape.default, (cut, list(local.shape)))
     back.meta = {"val": local, "tf": dict(tf(node))}
     node.replace_all_uses_with(back, delete_user_cb=lambda u: u is not v)
-
-
-def _names_length(node: fx.Node, n: int) -> bool:
-    """An integer argument equal to the local length (besides dims): it would be wrong on the whole."""
-    found = []
-
-    def look(a):
-        if isinstance(a, (list, tuple)):
-            for x in a:
-                look(x)
-        elif isinstance(a, int) and not isinstance(a, bool) and a == n:
-            found.append(a)
-    look(list(node.args[1:]))
-    look(list(node.kwargs.values()))
-    return bool(found)

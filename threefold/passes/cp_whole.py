@@ -71,7 +71,7 @@ def regrow(node: fx.Node, n: int, why: str) -> None:
         return
     if name in SLICING:
         _full_range(node, name, why)
-    if _names_length(node, n):
+    if names_length(node, n):
         raise PlanError(f"{why} (it names the number {n}, the local length s/cp, beside a value computed on "
                         "the whole sequence: a length or a coincidence of sizes; use another sequence length "
                         "or cp=1)")
@@ -145,7 +145,9 @@ def _expand_size(old, new, size):
     return size
 
 
-def _names_length(node: fx.Node, n: int) -> bool:
+def names_length(node: fx.Node, n: int) -> bool:
+    """An integer argument equal to the local length n (besides the first operand): on the
+    whole sequence it would be wrong (a length) or a coincidence of sizes."""
     found = []
 
     def look(a):
