@@ -112,6 +112,8 @@ class Mixing(nn.Module):
             x = x + torch.cumprod(torch.sigmoid(self.mix(x)), dim=1)
         elif self.mode == "logcumsumexp":
             x = x + torch.logcumsumexp(self.mix(x), dim=1) * 0.1
+        elif self.mode == "cummax":
+            x = x + torch.tanh(self.mix(torch.cummax(x, dim=1).values))   # a running max over time
         elif self.mode == "router":
             tokens = x.reshape(-1, x.shape[-1])                                        # [b*t, w]
             w, sel = torch.topk(torch.softmax(self.router(tokens), dim=-1), k=2, dim=-1)   # [b*t, 2]

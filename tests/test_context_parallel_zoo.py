@@ -126,7 +126,7 @@ def test_masks_and_all_gather_fallback_at_cp4():
     from tests.cp_jobs import mask_parity, mixing_parity
     from tests.cp_mask_models import masked_workload, mixing_workload
     from tests.parity import max_rel_diff, sgd_losses
-    masks, mixing = ["pad_sdpa", "pad_hand", "alibi", "window"], ["cumsum", "conv", "pool"]
+    masks, mixing = ["pad_sdpa", "pad_hand", "alibi", "window"], ["cumsum", "cummax", "conv", "pool"]
     for job, modes, make in ((mask_parity, masks, masked_workload), (mixing_parity, mixing, mixing_workload)):
         got = launch(job, 4, modes, "cp=4", 3, timeout=550)
         for i, mode in enumerate(modes):

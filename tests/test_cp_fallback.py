@@ -1,5 +1,5 @@
 """The all-gather fallback of context parallelism (passes/cp_fallback.py, runtime/cp_gather.py):
-ops that mix sequence positions (cumsum over time, a non-causal conv, mean over the sequence)
+ops that mix sequence positions (a running max over time, a non-causal conv, mean over the sequence)
 run on the gathered sequence, are listed with their bytes, refused under strict=true, and
 equal one process at cp=2 (fp32, 3 SGD steps)."""
 import pytest
@@ -12,10 +12,10 @@ from tests.cp_jobs import mixing_parity
 from tests.cp_mask_models import mixing_workload
 from tests.parity import max_rel_diff, sgd_losses
 
-MODES = ["cumsum", "conv", "pool"]
+MODES = ["cummax", "conv", "pool"]
 
 
-@pytest.mark.parametrize("mode,op,cut", [("cumsum", "cumsum", True), ("conv", "conv1d", True),
+@pytest.mark.parametrize("mode,op,cut", [("cummax", "cummax", True), ("conv", "conv1d", True),
                                          ("pool", "mean", False)])
 def test_fallback_gathers_around_the_op_and_lists_its_bytes(mode, op, cut):
     prog = compile_workload(mixing_workload(mode), "cp=2,m=2")
@@ -27,8 +27,8 @@ def test_fallback_gathers_around_the_op_and_lists_its_bytes(mode, op, cut):
 
 
 def test_strict_plan_refuses_the_fallback_in_one_line():
-    with pytest.raises(threefold.PlanError, match="strict plan: cumsum at <top> mixes sequence positions") as err:
-        compile_workload(mixing_workload("cumsum"), "cp=2,strict=true")
+    with pytest.raises(threefold.PlanError, match="strict plan: cummax at <top> mixes sequence positions") as err:
+        compile_workload(mixing_workload("cummax"), "cp=2,strict=true")
     assert "\n" not in str(err.value) and "cp=1" in str(err.value)
 
 

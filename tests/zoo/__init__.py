@@ -13,6 +13,7 @@ from tests.zoo import handwritten_losses as _hwl
 from tests.zoo import handwritten_more as _hwm
 from tests.zoo import handwritten_moe as _hwmoe
 from tests.zoo import handwritten_moe_interleaved as _hwmoei
+from tests.zoo import handwritten_scans as _hwscan
 from tests.zoo import handwritten_semantics as _hws
 from tests.zoo import handwritten_uneven as _hwu
 from tests.zoo import ctc as _ctc
@@ -115,6 +116,10 @@ ZOO = {
     "hw_odd_ffn": _hwu.FACTORIES["hw_odd_ffn"],           # MLP width 37 through a sigmoid (0.5 on padding)
     # issue 40: expert weights read through slices, recent HF MoE
     "hw_moe_interleaved": _hwmoei.interleaved_moe,  # gate/up interleaved in one [E, C, 2F] weight: w[..., ::2]
+    # issue 40 item 7: recurrences written as scans over time (cp hands each block its carry)
+    "hw_linear_attention": _hwscan.FACTORIES["hw_linear_attention"],  # cumsum of phi(k) v^T outer products
+    "hw_min_gru": _hwscan.FACTORIES["hw_min_gru"],                    # log-space scan: cumsum + logcumsumexp
+    "hw_decay_cumprod": _hwscan.FACTORIES["hw_decay_cumprod"],        # decay by cumprod, A * cumsum(v / A)
     # issue 40: recent Hugging Face architectures (tests/zoo/hf_recent.py says what each brings)
     **_hfr.FACTORIES,
     # issue 40 item 6: other projects' models used as is from their PyPI packages (the `zoo`

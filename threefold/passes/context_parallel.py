@@ -37,7 +37,7 @@ from threefold.passes.cp_rules import Gather, Place, Refuse, Seq, decide, op_nam
 from threefold.passes.cp_rules.core import is_local
 from threefold.passes.mesh_axes import place_sequence
 from threefold.placement import on_mesh_of
-from threefold.runtime import cp_ops
+from threefold.runtime import cp_ops, cp_scan
 from threefold.runtime.tp_ops import GroupRef
 
 CP = GroupRef("cp")
@@ -66,12 +66,18 @@ def context_parallel(stage: Sharded) -> Sharded:
             f"{moved} sequence arange(s) give global positions; {len(tables)} position table(s) sliced to the "
             f"sequence read this rank's rows{' (' + ', '.join(f'`{x}`' for x in names) + ')' if names else ''}; "
             f"{convs} causal conv1d(s) exchange halos; "
+            f"{_count(gm, cp_scan.scan_seq)} scan(s) along the sequence carry the blocks before theirs "
+            "(all-gathered totals, 2 positions per rank); "
             "sequence split in blocks r, 2cp-1-r")
     m = stage.plan.microbatches
     notes = tuple(f"cp fallback: {f['op']} ({f['node']}) at {f['module']} mixes sequence positions: the sequence "
                   f"is all-gathered around it, {2 * m * f['bytes']} bytes per rank per step (all-gather forward, "
                   f"reduce-scatter backward; strict=true refuses it)" for f in fallbacks)
     return stage.evolve(gm=gm, notes=stage.notes + (note,) + notes)
+
+
+def _count(gm: fx.GraphModule, target) -> int:
+    return sum(node.target is target for node in gm.graph.nodes)
 
 
 def _drop_unread(graph: fx.Graph) -> None:
@@ -131,6 +137,8 @@ def _place(node, state: dict, stage, fallbacks: list):
         return None
     d = decide(node, state, stage)
     if isinstance(d, Place):
+        if d.op is not None:   # the call this rank runs instead, on the same arguments' nodes
+            node.target, node.args, node.kwargs = d.op.target, d.op.args, d.op.kwargs
         state[node] = d.out
     elif isinstance(d, Gather):
         state[node] = gather_around(node, state, stage, _message(node, stage, d.why), fallbacks, op_name(node), Seq)

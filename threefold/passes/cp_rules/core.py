@@ -9,7 +9,7 @@ axes by the runtime).
 
 A rule reads one call (`Call`: the op's name, its arguments by schema name, the input
 placements, the traced shapes) and returns a decision: `Place(out)` (the output's
-placement), `Gather(why)` (it mixes positions; exact on the all-gathered sequence,
+placement; with `op`, the call this rank runs instead), `Gather(why)` (it mixes positions; exact on the all-gathered sequence,
 passes/cp_fallback.py) or `Refuse(why)` (a PlanError naming the op and the fix). Rules never
 touch the graph: passes/context_parallel.py applies the decisions. Rules are registered by
 op name (`RULES`) or by family (threefold/ops/families.py, `FAMILY_RULES`); `decision_for`
@@ -27,7 +27,7 @@ import torch.fx as fx
 from threefold.ir.program import tf
 from threefold.ops import families as fam
 from threefold.ops.families import args_of, op_name
-from threefold.ops.rules import Registry
+from threefold.ops.rules import Op, Registry
 
 __all__ = ["Seq", "PARTIAL", "Perm", "Ptr", "RANK_LOCAL", "is_local", "Call", "Place", "Gather", "Refuse", "decide", "decision_for", "op_name",
            "RULES", "FAMILY_RULES", "REFUSALS", "GATHERABLE", "rule", "where"]
@@ -81,6 +81,7 @@ def is_local(p) -> bool:
 @dataclass(frozen=True)
 class Place:
     out: object            # Seq | PARTIAL | None, or a tuple of them for several outputs
+    op: Op | None = None   # what runs instead of the call on this rank's positions (a scan's carry)
 
 
 @dataclass(frozen=True)

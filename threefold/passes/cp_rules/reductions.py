@@ -5,9 +5,14 @@ from __future__ import annotations
 import torch
 
 from threefold.ops.families import op_name
-from threefold.passes.cp_rules.core import PARTIAL, Call, Gather, Seq, _fail, _norm, _val, rule
+from threefold.ops.rules import Op
+from threefold.passes.cp_rules.core import PARTIAL, Call, Gather, Place, Seq, _fail, _norm, _val, rule
 from threefold.passes.cp_rules.permutations import counts, feeds_offsets, routes_rows, sorted_rows
 from threefold.passes.loss_form import _arg, _reduction_index
+from threefold.runtime import cp_scan
+from threefold.runtime.tp_ops import GroupRef
+
+CP = GroupRef("cp")
 
 
 def _reduced_dims(c: Call, rank: int):
@@ -43,7 +48,8 @@ def _reduce(c: Call):
 @rule(family="sort")
 def _along_dim(c: Call):
     """Ops that run along one dim (read by name: topk's second argument is k): position-wise
-    unless that dim is the sequence."""
+    unless that dim is the sequence; there an associative scan carries the blocks before
+    (runtime/cp_scan.py) and the rest run on the gathered sequence."""
     s0, src = c.place(c.x), _val(c.x)
     if not isinstance(s0, Seq):
         _fail(c, "runs a whole value along a split one")
@@ -52,6 +58,11 @@ def _along_dim(c: Call):
     if d == s0.dim:
         if c.name in ("sort", "argsort") and routes_rows(c.node):
             return sorted_rows(c, s0)                      # a routing sort: this rank's rows, sorted
+        if c.name in cp_scan.CARRIED and s0.inner == 1 and src.shape[d] == c.stage.seq_len:
+            # the sequence alone (not merged with the batch: a queue over all tokens gathers):
+            # each block combined with the carry of the blocks before it
+            return Place(s0, Op(cp_scan.scan_seq, (c.x, d, c.name, CP),
+                                {"ranks": c.stage.plan.cp, "dtype": c.args.get("dtype")}))
         _fail(c, f"runs along the sequence (dim {d})")
     if c.name == "kthvalue" and not c.args.get("keepdim"):
         s0 = s0.at(s0.dim - (d < s0.dim))
