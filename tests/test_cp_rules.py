@@ -174,7 +174,7 @@ def test_ops_command_lists_every_op_per_axis(capsys):
 
 
 def test_attention_the_ring_does_not_take_runs_on_the_gathered_sequence(monkeypatch):
-    """(bench/cp_fallback_vs_ring.py measures this path against the ring: same losses.)"""
+    """(bench/cp_fallback_cost.py measures this path against the ring: same losses.)"""
     from threefold.passes import cp_attention
     monkeypatch.setattr(cp_attention, "_sdpa", lambda node: None)
     prog = compile_workload(position_workload("rotary"), "cp=2")
