@@ -87,6 +87,7 @@ DEFAULT_SAMPLE = [
     "tests/test_cp_masks.py::test_masked_attention_cp2_matches_one_process",
     "tests/test_cp_fallback.py::test_fallback_cp2_matches_one_process",
     "tests/test_cp_scans.py::test_scan_seq_equals_torch_on_the_whole_sequence[2]",
+    "tests/test_group_reuse.py::test_building_the_groups_again_reuses_them",
     "tests/test_cp_rules.py::test_sequence_ops_cp2_match_one_process",
     "tests/test_cp_attention_bias.py::test_t5_style_relative_bias_cp2_matches_one_process",
     "tests/test_cp_factories.py::test_factories_at_cp2_match_one_process_losses_and_grads",

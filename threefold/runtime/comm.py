@@ -99,6 +99,26 @@ class Groups:
         return self.by_axes.get("pp")
 
 
+# Groups made in this process: (default group, rank list, purpose, timeout) -> group.
+_made_groups: dict = {}
+
+
+def _group(ranks, purpose: str):
+    """dist.new_group(ranks), made once per process and default group. Every rank calls it
+    for every rank list in the same order, so every rank hits or misses alike. Without it each
+    parallelize (a test suite, the zoo matrix, a recompile) added its groups to the last ones',
+    each holding the backend's threads: 8 gloo ranks reached 1,059 threads each after the
+    zoo's 107 compiles, and the machine's load average 1,700."""
+    world = dist.distributed_c10d._get_default_group()
+    timeout = default_timeout()
+    for key in [k for k, (w, _) in _made_groups.items() if w is not world]:   # a new job's default group
+        del _made_groups[key]
+    key = (id(world), tuple(ranks), purpose, timeout)
+    if key not in _made_groups:
+        _made_groups[key] = (world, dist.new_group(list(ranks), timeout=timeout))
+    return _made_groups[key][1]
+
+
 def build_groups(mesh: Mesh, rank: int, tie_stage_sets: list[tuple[int, ...]] = (),
                  axes: tuple[str, ...] = GROUP_AXES) -> Groups:
     """Create every group on every rank in the same order (torch.distributed requires it).
@@ -114,7 +134,7 @@ def build_groups(mesh: Mesh, rank: int, tie_stage_sets: list[tuple[int, ...]] = 
         if key not in made:
             mine = None
             for ranks in partition:
-                g = dist.new_group(list(ranks), timeout=default_timeout())
+                g = _group(ranks, tag)
                 if rank in ranks:
                     mine = g
             made[key] = mine
@@ -125,7 +145,7 @@ def build_groups(mesh: Mesh, rank: int, tie_stage_sets: list[tuple[int, ...]] = 
             if base.pp != 0:
                 continue
             ranks = [mesh.moved(r, pp=s) for s in stages]
-            g = dist.new_group(ranks, timeout=default_timeout())
+            g = _group(ranks, "ties")
             if rank in ranks:
                 groups.ties[stages] = g
     return groups
