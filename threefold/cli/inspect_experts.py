@@ -42,7 +42,8 @@ def expert_report(prog, batch: tuple | None = None) -> dict | None:
             # experts included); backward moves the same again, reversed
             "all_to_all_bytes": {"forward": there + back if ep > 1 else 0,
                                  "backward": there + back if ep > 1 else 0},
-            "tokens_per_expert": counts.get(r["offs"] + f"@{chunk.index}"),
+            # dense regions (no offsets): every expert sees every token
+            "tokens_per_expert": counts.get(r["offs"] + f"@{chunk.index}") if r["offs"] else None,
         })
     layers += [_module_layer(chunk, g, ep) for chunk, g in groups]
     out = {"ep": ep, "layers": layers}
@@ -97,7 +98,7 @@ def _tokens_per_expert(prog, batch):
     if getattr(prog, "is_meta", False):
         return {}, "the weights are on the meta device"
     parts = prog.plan.dp * prog.plan.microbatches
-    wanted = {c.index: {r["offs"] for r in c.experts} for c in prog.chunks}
+    wanted = {c.index: {r["offs"] for r in c.experts if r["offs"]} for c in prog.chunks}
     counts: dict[str, list[int]] = {}
     try:
         for k in range(parts):   # every dp rank's every microbatch
