@@ -4,7 +4,8 @@ expert weights, and the sum over experts (passes/dense_experts.py finds them fro
 
 `interleaved=True` stores gate and up in one [E, C, 2F] parameter interleaved along the
 features and reads them between the batched matmuls as `w[..., ::2]` / `w[..., 1::2]`
-(issue 40 item 3); `matmul=True` writes the products with `@` instead of torch.bmm."""
+(issue 40 item 3). `matmul=True` writes the products with `@`, which traces to a bmm between
+views that carry E in their sizes (not found as experts yet: the sizes would need E/ep)."""
 from __future__ import annotations
 
 import torch
@@ -31,8 +32,9 @@ class DenseExperts(nn.Module):
         logits = self.router(tokens)
         top, idx = logits.topk(1, dim=-1)
         scores = torch.full_like(logits, float("-inf")).scatter(1, idx, top).sigmoid()   # [T, E]
-        routed = tokens.repeat(self.experts, 1) * scores.t().reshape(-1, 1)                # [E*T, C]
-        routed = routed.view(self.experts, -1, c)                       # [E, T, C]: expert e's copy
+        # [E, T, C]: expert e's copy of every token, scaled by its score (Llama 4 tiles the
+        # tokens with repeat(E, 1) into [E*T, C] first, which dp's row rules cannot follow)
+        routed = tokens.unsqueeze(0).expand(self.experts, -1, -1) * scores.t().unsqueeze(-1)
         if self.interleaved:
             g = self._mm(routed, self.gate_up[..., ::2])                # the weight's even columns
             u = self._mm(routed, self.gate_up[..., 1::2])               # and its odd ones
