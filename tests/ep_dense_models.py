@@ -4,8 +4,7 @@ expert weights, and the sum over experts (passes/dense_experts.py finds them fro
 
 `interleaved=True` stores gate and up in one [E, C, 2F] parameter interleaved along the
 features and reads them between the batched matmuls as `w[..., ::2]` / `w[..., 1::2]`
-(issue 40 item 3). `matmul=True` writes the products with `@`, which traces to a bmm between
-views that carry E in their sizes (not found as experts yet: the sizes would need E/ep)."""
+(issue 40 item 3). `matmul=True` writes the products with `@` (aten.matmul) instead of bmm."""
 from __future__ import annotations
 
 import torch

@@ -26,7 +26,7 @@ def _compile(w: dict, plan: str = "dp=2,ep=2"):
     return compile_workload(w, plan)
 
 
-@pytest.mark.parametrize("kw", [{}, {"interleaved": True}], ids=["chunk", "interleaved"])
+@pytest.mark.parametrize("kw", [{}, {"interleaved": True}, {"matmul": True}], ids=["chunk", "interleaved", "matmul"])
 def test_dense_experts_are_found_from_structure_and_called_without_offsets(kw):
     prog = _compile(dense_moe(**kw))
     regions = [r for c in prog.chunks for r in c.experts]
@@ -67,7 +67,7 @@ def _workload(name: str) -> dict:
     if name == "llama4_text":
         from tests.zoo import ZOO
         return ZOO[name]()
-    return dense_moe(interleaved=True)
+    return dense_moe(**{name: True})
 
 
 def _rank(names: list[str]) -> list[dict]:
@@ -115,7 +115,7 @@ def _reference(name: str):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_dp2_ep2_dense_experts_train_like_one_process_each_rank_holding_half():
-    names = ["interleaved", "llama4_text"]
+    names = ["interleaved", "matmul", "llama4_text"]
     ranks = threefold.launch(_rank, 2, names, timeout=840)
     for k, name in enumerate(names):
         ref_losses, ref_grads = _reference(name)

@@ -20,7 +20,9 @@ nodes in graph order), "offs", "rows", "weights", "others", "outputs" (node name
 does not divide, is a PlanError. Codegen writes each region as a method that
 ChunkModule.experts runs on the ranks holding its experts (runtime/experts.py). Which ops a
 region may hold is ep's region rules' answer (passes/ep_rules.py). Under ep, experts held as
-separate modules (passes/module_experts.py) go to `chunk.module_experts`.
+separate modules (passes/module_experts.py) go to `chunk.module_experts`, and experts computed
+densely (passes/dense_experts.py: a bmm of [E, T, in] token slices by an [E, in, out]
+parameter) are regions with "offs" None, whose rows are the experts themselves.
 """
 from __future__ import annotations
 
