@@ -4,7 +4,8 @@ expert weights, and the sum over experts (passes/dense_experts.py finds them fro
 
 `interleaved=True` stores gate and up in one [E, C, 2F] parameter interleaved along the
 features and reads them between the batched matmuls as `w[..., ::2]` / `w[..., 1::2]`
-(issue 40 item 3). `matmul=True` writes the products with `@` (aten.matmul) instead of bmm."""
+(issue 40 item 3), with per-expert biases sliced the same way and a clamp. `matmul=True`
+writes the products with `@` (aten.matmul) instead of bmm."""
 from __future__ import annotations
 
 import torch
@@ -21,6 +22,8 @@ class DenseExperts(nn.Module):
         self.router = nn.Linear(HIDDEN, experts, bias=False)
         self.gate_up = nn.Parameter(torch.randn(experts, HIDDEN, 2 * ffn) * HIDDEN ** -0.5)   # [E, C, 2F]
         self.down = nn.Parameter(torch.randn(experts, ffn, HIDDEN) * ffn ** -0.5)             # [E, F, C]
+        if interleaved:   # GPT-OSS-like: per-expert biases, read as [E, 1, F] beside the slices
+            self.gate_up_bias = nn.Parameter(torch.randn(experts, 2 * ffn) * 0.1)             # [E, 2F]
 
     def _mm(self, a, b):
         return a @ b if self.matmul else torch.bmm(a, b)
@@ -35,8 +38,9 @@ class DenseExperts(nn.Module):
         # tokens with repeat(E, 1) into [E*T, C] first, which dp's row rules cannot follow)
         routed = tokens.unsqueeze(0).expand(self.experts, -1, -1) * scores.t().unsqueeze(-1)
         if self.interleaved:
-            g = self._mm(routed, self.gate_up[..., ::2])                # the weight's even columns
-            u = self._mm(routed, self.gate_up[..., 1::2])               # and its odd ones
+            g = self._mm(routed, self.gate_up[..., ::2]) + self.gate_up_bias[:, None, ::2]   # even columns
+            u = self._mm(routed, self.gate_up[..., 1::2]) + self.gate_up_bias[:, None, 1::2]  # and odd ones
+            g = g.clamp(max=7.0)                                        # a clamped SwiGLU
         else:
             g, u = self._mm(routed, self.gate_up).chunk(2, dim=-1)
         y = self._mm(F.silu(g) * u, self.down)                          # [E, T, C]

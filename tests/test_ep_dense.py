@@ -33,7 +33,8 @@ def test_dense_experts_are_found_from_structure_and_called_without_offsets(kw):
     assert [(r["offs"], r["experts"]) for r in regions] == [(None, 4), (None, 4)]
     assert [sorted(r["params"]) for r in regions] == [["moes.0.down", "moes.0.gate_up"],
                                                       ["moes.1.down", "moes.1.gate_up"]]
-    assert all(len(r["rows"]) == 1 for r in regions)       # the [E, T, C] token copies
+    # the [E, T, C] token copies (and the per-expert bias slices [E, 1, F], exchanged with them)
+    assert all(len(r["rows"]) == (3 if kw.get("interleaved") else 1) for r in regions)
     if kw.get("interleaved"):                               # the slices w[..., ::2] feed the region
         assert all(len(r["weights"]) == 3 for r in regions)
     from threefold.codegen.artifact import build_sources
@@ -133,12 +134,14 @@ def test_dp2_ep2_dense_experts_train_like_one_process_each_rank_holding_half():
                     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6,
                                                msg=f"{name} {fqn} step {step} rank {rank}")
         # each exchange moves a rank's [E, T, C] slices whole (its own experts' included):
-        # E=4 experts x 16 tokens x hidden 32 x 4 B per layer, 2 layers, every step, both ways
+        # E=4 experts x 16 tokens x hidden 32 x 4 B per layer, 2 layers, every step, both ways;
+        # the interleaved form's two [E, 1, 24] bias slices go along with the tokens
+        slices = STEPS * 2 * 4 * 16 * 32 * 4
+        bias = STEPS * 2 * 2 * 4 * 24 * 4 if name == "interleaved" else 0
         for r in (a, b):
             sent = r["sent"]
-            assert sent["expert tokens"] == sent["expert outputs"] == STEPS * 2 * 4 * 16 * 32 * 4, (name, sent)
-            assert sent["expert tokens gradients"] == sent["expert outputs gradients"] == sent["expert tokens"], \
-                (name, sent)
+            assert sent["expert outputs"] == sent["expert outputs gradients"] == slices, (name, sent)
+            assert sent["expert tokens"] == sent["expert tokens gradients"] == slices + bias, (name, sent)
 
 
 def _checkpoint_rank(directory: str) -> list[float]:
