@@ -43,6 +43,17 @@ def test_dense_experts_are_found_from_structure_and_called_without_offsets(kw):
     assert all(not c.experts for c in _compile(dense_moe(**kw), "dp=2").chunks)   # no ep: inline
 
 
+def test_inspect_lists_dense_experts_per_rank_and_their_all_to_all_bytes():
+    from threefold.cli.inspect_experts import expert_report
+    w = dense_moe()
+    report = expert_report(_compile(w), tuple(w["inputs"]) + (w["target"],))
+    assert [l["held_by_ep_rank"] for l in report["layers"]] == [[[0, 1], [2, 3]]] * 2
+    for layer in report["layers"]:
+        assert layer["rows_per_microbatch"] == 4 * 16                  # every expert, every token
+        assert layer["all_to_all_bytes"]["forward"] == 2 * 4 * 16 * 32 * 4   # [E, T, C] there and back
+        assert layer["tokens_per_expert"] is None
+
+
 def _reading_down_outside(layers: tuple) -> dict:
     """The dense MoE with the down weight of `layers` also feeding a term outside the experts."""
     w = dense_moe()
