@@ -108,16 +108,9 @@ def _three_experts() -> dict:
 def _rank(names: list[str]) -> list[dict]:
     """dp=2,ep=2: per workload the losses, every gradient this rank holds after each step's
     backward, which expert parameters it keeps, and the bytes its expert all-to-alls moved."""
-    from threefold.runtime import comm
+    from tests.a2a_bytes import counting_all_to_all
     torch.set_num_threads(1)
-    sent: dict[str, int] = {}
-    real = comm.all_to_all
-
-    def counting(out, t, out_splits, in_splits, group, what):
-        sent[what] = sent.get(what, 0) + t.numel() * t.element_size()
-        return real(out, t, out_splits, in_splits, group, what)
-    comm.all_to_all = counting
-    try:
+    with counting_all_to_all() as sent:
         out = []
         for name in names:
             w = FACTORIES[name]()
@@ -137,8 +130,6 @@ def _rank(names: list[str]) -> list[dict]:
             out.append({"losses": losses, "grads": grads, "norms": norms, "held": held, "owned": owned,
                         "sent": dict(sent)})
         return out
-    finally:
-        comm.all_to_all = real
 
 
 def _reference(name: str):

@@ -77,16 +77,9 @@ def _rank(archs: list[str]) -> list[dict]:
     """On each rank: dp=2,ep=2 training of each workload; losses, the expert rows this
     rank holds, and the bytes its all-to-alls sent."""
     from tests.zoo import ZOO
-    from threefold.runtime import comm
+    from tests.a2a_bytes import counting_all_to_all
     torch.set_num_threads(1)
-    sent: dict[str, int] = {}
-    real = comm.all_to_all
-
-    def counting(out, t, out_splits, in_splits, group, what):
-        sent[what] = sent.get(what, 0) + t.numel() * t.element_size()
-        return real(out, t, out_splits, in_splits, group, what)
-    comm.all_to_all = counting
-    try:
+    with counting_all_to_all() as sent:
         out = []
         for arch in archs:
             torch.manual_seed(1234)
@@ -108,8 +101,6 @@ def _rank(archs: list[str]) -> list[dict]:
                         "logits_dim": pm.manifest["output_batch_dims"][0],
                         "sent": dict(sent)})
         return out
-    finally:
-        comm.all_to_all = real
 
 
 @pytest.mark.slow

@@ -29,6 +29,8 @@ def expert_report(prog, batch: tuple | None = None) -> dict | None:
         rows = [nodes[x].meta["val"] for x in r["rows"]]
         outs = [nodes[x].meta["val"] for x in r["outputs"]]
         n_rows = int(rows[0].shape[0]) if rows else 0
+        if rows and not r["offs"]:   # dense (passes/dense_experts.py): [E, T, in], every expert every token
+            n_rows = int(rows[0].shape[0] * rows[0].shape[1])
         there = sum(t.numel() * t.element_size() for t in rows)    # dispatch: rows to experts
         back = sum(t.numel() * t.element_size() for t in outs)     # combine: results home
         per = r["experts"] // ep
@@ -42,7 +44,8 @@ def expert_report(prog, batch: tuple | None = None) -> dict | None:
             # experts included); backward moves the same again, reversed
             "all_to_all_bytes": {"forward": there + back if ep > 1 else 0,
                                  "backward": there + back if ep > 1 else 0},
-            "tokens_per_expert": counts.get(r["offs"] + f"@{chunk.index}"),
+            # dense regions (no offsets): every expert sees every token
+            "tokens_per_expert": counts.get(r["offs"] + f"@{chunk.index}") if r["offs"] else None,
         })
     layers += [_module_layer(chunk, g, ep) for chunk, g in groups]
     out = {"ep": ep, "layers": layers}
@@ -97,7 +100,7 @@ def _tokens_per_expert(prog, batch):
     if getattr(prog, "is_meta", False):
         return {}, "the weights are on the meta device"
     parts = prog.plan.dp * prog.plan.microbatches
-    wanted = {c.index: {r["offs"] for r in c.experts} for c in prog.chunks}
+    wanted = {c.index: {r["offs"] for r in c.experts if r["offs"]} for c in prog.chunks}
     counts: dict[str, list[int]] = {}
     try:
         for k in range(parts):   # every dp rank's every microbatch

@@ -256,16 +256,16 @@ class _ClassWriter:
         experts (all-to-all there and back, runtime/experts.py) and with ep=1 directly."""
         by_name = {n.name: n for n in graph.nodes}
         nodes = [by_name[x] for x in region["nodes"] if x in by_name]
-        offs = by_name[region["offs"]]
+        offs = by_name[region["offs"]] if region["offs"] else None   # None: dense (passes/dense_experts.py)
         groups = [[by_name[x] for x in region[k]] for k in ("rows", "weights", "others")]
         outputs = [by_name[x] for x in region["outputs"] if x in by_name]
         method = f"_experts_{len(self.segment_methods)}"
         outer_device = self.uses_device
         self.uses_device = False
-        params = [self.names[offs]] + [self.names[a] for g in groups for a in g]
+        params = ([self.names[offs]] if offs is not None else []) + [self.names[a] for g in groups for a in g]
         body = wrap_call(f"    def {method}(", ["self"] + params, "", "        ", "):")
         body.append(f"        # {region['name']}: {region['experts']} experts (this rank's under ep), "
-                    "rows sorted by expert, offsets local")
+                    + ("rows sorted by expert, offsets local" if offs is not None else "one token slice per expert"))
         dev_line = len(body)
         for n in nodes:
             body += self._line(n)
@@ -280,7 +280,7 @@ class _ClassWriter:
         return ([f"        # experts {region['name']}: {len(nodes)} ops on the rows' experts' ranks "
                  "(under ep: all-to-all there and back)"]
                 + wrap_call(f"        {''.join(self.names[o] + ', ' for o in outputs)}= self.experts(",
-                            [f"self.{method}", str(region["experts"]), self.names[offs]]
+                            [f"self.{method}", str(region["experts"]), self.names[offs] if offs is not None else "None"]
                             + [tup(g) for g in groups], "", "        "))
 
     def _unit_starts(self) -> dict[str, tuple[int, str]]:

@@ -20,7 +20,9 @@ nodes in graph order), "offs", "rows", "weights", "others", "outputs" (node name
 does not divide, is a PlanError. Codegen writes each region as a method that
 ChunkModule.experts runs on the ranks holding its experts (runtime/experts.py). Which ops a
 region may hold is ep's region rules' answer (passes/ep_rules.py). Under ep, experts held as
-separate modules (passes/module_experts.py) go to `chunk.module_experts`.
+separate modules (passes/module_experts.py) go to `chunk.module_experts`, and experts computed
+densely (passes/dense_experts.py: a bmm of [E, T, in] token slices by an [E, in, out]
+parameter) are regions with "offs" None, whose rows are the experts themselves.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from threefold.errors import PlanError
 from threefold.ops import families as fam
 from threefold.passes.expert_match import _param_root, _val, expert_matmul, schema_arg, weight_chain  # noqa: F401 (schema_arg: read from here too)
 from threefold.passes.module_experts import module_expert_groups
+from threefold.passes.dense_experts import dense_expert_matmul, dense_groups
 from threefold.passes.ep_rules import decide as region_decision
 from threefold.passes.row_state import Rows
 
@@ -50,6 +53,8 @@ def find_experts(prog: Partitioned) -> Partitioned:
     refusals: list[str] = []
     for chunk in prog.chunks:
         regions = _regions(chunk.gm.graph, strict=ep > 1)
+        if ep > 1:   # experts computed densely (passes/dense_experts.py), each on its rank under ep
+            regions += _dense_regions(chunk.gm.graph, regions, refusals)
         found += len(regions)
         for r in regions:
             if ep > 1 and r["experts"] % ep:
@@ -140,9 +145,29 @@ def _regions(graph: fx.Graph, strict: bool) -> list[dict]:
     return out
 
 
+def _dense_regions(graph: fx.Graph, regions: list[dict], refusals: list[str]) -> list[dict]:
+    """Regions of dense expert matmuls (passes/dense_experts.py) outside the grouped ones, with
+    the experts as their rows and no offsets. One ep cannot run exactly is left inline (exact,
+    not split) and its reason kept: it is the PlanError when nothing else is found."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    grouped = {x for r in regions for x in r["nodes"]}
+    out = []
+    for mms in dense_groups(graph):
+        if any(m.name in grouped for m in mms):
+            continue
+        parts = {m: (*dense_expert_matmul(m), None) for m in mms}
+        try:
+            out.append(_region(graph, order, None, mms, parts))
+        except PlanError as err:
+            refusals.append(str(err))
+    return out
+
+
 def _region(graph, order, offs, mms, parts) -> dict:
+    """One region: grouped (rows sorted by expert, `offs` where each expert's end) or, with
+    offs None, dense (rows [E, T, in]: the experts themselves are the rows)."""
     rows = _val(parts[mms[0]][0]).shape[0]
-    experts = _val(offs).shape[0]
+    experts = _val(offs).shape[0] if offs is not None else rows
     mm_set = set(mms)
     down = _reach(mms, lambda n: n.users)
     up = _reach(mms, lambda n: n.all_input_nodes)
@@ -155,7 +180,7 @@ def _region(graph, order, offs, mms, parts) -> dict:
             if not u.users and u.op == "call_function" and all(a in nodes for a in u.all_input_nodes):
                 nodes.add(u)
     name = tf(mms[0]).get("module", "") or mms[0].name
-    _check_row_wise(name, sorted(nodes, key=order.get), rows, weights_of | {offs})
+    _check_row_wise(name, sorted(nodes, key=order.get), rows, weights_of | {offs} - {None})
     params = {}
     inputs: list[fx.Node] = []
     for n in sorted(nodes, key=order.get):
@@ -193,7 +218,7 @@ def _region(graph, order, offs, mms, parts) -> dict:
         for u in n.users:
             if u not in nodes and order[u] < last:
                 raise PlanError(f"expert region {name}: {u.name} reads {n.name} before the region ends; drop ep")
-    return {"name": name, "nodes": [n.name for n in ordered], "offs": offs.name,
+    return {"name": name, "nodes": [n.name for n in ordered], "offs": offs.name if offs is not None else None,
             "rows": [a.name for a in row_inputs], "weights": [a.name for a in weights],
             "others": [a.name for a in others], "outputs": [n.name for n in outputs],
             "experts": int(experts), "params": params}

@@ -138,6 +138,10 @@ class ChunkModule(torch.nn.Module):
     def experts(self, fn, num_experts: int, offs, rows, weights, others):
         """An expert region (generated method `fn`): its rows computed by the ranks that hold
         their experts, moved there and back with all-to-all (runtime/experts.py)."""
+        if offs is None:   # experts computed densely, one token slice each (passes/dense_experts.py)
+            # lazy: start-up: runtime.dense_experts loads only on this path
+            from threefold.runtime.dense_experts import run_dense_experts
+            return run_dense_experts(fn, num_experts, rows, weights, others, self.ep_group)
         # lazy: start-up: runtime.experts loads only on this path
         from threefold.runtime.experts import run_experts
         return run_experts(fn, num_experts, offs, rows, weights, others, self.ep_group)
