@@ -160,3 +160,12 @@ def _complex_view(c: Call):
     return s0
 
 
+
+
+@rule("shift_seq")
+def _shift_seq(c: Call):
+    """A token shift by k along the split sequence (runtime/cp_shift.py): a halo exchange."""
+    s0 = c.place(c.x)
+    if not isinstance(s0, Seq) or s0.inner != 1 or s0.dim != _norm(c.args["dim"], _val(c.x).dim()):
+        _fail(c, "shifts along a dim that is not the split sequence")
+    return s0
