@@ -82,3 +82,23 @@ def test_token_shift_model_matches_one_process(cp):
             assert grads.keys() == ref_grads.keys()
             for k, g in grads.items():
                 assert torch.allclose(g, ref_grads[k], rtol=1e-5, atol=1e-6), k
+
+
+class _Recurrence(ShiftMix):
+    """A recurrence written as a Python loop over time steps (RWKV's WKV on CPU): unrolled."""
+
+    def forward(self, idx):
+        x, state, outs = self.emb(idx), None, []
+        for t in range(x.shape[1]):
+            state = x[:, t] if state is None else 0.5 * state + x[:, t]
+            outs.append(state)
+        return self.head(torch.stack(outs, 1))
+
+
+def test_a_recurrence_over_time_steps_is_named_in_one_line():
+    w = shift_workload()
+    w["model"] = _Recurrence()
+    with pytest.raises(threefold.PlanError, match=r"select at t = 0\.\.7, 8 of 8 local positions\): a recurrence "
+                                                  "over time steps") as err:
+        compile_workload(w, "cp=2")
+    assert "\n" not in str(err.value)
