@@ -102,3 +102,23 @@ def test_a_recurrence_over_time_steps_is_named_in_one_line():
                                                   "over time steps") as err:
         compile_workload(w, "cp=2")
     assert "\n" not in str(err.value)
+
+
+class _FirstPosition(ShiftMix):
+    """HF's packed-sequence check: position_ids[:, :1] - 1 prepended to a diff of the positions."""
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        pos = torch.arange(x.shape[1]).unsqueeze(0).expand(x.shape[0], -1)
+        starts = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+        return self.head(x + starts[..., None].to(x.dtype))
+
+
+def test_a_slice_of_positions_made_in_the_model_is_named():
+    """Before: "slices along the sequence (... a shift such as x[:, :-1] ...)", which it is not."""
+    w = shift_workload()
+    w["model"] = _FirstPosition()
+    with pytest.raises(threefold.PlanError, match=r"slices positions made from arange over the sequence \(dim 1, "
+                                                  r"\[0:1\]") as err:
+        compile_workload(w, "cp=2")
+    assert "\n" not in str(err.value)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from math import prod
 
 from threefold.ops.families import args_of, op_name
+from threefold.passes.cp_masks import input_free
 from threefold.passes.cp_rules.core import Call, Seq, _fail, _norm, _val, rule
 
 
@@ -82,6 +83,10 @@ def _slicing(c: Call):
         if name == "slice" and start <= 0 and (a.get("end") is None or a["end"] >= src.shape[d]) \
                 and a.get("step", 1) == 1:
             return s0
+        if input_free(c.x):   # made from arange over the sequence (global positions), not from the inputs
+            _fail(c, f"slices positions made from arange over the sequence (dim {d}, [{start}:{a.get('end')}]: "
+                  "such as a packed-sequence check reading position_ids[:, :1]); on this rank they are its own "
+                  "blocks' positions, not the sequence's first ones, and cp does not yet compute such a value whole)")
         _fail(c, f"slices along the sequence (dim {d}; a shift such as x[:, :-1] inside the model? shift the "
               "tokens in the data instead)")
     if name in ("select", "unbind"):
