@@ -20,16 +20,20 @@ import torch
 import torch.fx as fx
 
 from threefold.ir.program import tf
-from threefold.ops.families import args_of, op_name
+from threefold.ops.families import CASTS, CONSTANT_LIKE, COPIES, UNIFORM_FACTORIES, args_of, family, op_name
 from threefold.passes.cp_rules.core import Seq
 from threefold.runtime import cp_shift
 from threefold.runtime.tp_ops import GroupRef
 
 CP = GroupRef("cp")
-_ZEROS = {"zeros", "new_zeros", "zeros_like"}
-_FILLS = {"full", "new_full", "full_like"}
-_SAME = {"clone", "alias", "contiguous"}
-_CHAIN = {"slice", "constant_pad_nd", "pad", "cat"} | _SAME | _ZEROS | _FILLS
+_SAME = COPIES - CASTS - {"detach"}   # the same values, gradients kept (a detach would stop them)
+
+
+def _in_chain(x: fx.Node) -> bool:
+    """An op a shift's chain may hold: slices, pads, joins, copies, factories of zeros."""
+    return x.op == "call_function" and (family(x) in ("slicing", "pad", "join") or op_name(x) in _SAME or _zero(x))
+
+
 _DEPTH = 8
 
 
@@ -79,7 +83,7 @@ def _shift_through(node: fx.Node, state: dict, stage):
                         and (f.lo, f.hi) == (max(f.k, 0), min(n, n + f.k)) and abs(f.k) <= n // 2 \
                         and node in _dead_after(x, f.src):
                     return x, f, d
-            nxt += [u for u in x.users if op_name(u) in _CHAIN]
+            nxt += [u for u in x.users if _in_chain(u)]
         frontier = nxt
     return None
 
@@ -98,7 +102,7 @@ def _seq_dims(x: fx.Node, state: dict) -> list:
         s = state.get(y)
         if isinstance(s, Seq) and s.inner == 1 and y.meta["val"].dim() == v.dim():
             dims.add(s.dim)
-        elif op_name(y) in _CHAIN:
+        elif _in_chain(y):
             stack.extend(y.all_input_nodes)
     return sorted(dims)
 
@@ -113,7 +117,7 @@ def _form(x, d: int, state: dict, depth: int):
         return Shifted(x, 0, 0, v.shape[d], v.shape[d])
     if _zero(x):
         return Shifted(None, 0, 0, 0, v.shape[d])
-    if x.op != "call_function" or name not in _CHAIN:
+    if not _in_chain(x):
         return None
     a = args_of(x)
     if name in _SAME:
@@ -168,12 +172,13 @@ def _joined(parts: list, length: int):
 
 def _zero(x) -> bool:
     """A value that is all zeros whatever it reads (zeros, zeros_like, full(.., 0), their views)."""
-    name = op_name(x) if isinstance(x, fx.Node) and x.op == "call_function" else None
-    if name in _ZEROS:
-        return True
-    if name in _FILLS:
-        return args_of(x).get("fill_value") == 0
-    if name in ("expand", "view", "reshape", "unsqueeze", "clone") or name in _SAME:
+    if not isinstance(x, fx.Node) or x.op != "call_function":
+        return False
+    name = op_name(x)
+    if name in UNIFORM_FACTORIES | CONSTANT_LIKE:
+        fill = args_of(x).get("fill_value")
+        return name.endswith("zeros") or name == "zeros_like" or (fill is not None and fill == 0)
+    if family(x) in ("view", "dim_move") or name in _SAME:
         return _zero(x.args[0])
     return False
 
