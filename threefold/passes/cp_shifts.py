@@ -80,6 +80,7 @@ def _shift_through(node: fx.Node, state: dict, stage):
             for d in _seq_dims(x, state):
                 f = _form(x, d, state, _DEPTH)
                 if f is not None and f.src is not None and f.length == n and f.k != 0 \
+                        and f.src.meta["val"].shape[d] == n \
                         and (f.lo, f.hi) == (max(f.k, 0), min(n, n + f.k)) and abs(f.k) <= n // 2 \
                         and node in _dead_after(x, f.src):
                     return x, f, d
