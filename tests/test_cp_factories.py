@@ -4,6 +4,7 @@ count made by `full` and summed over time. Each was refused ("varies per positio
 factory is the whole-length one cut to this rank's blocks, a scan over it takes the exact
 all-gather fallback, and cp=2 equals one process (losses and gradients, fp32, 3 SGD steps)."""
 import pytest
+import torch
 
 from threefold.compiler.api import compile_workload
 from threefold.runtime.launch import launch
@@ -77,14 +78,35 @@ def test_mask_broadcast_over_keys_beside_a_position_bias_runs_in_the_ring():
     assert "pbias=" in build_sources(prog)["chunk00.py"]
 
 
-def test_whole_grid_beside_a_number_equal_to_the_local_length_is_refused():
-    """DeBERTa at seq 8: its bucket middle (4) equals the local length s/cp = 4 beside a grid
-    computed whole: a length or a coincidence cp cannot tell, refused in one line."""
+class _GridOverNumber(torch.nn.Module):
+    """Relative positions i - j (a grid computed whole under cp) divided by the length t (a
+    length: 8 at cp=2 of 16, 16 whole) or by the constant 8 (equal to s/cp by coincidence)."""
+
+    def __init__(self, by_length: bool):
+        super().__init__()
+        self.by_length = by_length
+        self.emb, self.head = torch.nn.Embedding(32, 8), torch.nn.Linear(8, 32)
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x, i = self.emb(idx), torch.arange(t)
+        rel = (i[:, None] - i[None, :]).float() / (t if self.by_length else 8)
+        return self.head(x + rel @ x)
+
+
+def test_whole_grid_beside_a_number_equal_to_the_local_length_is_refused_unless_a_constant():
+    """A number equal to s/cp beside a grid computed whole: the model traced at the whole length
+    tells a length (refused in one line) from a constant (DeBERTa's bucket middle at 8 tokens,
+    which was refused as well; tests/test_cp_whole_constants.py)."""
     import threefold
-    from tests.cp_jobs import zoo_batch2
-    with pytest.raises(threefold.PlanError, match="names the number 4, the local length") as err:
-        compile_workload(zoo_batch2("deberta_v2"), "cp=2")
+    w = factory_workload("relpos")
+    w["model"] = _GridOverNumber(by_length=True)
+    with pytest.raises(threefold.PlanError, match="names the number 8, the local length") as err:
+        compile_workload(w, "cp=2")
     assert "\n" not in str(err.value)
+    w["model"] = _GridOverNumber(by_length=False)
+    prog = compile_workload(w, "cp=2")
+    assert any(n.startswith("cp fallback: matmul") for n in prog.notes)
 
 
 def test_slice_of_a_whole_grid_with_bounds_of_the_local_length_is_refused():

@@ -79,7 +79,8 @@ def compile_workload(workload: Workload | dict, plan: Plan | str | None = None,
             raise
         return compile_each_candidate(exc, lambda chosen: _compile_split(
             workload, plan, name, batch, dims, sliced, parts, list(notes), progress, own_loss,
-            find_seq_dims(batch, rows, len(workload.inputs), plan.cp, name, chosen)))
+            find_seq_dims(batch, rows, len(workload.inputs), plan.cp, name, chosen)),
+            lambda: _traced_whole(workload, sliced, plan, own_loss), plan.cp)
     return _compile_split(workload, plan, name, batch, dims, sliced, parts, notes, progress, own_loss, seq_dims)
 
 
@@ -108,6 +109,14 @@ def _compile_split(workload, plan, name, batch, dims, sliced, parts, notes, prog
     if plan.cp > 1:
         traced = traced.evolve(retrace=_retracer(workload, inputs, target, plan, own_loss, seq_dims))
     return _finish(traced, workload, dims, sliced, seq_dims, batch, parts, plan, notes, progress)
+
+
+def _traced_whole(workload: Workload, sliced: tuple, plan: Plan, own_loss: bool):
+    """The model's graph on the whole sequence (cp=1): where cp finds no input dim to cut, it
+    shows where the sequence is made (compiler/seq_choice.py)."""
+    has_target = workload.loss_fn is not None
+    inputs, target = (sliced[:-1], sliced[-1]) if has_target else (sliced, None)
+    return trace(workload.model, inputs, target, workload.loss_fn, plan.replace(cp=1), own_loss=own_loss).gm.graph
 
 
 def _rows_for_cp(workload: Workload, batch: tuple, dims: list, plan: Plan, declared, name: str) -> list:

@@ -31,6 +31,7 @@ from threefold.ops.families import ARANGE_TO_INDEX, args_of
 from threefold.passes.cp_attention import erase_dead, readers, rewrite_attention
 from threefold.passes.cp_factories import split_factories
 from threefold.passes.cp_fallback import gather_around
+from threefold.passes.cp_shifts import shift_halo
 from threefold.passes.cp_whole import is_whole
 from threefold.passes.cp_whole_inputs import whole_inputs
 from threefold.passes.cp_rules import Gather, Place, Refuse, Seq, decide, op_name
@@ -136,6 +137,8 @@ def _place(node, state: dict, stage, fallbacks: list):
         state[node] = Seq(0) if op_name(node) == "positions" else None
         return None
     d = decide(node, state, stage)
+    if not isinstance(d, Place) and shift_halo(node, state, stage):   # a token shift: a halo exchange (cp_shifts.py)
+        return None
     if isinstance(d, Place):
         if d.op is not None:   # the call this rank runs instead, on the same arguments' nodes
             node.target, node.args, node.kwargs = d.op.target, d.op.args, d.op.kwargs

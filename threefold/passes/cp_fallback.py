@@ -44,7 +44,7 @@ def gather_around(node: fx.Node, state: dict, stage, why: str, fallbacks: list, 
     ins = [a for a in node.all_input_nodes if state.get(a) is not None]
     if not outs or not all(isinstance(o, torch.Tensor) for o in outs) or \
             any(not isinstance(state[a], seq_cls) for a in ins) or \
-            (names_length(node, n) and not any(is_whole(a) for a in node.all_input_nodes)
+            (names_length(node, n, stage) and not any(is_whole(a) for a in node.all_input_nodes)
              and op_name(node) not in RESHAPES | {"expand"}):
         raise PlanError(why) from None
     merged = {a: _digits(a.meta["val"].shape, state[a], n) for a in ins
@@ -72,7 +72,7 @@ def gather_around(node: fx.Node, state: dict, stage, why: str, fallbacks: list, 
     node.kwargs = fx.node.map_arg(node.kwargs, lambda a: whole.get(a, a))
     for a, g in whole.items():
         remember(g, a.meta["val"])
-    regrow(node, n, why)   # a view / expand of the whole value: its shape argument carried over
+    regrow(node, n, why, stage)   # a view / expand of the whole value: its shape argument carried over
     try:
         full = node.target(*fx.node.map_arg(node.args, lambda a: a.meta["val"]),
                            **fx.node.map_arg(node.kwargs, lambda a: a.meta["val"]))

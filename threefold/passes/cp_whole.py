@@ -46,7 +46,7 @@ def _shapes(v):
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
-def regrow(node: fx.Node, n: int, why: str) -> None:
+def regrow(node: fx.Node, n: int, why: str, stage=None) -> None:
     """Rewrite the shape argument of a view / reshape / expand whose input was made whole (its
     grown dims carried to the output), so that it runs on the whole value. Other ops must not
     name the local length n in their arguments (a PlanError `why`)."""
@@ -71,7 +71,7 @@ def regrow(node: fx.Node, n: int, why: str) -> None:
         return
     if name in SLICING:
         _full_range(node, name, why)
-    if names_length(node, n):
+    if names_length(node, n, stage):
         raise PlanError(f"{why} (it names the number {n}, the local length s/cp, beside a value computed on "
                         "the whole sequence: a length or a coincidence of sizes; use another sequence length "
                         "or cp=1)")
@@ -145,27 +145,54 @@ def _expand_size(old, new, size):
     return size
 
 
-def names_length(node: fx.Node, n: int) -> bool:
+def names_length(node: fx.Node, n: int, stage=None) -> bool:
     """An integer argument equal to the local length n (besides the first operand): on the
-    whole sequence it would be wrong (a length) or a coincidence of sizes."""
-    found = []
+    whole sequence it would be wrong (a length) or a coincidence of sizes. A coincidence is
+    told apart where the model traced at the whole length (stage.retrace) has the same op
+    with the same number there: a constant that does not change with the length is no length."""
+    found = _ints(node)
+    if not any(v == n for _, v in found):
+        return False
+    twin = _twin_at_whole(node, stage)
+    if twin is None:
+        return True
+    theirs = dict(_ints(twin))
+    return any(v == n and theirs.get(at) != n for at, v in found)
 
-    def look(a):
+
+def _ints(node: fx.Node) -> list:
+    """(where, value) of every integer among node's arguments but the first."""
+    out = []
+
+    def look(a, at):
         if isinstance(a, (list, tuple)):
-            for x in a:
-                look(x)
-        elif isinstance(a, int) and not isinstance(a, bool) and a == n:
-            found.append(a)
-    look(list(node.args[1:]))
-    look(list(node.kwargs.values()))
-    return bool(found)
+            for i, x in enumerate(a):
+                look(x, at + (i,))
+        elif isinstance(a, int) and not isinstance(a, bool):
+            out.append((at, a))
+    for i, a in enumerate(node.args[1:]):
+        look(a, ("arg", i))
+    for k, a in node.kwargs.items():
+        look(a, ("kw", k))
+    return out
 
 
-def run_whole(node: fx.Node, n: int, why: str) -> None:
+def _twin_at_whole(node: fx.Node, stage):
+    """node's op in the model traced at the whole length (same name, same target), or None."""
+    if getattr(stage, "retrace", None) is None:
+        return None
+    try:
+        graph = stage.retrace(stage.seq_len * stage.plan.cp)
+    except Exception:   # the model does not trace at the whole length: no answer, no guess
+        return None
+    return next((t for t in graph.nodes if t.name == node.name and t.target == node.target), None)
+
+
+def run_whole(node: fx.Node, n: int, why: str, stage=None) -> None:
     """`node` reads whole values only (no input split along the sequence): rerun it on their
     whole fakes, its shape arguments carried over (regrow); its output is whole too."""
     traced = node.meta.get("val")
-    regrow(node, n, why)
+    regrow(node, n, why, stage)
     try:
         full = node.target(*fx.node.map_arg(node.args, lambda a: a.meta["val"]),
                            **fx.node.map_arg(node.kwargs, lambda a: a.meta["val"]))

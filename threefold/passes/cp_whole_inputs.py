@@ -27,7 +27,7 @@ def whole_inputs(node: fx.Node, state: dict, stage, fallbacks: list, why: str):
     if not any(isinstance(state.get(a), Seq) for a in node.all_input_nodes):
         if any(state.get(a) is not None for a in node.all_input_nodes):
             raise PlanError(f"{why} (it meets a value that is neither split nor whole)")
-        run_whole(node, stage.seq_len, why)
+        run_whole(node, stage.seq_len, why, stage)
         state[node] = None
         return None
     state[node] = gather_around(node, state, stage, why, fallbacks, op_name(node), Seq)

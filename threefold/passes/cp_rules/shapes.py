@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from math import prod
 
+from threefold.ops.families import args_of, op_name
+from threefold.passes.cp_masks import input_free
 from threefold.passes.cp_rules.core import Call, Seq, _fail, _norm, _val, rule
 
 
@@ -74,11 +76,17 @@ def _slicing(c: Call):
     if s0 is None or any(isinstance(c.place(v), Seq) for k, v in a.items() if k not in ("self", "input")):
         _fail(c, "slices with split positions")
     if d == s0.dim:
+        if name == "select":
+            _fail(c, _steps(c, d))
         start = a.get("start") or 0
         start = start + src.shape[d] if isinstance(start, int) and start < 0 else start   # t[-n:] of n rows
         if name == "slice" and start <= 0 and (a.get("end") is None or a["end"] >= src.shape[d]) \
                 and a.get("step", 1) == 1:
             return s0
+        if input_free(c.x):   # made from arange over the sequence (global positions), not from the inputs
+            _fail(c, f"slices positions made from arange over the sequence (dim {d}, [{start}:{a.get('end')}]: "
+                  "such as a packed-sequence check reading position_ids[:, :1]); on this rank they are its own "
+                  "blocks' positions, not the sequence's first ones, and cp does not yet compute such a value whole)")
         _fail(c, f"slices along the sequence (dim {d}; a shift such as x[:, :-1] inside the model? shift the "
               "tokens in the data instead)")
     if name in ("select", "unbind"):
@@ -87,6 +95,21 @@ def _slicing(c: Call):
     if isinstance(c.out, (tuple, list)):
         return tuple(s0 for _ in c.out)
     return s0
+
+
+def _steps(c: Call, d: int) -> str:
+    """Why a select of one position along the sequence is refused: where the same value is
+    read one position at a time (x[:, t] for t = 0, 1, ...), a recurrence over time steps."""
+    src = c.x
+    at = sorted({args_of(u)["index"] for u in src.users
+                 if op_name(u) == "select" and _norm(args_of(u)["dim"], _val(src).dim()) == d
+                 and isinstance(args_of(u)["index"], int)})
+    if len(at) > 1:
+        return (f"reads the sequence one position at a time (select at t = {at[0]}..{at[-1]}, {len(at)} of "
+                f"{_val(src).shape[d]} local positions): a recurrence over time steps (a Python loop unrolled in the "
+                "trace, its state carried from step to step), which has no position-wise split (cp would have to "
+                "hand the state from rank to rank; write it as a scan or a chunked form)")
+    return f"selects one position along the sequence (dim {d}, index {args_of(c.node)['index']})"
 
 
 @rule(family="join")
@@ -160,3 +183,12 @@ def _complex_view(c: Call):
     return s0
 
 
+
+
+@rule("shift_seq")
+def _shift_seq(c: Call):
+    """A token shift by k along the split sequence (runtime/cp_shift.py): a halo exchange."""
+    s0 = c.place(c.x)
+    if not isinstance(s0, Seq) or s0.inner != 1 or s0.dim != _norm(c.args["dim"], _val(c.x).dim()):
+        _fail(c, "shifts along a dim that is not the split sequence")
+    return s0
