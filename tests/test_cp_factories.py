@@ -191,5 +191,6 @@ def test_a_factory_whose_batch_equals_the_local_length_is_read_from_the_retrace(
     both dims the local length; the model traced at 8 tokens says dim 1 is the sequence (was
     refused as a value that varies per position)."""
     from tests.zoo import ZOO
+    from threefold.codegen.artifact import build_sources
     prog = compile_workload(ZOO["opt"](), "cp=2")
-    assert [n for n in prog.notes if n.startswith("cp fallback: cumsum")]
+    assert "cp_scan.scan_seq(" in build_sources(prog)["chunk00.py"].split("def model_outputs")[0]
