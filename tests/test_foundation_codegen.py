@@ -209,3 +209,12 @@ def test_layering_example_models_import_nothing_from_threefold():
     for path in (("threefold", "models", "gpt.py"), ("examples", "hf.py")):
         with open(os.path.join(ROOT, *path)) as f:
             assert "threefold" not in f.read().split('"""', 2)[-1]
+
+
+def test_debug_dir_under_cp_saves_every_stage(tmp_path, monkeypatch):
+    """A cp compile's stages carry `retrace` (a closure over the model, for the masks): the dump
+    leaves it out instead of failing to pickle it."""
+    monkeypatch.setenv("THREEFOLD_DEBUG_DIR", str(tmp_path))
+    compile_workload(workload("gpt", **TINY), "cp=2")
+    traced = load_stage(str(tmp_path / "00_traced"))
+    assert isinstance(traced, Traced) and traced.retrace is None

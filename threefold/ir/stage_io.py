@@ -120,6 +120,8 @@ def save_stage(stage, directory: str, weights: bool = True) -> str:
     state tensors (enough for codegen and its golden tests)."""
     os.makedirs(directory, exist_ok=True)
     buf = io.BytesIO()
+    if getattr(stage, "retrace", None) is not None:   # a closure over the user's model: not data, not saved
+        stage = stage.evolve(retrace=None)
     _StagePickler(buf, weights).dump(stage)
     with open(os.path.join(directory, STAGE_FILE), "wb") as f:
         f.write(buf.getvalue())
