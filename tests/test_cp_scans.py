@@ -53,3 +53,18 @@ def test_recurrences_written_as_scans_match_one_process():
         ref = sgd_losses(mixing_workload(mode), 3)
         for rank in mixed:
             assert max_rel_diff(rank[i], ref) < 1e-5, (mode, rank[i], ref)
+
+
+def test_inspect_counts_the_carries_and_the_halos():
+    """The collectives inspect lists: a scan's two totals gathered (and their gradients
+    all-reduced), a token shift's halos, beside no all-gather of the sequence."""
+    from threefold.compiler.collectives import chunk_collectives
+    from tests.cp_shift_jobs import shift_workload
+    prog = compile_workload(mixing_workload("cumsum"), "cp=2")
+    cp = {(e["kind"], e["phase"]): e["elements"] for e in chunk_collectives(prog)[0] if e["group"] == "cp"}
+    per_position = 4 * 16   # [4 rows, 8 positions, 16] at the local length: a total is [4, 16]
+    assert cp[("all_gather", "forward")] == 2 * per_position, cp
+    assert cp[("all_reduce", "backward")] == 2 * 2 * per_position, cp
+    shifted = compile_workload(shift_workload(), "cp=2")
+    kinds = {e["kind"] for e in chunk_collectives(shifted)[0] if e["group"] == "cp"}
+    assert "halo_send" in kinds and "all_gather" not in kinds, kinds

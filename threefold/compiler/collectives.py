@@ -68,7 +68,31 @@ def ring_sends(gm, cp: int) -> list[tuple[str, str, int, int]]:
             local = meta_of(node.args[0]).numel   # the all-gather fallback (runtime/cp_gather.py)
             out.append(("all_gather", "forward", local, 1))
             out.append(("reduce_scatter", "backward", local, 1))
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "scan_seq":
+            totals = 2 * _per_position(node.args[0], node.args[1])   # runtime/cp_scan.py: 2 blocks' totals
+            out.append(("all_gather", "forward", totals, 1))
+            out.append(("all_reduce", "backward", cp * totals, 1))
+        halo = _halo_positions(node)
+        if halo:   # causal conv1d / token shift: at most two halos out, their gradients back
+            out.append(("halo_send", "forward", 2 * halo, 1))
+            out.append(("halo_send", "backward", 2 * halo, 1))
     return out
+
+
+def _per_position(x, dim: int) -> int:
+    shape = meta_of(x).shape
+    return meta_of(x).numel // max(shape[dim % len(shape)], 1)
+
+
+def _halo_positions(node) -> int:
+    """Elements of one halo a causal conv1d (time last, k-1 wide) or a token shift (|k| wide)
+    sends, 0 for any other node."""
+    name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+    if name == "causal_conv1d":
+        return _per_position(node.args[0], -1) * (meta_of(node.args[1]).shape[-1] - 1)
+    if name == "shift_seq":
+        return _per_position(node.args[0], node.args[2]) * abs(node.args[1])
+    return 0
 
 
 def _p2p_elements(spec, plan) -> int:
