@@ -27,7 +27,7 @@ import torch.fx as fx
 from threefold.ir.program import tf
 from threefold.ops import families as fam
 from threefold.ops.families import args_of, op_name
-from threefold.ops.rules import Registry
+from threefold.ops.rules import Gather, Place, Refuse, Registry
 
 __all__ = ["Seq", "PARTIAL", "Perm", "Ptr", "RANK_LOCAL", "is_local", "Call", "Place", "Gather", "Refuse", "decide", "decision_for", "op_name",
            "RULES", "FAMILY_RULES", "REFUSALS", "GATHERABLE", "rule", "where"]
@@ -78,20 +78,9 @@ def is_local(p) -> bool:
     return isinstance(p, (Perm, Ptr)) or p == RANK_LOCAL
 
 
-@dataclass(frozen=True)
-class Place:
-    out: object            # Seq | PARTIAL | None, or a tuple of them for several outputs
-
-
-@dataclass(frozen=True)
-class Gather:
-    why: str               # mixes positions: run on the gathered sequence, cut back
-
-
-@dataclass(frozen=True)
-class Refuse:
-    why: str
-    table: object = None   # the whole operand that varies per position, where that is why
+# Place(Seq | PARTIAL | None, or a tuple of them), Gather(why: mixes positions: run on the
+# gathered sequence, cut back), Refuse(why, table: the whole operand that varies per position,
+# where that is why): the decisions every axis on the sharding walker returns (ops/rules.py).
 
 
 @dataclass(frozen=True)
