@@ -70,6 +70,10 @@ class Axis:
     # the module path of the axis's sharding rules (its `SHARDING`, read by passes/shard.py,
     # innermost axis first); a string, since the runtime imports no pass
     rules: str = ""
+    # "module:function" of the runtime op that cuts a user input placed S(d) on this axis,
+    # f(tensor, d, size, index) -> this rank's part (runtime/run_plan.input_cut); "": the axis
+    # cuts no user input (the batch axes' rows are cut with the microbatches, by the engine)
+    cut: str = ""
 
 
 # Outermost first. The rank formula is the mixed radix over this order.
@@ -85,7 +89,7 @@ AXES: tuple[Axis, ...] = (
          optional=True, rules="threefold.passes.ep_rules"),
     Axis("cp", lambda plan: getattr(plan, "cp", 1),
          "context-parallel ranks (every sequence split along its positions; ring attention)",
-         optional=True, rules="threefold.passes.context_parallel"),
+         optional=True, rules="threefold.passes.context_parallel", cut="threefold.runtime.cp_ops:local_blocks"),
     Axis("tp", lambda plan: plan.tp, "tensor-parallel ranks"),
 )
 AXIS_NAMES = tuple(a.name for a in AXES)
