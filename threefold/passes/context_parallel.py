@@ -3,7 +3,8 @@
 The compiler traces at the local sequence length n = S/cp (compiler/api.py cuts the example
 batch along the sequence dims passes/seq_dims.py finds), and the runtime feeds each cp rank
 blocks r and 2cp-1-r of every sequence (runtime/cp_ops.py). Most ops are then already right:
-they treat positions independently. This pass rewrites the ones that are not and checks the rest:
+they treat positions independently. cp's hooks on the sharding walker (passes/shard.py,
+`ContextParallel`, named by cp's mesh entry) rewrite the ones that are not and check the rest:
 
 1. Attention becomes ring attention (runtime/cp_ops.ring_attention; passes/cp_attention.py
    finds it): the SDPA op, and the pattern written by hand, matmul(q, k^T) [* or / a constant] [+ mask | masked_fill(mask,

@@ -11,7 +11,8 @@ A rule reads one call (`Call`: the op's name, its arguments by schema name, the 
 placements, the traced shapes) and returns a decision: `Place(out)` (the output's
 placement), `Gather(why)` (it mixes positions; exact on the all-gathered sequence,
 passes/cp_fallback.py) or `Refuse(why)` (a PlanError naming the op and the fix). Rules never
-touch the graph: passes/context_parallel.py applies the decisions. Rules are registered by
+touch the graph: the sharding walker applies the decisions (passes/shard.py, with cp's hooks in
+passes/context_parallel.py). Rules are registered by
 op name (`RULES`) or by family (threefold/ops/families.py, `FAMILY_RULES`); `decision_for`
 says, for any op name, which rule (or reasoned refusal) cp has for it.
 """
