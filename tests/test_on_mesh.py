@@ -78,7 +78,7 @@ def test_dp2_ep2_fills_the_batch_rows_and_the_experts():
         assert all(on_mesh_of(by_name[x])["ep"] == Shard(0) for x in r["nodes"] + r["weights"])
     dense = [f for f in manifest.state_shapes if f not in experts]
     assert dense and not any(manifest.param_on_mesh(f).dim("ep") is not None for f in dense)
-    assert manifest.input_splits == (InputSplit(0, None), InputSplit(0, None))
+    assert manifest.input_splits == (InputSplit(0), InputSplit(0))
     rows = {r["fqn"]: r for r in parameter_rows(prog)}   # inspect --json's parameters
     assert all(rows[f]["axes"] == {"ep": "S(0)"} for f in experts) and "axes" not in rows[dense[0]]
 
