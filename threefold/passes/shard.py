@@ -38,7 +38,7 @@ from threefold.ir.stages import Partitioned, Sharded, copy_graph_module
 from threefold.ops.families import op_name
 from threefold.ops.rules import Gather, Place, Refuse
 from threefold.placement import place_on
-from threefold.runtime import mesh as mesh_axes
+from threefold.runtime import mesh as mesh_table
 
 __all__ = ["AxisRules", "Fallback", "Gather", "Place", "Refuse", "axis_rules", "fallback_note", "shard",
            "shard_chunks", "walk"]
@@ -196,7 +196,7 @@ def _run(gm: fx.GraphModule, stage, rules: "AxisRules", part=None) -> tuple:
 def axis_rules(phase: str) -> list:
     """Every axis's AxisRules of `phase`, innermost mesh axis first (runtime/mesh.py AXES)."""
     out, seen = [], set()
-    for a in reversed(mesh_axes.AXES):
+    for a in reversed(mesh_table.AXES):
         if a.rules and a.rules not in seen:
             seen.add(a.rules)
             out += [r for r in importlib.import_module(a.rules).SHARDING if r.phase == phase]
