@@ -37,7 +37,7 @@ def test_on_mesh_text_round_trips_and_says_each_axis_dim():
     on = OnMesh.of(tp=Shard(1), cp=Shard(2), dp=Shard(0), ep=P)
     assert parse_on_mesh(str(on)) == on and str(OnMesh.of(tp=Shard(1))) == "S(1)"
     assert (on.dim("tp"), on.dim("cp"), on.dim("dp"), on.dim("ep"), on.dim("pp")) == (1, 2, 0, None, None)
-    assert InputSplit.of(on) == InputSplit(batch=0, seq=2)
+    assert InputSplit.of(on) == InputSplit(batch=0, cuts=(("cp", 2),)) and InputSplit.of(on).seq == 2
 
 
 def test_tp2_cp2_fills_tp_and_cp_and_the_runtime_cuts_inputs_by_them():
@@ -56,7 +56,7 @@ def test_tp2_cp2_fills_tp_and_cp_and_the_runtime_cuts_inputs_by_them():
     assert any(isinstance(on_mesh_of(n)["tp"], Shard) and isinstance(on_mesh_of(n)["cp"], Shard) for n in nodes)
     assert manifest.param_on_mesh("h.0.mlp.c_fc.weight")["tp"] == Shard(0)
     # the manifest's inputs carry the placements; the runtime reads one split per input
-    assert manifest.input_splits == (InputSplit(None, 1), InputSplit(None, 1))
+    assert manifest.input_splits == (InputSplit(None, (("cp", 1),)), InputSplit(None, (("cp", 1),)))
     assert "seq_dims" not in manifest.to_json() and manifest.to_json()["format"] == FORMAT
 
 
@@ -78,7 +78,7 @@ def test_dp2_ep2_fills_the_batch_rows_and_the_experts():
         assert all(on_mesh_of(by_name[x])["ep"] == Shard(0) for x in r["nodes"] + r["weights"])
     dense = [f for f in manifest.state_shapes if f not in experts]
     assert dense and not any(manifest.param_on_mesh(f).dim("ep") is not None for f in dense)
-    assert manifest.input_splits == (InputSplit(0, None), InputSplit(0, None))
+    assert manifest.input_splits == (InputSplit(0), InputSplit(0))
     rows = {r["fqn"]: r for r in parameter_rows(prog)}   # inspect --json's parameters
     assert all(rows[f]["axes"] == {"ep": "S(0)"} for f in experts) and "axes" not in rows[dense[0]]
 

@@ -205,7 +205,7 @@ class Plan:
 
     def __str__(self) -> str:
         parts = []
-        default = Plan()
+        default = type(self)()
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value == getattr(default, f.name) and f.name in ("split_points", "fuse", "recompute",

@@ -22,15 +22,14 @@ from threefold.ir.stages import Stage
 from threefold.errors import PlanError
 from threefold.ir.program import format_stage
 from threefold.passes.batch_coupling import check_batch_coupling
-from threefold.passes.context_parallel import context_parallel
 from threefold.passes.experts import find_experts
 from threefold.passes.fusion import fuse
 from threefold.passes.loss_form import loss_form
-from threefold.passes.mesh_axes import place_batch_axes, place_expert_axis
 from threefold.passes.pipeline_split import split_pipeline
 from threefold.passes.random_ops import seed_random_ops
 from threefold.passes.recompute import plan_recompute
 from threefold.passes.static_shapes import check_static_shapes
+from threefold.passes.shard import shard, shard_chunks
 from threefold.passes.shard_units import plan_shard_units
 from threefold.passes.tensor_parallel import tensor_parallel
 
@@ -45,13 +44,12 @@ def default_passes() -> list[Pass]:
     ops already seeded, so a recomputed dropout calls the same seeded op). ZeRO-2/3 units
     group the final chunk graphs' parameters by layer. Expert regions are found in the final
     chunk graphs (a pipeline cut between two expert matmuls leaves a region on each side).
-    Context parallelism rewrites attention on the sharded graph (the tp rules saw the plain
-    ops; the ring runs per head shard). The batch axes' and ep's placements (passes/mesh_axes.py)
-    are recorded where their facts are known: the batch rows on the sharded graph (the
-    boundaries and the manifest's inputs carry them), the experts once regions are found."""
-    return [check_static_shapes, check_batch_coupling, loss_form, tensor_parallel, context_parallel,
-            place_batch_axes, annotate_costs, split_pipeline, fuse, seed_random_ops, find_experts,
-            place_expert_axis, plan_recompute, plan_shard_units]
+    The sharding walker (passes/shard.py) applies every other axis's rules where their facts
+    are known: `shard` on the sharded graph (cp rewrites attention there: the tp rules saw the
+    plain ops, the ring runs per head shard; then the batch axes), `shard_chunks` once expert
+    regions are found (ep). Which axes, in which order, is the mesh's table (runtime/mesh.py)."""
+    return [check_static_shapes, check_batch_coupling, loss_form, tensor_parallel, shard, annotate_costs,
+            split_pipeline, fuse, seed_random_ops, find_experts, shard_chunks, plan_recompute, plan_shard_units]
 
 
 class PassFailed(RuntimeError):

@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from threefold.ops import families as fam
 
-__all__ = ["Decision", "NoRule", "Op", "RESULT", "Refused", "Registry", "refuse"]
+__all__ = ["Decision", "Gather", "NoRule", "Op", "Place", "RESULT", "Refuse", "Refused", "Registry", "refuse"]
 
 
 class _Result:
@@ -70,6 +70,25 @@ class Decision:
 class NoRule:
     """No rule splits this call with its inputs placed so: the pass falls back (and says why)."""
     why: str
+
+
+# The decisions the sharding walker applies (passes/shard.py) for the axes on it (cp, the
+# batch axes, ep): a value's state on the axis, run on whole inputs, or refused.
+@dataclass(frozen=True)
+class Place:
+    out: object            # the output's state on the axis (a tuple of them for several outputs)
+    op: "Op | None" = None  # what this rank runs instead, on the same arguments' nodes (a scan's carry)
+
+
+@dataclass(frozen=True)
+class Gather:
+    why: str               # no split rule: run on whole inputs (the axis's redistribution), cut back
+
+
+@dataclass(frozen=True)
+class Refuse:
+    why: str
+    table: object = None   # the operand that is why, where the axis's `retry` may rewrite it
 
 
 class Refused(Exception):

@@ -3,7 +3,8 @@
 The compiler traces at the local sequence length n = S/cp (compiler/api.py cuts the example
 batch along the sequence dims passes/seq_dims.py finds), and the runtime feeds each cp rank
 blocks r and 2cp-1-r of every sequence (runtime/cp_ops.py). Most ops are then already right:
-they treat positions independently. This pass rewrites the ones that are not and checks the rest:
+they treat positions independently. cp's hooks on the sharding walker (passes/shard.py,
+`ContextParallel`, named by cp's mesh entry) rewrite the ones that are not and check the rest:
 
 1. Attention becomes ring attention (runtime/cp_ops.ring_attention; passes/cp_attention.py
    finds it): the SDPA op, and the pattern written by hand, matmul(q, k^T) [* or / a constant] [+ mask | masked_fill(mask,
@@ -22,9 +23,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from threefold.ir.contracts import stage_pass
 from threefold.ir.program import tf
-from threefold.ir.stages import Sharded, copy_graph_module
 from threefold.errors import PlanError
 from threefold.passes.cp_masks import input_free
 from threefold.ops.families import ARANGE_TO_INDEX, args_of
@@ -33,48 +32,98 @@ from threefold.passes.cp_factories import split_factories
 from threefold.passes.cp_fallback import gather_around
 from threefold.passes.cp_shifts import shift_halo
 from threefold.passes.cp_whole import is_whole
-from threefold.passes.cp_whole_inputs import whole_inputs
-from threefold.passes.cp_rules import Gather, Place, Refuse, Seq, decide, op_name
+from threefold.passes.cp_whole_inputs import GatherWhole, whole_decision, whole_inputs
+from threefold.passes.cp_rules import PARTIAL, Place, Seq, decide, op_name
 from threefold.passes.cp_rules.core import is_local
-from threefold.passes.mesh_axes import place_sequence
-from threefold.placement import on_mesh_of
+from threefold.passes.shard import AxisRules, Fallback
+from threefold.placement import P, Shard, on_mesh_of
 from threefold.runtime import cp_ops, cp_scan
 from threefold.runtime.tp_ops import GroupRef
 
 CP = GroupRef("cp")
 
 
-@stage_pass(needs=Sharded, gives=Sharded)
-def context_parallel(stage: Sharded) -> Sharded:
-    """Needs: the tp-sharded graph traced at the local sequence length. Guarantees (cp>1):
-    attention is ring attention, sequence aranges are global positions, and no op mixes
-    positions unnoticed (else a PlanError)."""
-    if stage.plan.cp == 1:
-        return stage.evolve()
-    gm = copy_graph_module(stage.gm)
-    n = stage.seq_len
-    rings = rewrite_attention(gm, stage, n)
-    convs = _causal_convolutions(gm, stage, n)
-    moved = _global_positions(gm, n)
-    _drop_unread(gm.graph)   # a mask the model builds and never reads (Qwen2-MoE) is not checked
-    fallbacks: list = []
-    tables: list = []
-    place_sequence(gm, check_sequence(gm, stage, fallbacks, tables))   # each value's cp entry (OnMesh)
-    gm.graph.lint()
-    gm.recompile()
-    names = sorted({tf(t.args[0]).get("fqn") for t in tables if tf(t.args[0]).get("fqn")})
-    note = (f"cp={stage.plan.cp}: {rings} attention op(s) run as ring attention over the cp group; "
-            f"{moved} sequence arange(s) give global positions; {len(tables)} position table(s) sliced to the "
-            f"sequence read this rank's rows{' (' + ', '.join(f'`{x}`' for x in names) + ')' if names else ''}; "
-            f"{convs} causal conv1d(s) exchange halos; "
-            f"{_count(gm, cp_scan.scan_seq)} scan(s) along the sequence carry the blocks before theirs "
-            "(all-gathered totals, 2 positions per rank); "
-            "sequence split in blocks r, 2cp-1-r")
-    m = stage.plan.microbatches
-    notes = tuple(f"cp fallback: {f['op']} ({f['node']}) at {f['module']} mixes sequence positions: the sequence "
-                  f"is all-gathered around it, {2 * m * f['bytes']} bytes per rank per step (all-gather forward, "
-                  f"reduce-scatter backward; strict=true refuses it)" for f in fallbacks)
-    return stage.evolve(gm=gm, notes=stage.notes + (note,) + notes)
+class ContextParallel(AxisRules):
+    """cp on the sharding walker (passes/shard.py): the pre-rewrites (1 and 2 above), each
+    value's sequence placement from the sequence rules' decisions (3), the all-gather fallback
+    as its redistribution, position tables and factories of the local length rewritten where
+    a refusal names them."""
+    axis = "cp"
+    fix = "context parallelism cannot split the sequence here: use cp=1 for this model (or rewrite the op position-wise)"
+
+    def active(self, stage) -> bool:
+        return stage.plan.cp > 1
+
+    def prepare(self, w) -> None:
+        gm, stage, n = w.gm, w.stage, w.stage.seq_len
+        rings = rewrite_attention(gm, stage, n)
+        convs = _causal_convolutions(gm, stage, n)
+        moved = _global_positions(gm, n)
+        _drop_unread(gm.graph)   # a mask the model builds and never reads (Qwen2-MoE) is not checked
+        w.ctx = {"rings": rings, "convs": convs, "moved": moved, "tables": []}
+
+    def seed(self, w, node):
+        """A user input's sequence dim: its cp entry (compiler/api.py)."""
+        d = on_mesh_of(node).dim("cp") if tf(node).get("kind") == "input" else None
+        return Seq(d) if d is not None else None
+
+    def decide(self, w, node):
+        state = w.state
+        if any(is_whole(a) for a in node.all_input_nodes):   # computed from a grid kept whole (cp_whole.py)
+            return whole_decision(node, state, w.stage, w.refusal(node, "mixes sequence positions"))
+        if all(state.get(a) is None for a in node.all_input_nodes) and op_name(node) != "shard_seq":
+            return Place(Seq(0) if op_name(node) == "positions" else None)
+        d = decide(node, state, w.stage)
+        if not isinstance(d, Place) and shift_halo(node, state, w.stage):   # a token shift: a halo exchange
+            return None                                                     # (cp_shifts.py places it)
+        return d
+
+    def redistribute(self, w, node, d, why: str):
+        if isinstance(d, GatherWhole):
+            return whole_inputs(node, w.state, w.stage, why)
+        return gather_around(node, w.state, w.stage, why, op_name(node), Seq)
+
+    def fallback(self, w, node, moved: int) -> Fallback:
+        return Fallback("cp", op_name(node), node.name, tf(node).get("module") or "<top>",
+                        2 * w.stage.plan.microbatches * moved, "mixes sequence positions",
+                        "the sequence is all-gathered around it",
+                        "all-gather forward, reduce-scatter backward; strict=true refuses it")
+
+    def retry(self, w, node, d) -> list:
+        """A position table or factory of the local length that a refusal names: this rank's rows."""
+        moved = _rows_at_positions(d.table, w.stage) or split_factories(d.table, w.state, w.stage)
+        w.ctx["tables"].extend(m for m in moved if op_name(m) == "index_select")
+        return moved
+
+    def check_output(self, w, node):
+        for out in node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]:
+            if w.stage.has_loss and isinstance(w.state.get(out), Seq):
+                return "the loss is not reduced over the sequence"
+            if is_local(w.state.get(out)):
+                return "returns rows sorted on this rank (a routing sort) or counted on it"
+            if is_whole(out):
+                return "returns a grid of positions computed whole on every rank (attention weights?)"
+        return None
+
+    def placement(self, s):
+        """S(d) along the sequence (a flattened [b*s, h] dim counts), P for a sum over this rank's tokens."""
+        if isinstance(s, Seq):
+            return Shard(s.dim)
+        return P if s == PARTIAL else None
+
+    def summary(self, w) -> tuple:
+        stage, c = w.stage, w.ctx
+        names = sorted({tf(t.args[0]).get("fqn") for t in c["tables"] if tf(t.args[0]).get("fqn")})
+        return (f"cp={stage.plan.cp}: {c['rings']} attention op(s) run as ring attention over the cp group; "
+                f"{c['moved']} sequence arange(s) give global positions; {len(c['tables'])} position table(s) sliced "
+                f"to the sequence read this rank's rows{' (' + ', '.join(f'`{x}`' for x in names) + ')' if names else ''}; "
+                f"{c['convs']} causal conv1d(s) exchange halos; "
+                f"{_count(w.gm, cp_scan.scan_seq)} scan(s) along the sequence carry the blocks before theirs "
+                "(all-gathered totals, 2 positions per rank); "
+                "sequence split in blocks r, 2cp-1-r",)
+
+
+SHARDING = (ContextParallel(),)
 
 
 def _count(gm: fx.GraphModule, target) -> int:
@@ -93,77 +142,7 @@ def _drop_unread(graph: fx.Graph) -> None:
             graph.erase_node(node)
 
 
-# -- the sequence rules' decisions, applied ------------------------------------------------------
-
-def check_sequence(gm: fx.GraphModule, stage, fallbacks: list | None = None, tables: list | None = None) -> dict:
-    """Every node's sequence placement (name -> Seq | PARTIAL | None), from the rules'
-    decisions (passes/cp_rules/): Place keeps it, Gather runs the op on the all-gathered
-    sequence (passes/cp_fallback.py, appended to `fallbacks`), Refuse is a PlanError unless
-    what it meets is a position table sliced to the local length (then this rank's rows)."""
-    fallbacks = [] if fallbacks is None else fallbacks
-    tables = [] if tables is None else tables
-    state: dict = {}
-    for node in gm.graph.nodes:   # live: the fallback's cuts, inserted after a node, are placed in turn
-        if node.op == "placeholder":   # a user input's sequence dim: its cp entry (compiler/api.py)
-            d = on_mesh_of(node).dim("cp") if tf(node).get("kind") == "input" else None
-            state[node] = Seq(d) if d is not None else None
-        elif node.op == "output":
-            for out in node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]:
-                if stage.has_loss and isinstance(state.get(out), Seq):
-                    _refuse(node, stage, "the loss is not reduced over the sequence")
-                if is_local(state.get(out)):
-                    _refuse(node, stage, "returns rows sorted on this rank (a routing sort) or counted on it")
-                if is_whole(out):
-                    _refuse(node, stage, "returns a grid of positions computed whole on every rank (attention "
-                                         "weights?)")
-        elif node.op == "call_function":
-            d = _place(node, state, stage, fallbacks)
-            if isinstance(d, Refuse) and d.table is not None:
-                moved = _rows_at_positions(d.table, stage) or split_factories(d.table, state, stage)
-                if moved:
-                    tables.extend(m for m in moved if op_name(m) == "index_select")
-                    _replace_after(moved, node, state, stage, fallbacks)
-                    d = _place(node, state, stage, fallbacks)
-            if isinstance(d, Refuse):
-                _refuse(node, stage, d.why)
-    return {n.name: s for n, s in state.items()}
-
-
-def _place(node, state: dict, stage, fallbacks: list):
-    """Apply the rules' decision for one call to `state` (Refuse is returned, not applied)."""
-    if any(is_whole(a) for a in node.all_input_nodes):   # computed from a grid kept whole (cp_whole.py)
-        return whole_inputs(node, state, stage, fallbacks, _message(node, stage, "mixes sequence positions"))
-    if all(state.get(a) is None for a in node.all_input_nodes) and op_name(node) != "shard_seq":
-        state[node] = Seq(0) if op_name(node) == "positions" else None
-        return None
-    d = decide(node, state, stage)
-    if not isinstance(d, Place) and shift_halo(node, state, stage):   # a token shift: a halo exchange (cp_shifts.py)
-        return None
-    if isinstance(d, Place):
-        if d.op is not None:   # the call this rank runs instead, on the same arguments' nodes
-            node.target, node.args, node.kwargs = d.op.target, d.op.args, d.op.kwargs
-        state[node] = d.out
-    elif isinstance(d, Gather):
-        state[node] = gather_around(node, state, stage, _message(node, stage, d.why), fallbacks, op_name(node), Seq)
-    return d
-
-
-def _replace_after(new: list, upto: fx.Node, state: dict, stage, fallbacks: list) -> None:
-    """Place again what depends on the `new` nodes, in order, up to (not including) `upto`."""
-    seen, stack = set(), list(new)
-    while stack:
-        x = stack.pop()
-        if x not in seen:
-            seen.add(x)
-            stack.extend(x.users)
-    for x in upto.graph.nodes:   # live: a fallback's cuts inserted on the way are placed too
-        if x is upto:
-            break
-        if (x in seen or x not in state) and x.op == "call_function":
-            d = _place(x, state, stage, fallbacks)
-            if isinstance(d, Refuse):
-                _refuse(x, stage, d.why)
-
+# -- position tables ---------------------------------------------------------------------------
 
 def _rows_at_positions(table: fx.Node, stage) -> list:
     """Position tables found by data flow: in what `table` is made of (parameters, buffers,
@@ -208,17 +187,7 @@ def _rows_at_positions(table: fx.Node, stage) -> list:
     return new
 
 
-def _message(node, stage, why: str) -> str:
-    module = tf(node).get("module") or "<top>"
-    return (f"cp={stage.plan.cp}: {op_name(node)} at {module} {why}; context parallelism cannot split the "
-            "sequence here: use cp=1 for this model (or rewrite the op position-wise)")
-
-
-def _refuse(node, stage, why: str):
-    raise PlanError(_message(node, stage, why))
-
-
-__all__ = ["context_parallel", "check_sequence"]
+__all__ = ["ContextParallel", "SHARDING"]
 
 
 # -- attention -----------------------------------------------------------------------------

@@ -1,13 +1,15 @@
 """The all-gather fallback for ops that mix sequence positions under cp (runtime/cp_gather.py).
 
-passes/context_parallel.py calls `gather_around` where a sequence rule decides Gather (the
+cp's redistribution on the sharding walker (passes/shard.py, passes/context_parallel.py) calls
+`gather_around` where a sequence rule decides Gather (the
 families cp_rules.GATHERABLE: reductions, softmaxes, scans, sorts, convolutions, pools and
 contractions over the sequence). It rewrites op(x) into shard_seq(op(gather_seq(x))): every sequence-split input is
 gathered whole (global order), the op runs as one process runs it, and an output that still
 runs along the sequence (the dim of the whole length s, where the traced one had s/cp) is
 cut back to this rank's blocks; an output without one (a reduction over the sequence) stays
 whole on every rank. The op is exact; the cost is one all-gather forward and one
-reduce-scatter backward per input, recorded in `fallbacks` (inspect lists them with bytes).
+reduce-scatter backward per input, returned for the walker's fallback record (inspect lists
+them with bytes).
 `strict=true` makes it the PlanError it was. Refused still: an op whose arguments name the
 local length (a slice or view to s/cp would be wrong on the whole), and an output of
 another length. Ops with several outputs (sort, topk, cummax) have each output that runs
@@ -31,8 +33,9 @@ from threefold.runtime.tp_ops import GroupRef
 CP = GroupRef("cp")
 
 
-def gather_around(node: fx.Node, state: dict, stage, why: str, fallbacks: list, name: str, seq_cls):
-    """Rewrite `node` to run on gathered inputs; returns its output's placement (None: whole),
+def gather_around(node: fx.Node, state: dict, stage, why: str, name: str, seq_cls):
+    """Rewrite `node` to run on gathered inputs; returns its output's placement (None: whole)
+    and the bytes each gathered input moves per occurrence (the walker records the fallback),
     or raises the one-line PlanError `why` where the fallback cannot apply."""
     plan, n = stage.plan, stage.seq_len
     where = f"{name} at {tf(node).get('module') or '<top>'}"
@@ -59,15 +62,14 @@ def gather_around(node: fx.Node, state: dict, stage, why: str, fallbacks: list, 
                         "queue, is compared with counts the model computes from the token count, which differ "
                         "per rank)") from None
     graph, cp = node.graph, plan.cp
-    whole = {}
+    whole, moved = {}, []
     for a in ins:
         d = state[a].dim
         g = _gather(graph, node, a, d, merged.get(a), cp)
         state[g] = None
         whole[a] = g
         val = a.meta["val"]
-        fallbacks.append({"op": name, "node": node.name, "module": tf(node).get("module") or "<top>",
-                          "elements": val.numel(), "bytes": (cp - 1) * val.numel() * val.element_size()})
+        moved.append((cp - 1) * val.numel() * val.element_size())
     node.args = fx.node.map_arg(node.args, lambda a: whole.get(a, a))
     node.kwargs = fx.node.map_arg(node.kwargs, lambda a: whole.get(a, a))
     for a, g in whole.items():
@@ -86,16 +88,16 @@ def gather_around(node: fx.Node, state: dict, stage, why: str, fallbacks: list, 
     if grid:   # it runs along the sequence twice (positions paired with positions): kept whole
         remember(node, out)
         mark(node, out, full)
-        return None
+        return None, moved
     if not isinstance(out, (tuple, list)):
         if cuts[0] is not None:
             _cut(node, cuts[0], out, cp, layout)
-        return None   # the op itself is whole; shard_seq's rule gives Seq(d) when the loop reaches it
+        return None, moved   # the op itself is whole; shard_seq's rule gives Seq(d) when the loop reaches it
     for u in list(node.users):   # several outputs: each getitem that still runs along the sequence is cut
         if u.target is operator.getitem and cuts[u.args[1]] is not None:
             u.meta["val"] = fulls[u.args[1]]
             _cut(u, cuts[u.args[1]], outs[u.args[1]], cp, layout)
-    return tuple(None for _ in outs)
+    return tuple(None for _ in outs), moved
 
 
 def _digits(shape, s, n: int):

@@ -1,5 +1,6 @@
 """What cp decides for an op that reads a value computed whole on every rank (passes/cp_whole.py):
-rerun it on whole values alone, else the all-gather fallback around it."""
+rerun it on whole values alone, else the all-gather fallback around it (cp's redistribution on
+the sharding walker, passes/shard.py)."""
 from __future__ import annotations
 
 import torch
@@ -13,25 +14,34 @@ from threefold.passes.cp_rules import Gather, Refuse, Seq
 from threefold.passes.cp_whole import is_whole, run_whole
 
 
-def whole_inputs(node: fx.Node, state: dict, stage, fallbacks: list, why: str):
-    """The decision for an op that reads a whole value: rerun on whole values alone, else the
-    all-gather fallback around it (its split inputs gathered, its output cut back where one
-    dim runs along the sequence)."""
+class GatherWhole(Gather):
+    """Gather for an op that reads a whole value: its redistribution (`whole_inputs`) reruns it
+    on whole values alone where it can."""
+
+
+def whole_decision(node: fx.Node, state: dict, stage, why: str):
+    """The decision for an op that reads a whole value (`why`: its refusal message): a mask made
+    of ones(b, n) beside the whole scores is split first (a Refuse naming it), else GatherWhole."""
     n = stage.seq_len
-    for a in node.all_input_nodes:   # a mask made of ones(b, n) beside the whole scores: split it first
+    for a in node.all_input_nodes:
         v = a.meta.get("val")
         if state.get(a) is None and not is_whole(a) and isinstance(v, torch.Tensor) and n in v.shape \
                 and local_factories(a, state, n, stage):
             return Refuse(f"{why} (it meets a value of the local length made in forward)", a)
+    return GatherWhole("mixes sequence positions")
+
+
+def whole_inputs(node: fx.Node, state: dict, stage, why: str):
+    """Run an op that reads a whole value on whole values alone, else the all-gather fallback
+    around it (its split inputs gathered, its output cut back where one dim runs along the
+    sequence): (its state, bytes moved per gathered input)."""
     _widen_broadcasts(node, state, stage, Seq)
     if not any(isinstance(state.get(a), Seq) for a in node.all_input_nodes):
         if any(state.get(a) is not None for a in node.all_input_nodes):
             raise PlanError(f"{why} (it meets a value that is neither split nor whole)")
         run_whole(node, stage.seq_len, why, stage)
-        state[node] = None
-        return None
-    state[node] = gather_around(node, state, stage, why, fallbacks, op_name(node), Seq)
-    return Gather(why)
+        return None, []
+    return gather_around(node, state, stage, why, op_name(node), Seq)
 
 
 def _widen_broadcasts(node: fx.Node, state: dict, stage, seq_cls) -> None:

@@ -24,9 +24,12 @@ import torch
 import torch.fx as fx
 
 from threefold.ops import families as fam
-from threefold.ops.rules import Decision, NoRule, Refused, Registry, refuse
+from threefold.ir.program import tf
+from threefold.ops.rules import Decision, NoRule, Place, Refused, Registry, refuse
 from threefold.passes.row_rules import propagate
 from threefold.passes.row_state import LOST, POS, Rows, op_name
+from threefold.passes.shard import AxisRules
+from threefold.placement import Shard
 
 
 EP = Registry("ep")
@@ -94,3 +97,33 @@ def _rows_kept(n: fx.Node, rows: int) -> bool:
     vals = v if isinstance(v, (tuple, list)) else [v]
     tensors = [t for t in vals if isinstance(t, torch.Tensor)]
     return bool(tensors) and all(t.dim() >= 1 and t.shape[0] == rows for t in tensors)
+
+
+# -- the ep axis on the sharding walker (passes/shard.py) ------------------------------------
+
+class ExpertAxis(AxisRules):
+    """ep > 1, on each chunk graph once expert regions are found (passes/experts.py): every
+    expert weight (its parameter, wherever it is held, and the views a region reads) and every
+    value of an expert region is S(0) on ep: the experts, or the rows sorted by expert."""
+    axis = "ep"
+    phase = "chunks"
+
+    def active(self, prog) -> bool:
+        return getattr(prog.plan, "ep", 1) > 1 and any(c.experts for c in prog.chunks)
+
+    def prepare(self, w) -> None:
+        w.ctx = ({f for c in w.stage.chunks for r in c.experts for f in r["params"]},
+                 {name for r in w.part.experts for name in list(r["weights"]) + list(r["nodes"])})
+
+    def seed(self, w, node):
+        params, names = w.ctx
+        return tf(node).get("fqn") in params or node.name in names
+
+    def decide(self, w, node):
+        return Place(node.name in w.ctx[1])
+
+    def placement(self, s):
+        return Shard(0) if s is True else None
+
+
+SHARDING = (ExpertAxis(),)

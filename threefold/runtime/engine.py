@@ -12,6 +12,7 @@ returns the mean loss over the global batch on every rank.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -25,11 +26,11 @@ from threefold.runtime.collective_plan import CollectivePlan, with_collectives
 from threefold.runtime.comm import Groups
 from threefold.runtime.receives import ReceivePlan, receive_plan
 from threefold.runtime.manifest import Manifest
-from threefold.runtime.cp_ops import local_blocks
 from threefold.runtime.grad_reduce import GradReduce
 from threefold.runtime.mesh import BATCH_AXES, chunk_layout
 from threefold.runtime.module import ChunkModule
 from threefold.runtime.random_ops import shared_seed
+from threefold.runtime.run_plan import InputSplit, cutting_axes, input_cut
 from threefold.runtime.schedule import Kind, Schedule, forward_only
 from threefold.runtime.slot import Slot, handed_over, input_grads, release_outputs
 from threefold.runtime import weight_grad   # zero bubble: W runs what B deferred
@@ -123,7 +124,9 @@ class PipelineEngine:
         self._boundaries: dict = {}
         self._peers: dict[int, int] = {}   # pp stage -> the rank this rank exchanges with there
         # this rank's index among the ranks that split the batch (random ops' microbatch key)
-        self._batch_rank = self.coord.dp * self.mesh.cp + self.coord.cp
+        self._batch_rank = 0   # mixed radix over dp and the axes that cut inputs (cp), dp outermost
+        for a in ("dp",) + cutting_axes():
+            self._batch_rank = self._batch_rank * self.mesh.size(a) + self.coord[a]
         self._plan_cache: tuple | None = None   # (schedule, its ReceivePlan, loss position)
         self._programs: dict = {}       # id(schedule) -> its runtime/dispatch.Program
         self.recv_pool = BufferPool()   # receive buffers, reused once their last reader is gone
@@ -403,19 +406,22 @@ class PipelineEngine:
         slot.input_grads = [x.grad if x.requires_grad else None for x in slot.inputs]
         slot.outputs, slot.output_grads = [], []
 
-    def _microbatches(self, batch: tuple, m: int, d: int | None = None, c: int | None = None) -> list[tuple]:
-        """The m microbatches of batch-rank (dp index d, cp index c) of the global `batch`:
-        this rank's by default (the denominator also cuts the other ranks' shares)."""
-        dp, d = self.mesh.dp, self.coord.dp if d is None else d
-        c = self.coord.cp if c is None else c
+    def _microbatches(self, batch: tuple, m: int, at: dict | None = None) -> list[tuple]:
+        """The m microbatches of the batch-rank at coordinates `at` (axis -> index: dp and the
+        axes that cut inputs; this rank's where not given) of the global `batch` (the
+        denominator also cuts the other ranks' shares)."""
+        at = at or {}
+        dp, d = self.mesh.dp, at.get("dp", self.coord.dp)
         out = [[] for _ in range(m)]
         splits = self.input_splits
         for i, t in enumerate(batch):
-            # the batch and sequence dims the compiler placed this input along (manifest)
-            bd, sd = (splits[i].batch, splits[i].seq) if i < len(splits) else (None, None)
-            if isinstance(t, torch.Tensor) and sd is not None:
-                # cp: this rank's blocks r and 2cp-1-r of each sequence (runtime/cp_ops.py)
-                t = local_blocks(t, sd, self.mesh.cp, c)
+            # the dims the compiler placed this input along (manifest): each cutting axis's
+            # (cp: this rank's blocks r and 2cp-1-r of each sequence), then the batch rows
+            split = splits[i] if i < len(splits) else InputSplit()
+            if isinstance(t, torch.Tensor):
+                for axis, dim in split.cuts:
+                    t = input_cut(axis)(t, dim, self.mesh.size(axis), at.get(axis, self.coord[axis]))
+            bd = split.batch
             if not isinstance(t, torch.Tensor) or t.dim() == 0 or bd is None:
                 for mb in out:
                     mb.append(t.to(self.device) if isinstance(t, torch.Tensor) else t)
@@ -501,12 +507,13 @@ class PipelineEngine:
             return float("nan")  # not the last stage: never seeds a loss backward
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         with torch.no_grad():
-            for d in range(self.mesh.dp):
-                for c in range(self.mesh.cp):
-                    micro = st.micro if (d, c) == (self.coord.dp, self.coord.cp) else (
-                        self._microbatches(st.batch, st.m, d, c))
-                    for mb in micro:
-                        total += last.loss_denominator(*[mb[j] for j in last.DENOMINATOR_INPUTS])[0].double()
+            axes = ("dp",) + cutting_axes()   # every batch rank: dp x the axes that cut inputs
+            for index in itertools.product(*(range(self.mesh.size(a)) for a in axes)):
+                at = dict(zip(axes, index))
+                micro = st.micro if all(at[a] == self.coord[a] for a in axes) else (
+                    self._microbatches(st.batch, st.m, at))
+                for mb in micro:
+                    total += last.loss_denominator(*[mb[j] for j in last.DENOMINATOR_INPUTS])[0].double()
         return float(total)
 
     def _loss_share(self, losses: list[torch.Tensor], denominator: float) -> torch.Tensor:

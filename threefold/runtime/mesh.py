@@ -67,21 +67,29 @@ class Axis:
     size_of: Callable    # plan -> size
     doc: str
     optional: bool = False   # left out of a plan's mesh at size 1 (meshes of older plans stay as they were)
+    # the module path of the axis's sharding rules (its `SHARDING`, read by passes/shard.py,
+    # innermost axis first); a string, since the runtime imports no pass
+    rules: str = ""
+    # "module:function" of the runtime op that cuts a user input placed S(d) on this axis,
+    # f(tensor, d, size, index) -> this rank's part (runtime/run_plan.input_cut); "": the axis
+    # cuts no user input (the batch axes' rows are cut with the microbatches, by the engine)
+    cut: str = ""
 
 
 # Outermost first. The rank formula is the mixed radix over this order.
 AXES: tuple[Axis, ...] = (
     Axis("pp", lambda plan: plan.pp, "pipeline stages"),
     Axis("dp_replicate", lambda plan: plan.dp // plan.shard_degree,
-         "data-parallel replicas of the sharded state (HSDP: across nodes)"),
+         "data-parallel replicas of the sharded state (HSDP: across nodes)", rules="threefold.passes.mesh_axes"),
     Axis("dp_shard", lambda plan: plan.shard_degree // getattr(plan, "ep", 1),
-         "data-parallel ranks that shard optimizer state, gradients, parameters (zero>=1)"),
+         "data-parallel ranks that shard optimizer state, gradients, parameters (zero>=1)",
+         rules="threefold.passes.mesh_axes"),
     Axis("ep", lambda plan: getattr(plan, "ep", 1),
          "expert-parallel ranks (inside dp): each holds E/ep whole experts, tokens move by all-to-all",
-         optional=True),
+         optional=True, rules="threefold.passes.ep_rules"),
     Axis("cp", lambda plan: getattr(plan, "cp", 1),
          "context-parallel ranks (every sequence split along its positions; ring attention)",
-         optional=True),
+         optional=True, rules="threefold.passes.context_parallel", cut="threefold.runtime.cp_ops:local_blocks"),
     Axis("tp", lambda plan: plan.tp, "tensor-parallel ranks"),
 )
 AXIS_NAMES = tuple(a.name for a in AXES)

@@ -9,15 +9,19 @@ printed, compared and stored in checkpoints is the same as for the `Plan` it cam
 
 `InputSplit` is the other half of what the runtime reads once: how a step cuts each user
 input of the global batch, derived from the input's placement on the mesh (the manifest's
-per-input OnMesh: its `dp` and `cp` entries).
+per-input OnMesh: its `dp` entry, and the entry of every axis that names a cut op in its
+mesh entry, runtime/mesh.py `Axis.cut`: cp's load-balanced blocks).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 from dataclasses import dataclass
 
 from threefold.errors import PlanError
 from threefold.placement import OnMesh
+from threefold.runtime import mesh as mesh_table
 from threefold.runtime.mesh import Mesh
 
 _SCALARS = (bool, int, str, type(None))
@@ -109,12 +113,31 @@ class RunPlan:
 @dataclass(frozen=True)
 class InputSplit:
     """How a step cuts one user input of the global batch: `batch` is the dim its rows lie
-    along, split over the batch axes (dp) and the microbatches; `seq` the dim cp cuts into
-    2*cp blocks, two per cp rank (runtime/cp_ops.local_blocks); None: not cut."""
+    along, split over the batch axes (dp) and the microbatches; `cuts` the (axis, dim) of each
+    other axis that cuts it, by that axis's runtime op (`input_cut`: cp's 2*cp blocks, two per
+    cp rank, runtime/cp_ops.local_blocks); None / (): not cut."""
     batch: int | None = None
-    seq: int | None = None
+    cuts: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def seq(self) -> int | None:
+        """The dim cp cuts (None: none)."""
+        return dict(self.cuts).get("cp")
 
     @classmethod
     def of(cls, on: OnMesh) -> "InputSplit":
-        """The split an input's placement says (its `dp` and `cp` entries)."""
-        return cls(on.dim("dp"), on.dim("cp"))
+        """The split an input's placement says (its `dp` entry and its cutting axes' entries)."""
+        cutting = {a.name for a in mesh_table.AXES if a.cut}
+        return cls(on.dim("dp"), tuple((a, on.dim(a)) for a in on.axes if a in cutting and on.dim(a) is not None))
+
+
+def cutting_axes() -> tuple[str, ...]:
+    """The mesh axes that cut user inputs by a runtime op of their own, outermost first."""
+    return tuple(a.name for a in mesh_table.AXES if a.cut)
+
+
+@functools.cache
+def input_cut(axis: str):
+    """The runtime op that cuts a user input along `axis` (its mesh entry's `cut`)."""
+    module, name = next(a.cut for a in mesh_table.AXES if a.name == axis).split(":")
+    return getattr(importlib.import_module(module), name)

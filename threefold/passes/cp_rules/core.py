@@ -11,7 +11,8 @@ A rule reads one call (`Call`: the op's name, its arguments by schema name, the 
 placements, the traced shapes) and returns a decision: `Place(out)` (the output's
 placement; with `op`, the call this rank runs instead), `Gather(why)` (it mixes positions; exact on the all-gathered sequence,
 passes/cp_fallback.py) or `Refuse(why)` (a PlanError naming the op and the fix). Rules never
-touch the graph: passes/context_parallel.py applies the decisions. Rules are registered by
+touch the graph: the sharding walker applies the decisions (passes/shard.py, with cp's hooks in
+passes/context_parallel.py). Rules are registered by
 op name (`RULES`) or by family (threefold/ops/families.py, `FAMILY_RULES`); `decision_for`
 says, for any op name, which rule (or reasoned refusal) cp has for it.
 """
@@ -27,7 +28,7 @@ import torch.fx as fx
 from threefold.ir.program import tf
 from threefold.ops import families as fam
 from threefold.ops.families import args_of, op_name
-from threefold.ops.rules import Op, Registry
+from threefold.ops.rules import Gather, Place, Refuse, Registry
 
 __all__ = ["Seq", "PARTIAL", "Perm", "Ptr", "RANK_LOCAL", "is_local", "Call", "Place", "Gather", "Refuse", "decide", "decision_for", "op_name",
            "RULES", "FAMILY_RULES", "REFUSALS", "GATHERABLE", "rule", "where"]
@@ -78,21 +79,9 @@ def is_local(p) -> bool:
     return isinstance(p, (Perm, Ptr)) or p == RANK_LOCAL
 
 
-@dataclass(frozen=True)
-class Place:
-    out: object            # Seq | PARTIAL | None, or a tuple of them for several outputs
-    op: Op | None = None   # what runs instead of the call on this rank's positions (a scan's carry)
-
-
-@dataclass(frozen=True)
-class Gather:
-    why: str               # mixes positions: run on the gathered sequence, cut back
-
-
-@dataclass(frozen=True)
-class Refuse:
-    why: str
-    table: object = None   # the whole operand that varies per position, where that is why
+# Place(Seq | PARTIAL | None, or a tuple of them), Gather(why: mixes positions: run on the
+# gathered sequence, cut back), Refuse(why, table: the whole operand that varies per position,
+# where that is why): the decisions every axis on the sharding walker returns (ops/rules.py).
 
 
 @dataclass(frozen=True)
