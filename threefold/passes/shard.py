@@ -22,7 +22,8 @@ A rule never touches the graph: only `prepare`, `redistribute` and `retry` do, o
 this pass owns. Adding an axis: its mesh entry (with `rules=`), its plan field, its rules
 module (rules and one `AxisRules`), its runtime ops; nothing here or in compiler/pipeline.py.
 The tensor-parallel axis is not on this walker yet: passes/tensor_parallel.py rewrites the
-graph at local shapes (its own walk over the same rule registry mechanics, ops/rules.py).
+graph at local shapes (its own walk over the same rule registry mechanics, ops/rules.py);
+its fallbacks are already this module's `Fallback` records, their notes `fallback_note`.
 """
 from __future__ import annotations
 

@@ -124,7 +124,8 @@ class _Rewriter(CollectiveEmitter, WeightRewrites):
     def __init__(self, prog, avoid: dict[str, str] | None = None):   # prog: a Draft of the Traced stage
         self.prog = prog
         self.avoid = dict(avoid or {})          # weights to keep replicated (see tensor_parallel)
-        self.fallbacks: list[dict] = []         # ops run on gathered inputs (tp_redistribute)
+        self.fallbacks: list = []               # ops run on gathered inputs: shard.Fallback records (tp_redistribute)
+        self.fallback_blocked: list[list[str]] = []   # per fallback: the column weights whose shards reached it
         self.blamed: dict[str, str] = {}        # column weights whose shards hit a fallback -> where
         self.origin: dict[fx.Node, frozenset] = {}     # sharded value -> column weights it came from
         self.f_source: dict[fx.Node, fx.Node] = {}     # f(x) -> x

@@ -8,8 +8,9 @@ Where no sharded rule applies (the rule says NoRule, or a redistribution cannot 
 the rewriter undoes whatever it had emitted for the op, brings every input of the op back to a replicated value (all-gather a
 shard with a differentiable gather whose backward slices, undo vocabulary padding, reduce a
 partial sum) and runs the op on the whole values. The op is never computed on the wrong
-shard. Each fallback is recorded (op, module FQN, bytes moved per step), listed by
-`threefold inspect`, and is a PlanError under `Plan(strict=True)`.
+shard. Each fallback is recorded as the sharding walker's one `Fallback` record (passes/shard.py:
+op, module FQN, bytes moved per step; its note is `fallback_note`), listed by `threefold
+inspect`, and is a PlanError under `Plan(strict=True)`.
 """
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ import torch.fx as fx
 from threefold.passes.cost import op_name
 from threefold.ir.program import tf
 from threefold.errors import PlanError
+from threefold.passes.shard import Fallback
 from threefold.passes.tp_placement import Partial, Replicate, Shard
+
+GATHERS = "gathers its inputs"   # what a tp fallback does (its Fallback record's `how`)
 
 
 class NoRule(PlanError):
@@ -135,10 +139,9 @@ def fallback(rw, old: fx.Node, reason: str) -> fx.Node:
     kwargs = fx.node.map_arg(old.kwargs, whole)
     rw._note_param_uses(old, sharded=False)
     node = rw.copy_node(old, args=args, kwargs=kwargs, val=_meta(old.meta.get("val")))
-    rw.fallbacks.append({"op": op_name(old), "node": old.name, "module": tf(old).get("module", "") or "<top>",
-                         "reason": reason.split("; use tp=1")[0],
-                         "bytes_per_step": moved * rw.prog.plan.microbatches,
-                         "blocked": sorted(blamed)})
+    rw.fallbacks.append(Fallback("tp", op_name(old), old.name, tf(old).get("module", "") or "<top>",
+                                 moved * rw.prog.plan.microbatches, reason.split("; use tp=1")[0], GATHERS))
+    rw.fallback_blocked.append(sorted(blamed))
     for fqn in blamed:
         rw.blamed.setdefault(fqn, f"{op_name(old)} in {tf(old).get('module', '') or '<top>'}")
     return node

@@ -4,6 +4,8 @@ kept whole and why. When tp > 1 leaves over half of the parameters replicated, s
 from __future__ import annotations
 
 from threefold.ir.program import tf
+from threefold.passes.shard import Fallback, fallback_note
+from threefold.passes.tp_redistribute import GATHERS
 
 
 def tp_report(rw) -> dict:
@@ -14,18 +16,21 @@ def tp_report(rw) -> dict:
     sharded = sum(_sharded_numel(rw, f) for f in rw.decisions if f in prog.state)
     return {"tp": rw.t, "params": total, "sharded_params": sharded,
             "sharded_share": round(sharded / total, 4) if total else 0.0,
-            "fallbacks": list(rw.fallbacks),
+            "fallbacks": [{"op": fb.op, "node": fb.node, "module": fb.module, "reason": fb.why,
+                           "bytes_per_step": fb.bytes_per_step, "blocked": blocked}
+                          for fb, blocked in zip(rw.fallbacks, rw.fallback_blocked)],
             "replicated_weights": dict(sorted(rw.replicated_weights.items()))}
 
 
 def report_notes(rep: dict) -> list[str]:
+    """The notes of a report; a fallback's is the sharding walker's one `fallback_note`."""
     notes = [f"tp={rep['tp']}: {rep['sharded_share']:.0%} of parameters sharded "
              f"({rep['sharded_params']} of {rep['params']})"]
     for fqn, reason in rep["replicated_weights"].items():
         notes.append(f"tp: {fqn} kept whole on every rank: {reason}")
     for fb in rep["fallbacks"]:
-        notes.append(f"tp fallback: {fb['op']} ({fb['node']}) in {fb['module']}: {fb['reason']}; "
-                     f"gathers its inputs, {fb['bytes_per_step']} B per step per rank")
+        notes.append(fallback_note(Fallback("tp", fb["op"], fb["node"], fb["module"], fb["bytes_per_step"],
+                                            fb["reason"], GATHERS)))
     if rep["params"] and rep["sharded_share"] < 0.5:
         why = sorted({f"{fb['op']} in {fb['module']}" for fb in rep["fallbacks"]})
         kept = [f"{fqn} ({reason})" for fqn, reason in rep["replicated_weights"].items()]
