@@ -90,7 +90,8 @@ def _sdpa_padding(m, x, pad):
 
 
 @pytest.mark.parametrize("op,words", [
-    (lambda m, x: torch.cumsum(x, dim=1), "cumsum at <top> mixes sequence positions"),
+    # (a cumsum over the sequence carries its blocks' totals, exact under strict: test_cp_scans.py)
+    (lambda m, x: torch.cummax(x, dim=1).values, "cummax at <top> mixes sequence positions"),
     # a table sliced to T reads this rank's rows now (tests/test_cp_rules.py); values made per
     # position some other way (linspace over the traced length) still cannot be moved
     (lambda m, x: x + torch.linspace(0, 1, x.shape[1])[:, None], "varies per position"),

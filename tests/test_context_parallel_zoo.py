@@ -98,16 +98,18 @@ def test_hf_decoders_at_cp2():
     _check(2, [("causal_lm", {"arch": a, "seq": 16}, "cp=2") for a in ("qwen2", "mistral", "gpt_neox", "phi", "gemma")])
 
 
-def test_opt_learned_positions_from_a_cumsum_take_the_gather_fallback():
+def test_opt_learned_positions_from_a_cumsum_carry_the_blocks_before():
     """OPT numbers positions by a cumsum over a ones mask made in forward (not an arange): the
-    mask is the whole-length one cut to this rank's blocks (passes/cp_factories.py), the cumsum
-    runs on the gathered sequence (was a refusal: "varies per position"; parity:
+    mask is the whole-length one cut to this rank's blocks (passes/cp_factories.py), and the
+    cumsum carries the totals of the blocks before each of this rank's (runtime/cp_scan.py;
+    was the all-gather fallback, before that a refusal: "varies per position"; parity:
     tests/test_cp_factories.py)."""
     from examples.hf import causal_lm
+    from threefold.codegen.artifact import build_sources
     from threefold.compiler.api import compile_workload
-    prog = compile_workload(causal_lm(arch="opt", seq=16), "cp=2")
-    falls = [n for n in prog.notes if n.startswith("cp fallback:")]
-    assert len(falls) == 1 and falls[0].startswith("cp fallback: cumsum ("), falls
+    prog = compile_workload(causal_lm(arch="opt", seq=16), "cp=2,strict=true")
+    assert not [n for n in prog.notes if n.startswith("cp fallback:")], prog.notes
+    assert build_sources(prog)["chunk00.py"].split("def model_outputs")[0].count("cp_scan.scan_seq(") == 1
 
 
 @pytest.mark.zoo
