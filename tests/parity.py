@@ -68,3 +68,30 @@ def parallel_losses(plans: list[str], factory: str, kwargs: dict, steps: int, lr
 
 def max_rel_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def ep_checkpoint_round_trip(make_workload, directory: str) -> list[float]:
+    """Run on every rank: 2 AdamW steps at dp=2,ep=2, saved; loaded at dp=2 (no ep) and at
+    dp=2,ep=2 again, each then taking steps 3 (the weights) and 4 (AdamW's moments read from
+    the checkpoint too). The 4 losses of both loads must be the single process's steps 3-4."""
+    import threefold
+    torch.set_num_threads(1)
+    out = []
+    for plan, action in (("dp=2,ep=2", "save"), ("dp=2", "load"), ("dp=2,ep=2", "load")):
+        torch.manual_seed(1234)
+        w = make_workload()
+        pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
+        opt = pm.optimizer(torch.optim.AdamW, lr=1e-2)
+        if action == "save":
+            for _ in range(2):
+                opt.zero_grad()
+                pm.step(*w["inputs"], target=w["target"])
+                opt.step()
+            threefold.save(pm, opt, directory, step=2)
+            continue
+        threefold.load(pm, opt, directory)
+        for _ in range(2):
+            opt.zero_grad()
+            out.append(pm.step(*w["inputs"], target=w["target"]))
+            opt.step()
+    return out

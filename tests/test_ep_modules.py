@@ -182,36 +182,12 @@ def test_dp2_ep2_module_experts_train_like_one_process_each_rank_holding_half():
                 STEPS * forward, (name, sent)
 
 
-def _checkpoint_rank(directory: str) -> list[float]:
-    """2 AdamW steps at dp=2,ep=2, saved; loaded at dp=2 (no ep) and at ep again, each then
-    taking steps 3 and 4 (AdamW's moments read from the checkpoint too)."""
-    torch.set_num_threads(1)
-    out = []
-    for plan, action in (("dp=2,ep=2", "save"), ("dp=2", "load"), ("dp=2,ep=2", "load")):
-        w = FACTORIES["dense_mixture"]()
-        pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
-        opt = pm.optimizer(torch.optim.AdamW, lr=1e-2)
-        if action == "save":
-            for _ in range(2):
-                opt.zero_grad()
-                pm.step(*w["inputs"], target=w["target"])
-                opt.step()
-            threefold.save(pm, opt, directory, step=2)
-            continue
-        threefold.load(pm, opt, directory)
-        for _ in range(2):
-            opt.zero_grad()
-            out.append(pm.step(*w["inputs"], target=w["target"]))
-            opt.step()
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_checkpoint_stores_each_module_expert_whole_from_its_rank_and_loads_under_any_plan(tmp_path):
-    from tests.parity import adamw_losses
+    from tests.parity import adamw_losses, ep_checkpoint_round_trip
     ref = adamw_losses(FACTORIES["dense_mixture"](), 4, 1e-2)
-    ranks = threefold.launch(_checkpoint_rank, 2, str(tmp_path), timeout=360)
+    ranks = threefold.launch(ep_checkpoint_round_trip, 2, FACTORIES["dense_mixture"], str(tmp_path), timeout=360)
     for losses in ranks:
         assert max_rel_diff(losses, ref[2:] * 2) < 1e-5, (losses, ref)
 

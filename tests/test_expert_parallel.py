@@ -174,40 +174,14 @@ def test_moe_zoo_under_ep_matches_single_process(arch, plan):
     assert _cells[(arch, plan)]["verdict"] == "pass", _cells[(arch, plan)]
 
 
-def _checkpoint_rank(directory: str) -> list[float]:
-    """2 AdamW steps at dp=2,ep=2, saved; loaded at dp=2 (no ep) and at ep again, each then
-    taking steps 3 and 4: the losses must be the single process's."""
-    from tests.zoo import ZOO
-    torch.set_num_threads(1)
-    out = []
-    for plan, action in (("dp=2,ep=2", "save"), ("dp=2", "load"), ("dp=2,ep=2", "load")):
-        torch.manual_seed(1234)
-        w = ZOO["hw_moe_top2"]()
-        pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
-        opt = pm.optimizer(torch.optim.AdamW, lr=1e-2)
-        if action == "save":
-            for _ in range(2):
-                opt.zero_grad()
-                pm.step(*w["inputs"], target=w["target"])
-                opt.step()
-            threefold.save(pm, opt, directory, step=2)
-            continue
-        threefold.load(pm, opt, directory)
-        for _ in range(2):   # step 3 (the weights) and step 4 (AdamW's moments too)
-            opt.zero_grad()
-            out.append(pm.step(*w["inputs"], target=w["target"]))
-            opt.step()
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_ep_checkpoint_holds_experts_as_rows_of_the_full_tensors_and_loads_under_any_plan(tmp_path):
-    from tests.parity import adamw_losses
+    from tests.parity import adamw_losses, ep_checkpoint_round_trip
     from tests.zoo import ZOO
     torch.manual_seed(1234)
     ref = adamw_losses(ZOO["hw_moe_top2"](), 4, 1e-2)
-    ranks = threefold.launch(_checkpoint_rank, 2, str(tmp_path), timeout=360)
+    ranks = threefold.launch(ep_checkpoint_round_trip, 2, ZOO["hw_moe_top2"], str(tmp_path), timeout=360)
     for losses in ranks:
         assert max_rel_diff(losses, ref[2:] * 2) < 1e-5, (losses, ref)
 

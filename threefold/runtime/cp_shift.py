@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from threefold.runtime import comm
+from threefold.runtime.cp_ops import _wait
 
 
 def _owner(block: int, cp: int) -> tuple[int, int]:
@@ -91,14 +92,6 @@ def _post(op, t: torch.Tensor, peer: int, group):
         return op(t, dist.get_global_rank(group, peer), group=group)
     except Exception as exc:
         raise comm._fail("context parallelism: exchanging token-shift halos with", group, exc) from None
-
-
-def _wait(works, group, what: str) -> None:
-    try:
-        for w in works:
-            w.wait()
-    except Exception as exc:
-        raise comm._fail(f"context parallelism: exchanging {what} with", group, exc) from None
 
 
 def shift_seq(x: torch.Tensor, k: int, dim: int, group, ranks: int = 1) -> torch.Tensor:
