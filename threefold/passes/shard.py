@@ -9,7 +9,8 @@ the expert regions are known (ep). For each axis the walk is the same, shared co
   1. `prepare`: the axis's pre-rewrites (cp: ring attention, global positions), its context
   2. in graph order (live: nodes a redistribution inserts are walked in turn), each value's
      state on the axis: a placeholder's from `seed`; a call's from the axis's `decide` (its
-     rule registry's decision): `Place(out)` records it; `Gather(why)` brings the inputs to
+     rule registry's decision): `Place(out)` records it (`Place(out, op)` also swaps the call
+     for what this rank runs instead: cp's carried scan); `Gather(why)` brings the inputs to
      whole through the axis's one `redistribute` step and records a `Fallback`; `Refuse(why)`
      is the one-line PlanError built by `refusal`, unless the axis's `retry` rewrites what
      the refusal names (then what depends on the rewrite is walked again)
