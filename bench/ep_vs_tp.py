@@ -43,29 +43,22 @@ def workload(experts: int, hidden: int):
 
 def rank_main(plan: str, experts: int, hidden: int, steps: int) -> dict:
     import threefold
-    from threefold.runtime import comm
+    from tests.a2a_bytes import counting_all_to_all
     torch.set_num_threads(1)
     w = workload(experts, hidden)
     full = {n: p.numel() for n, p in w["model"].named_parameters()}
     pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
     opt = pm.optimizer(torch.optim.SGD, lr=0.01)
-    sent: dict[str, int] = {}
-    real = comm.all_to_all
-
-    def counting(out, t, out_splits, in_splits, group, what):
-        sent[what] = sent.get(what, 0) + t.numel() * t.element_size()
-        return real(out, t, out_splits, in_splits, group, what)
-    comm.all_to_all = counting
     times = []
-    for k in range(steps + 2):
-        sent.clear()
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        pm.step(*w["inputs"], target=w["target"])
-        opt.step()
-        if k >= 2:
-            times.append(time.perf_counter() - t0)
-    comm.all_to_all = real
+    with counting_all_to_all() as sent:   # tests/a2a_bytes.py: bytes per all_to_all label
+        for k in range(steps + 2):
+            sent.clear()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            pm.step(*w["inputs"], target=w["target"])
+            opt.step()
+            if k >= 2:
+                times.append(time.perf_counter() - t0)
     experts_fqns = pm.manifest.get("experts") or {}
     held = sum(p.numel() for f, p in pm.named_parameters() if f in experts_fqns)
     whole = sum(full[f] for f in experts_fqns)
