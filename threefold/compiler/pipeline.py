@@ -29,9 +29,8 @@ from threefold.passes.pipeline_split import split_pipeline
 from threefold.passes.random_ops import seed_random_ops
 from threefold.passes.recompute import plan_recompute
 from threefold.passes.static_shapes import check_static_shapes
-from threefold.passes.shard import shard, shard_chunks
+from threefold.passes.shard import shard, shard_chunks, shard_local
 from threefold.passes.shard_units import plan_shard_units
-from threefold.passes.tensor_parallel import tensor_parallel
 
 Pass = Callable[[Stage], Stage]
 
@@ -44,11 +43,11 @@ def default_passes() -> list[Pass]:
     ops already seeded, so a recomputed dropout calls the same seeded op). ZeRO-2/3 units
     group the final chunk graphs' parameters by layer. Expert regions are found in the final
     chunk graphs (a pipeline cut between two expert matmuls leaves a region on each side).
-    The sharding walker (passes/shard.py) applies every other axis's rules where their facts
-    are known: `shard` on the sharded graph (cp rewrites attention there: the tp rules saw the
+    The sharding walker (passes/shard.py) applies every axis's rules where their facts are
+    known: `shard_local` rewrites the traced graph at tp's local shapes, `shard` on the sharded graph (cp rewrites attention there: the tp rules saw the
     plain ops, the ring runs per head shard; then the batch axes), `shard_chunks` once expert
     regions are found (ep). Which axes, in which order, is the mesh's table (runtime/mesh.py)."""
-    return [check_static_shapes, check_batch_coupling, loss_form, tensor_parallel, shard, annotate_costs,
+    return [check_static_shapes, check_batch_coupling, loss_form, shard_local, shard, annotate_costs,
             split_pipeline, fuse, seed_random_ops, find_experts, shard_chunks, plan_recompute, plan_shard_units]
 
 

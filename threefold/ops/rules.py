@@ -39,13 +39,15 @@ class Op:
     """A call to emit: `target(*args, **kwargs)`. Tensor arguments are the source graph's
     nodes (the pass maps them to their redistributed values) or RESULT. `place` is the
     result's placement on the axis (None: the decision's `out`); `val` its local value where
-    the pass cannot compute it from the inputs' (a runtime op on meta tensors)."""
+    the pass cannot compute it from the inputs' (a runtime op on meta tensors); `name` the
+    name the emitted node takes (a row-parallel matmul's `{name}_partial`)."""
     target: object
     args: tuple
     kwargs: dict = field(default_factory=dict)
     place: object = None
     val: object = None
     collective: object = None
+    name: str | None = None    # the emitted node's name (None: the pass names it)
 
 
 @dataclass(frozen=True, eq=False)

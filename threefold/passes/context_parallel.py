@@ -83,7 +83,7 @@ class ContextParallel(AxisRules):
             return whole_inputs(node, w.state, w.stage, why)
         return gather_around(node, w.state, w.stage, why, op_name(node), Seq)
 
-    def fallback(self, w, node, moved: int) -> Fallback:
+    def fallback(self, w, node, moved: int, why: str) -> Fallback:
         return Fallback("cp", op_name(node), node.name, tf(node).get("module") or "<top>",
                         2 * w.stage.plan.microbatches * moved, "mixes sequence positions",
                         "the sequence is all-gathered around it",

@@ -2,9 +2,15 @@
 
 An axis names its rules module in its mesh entry (runtime/mesh.py `Axis.rules`, a module path:
 the runtime imports no pass); that module's `SHARDING` lists its `AxisRules`, one per OnMesh
-entry it writes. `shard` applies them on the sharded graph, innermost axis first (cp, then
-the batch axes dp and dp_shard), `shard_chunks` on each chunk graph once the pipeline cut and
-the expert regions are known (ep). For each axis the walk is the same, shared code:
+entry it writes. Three phases, one walk:
+
+  `shard_local`   the traced graph, rewritten at local shapes into a new graph (tp: its
+                  parameters are cut, so every later shape is a shard's)
+  `shard`         the sharded graph, in place, innermost axis first (cp, then the batch axes
+                  dp and dp_shard)
+  `shard_chunks`  each chunk graph once the pipeline cut and the expert regions are known (ep)
+
+For each axis the walk is the same, shared code:
 
   1. `prepare`: the axis's pre-rewrites (cp: ring attention, global positions), its context
   2. in graph order (live: nodes a redistribution inserts are walked in turn), each value's
@@ -16,15 +22,17 @@ the expert regions are known (ep). For each axis the walk is the same, shared co
      the refusal names (then what depends on the rewrite is walked again)
   3. `check_output` on the graph's outputs (a refusal as above)
   4. every value's state written as its placement on the axis (`placement.place_on`)
-  5. the notes: the axis's `summary`, then one line per fallback (`fallback_note`), which
+  5. `again`: whether to walk once more with what this walk learnt (tp: projections whose
+     shards only reached fallbacks are kept whole), from a fresh `prepare`
+  6. the notes: the axis's `summary`, then one line per fallback (`fallback_note`), which
      `inspect`, the start-up fallback line and `pm.program.notes` read.
 
-A rule never touches the graph: only `prepare`, `redistribute` and `retry` do, on the copy
-this pass owns. Adding an axis: its mesh entry (with `rules=`), its plan field, its rules
-module (rules and one `AxisRules`), its runtime ops; nothing here or in compiler/pipeline.py.
-The tensor-parallel axis is not on this walker yet: passes/tensor_parallel.py rewrites the
-graph at local shapes (its own walk over the same rule registry mechanics, ops/rules.py);
-its fallbacks are already this module's `Fallback` records, their notes `fallback_note`.
+In the local phase the axis writes a new graph: a decision is written by its `write` hook
+(seed and outputs too), the old graph is only read, and `commit` puts the last walk's graph
+into the program. A rule never touches the graph: only `prepare`, `write`, `redistribute` and
+`retry` do, on the copy this pass owns. Adding an axis: its mesh entry (with `rules=`), its
+plan field, its rules module (rules and one `AxisRules`), its runtime ops; nothing here or in
+compiler/pipeline.py.
 """
 from __future__ import annotations
 
@@ -36,14 +44,14 @@ import torch.fx as fx
 from threefold.errors import PlanError
 from threefold.ir.contracts import stage_pass
 from threefold.ir.program import tf
-from threefold.ir.stages import Partitioned, Sharded, copy_graph_module
+from threefold.ir.stages import Partitioned, Sharded, Traced, copy_graph_module
 from threefold.ops.families import op_name
 from threefold.ops.rules import Gather, Place, Refuse
 from threefold.placement import place_on
 from threefold.runtime import mesh as mesh_table
 
-__all__ = ["AxisRules", "Fallback", "Gather", "Place", "Refuse", "axis_rules", "fallback_note", "shard",
-           "shard_chunks", "walk"]
+__all__ = ["AxisRules", "Fallback", "Gather", "Place", "Refuse", "axis_rules", "fallback_note", "settle",
+           "shard", "shard_chunks", "shard_local", "walk"]
 
 
 # -- what the walk records ---------------------------------------------------------------------
@@ -75,6 +83,8 @@ class Walk:
     stage: object
     part: object = None    # the chunk whose graph this is (the chunk phase)
     ctx: object = None
+    carry: object = None   # what the previous walk learnt (`again`), None on the first
+    attempt: int = 0
     state: dict = field(default_factory=dict)
     fallbacks: list = field(default_factory=list)
 
@@ -88,7 +98,8 @@ class Walk:
 class AxisRules:
     """One axis's hooks for the walker (the defaults: nothing to do). Subclass per axis."""
     axis: str = ""                 # the OnMesh entry it writes
-    phase: str = "graph"           # "graph": the sharded graph; "chunks": each chunk graph (after find_experts)
+    phase: str = "graph"           # "local": rewrites the traced graph at local shapes; "graph": the
+                                   # sharded graph, in place; "chunks": each chunk graph (after find_experts)
     fix: str = ""                  # what a refusal message tells the user to do
 
     def size(self, stage) -> int:
@@ -112,8 +123,24 @@ class AxisRules:
         """Run `node` on whole inputs: (its state, [bytes moved per rank per step per input])."""
         raise PlanError(why)
 
-    def fallback(self, walk: Walk, node: fx.Node, moved: int) -> Fallback:
+    def fallback(self, walk: Walk, node: fx.Node, moved: int, why: str) -> Fallback:
         raise NotImplementedError
+
+    def write(self, walk: Walk, node: fx.Node, d):
+        """Local phase: write a decision (None: the call as it is) into the new graph; the
+        output's state, or a `Gather` where its inputs cannot be brought as it needs."""
+        raise NotImplementedError
+
+    def write_output(self, walk: Walk, node: fx.Node) -> None:
+        """Local phase: write the graph's outputs."""
+
+    def again(self, walk: Walk, error: PlanError | None):
+        """After a walk (or its refusal `error`): what the next walk should know (its `carry`),
+        or None to stop (the refusal is raised)."""
+        return None
+
+    def commit(self, walk: Walk) -> None:
+        """Local phase: put the last walk's graph and decisions into the program (walk.stage)."""
 
     def retry(self, walk: Walk, node: fx.Node, d: Refuse) -> list:
         """Rewrite what a refusal names so the call can be placed; the new nodes ([]: none)."""
@@ -143,6 +170,7 @@ def walk(w: Walk) -> None:
             why = r.check_output(w, node)
             if why:
                 raise PlanError(w.refusal(node, why))
+            r.write_output(w, node)
         elif node.op == "call_function":
             d = _apply(w, node)
             if isinstance(d, Refuse) and d.table is not None:
@@ -161,13 +189,19 @@ def walk(w: Walk) -> None:
 def _apply(w: Walk, node: fx.Node):
     """One call's decision applied to the states (a Refuse is returned, not applied)."""
     d = w.rules.decide(w, node)
+    if w.rules.phase == "local" and not isinstance(d, (Gather, Refuse)):
+        out = w.rules.write(w, node, d)   # a new graph: the decision's nodes written there
+        if not isinstance(out, Gather):
+            w.state[node] = out
+            return d
+        d = out
     if d is None or isinstance(d, Place):
         if d is not None and d.op is not None:   # what this rank runs instead (cp: a scan's carry)
             node.target, node.args, node.kwargs = d.op.target, d.op.args, d.op.kwargs
         w.state[node] = d.out if d is not None else None
     elif isinstance(d, Gather):
         w.state[node], moved = w.rules.redistribute(w, node, d, w.refusal(node, d.why))
-        w.fallbacks.extend(w.rules.fallback(w, node, b) for b in moved)
+        w.fallbacks.extend(w.rules.fallback(w, node, b, d.why) for b in moved)
     return d
 
 
@@ -188,11 +222,31 @@ def _again_after(w: Walk, new: list, upto: fx.Node) -> None:
                 raise PlanError(w.refusal(x, d.why))
 
 
+def settle(gm: fx.GraphModule, stage, rules: "AxisRules", part=None) -> Walk:
+    """Walk until the axis's `again` has nothing more to learn; the last walk."""
+    carry, attempt = None, 0
+    while True:
+        w = Walk(rules, gm, stage, part, carry=carry, attempt=attempt)
+        rules.prepare(w)
+        try:
+            walk(w)
+        except PlanError as exc:
+            carry = rules.again(w, exc)
+            if carry is None:
+                raise
+        else:
+            carry = rules.again(w, None)
+            if carry is None:
+                return w
+        attempt += 1
+
+
+def _notes(w: Walk) -> tuple:
+    return tuple(w.rules.summary(w)) + tuple(fallback_note(fb) for fb in w.fallbacks)
+
+
 def _run(gm: fx.GraphModule, stage, rules: "AxisRules", part=None) -> tuple:
-    w = Walk(rules, gm, stage, part)
-    rules.prepare(w)
-    walk(w)
-    return tuple(rules.summary(w)) + tuple(fallback_note(fb) for fb in w.fallbacks)
+    return _notes(settle(gm, stage, rules, part))
 
 
 # -- the axes, from the mesh's table -----------------------------------------------------------
@@ -205,6 +259,23 @@ def axis_rules(phase: str) -> list:
             seen.add(a.rules)
             out += [r for r in importlib.import_module(a.rules).SHARDING if r.phase == phase]
     return out
+
+
+@stage_pass(needs=Traced, gives=Sharded, guarantees=("placements",))
+def shard_local(stage: Traced) -> Sharded:
+    """Needs: a traced program. Guarantees: for each active axis of the local phase (tp), a
+    new graph at local shapes with that axis's collectives, every op placed by a rule or run
+    on whole inputs (a fallback note), the parameter cuts in prog.shard_fns. The input graph
+    is only read."""
+    active = [r for r in axis_rules("local") if r.active(stage)]
+    if not active:
+        return stage.advance(Sharded)
+    prog = stage.draft(copy_graphs=False)
+    for rules in active:
+        w = settle(prog.gm, prog, rules)
+        rules.commit(w)
+        prog.notes.extend(_notes(w))
+    return prog.freeze(Sharded)
 
 
 @stage_pass(needs=Sharded, gives=Sharded)

@@ -33,6 +33,13 @@ the graph once in order, writing a new graph of *local* (per-tp-rank) shapes:
   row-parallel ones; parameters applied to shards get their gradients summed over tp.
 Weights are cut from the full model's tensors by prog.shard_fns, so tp=1 and tp=t start
 identical.
+
+The walk is the sharding walker's (passes/shard.py, its local phase): `TensorParallel` below
+is tp's AxisRules. `decide` reads the rewrite's state and returns a decision (a rule's, a
+weight matmul's with the parameter cuts it needs, or Gather); `write` writes it into the new
+graph (`_Rewriter.apply`: the cuts checked, inputs brought by one redistribution step, the
+op and its follow-ups emitted), `redistribute` runs a call on gathered inputs, and `again`
+walks once more with the projections to keep whole.
 """
 from __future__ import annotations
 
@@ -42,70 +49,129 @@ import torch.fx as fx
 from torch.utils._pytree import tree_map
 
 from threefold.passes.cost import op_name
-from threefold.ir.contracts import stage_pass
 from threefold.ir.program import tf
-from threefold.ir.stages import Sharded, Traced
+from threefold.ir.stages import copy_graph_module
 from threefold import placement
 from threefold.errors import PlanError
+from threefold.passes.shard import AxisRules, Fallback, Gather, shard_local
 from threefold.passes.tp_collectives import CollectiveEmitter
 from threefold.passes.tp_placement import R, Partial, Replicate, Shard, to_meta
 from threefold.passes.tp_patterns import _is_param, _param_weight
 from threefold.passes.tp_einsum import einsum_matmul, einsum_param
 from threefold.passes.tp_fused_split import fused_cuts, split_fused_outputs
-from threefold.passes.tp_decisions import REDUCE, REGISTRY, TpCall, TpDecision
+from threefold.passes.tp_decisions import REDUCE, REGISTRY, ReduceScatter, TpCall, TpDecision
 from threefold.passes.tp_padding import padded_size, padding_ok, padding_safe
 from threefold.passes.tp_pieces import piece_matmul, weight_piece
-from threefold.passes.tp_redistribute import NoRule, fallback, redistribute
+from threefold.passes.tp_redistribute import GATHERS, NoRule, fallback, redistribute
 from threefold.passes import tp_rules  # noqa: F401  (registers the rules on REGISTRY)
+from threefold.passes.tp_report import report_notes, tp_report
+from threefold.passes.tp_weights import embedding, weight_matmul
 from threefold.ops.families import args_of
 from threefold.ops.rules import RESULT, NoRule as NoRuleDecision, Op
-from threefold.passes.tp_weights import WeightRewrites
 from threefold.runtime.shard import ShardSpec
 
 aten = torch.ops.aten
 
-
-@stage_pass(needs=Traced, gives=Sharded, guarantees=("placements",))
-def tensor_parallel(stage: Traced) -> Sharded:
-    """Needs: a traced program. Guarantees: for tp>1, local shapes, TP collectives inserted,
-    shard_fns for every sharded parameter, tp_grad_sync for shard-applied ones,
-    tp_report (sharded share, fallbacks); every op on inputs of the right layout.
-    The input graph is only read: the rewrite writes a new graph."""
-    if stage.plan.tp == 1:
-        return stage.advance(Sharded)
-    # a fused projection cut into pieces by slices (Falcon's multi-query qkv) becomes one
-    # linear per piece of its weight, on a copy of the graph (tp_fused_split.py)
-    fused = fused_cuts(stage.gm.graph, stage.state)
-    prog = stage.draft(copy_graphs=bool(fused))
-    if fused:
-        split_fused_outputs(prog.gm.graph, prog.state)
-        prog.gm.recompile()
-    prog.shard_fns, prog.tp_grad_sync, prog.notes = {}, [], list(stage.notes)
-    # Megatron's pairing: a column-parallel matmul pays off only if its shards reach a
-    # row-parallel matmul (or another sharded consumer). When its shards run into an op with
-    # no sharded rule, rewrite with that projection replicated instead of gathering them.
-    avoid: dict[str, str] = {}   # fqn -> the op its shards could not pass
-    for attempt in range(_MAX_RETRIES):
-        rw = _Rewriter(prog, avoid)
-        try:
-            rw.run()
-        except PlanError as exc:
-            # padded heads/features (tp_padding.py) whose shards no rule could follow: keep
-            # those projections whole, as before padding existed
-            if not rw.padded or prog.plan.strict or attempt == _MAX_RETRIES - 1:
-                raise
-            why = str(exc).splitlines()[0]   # whole: inspect shows every note uncut
-            avoid.update({fqn: f"its padded shards could not be followed ({why})" for fqn in rw.padded})
-            continue
-        more = {fqn: why for fqn, why in rw.blamed.items() if fqn not in avoid}
-        if not more or prog.plan.strict:
-            break
-        avoid.update(more)
-    rw.commit()
-    return prog.freeze(Sharded)
-
-
+# how many walks tp may take to find the projections to keep whole (`TensorParallel.again`)
 _MAX_RETRIES = 8
+
+
+class TensorParallel(AxisRules):
+    """tp's hooks for the sharding walker's local phase (passes/shard.py)."""
+    axis = "tp"
+    phase = "local"
+    fix = "use tp=1 for this model or restructure it"
+
+    def active(self, stage) -> bool:
+        return stage.plan.tp > 1
+
+    def prepare(self, w) -> None:
+        prog = w.stage
+        if w.attempt == 0:
+            # a fused projection cut into pieces by slices (Falcon's multi-query qkv) becomes
+            # one linear per piece of its weight, on a copy of the graph (tp_fused_split.py)
+            if fused_cuts(prog.gm.graph, prog.state):
+                prog.gm = copy_graph_module(prog.gm)
+                split_fused_outputs(prog.gm.graph, prog.state)
+                prog.gm.recompile()
+        w.gm = prog.gm
+        w.ctx = _Rewriter(prog, w.carry)
+        w.ctx.fallbacks = w.fallbacks
+
+    def seed(self, w, old: fx.Node):
+        return w.ctx.placeholder(old)
+
+    def decide(self, w, old: fx.Node):
+        """None: the call as it is; a TpDecision; Gather(why): run on gathered inputs."""
+        rw = w.ctx
+        rw.current = old
+        if any(a in rw.user_derived for a in old.all_input_nodes):
+            rw.user_derived.add(old)
+        try:
+            return rw.decision(old)
+        except NoRule as exc:   # a weight matmul that cannot be split (a reused weight split another way)
+            return Gather(str(exc).split(": ", 1)[-1])
+
+    def write(self, w, old: fx.Node, d):
+        rw = w.ctx
+        mark = len(rw.new.nodes)
+        if d is None:   # every input plainly replicated: the call as it is
+            rw._note_param_uses(old, sharded=False)
+            return rw.bind(old, rw.copy_node(old, val=to_meta(old.meta.get("val"))), mark)
+        decided, uses = dict(rw.decisions), (set(rw.shard_uses), set(rw.replicated_uses))
+        try:
+            new = rw.apply(old, d)
+        except NoRule as exc:   # an input it cannot bring to the placement asked for
+            rw._rollback(mark, decided)
+            rw.shard_uses, rw.replicated_uses = uses
+            return Gather(str(exc).split(": ", 1)[-1])
+        return rw.bind(old, new, mark)
+
+    def redistribute(self, w, old: fx.Node, d: Gather, why: str):
+        rw = w.ctx
+        mark = len(rw.new.nodes)
+        new, moved = fallback(rw, old, d.why)
+        return rw.bind(old, new, mark), [moved]
+
+    def fallback(self, w, old: fx.Node, moved: int, why: str) -> Fallback:
+        return Fallback("tp", op_name(old), old.name, tf(old).get("module", "") or "<top>",
+                        moved * w.stage.plan.microbatches, why.split("; use tp=1")[0], GATHERS)
+
+    def write_output(self, w, node: fx.Node) -> None:
+        w.ctx._output(node)
+        w.ctx._finish()
+
+    def again(self, w, error):
+        """Megatron's pairing: a column-parallel matmul pays off only if its shards reach a
+        row-parallel matmul (or another sharded consumer). When its shards ran into an op
+        with no sharded rule, walk again with that projection replicated instead of
+        gathering them; padded heads/features (tp_padding.py) whose shards no rule could
+        follow are kept whole, as before padding existed."""
+        rw, avoid = w.ctx, dict(w.carry or {})
+        last = w.stage.plan.strict or w.attempt >= _MAX_RETRIES - 1
+        if error is not None:
+            if not rw.padded or last:
+                return None
+            why = str(error).splitlines()[0]   # whole: inspect shows every note uncut
+            avoid.update({fqn: f"its padded shards could not be followed ({why})" for fqn in rw.padded})
+            return avoid
+        more = {fqn: why for fqn, why in rw.blamed.items() if fqn not in avoid}
+        if not more or last:
+            return None
+        avoid.update(more)
+        return avoid
+
+    def commit(self, w) -> None:
+        w.ctx.commit()
+
+    def summary(self, w) -> tuple:
+        return tuple(w.ctx.notes) + tuple(report_notes(w.stage.tp_report))
+
+
+SHARDING = (TensorParallel(),)
+
+# the pass under its old name (the planner's trial degrees run it): the walker's local phase
+tensor_parallel = shard_local
 
 
 def _place(node: fx.Node, place) -> None:
@@ -115,12 +181,12 @@ def _place(node: fx.Node, place) -> None:
     node.meta["on_mesh"] = (node.meta.get("on_mesh") or placement.OnMesh()).with_axis("tp", place)
 
 
-class _Rewriter(CollectiveEmitter, WeightRewrites):
-    """One rewrite of the graph at local shapes: walks the nodes in order (run/_visit), emits
-    the new graph (emit/copy_node), decides parameter cuts (decide/param_arg); the
-    collectives it inserts are CollectiveEmitter's (tp_collectives.py), the weight matmuls
-    and embeddings WeightRewrites' (tp_weights.py: they decide parameter cuts, retried as a
-    whole), every other op by applying its rule's decision (`apply`)."""
+class _Rewriter(CollectiveEmitter):
+    """One walk's rewrite of the graph at local shapes (the walker's `ctx` for tp): what has
+    been decided so far (placements, local values, parameter cuts), the decision for a call
+    (`decision`), the new graph written from decisions (`apply`, emit/copy_node), the
+    parameter cuts recorded (decide/param_arg); the collectives it inserts are
+    CollectiveEmitter's (tp_collectives.py)."""
     def __init__(self, prog, avoid: dict[str, str] | None = None):   # prog: a Draft of the Traced stage
         self.prog = prog
         self.avoid = dict(avoid or {})          # weights to keep replicated (see tensor_parallel)
@@ -154,37 +220,30 @@ class _Rewriter(CollectiveEmitter, WeightRewrites):
         self.current: fx.Node | None = None
         self._sources_memo: dict[fx.Node, frozenset | None] = {}
 
-    # ---- driver ----------------------------------------------------------------------
-    def run(self) -> None:
-        for old in self.old.nodes:
-            self.current = old
-            if old.op == "placeholder":
-                new = self.new.placeholder(old.name)
-                new.meta = dict(old.meta)
-                new.meta["tf"] = dict(tf(old))
-                new.meta["on_mesh"] = placement.on_mesh_of(old).with_axis("tp", R)
-                self.env[old] = new
-                self.old_of[new] = old
-                self.place[new] = R
-                self.val[new] = to_meta(old.meta.get("val"))
-                if tf(old).get("kind") == "param":
-                    self.param_nodes[tf(old)["fqn"]] = new
-                if tf(old).get("kind") == "input":
-                    self.user_derived.add(old)
-            elif old.op == "output":
-                self._output(old)
-            else:
-                if any(a in self.user_derived for a in old.all_input_nodes):
-                    self.user_derived.add(old)
-                before = len(self.new.nodes)
-                new = self._visit(old)
-                # keep the source graph's value names (generated code reads like the model)
-                created = list(self.new.nodes)[before:]
-                if new in created and new.name != old.name:
-                    new._rename(old.name)
-                self.env[old] = new
-                self.old_of.setdefault(new, old)
-        self._finish()
+    # ---- what the walker's hooks call --------------------------------------------------
+    def placeholder(self, old: fx.Node):
+        new = self.new.placeholder(old.name)
+        new.meta = dict(old.meta)
+        new.meta["tf"] = dict(tf(old))
+        new.meta["on_mesh"] = placement.on_mesh_of(old).with_axis("tp", R)
+        self.env[old] = new
+        self.old_of[new] = old
+        self.place[new] = R
+        self.val[new] = to_meta(old.meta.get("val"))
+        if tf(old).get("kind") == "param":
+            self.param_nodes[tf(old)["fqn"]] = new
+        if tf(old).get("kind") == "input":
+            self.user_derived.add(old)
+        return R
+
+    def bind(self, old: fx.Node, new: fx.Node, mark: int):
+        """`new` stands for `old` from now on; the placement it has (the walk's state)."""
+        # keep the source graph's value names (generated code reads like the model)
+        if new.name != old.name and new in list(self.new.nodes)[mark:]:
+            new._rename(old.name)
+        self.env[old] = new
+        self.old_of.setdefault(new, old)
+        return self.place[new]
 
     def _finish(self) -> None:
         for node in reversed(self.maybe_dead):   # transposes of parameters re-emitted per matmul
@@ -202,6 +261,7 @@ class _Rewriter(CollectiveEmitter, WeightRewrites):
     def commit(self) -> None:
         """Write this rewrite into the program (the last of the retries)."""
         prog = self.prog
+        prog.shard_fns = {}
         for fqn, (dim, blocks, pad) in self.decisions.items():
             prog.shard_fns[fqn] = ShardSpec(dim, blocks, pad, self.t, self.whole_blocks.get(fqn, ()))
         prog.tp_grad_sync = sorted(self.shard_uses - set(self.decisions))
@@ -212,8 +272,6 @@ class _Rewriter(CollectiveEmitter, WeightRewrites):
                     raise AssertionError(f"tensor parallel pass left {node.name} without a shape")
         prog.gm = gm
         prog.tp_report = tp_report(self)
-        prog.notes.extend(self.notes)
-        prog.notes.extend(report_notes(prog.tp_report))
 
     # ---- emitting --------------------------------------------------------------------
     def emit(self, target, args, kwargs=None, place=R, val=None, src: fx.Node | None = None,
@@ -297,58 +355,44 @@ class _Rewriter(CollectiveEmitter, WeightRewrites):
             self.val[new] = self._param_local(fqn)
         return new
 
-    # ---- visiting --------------------------------------------------------------------
-    def _visit(self, old: fx.Node) -> fx.Node:
+    # ---- deciding ----------------------------------------------------------------------
+    def decision(self, old: fx.Node):
+        """The decision for `old` on the inputs as placed now: None (the call as it is), a
+        TpDecision, or Gather(why). Reads this rewrite's state; writes nothing but the
+        parameters a weight piece's linear applies whole. A weight matmul that cannot be
+        split raises NoRule (the walker's hook gathers)."""
         name = op_name(old)
         weight = _param_weight(old, name)
         if weight is not None:
-            mark, decided = len(self.new.nodes), dict(self.decisions)
-            try:
-                return self.weight_matmul(old, name, *weight)
-            except NoRule as exc:   # e.g. a reused weight already split another way
-                self._rollback(mark, decided)
-                return fallback(self, old, str(exc).split(": ", 1)[-1])
+            return weight_matmul(self, old, name, *weight)
         if name == "einsum" and einsum_param(old) is not None:
-            mark, decided = len(self.new.nodes), dict(self.decisions)
-            try:
-                return einsum_matmul(self, old)
-            except NoRule as exc:
-                self._rollback(mark, decided)
-                return fallback(self, old, str(exc).split(": ", 1)[-1])
+            return einsum_matmul(self, old)
         if name == "linear" and weight_piece(old.args[1]) is not None:
-            out = piece_matmul(self, old)
-            if out is not None:
-                return out
+            d = piece_matmul(self, old)
+            if d is not None:
+                return d
             split, param, _ = weight_piece(old.args[1])
             self.replicated_uses.add(tf(param)["fqn"])
         if name == "embedding" and _is_param(old.args[0]) and old.args[1] in self.user_derived \
                 and tf(old.args[0])["fqn"] not in self.avoid:
-            return self.embedding(old)
+            return embedding(self, old)
         inputs = [self.env[a] for a in old.all_input_nodes]
         if all(isinstance(self.place[i], Replicate) and not self.place[i].gathered
                and not self.place[i].partial_grad for i in inputs):
-            self._note_param_uses(old, sharded=False)
-            return self.copy_node(old, val=to_meta(old.meta.get("val")))
+            return None
         padded_dims = {self.place[i].dim for i in inputs if self.seq_len(i, getattr(self.place[i], "dim", -1))}
         if padded_dims and not padding_safe(name, old, padded_dims):
-            return fallback(self, old, f"{name} reads a sequence shard padded for tp={self.t} across its rows")
+            return Gather(f"{name} reads a sequence shard padded for tp={self.t} across its rows")
         heads_padded = {a: size for a in old.all_input_nodes if (size := padded_size(self, a))}
         if heads_padded and not padding_ok(self, old, heads_padded):
-            return fallback(self, old, f"{name} mixes the entries of a dim padded for tp={self.t}")
+            return Gather(f"{name} mixes the entries of a dim padded for tp={self.t}")
         decision = REGISTRY.decide(name, old, self._call(old, name))
         if decision is None:
-            return fallback(self, old, "no sharded rule for " + name + " on inputs placed "
-                            + ", ".join(str(self.place[i]) for i in inputs))
+            return Gather("no sharded rule for " + name + " on inputs placed "
+                          + ", ".join(str(self.place[i]) for i in inputs))
         if isinstance(decision, NoRuleDecision):
-            return fallback(self, old, f"{self._where()} {decision.why}; use tp=1 for this model or restructure it")
-        mark = len(self.new.nodes)
-        uses = (set(self.shard_uses), set(self.replicated_uses))
-        try:
-            return self.apply(old, decision)
-        except NoRule as exc:   # an input it cannot bring to the placement asked for
-            self._rollback(mark)
-            self.shard_uses, self.replicated_uses = uses
-            return fallback(self, old, str(exc).split(": ", 1)[-1])
+            return Gather(f"{self._where()} {decision.why}; use tp=1 for this model or restructure it")
+        return decision
 
     def _call(self, old: fx.Node, name: str) -> TpCall:
         """What a rule sees of `old`: its arguments by name, its inputs' placements and local values."""
@@ -357,28 +401,54 @@ class _Rewriter(CollectiveEmitter, WeightRewrites):
                       {a: self.val[self.env[a]] for a in ins})
 
     def apply(self, old: fx.Node, d: TpDecision) -> fx.Node:
-        """Emit a rule's decision: its inputs brought to the placements it needs (one
-        redistribution step, tp_redistribute), the op (or its substitute) and its follow-ups."""
+        """Write a decision: the parameter cuts it needs (NoRule where a tied weight is
+        already cut another way), its inputs brought to the placements it needs (one
+        redistribution step, tp_redistribute), the op (or its substitute) and its
+        follow-ups, then what it tells (kept weights, padding notes, shard origins)."""
+        for cut in d.cuts:
+            if cut.whole:
+                self.whole_blocks[cut.fqn] = cut.whole
+            self.decide(cut.fqn, cut.dim, cut.blocks, cut.pad)
         arrived: dict[fx.Node, fx.Node] = {}
 
         def arrive(a: fx.Node) -> fx.Node:
             if a not in arrived:
                 arrived[a] = redistribute(self, self.env[a], d.needs.get(a), a)
             return arrived[a]
+        for a in d.first:
+            arrive(a)
         if d.same_as is not None:
             return arrive(d.same_as)
         op = d.op or Op(old.target, old.args, old.kwargs)
         new = self._emit_op(op, d.out if op.place is None else op.place, arrive, None)
         for step in d.then:
-            new = self.g(new) if step == REDUCE else self._emit_op(step, step.place or d.out, arrive, new)
+            if step == REDUCE:
+                new = self.g(new)
+            elif isinstance(step, ReduceScatter):
+                new = self.reduce_scatter(new, step.dim)
+            else:
+                new = self._emit_op(step, step.place or d.out, arrive, new)
         if d.uses:
             self._note_param_uses(old, sharded=d.uses == "sharded", skip=d.skip)
+        for fqn, why in d.kept:
+            self.replicated_weights[fqn] = why
+        self.replicated_uses |= d.whole_uses
+        for fqn, how in d.padded:
+            self.padded.setdefault(fqn, how)
+        self.notes.extend(n for n in d.notes if n not in self.notes)
+        if d.origin is not None:
+            self.origin[new] = d.origin
+        if d.seq_len is not None:
+            self.padded_len[new] = d.seq_len
         return new
 
     def _emit_op(self, op: Op, place, arrive, prev) -> fx.Node:
         args = tuple(prev if a is RESULT else a for a in fx.node.map_arg(op.args, arrive))
-        return self.emit(op.target, args, fx.node.map_arg(op.kwargs, arrive), place=place, val=op.val,
+        node = self.emit(op.target, args, fx.node.map_arg(op.kwargs, arrive), place=place, val=op.val,
                          collective=op.collective)
+        if op.name:
+            node._rename(op.name)
+        return node
 
     def _rollback(self, mark: int, decided: dict | None = None) -> None:
         """Erase what a failed rule emitted (newest first) and forget it in the caches."""
@@ -446,4 +516,3 @@ class _Rewriter(CollectiveEmitter, WeightRewrites):
         self.new.output(tuple(outs))
 
 
-from threefold.passes.tp_report import report_notes, tp_report  # noqa: E402

@@ -48,12 +48,17 @@ class CollectiveEmitter:
         """A sequence shard's local length, and the extra `size` argument of the collective
         when tp does not divide the length: then every rank holds ceil(size/t) rows, the
         last rank's tail padding (runtime/tp_ops._pad), and gathers cut it off."""
-        if size % self.t == 0:
-            return size // self.t, ()
-        note = f"sequence length {size} padded to {padded(size, self.t)} for tp={self.t} (sp)"
-        if note not in self.notes:
+        local, extra, note = self.seq_shard_of(size)
+        if note and note not in self.notes:
             self.notes.append(note)
-        return padded(size, self.t) // self.t, (size,)
+        return local, extra
+
+    def seq_shard_of(self, size: int) -> tuple[int, tuple, str | None]:
+        """seq_shard's answer and the note it leaves (None: tp divides the length)."""
+        if size % self.t == 0:
+            return size // self.t, (), None
+        note = f"sequence length {size} padded to {padded(size, self.t)} for tp={self.t} (sp)"
+        return padded(size, self.t) // self.t, (size,), note
 
     def seq_len(self, x: fx.Node, dim: int) -> int | None:
         """The true length of sequence shard `x` along `dim` when its shards are padded."""

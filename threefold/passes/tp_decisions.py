@@ -19,7 +19,7 @@ from threefold.ops import families as fam
 from threefold.ops.rules import Decision, Registry, refuse
 from threefold.passes.tp_placement import Shard
 
-__all__ = ["REDUCE", "REGISTRY", "TpCall", "TpDecision", "refuse"]
+__all__ = ["ParamCut", "REDUCE", "REGISTRY", "ReduceScatter", "TpCall", "TpDecision", "refuse"]
 
 # a follow-up step (Decision.then): all-reduce the partial sum RESULT (Megatron's g)
 REDUCE = "all_reduce"
@@ -29,14 +29,50 @@ REDUCE = "all_reduce"
 REGISTRY = Registry("tp", skip_family=lambda name: name in fam.RANDOM)
 
 
+@dataclass(frozen=True)
+class ParamCut:
+    """A parameter cut over tp: on `dim`, block by block for a fused projection (`blocks`),
+    padded to `pad` rows; `whole`: per block, whether every rank holds it whole."""
+    fqn: str
+    dim: int
+    blocks: tuple = ()
+    pad: int = 0
+    whole: tuple = ()
+
+
+@dataclass(frozen=True)
+class ReduceScatter:
+    """A follow-up step (Decision.then): reduce-scatter the partial sum RESULT over `dim`
+    (sequence parallelism's g)."""
+    dim: int
+
+
 @dataclass(frozen=True, eq=False)
 class TpDecision(Decision):
     """uses: "sharded" / "whole" when the call applies replicated parameters (or values of
     them alone, Gemma's 1 + weight) to shards / to whole values: applied to shards, each rank
     holds a part of their gradient, which the runtime sums over tp. `skip`: inputs the call
-    cuts (their gradient is made whole by the cut's backward)."""
+    cuts (their gradient is made whole by the cut's backward).
+
+    A matmul with a parameter (tp_weights, tp_einsum, tp_pieces) also decides the parameter:
+    cuts:   the parameter cuts it needs (checked against the cuts already decided when the
+            decision is written: a tied weight cut two ways falls back)
+    kept:   (fqn, why) of parameters it keeps whole on every rank; whole_uses: parameters it
+            applies whole (a later cut of them is refused)
+    origin: the column weights whose shards the output is (blamed when they reach a fallback)
+    notes:  what it tells the user (padding); padded: (fqn, how) of parameters padded for tp
+    first:  inputs brought before the others
+    seq_len: the true sequence length of an output padded for sp"""
     uses: str | None = None
     skip: frozenset = frozenset()
+    cuts: tuple = ()
+    kept: tuple = ()
+    whole_uses: frozenset = frozenset()
+    origin: frozenset | None = None
+    notes: tuple = ()
+    first: tuple = ()
+    seq_len: int | None = None
+    padded: tuple = ()
 
 
 @dataclass(frozen=True, eq=False)

@@ -5,6 +5,7 @@ that comes first in the output (the heads of 'hdc', the features of 'cf'), so th
 is sharded there. Row-parallel: the activation is sharded on an index the parameter
 contracts; the parameter is split on that index and the partial sums are reduced (g, or a
 reduce-scatter of the sequence under SP). Anything else is NoRule (the fallback gathers).
+`einsum_matmul` returns the decision (tp_weights' operand vocabulary); the pass writes it.
 """
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import torch
 import torch.fx as fx
 
 from threefold.ir.program import tf
+from threefold.ops.rules import Op
+from threefold.passes.tp_decisions import REDUCE, ParamCut, ReduceScatter, TpDecision
 from threefold.passes.tp_patterns import _is_param
 from threefold.passes.tp_placement import Partial, Replicate, Shard
-from threefold.passes.tp_redistribute import NoRule, replicated
+from threefold.passes.tp_redistribute import NoRule
+from threefold.passes.tp_weights import LocalParam, MatmulInput, matmul_input_place
 
 aten = torch.ops.aten
 
@@ -33,23 +37,18 @@ def einsum_param(old: fx.Node):
     return (subs, out), ops[1 - i], ops[i], i
 
 
-def einsum_matmul(rw, old: fx.Node) -> fx.Node:
+def einsum_matmul(rw, old: fx.Node) -> TpDecision:
     (subs, out), x_old, w_old, wi = einsum_param(old)
     xs, ws = subs[1 - wi], subs[wi]
     fqn = tf(w_old)["fqn"]
-    x = rw.env[x_old]
-    px = rw.place[x]
+    px = matmul_input_place(rw, rw.env[x_old])
     shape = list(rw.prog.state[fqn].shape)
-    if isinstance(px, Replicate) and (px.partial_grad or px.gathered):
-        x, px = replicated(rw, x)[0], Replicate()
-    if isinstance(px, Partial):
-        x, px = rw.g(x), Replicate()
     if isinstance(px, Shard) and px.seq:
-        x, px = rw.gather_seq(x, px.dim), Replicate(gathered=True)
+        px = Replicate(gathered=True)
     if fqn in rw.avoid and fqn not in rw.decisions and isinstance(px, Replicate):
-        rw.replicated_weights[fqn] = f"its shards would reach {rw.avoid[fqn]}, which has no sharded rule"
-        rw.replicated_uses.add(fqn)
-        return _emit(rw, old, x, rw.env[w_old], wi, Replicate())
+        return TpDecision(Replicate(), {x_old: MatmulInput("seq")},
+                          kept=((fqn, f"its shards would reach {rw.avoid[fqn]}, which has no sharded rule"),),
+                          whole_uses=frozenset([fqn]))
     if isinstance(px, Replicate):
         free = [c for c in out if c in ws and c not in xs]
         if not free:
@@ -58,24 +57,14 @@ def einsum_matmul(rw, old: fx.Node) -> fx.Node:
         dim = ws.index(letter)
         if shape[dim] % rw.t:
             raise NoRule(f"tp={rw.t}: {rw._where()}: index {letter} of {fqn} ({shape[dim]}) does not divide by tp")
-        rw.decide(fqn, dim, (), shape[dim])
-        xin = x if px.gathered else rw.f(x)
-        node = _emit(rw, old, xin, rw.param_arg(w_old), wi, Shard(out.index(letter)))
-        rw.origin[node] = frozenset([fqn])
-        return node
+        return TpDecision(Shard(out.index(letter)), {x_old: MatmulInput("f"), w_old: LocalParam()},
+                          cuts=(ParamCut(fqn, dim, (), shape[dim]),), origin=frozenset([fqn]))
     if not isinstance(px, Shard) or px.blocks:
         raise NoRule(f"tp={rw.t}: {rw._where()} multiplies {fqn} with an input placed {px}")
     letter = xs[px.dim]
     if letter not in ws or letter in out:
         raise NoRule(f"tp={rw.t}: {rw._where()} is sharded on index {letter}, which {fqn} does not contract")
-    rw.decide(fqn, ws.index(letter), (), shape[ws.index(letter)])
-    partial = _emit(rw, old, x, rw.param_arg(w_old), wi, Partial())
-    partial._rename(f"{old.name}_partial")
-    if rw.sp and len(old.meta["val"].shape) == 3:
-        return rw.reduce_scatter(partial, 1)
-    return rw.g(partial)
-
-
-def _emit(rw, old, x, w, wi, place):
-    ops = [x, w] if wi == 1 else [w, x]
-    return rw.emit(old.target, (old.args[0], ops) + tuple(old.args[2:]), dict(old.kwargs), place=place)
+    sp = rw.sp and len(old.meta["val"].shape) == 3
+    return TpDecision(Shard(1, seq=True) if sp else Replicate(), {w_old: LocalParam()},
+                      Op(old.target, old.args, old.kwargs, place=Partial(), name=f"{old.name}_partial"),
+                      (ReduceScatter(1) if sp else REDUCE,), cuts=(ParamCut(fqn, ws.index(letter), (), shape[ws.index(letter)]),))

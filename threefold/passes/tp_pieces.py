@@ -4,19 +4,24 @@
 The parameter is split block-wise so each rank holds its 1/t of every piece, and of every
 block inside a piece whose output is split again (kv's [k | v]); each piece's linear is
 column-parallel on the local piece. Only when every piece of the split feeds linears.
+`piece_matmul` returns the decision; its pieces arrive as `LocalPiece`.
 """
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from threefold.passes.cost import op_name
 from threefold.ir.program import tf
+from threefold.passes.tp_decisions import ParamCut, TpDecision
 from threefold.passes.tp_patterns import _head_count, _is_param, _split_blocks
 from threefold.passes.tp_placement import Replicate, Shard
+from threefold.passes.tp_weights import MatmulInput
 from threefold.ops.families import RESHAPES, SPLITS
+from threefold.ops.rules import Op
 
 aten = torch.ops.aten
 
@@ -62,15 +67,26 @@ def piece_layout(split: fx.Node) -> list[tuple[int, ...]] | None:
     return pieces
 
 
-def piece_matmul(rw, old: fx.Node):
+@dataclass(frozen=True)
+class LocalPiece:
+    """A piece of a parameter split before its linears, as this rank holds it: a split of
+    the local parameter into the local pieces (`layout` per piece, `kept`: pieces held whole)."""
+    layout: tuple
+    kept: tuple
+
+    def bring(self, rw, x: fx.Node, old: fx.Node) -> fx.Node:
+        split = old.args[0]
+        return _local_piece(rw, split, split.args[0], self.layout, old.args[1], self.kept)
+
+
+def piece_matmul(rw, old: fx.Node) -> TpDecision | None:
     """Column-parallel linear on a piece of a parameter; None if the layout does not allow it."""
     w_get = old.args[1]
     b_get = old.args[2] if len(old.args) > 2 else None
     split, param, i = weight_piece(w_get)
     fqn = tf(param)["fqn"]
     layout = piece_layout(split)
-    x = rw.env[old.args[0]]
-    px = rw.place[x]
+    px = rw.place[rw.env[old.args[0]]]
     if layout is None or fqn in rw.avoid or fqn in rw.replicated_uses or not isinstance(px, Replicate) \
             or px.gathered or px.partial_grad:
         return None
@@ -82,11 +98,8 @@ def piece_matmul(rw, old: fx.Node):
     # every rank while the others stay sharded: the parameter's ShardSpec marks its blocks
     # from the start where its heads do not divide by tp, as for any projection
     heads = _piece_heads(split, len(layout))
-    kept = [piece_key(fqn, j) in rw.avoid or (heads[j] is not None and heads[j] % rw.t != 0)
-            for j in range(len(layout))]
-    for j, h in enumerate(heads):
-        if h is not None and h % rw.t and piece_key(fqn, j) not in rw.avoid:
-            rw.avoid[piece_key(fqn, j)] = f"its {h} heads, which do not divide by tp={rw.t}"
+    kept = tuple(piece_key(fqn, j) in rw.avoid or (heads[j] is not None and heads[j] % rw.t != 0)
+                 for j in range(len(layout)))
     if all(kept):
         return None
     blocks = tuple(b for piece in layout for b in piece)
@@ -96,25 +109,20 @@ def piece_matmul(rw, old: fx.Node):
                                          or rw.whole_blocks.get(fqn, ()) != (whole if any(whole) else ()))):
         return None
     rows = sum(blocks)
-    for name in [fqn] + ([tf(bias[1])["fqn"]] if bias is not None else []):
-        if any(whole):
-            rw.whole_blocks[name] = whole
-        rw.decide(name, 0, blocks, rows)
-    w = _local_piece(rw, split, param, layout, i, kept)
-    args = [x if kept[i] else rw.f(x), w]
-    if bias is not None:
-        args.append(_local_piece(rw, bias[0], bias[1], layout, i, kept))
+    names = [fqn] + ([tf(bias[1])["fqn"]] if bias is not None else [])
+    cuts = tuple(ParamCut(name, 0, blocks, rows, whole if any(whole) else ()) for name in names)
+    piece = LocalPiece(tuple(layout), kept)
+    needs = {w_get: piece} | ({b_get: piece} if bias is not None else {})
     if kept[i]:
-        why = rw.avoid[piece_key(fqn, i)]
+        why = rw.avoid.get(piece_key(fqn, i)) or f"its {heads[i]} heads, which do not divide by tp={rw.t}"
         note = f"tp: {fqn} piece {i} ({sum(layout[i])} rows) kept whole on every rank: " \
                + (why if why.startswith("its ") else f"its shards would reach {why}")
-        if note not in rw.notes:
-            rw.notes.append(note)
-        return rw.emit(aten.linear.default, tuple(args), place=Replicate())
-    out = rw.emit(aten.linear.default, tuple(args), place=Shard(len(old.meta["val"].shape) - 1,
-                                                                 layout[i] if len(layout[i]) > 1 else ()))
-    rw.origin[out] = frozenset([piece_key(fqn, i)])
-    return out
+        return TpDecision(Replicate(), needs, Op(aten.linear.default, old.args[:3]), cuts=cuts, notes=(note,),
+                          first=(w_get,))
+    needs[old.args[0]] = MatmulInput("f")
+    out = Shard(len(old.meta["val"].shape) - 1, layout[i] if len(layout[i]) > 1 else ())
+    return TpDecision(out, needs, Op(aten.linear.default, old.args[:3]), cuts=cuts, first=(w_get,),
+                      origin=frozenset([piece_key(fqn, i)]))
 
 
 def _piece_heads(split: fx.Node, n: int) -> list[int | None]:

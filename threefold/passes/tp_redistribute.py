@@ -9,8 +9,8 @@ the rewriter undoes whatever it had emitted for the op, brings every input of th
 shard with a differentiable gather whose backward slices, undo vocabulary padding, reduce a
 partial sum) and runs the op on the whole values. The op is never computed on the wrong
 shard. Each fallback is recorded as the sharding walker's one `Fallback` record (passes/shard.py:
-op, module FQN, bytes moved per step; its note is `fallback_note`), listed by `threefold
-inspect`, and is a PlanError under `Plan(strict=True)`.
+op, module FQN, bytes moved per step; its note is `fallback_note`; tp's `fallback` hook makes
+it), listed by `threefold inspect`, and is a PlanError under `Plan(strict=True)`.
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ import torch.fx as fx
 from threefold.passes.cost import op_name
 from threefold.ir.program import tf
 from threefold.errors import PlanError
-from threefold.passes.shard import Fallback
 from threefold.passes.tp_placement import Partial, Replicate, Shard
 
 GATHERS = "gathers its inputs"   # what a tp fallback does (its Fallback record's `how`)
@@ -65,9 +64,12 @@ class Gathered:
 
 
 def redistribute(rw, x: fx.Node, need, old: fx.Node | None = None) -> fx.Node:
-    """x (a new-graph value) as `need` asks (None: as it is)."""
+    """x (a new-graph value) as `need` asks (None: as it is). A need may bring the value
+    itself (`need.bring`: a weight matmul's operands, tp_weights.py, tp_pieces.py)."""
     if need is None:
         return x
+    if hasattr(need, "bring"):
+        return need.bring(rw, x, old)
     if isinstance(need, Cut):
         return rw.scatter_like(x, need.dim, need.like)
     if isinstance(need, Enter):
@@ -119,8 +121,9 @@ def replicated(rw, x: fx.Node, global_val=None) -> tuple[fx.Node, int]:
     return whole, moved
 
 
-def fallback(rw, old: fx.Node, reason: str) -> fx.Node:
-    """Run `old` on replicated inputs; record what that costs."""
+def fallback(rw, old: fx.Node, reason: str) -> tuple[fx.Node, int]:
+    """Run `old` on replicated inputs; the node and the bytes per rank a microbatch moves for
+    it (tp's `fallback` hook makes them the walker's Fallback record)."""
     if rw.prog.plan.strict:
         raise PlanError(f"tp={rw.t}: strict plan: {rw._where()} has no sharded rule ({reason}); "
                         "drop strict=true to let threefold gather its inputs, or use tp=1")
@@ -139,12 +142,10 @@ def fallback(rw, old: fx.Node, reason: str) -> fx.Node:
     kwargs = fx.node.map_arg(old.kwargs, whole)
     rw._note_param_uses(old, sharded=False)
     node = rw.copy_node(old, args=args, kwargs=kwargs, val=_meta(old.meta.get("val")))
-    rw.fallbacks.append(Fallback("tp", op_name(old), old.name, tf(old).get("module", "") or "<top>",
-                                 moved * rw.prog.plan.microbatches, reason.split("; use tp=1")[0], GATHERS))
     rw.fallback_blocked.append(sorted(blamed))
     for fqn in blamed:
         rw.blamed.setdefault(fqn, f"{op_name(old)} in {tf(old).get('module', '') or '<top>'}")
-    return node
+    return node, moved
 
 
 def _nbytes(v) -> int:

@@ -4,8 +4,6 @@ kept whole and why. When tp > 1 leaves over half of the parameters replicated, s
 from __future__ import annotations
 
 from threefold.ir.program import tf
-from threefold.passes.shard import Fallback, fallback_note
-from threefold.passes.tp_redistribute import GATHERS
 
 
 def tp_report(rw) -> dict:
@@ -23,14 +21,11 @@ def tp_report(rw) -> dict:
 
 
 def report_notes(rep: dict) -> list[str]:
-    """The notes of a report; a fallback's is the sharding walker's one `fallback_note`."""
+    """The notes of a report (each fallback's note is the sharding walker's, `fallback_note`)."""
     notes = [f"tp={rep['tp']}: {rep['sharded_share']:.0%} of parameters sharded "
              f"({rep['sharded_params']} of {rep['params']})"]
     for fqn, reason in rep["replicated_weights"].items():
         notes.append(f"tp: {fqn} kept whole on every rank: {reason}")
-    for fb in rep["fallbacks"]:
-        notes.append(fallback_note(Fallback("tp", fb["op"], fb["node"], fb["module"], fb["bytes_per_step"],
-                                            fb["reason"], GATHERS)))
     if rep["params"] and rep["sharded_share"] < 0.5:
         why = sorted({f"{fb['op']} in {fb['module']}" for fb in rep["fallbacks"]})
         kept = [f"{fqn} ({reason})" for fqn, reason in rep["replicated_weights"].items()]

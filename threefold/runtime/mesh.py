@@ -90,7 +90,7 @@ AXES: tuple[Axis, ...] = (
     Axis("cp", lambda plan: getattr(plan, "cp", 1),
          "context-parallel ranks (every sequence split along its positions; ring attention)",
          optional=True, rules="threefold.passes.context_parallel", cut="threefold.runtime.cp_ops:local_blocks"),
-    Axis("tp", lambda plan: plan.tp, "tensor-parallel ranks"),
+    Axis("tp", lambda plan: plan.tp, "tensor-parallel ranks", rules="threefold.passes.tensor_parallel"),
 )
 AXIS_NAMES = tuple(a.name for a in AXES)
 # Products of consecutive axes, by name.
