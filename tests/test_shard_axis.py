@@ -86,3 +86,23 @@ def test_the_toy_axis_needed_nothing_in_the_package():
     """The 4 places are all the axis touched: no file of threefold/ names it."""
     out = subprocess.run(["grep", "-rlw", "toy", os.path.join(ROOT, "threefold")], capture_output=True, text=True)
     assert out.stdout == ""
+
+
+def test_every_sharding_axis_is_applied_by_the_walker_and_the_pipeline_names_none():
+    """tp, cp, ep and the batch axes all reach the graph through passes/shard.py's three
+    phases: the pass list names the phases, never an axis, and each axis's rules module
+    gives the walker its AxisRules."""
+    import importlib
+    from threefold.compiler.pipeline import default_passes
+    from threefold.passes.shard import AxisRules, shard, shard_chunks, shard_local
+    passes = default_passes()
+    assert [p for p in passes if p in (shard_local, shard, shard_chunks)] == [shard_local, shard, shard_chunks]
+    names = {getattr(p, "__name__", "") for p in passes}
+    assert not names & {"tensor_parallel", "context_parallel", "place_batch_axes", "place_expert_axis"}, names
+    for axis in mesh.AXES:
+        if axis.name == "pp":   # the pipeline cut is a pass of its own (split_pipeline), not a placement
+            continue
+        rules = importlib.import_module(axis.rules).SHARDING
+        assert rules and all(isinstance(r, AxisRules) for r in rules), axis.name
+    tp_rules, = importlib.import_module(mesh.AXES[-1].rules).SHARDING
+    assert (tp_rules.axis, tp_rules.phase) == ("tp", "local")
