@@ -517,3 +517,19 @@ def test_sum_over_the_sharded_dim_is_one_all_reduce_not_a_fallback():
     prog = compile_workload(wl, "tp=2,strict=true")
     kinds = [n.meta["tf"]["collective"].kind for _, n in prog.chunk_nodes() if n.meta.get("tf", {}).get("collective")]
     assert "up.weight" in prog.shard_fns and kinds.count("all_reduce") >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_parameter_applied_to_shards_and_to_whole_values_trains_exactly():
+    """RWKV's time mix under sp: `x * mix + shifted * (1 - mix)` with x a sequence shard and
+    the shifted tokens whole. The gradient of `mix` is summed over tp for its shard use, so
+    its whole use reads it through grad_share (backward / tp); it was a PlanError, and
+    without the division the third step's loss is 5e-5 off."""
+    from tests.zoo.matrix import run_matrix
+    from tests.zoo import ZOO
+    prog = compile_workload(ZOO["rwkv"](), "tp=2,sp=true")
+    assert any("applied to shards and to whole values" in n for n in prog.notes), prog.notes
+    cells = run_matrix(["rwkv"], ["tp=2,sp=true"], log=lambda s: None)["cells"]
+    cell = cells[("rwkv", "tp=2,sp=true")]
+    assert cell["verdict"] == "pass" and cell["diff"] < 1e-5, cell

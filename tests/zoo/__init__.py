@@ -136,10 +136,7 @@ DROPOUT_CASES = {"hw_two_dropouts": 0.5, "hw_tp_dropout": 1.0}
 # Cells that fail for a cause outside the case the arch was added for, with that cause. The
 # matrix skips them: a rank that fails mid-step leaves its peer waiting, and every later
 # cell of the job then fails with it.
-KNOWN_BROKEN = {
-    ("rwkv", "tp=2,sp=true"): "PlanError: time_mix_key is applied both to sharded and to replicated "
-                              "activations (on main too)",
-}
+KNOWN_BROKEN: dict = {}
 
 
 def expected_planerror(arch: str, plan) -> bool:

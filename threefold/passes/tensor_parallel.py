@@ -68,7 +68,9 @@ from threefold.passes.tp_report import report_notes, tp_report
 from threefold.passes.tp_weights import embedding, weight_matmul
 from threefold.ops.families import args_of
 from threefold.ops.rules import RESULT, NoRule as NoRuleDecision, Op
+from threefold.runtime import tp_ops
 from threefold.runtime.shard import ShardSpec
+from threefold.runtime.tp_ops import TP
 
 aten = torch.ops.aten
 
@@ -118,12 +120,13 @@ class TensorParallel(AxisRules):
         if d is None:   # every input plainly replicated: the call as it is
             rw._note_param_uses(old, sharded=False)
             return rw.bind(old, rw.copy_node(old, val=to_meta(old.meta.get("val"))), mark)
-        decided, uses = dict(rw.decisions), (set(rw.shard_uses), set(rw.replicated_uses))
+        decided, uses = dict(rw.decisions), (set(rw.shard_uses), set(rw.replicated_uses), len(rw.whole_sites))
         try:
             new = rw.apply(old, d)
         except NoRule as exc:   # an input it cannot bring to the placement asked for
             rw._rollback(mark, decided)
-            rw.shard_uses, rw.replicated_uses = uses
+            rw.shard_uses, rw.replicated_uses = uses[:2]
+            del rw.whole_sites[uses[2]:]
             return Gather(str(exc).split(": ", 1)[-1])
         return rw.bind(old, new, mark)
 
@@ -217,6 +220,8 @@ class _Rewriter(CollectiveEmitter):
         self.user_derived: set[fx.Node] = set()
         self.shard_uses: set[str] = set()      # R params applied to shards (grad sum over tp)
         self.replicated_uses: set[str] = set()
+        self.whole_sites: list[tuple] = []     # (call, input, its params) applying R params to whole values
+        self.unsited: set[str] = set()         # R params applied whole where no input names the use
         self.current: fx.Node | None = None
         self._sources_memo: dict[fx.Node, frozenset | None] = {}
 
@@ -253,10 +258,33 @@ class _Rewriter(CollectiveEmitter):
             node = self.param_nodes[fqn]
             node.meta["val"] = self._param_local(fqn)
             _place(node, Shard(dim, blocks))
-        both = self.shard_uses & self.replicated_uses
-        if both:
-            raise PlanError(f"parameter {sorted(both)[0]} is applied both to sharded and to replicated "
+        self._share_whole_uses(self.shard_uses & self.replicated_uses)
+
+    def _share_whole_uses(self, both: set) -> None:
+        """Parameters applied both to shards and to whole values (RWKV's time mix under sp:
+        `x * mix + shifted * (1 - mix)`, one operand a sequence shard): the runtime sums their
+        gradient over tp (tp_grad_sync), which counts a whole use's gradient, the same on
+        every rank, t times. Each whole use reads them through `tp_ops.grad_share` (backward
+        divides by t: exact for t a power of two), so the sum counts it once."""
+        if not both:
+            return
+        sites = {(o, a) for o, a, src in self.whole_sites if src & both}
+        stray = both & self.unsited | {f for o, a, src in self.whole_sites if src & both for f in src - both}
+        if stray:
+            raise PlanError(f"parameter {sorted(stray)[0]} is applied both to sharded and to replicated "
                             f"activations under tp={self.t}; threefold cannot split its gradient")
+        for o, a in sorted(sites, key=lambda s: (s[0].name, s[1].name)):
+            use, value = self.env[o], self.env[a]
+            if value not in use.all_input_nodes:
+                raise PlanError(f"parameter {sorted(both)[0]} is applied both to sharded and to replicated "
+                                f"activations under tp={self.t}; threefold cannot split its gradient")
+            with self.new.inserting_before(use):
+                shared = self.emit(tp_ops.grad_share, (value, TP), place=self.place[value], val=self.val[value],
+                                   src=o)
+            use.replace_input_with(value, shared)
+        note = f"tp: {', '.join(sorted(both))} applied to shards and to whole values: the whole uses' " \
+               f"gradients enter the sum over tp divided by {self.t}"
+        self.notes.append(note)
 
     def commit(self) -> None:
         """Write this rewrite into the program (the last of the retries)."""
@@ -373,6 +401,7 @@ class _Rewriter(CollectiveEmitter):
                 return d
             split, param, _ = weight_piece(old.args[1])
             self.replicated_uses.add(tf(param)["fqn"])
+            self.unsited.add(tf(param)["fqn"])
         if name == "embedding" and _is_param(old.args[0]) and old.args[1] in self.user_derived \
                 and tf(old.args[0])["fqn"] not in self.avoid:
             return embedding(self, old)
@@ -433,6 +462,7 @@ class _Rewriter(CollectiveEmitter):
         for fqn, why in d.kept:
             self.replicated_weights[fqn] = why
         self.replicated_uses |= d.whole_uses
+        self.unsited |= d.whole_uses
         for fqn, how in d.padded:
             self.padded.setdefault(fqn, how)
         self.notes.extend(n for n in d.notes if n not in self.notes)
@@ -474,9 +504,10 @@ class _Rewriter(CollectiveEmitter):
         for a, src in zip(old.all_input_nodes, sources):
             if a in skip:
                 continue
-            for fqn in src or ():
-                if fqn not in self.decisions:
-                    (self.shard_uses if sharded else self.replicated_uses).add(fqn)
+            src = frozenset(f for f in src or () if f not in self.decisions)
+            (self.shard_uses if sharded else self.replicated_uses).update(src)
+            if src and not sharded:
+                self.whole_sites.append((old, a, src))
 
     def _param_sources(self, old: fx.Node) -> frozenset | None:
         """The parameters a value is computed from, if it depends on nothing else

@@ -206,6 +206,24 @@ def mask_padding(w, dim, size, group):
     return _MaskPadding.apply(w, dim, size, group) if group is not None else w
 
 
+class _GradShare(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / _size(ctx.group), None
+
+
+def grad_share(x, group):
+    """A replicated parameter's value where it is applied to whole values while other uses
+    apply it to shards: identity forward; backward divides by tp, since the gradient of a
+    parameter with shard uses is summed over tp and this use's is the same on every rank."""
+    return _GradShare.apply(x, group) if group is not None else x
+
+
 def f(x, group):
     return _F.apply(x, group) if group is not None else x
 
