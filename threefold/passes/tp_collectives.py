@@ -5,7 +5,7 @@ Megatron's f (identity forward, all-reduce backward) before a column-parallel ma
 reduce-scatter / all-gather pair over the sequence dim; scatter and gather along a sharded
 dim (block-wise for fused [q|k|v] dims), and `to_replicated` from any placement. Each is
 emitted once per value (`_cached`), so q, k and v share one f. A mixin of the rewriter
-(tensor_parallel._Rewriter): it reads `self.emit`, `self.place`, `self.val`.
+(tp_rewrite._Rewriter): it reads `self.emit`, `self.place`, `self.val`.
 """
 from __future__ import annotations
 
