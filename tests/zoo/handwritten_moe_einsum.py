@@ -1,0 +1,95 @@
+"""MoEs whose experts are einsums over stacked expert weights (issue 40): the dense-expert
+pass reads the einsum's equation for the experts' letter (passes/dense_experts.py).
+
+  hw_moe_einsum       every token routed to every expert by its top-1 router score, kept per
+                      sequence as [B, E, T, C] (the experts on dim 1, not 0), a SwiGLU as
+                      einsum('betc,ecf->betf') / einsum('betf,efc->betc') against [E, C, 2F]
+                      and [E, F, C] parameters, summed over the experts. `matmul=True` writes
+                      the products as `x @ w` (matmul broadcasting E against x's dim 1).
+  hw_moe_einsum_soft  Soft MoE with stacked experts: every slot a softmax-weighted mix of the
+                      sequence's tokens ([B, E, P, D]: E experts of P slots), each expert's
+                      GELU MLP as einsum('bepd,edf->bepf') / einsum('bepf,efd->bepd'), slots
+                      mixed back into tokens by a second softmax. `slots=1` gives the one-slot
+                      form 'bnd,ndf->bnf'.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.zoo.common import HIDDEN, VOCAB, token_batch, workload
+
+
+class EinsumExperts(nn.Module):
+    def __init__(self, experts: int = 4, ffn: int = 24, matmul: bool = False):
+        super().__init__()
+        self.experts, self.matmul = experts, matmul
+        self.router = nn.Linear(HIDDEN, experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(experts, HIDDEN, 2 * ffn) * HIDDEN ** -0.5)   # [E, C, 2F]
+        self.w_out = nn.Parameter(torch.randn(experts, ffn, HIDDEN) * ffn ** -0.5)        # [E, F, C]
+
+    def forward(self, x):                                               # [B, T, C]
+        logits = self.router(x)                                         # [B, T, E]
+        top, idx = logits.topk(1, dim=-1)
+        scores = torch.full_like(logits, float("-inf")).scatter(-1, idx, top).sigmoid()
+        routed = x.unsqueeze(1) * scores.transpose(1, 2).unsqueeze(-1)  # [B, E, T, C]
+        if self.matmul:
+            g, u = (routed @ self.w_in).chunk(2, dim=-1)
+            y = (F.silu(g) * u) @ self.w_out
+        else:
+            g, u = torch.einsum("betc,ecf->betf", routed, self.w_in).chunk(2, dim=-1)
+            y = torch.einsum("betf,efc->betc", F.silu(g) * u, self.w_out)
+        return y.sum(1)                                                 # [B, T, C]
+
+
+class SoftExperts(nn.Module):
+    def __init__(self, experts: int = 4, slots: int = 2, ffn: int = 48):
+        super().__init__()
+        self.experts, self.slots = experts, slots
+        self.phi = nn.Parameter(torch.randn(HIDDEN, experts * slots) * HIDDEN ** -0.5)    # [D, E*P]
+        self.w1 = nn.Parameter(torch.randn(experts, HIDDEN, ffn) * HIDDEN ** -0.5)        # [E, D, F]
+        self.w2 = nn.Parameter(torch.randn(experts, ffn, HIDDEN) * ffn ** -0.5)           # [E, F, D]
+
+    def forward(self, x):                                               # [B, T, D]
+        logits = torch.einsum("btd,dn->btn", x, self.phi)               # [B, T, E*P]
+        dispatch, combine = logits.softmax(dim=1), logits.softmax(dim=-1)
+        slots = torch.einsum("btn,btd->bnd", dispatch, x)               # [B, E*P, D]
+        if self.slots == 1:
+            h = F.gelu(torch.einsum("bnd,ndf->bnf", slots, self.w1))
+            out = torch.einsum("bnf,nfd->bnd", h, self.w2)
+        else:
+            slots = slots.unflatten(1, (self.experts, self.slots))      # [B, E, P, D]
+            h = F.gelu(torch.einsum("bepd,edf->bepf", slots, self.w1))
+            out = torch.einsum("bepf,efd->bepd", h, self.w2).flatten(1, 2)
+        return torch.einsum("btn,bnd->btd", combine, out)
+
+
+class EinsumMoELM(nn.Module):
+    def __init__(self, block, layers: int = 2, **kw):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.norms = nn.ModuleList(nn.LayerNorm(HIDDEN) for _ in range(layers))
+        self.moes = nn.ModuleList(block(**kw) for _ in range(layers))
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for norm, moe in zip(self.norms, self.moes):
+            x = x + moe(norm(x))
+        return self.head(x)
+
+
+def einsum_moe(seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    inputs, target = token_batch(seed=seed)
+    return workload(EinsumMoELM(EinsumExperts, **kw).train(), (inputs,), target)
+
+
+def soft_einsum_moe(seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    inputs, target = token_batch(seed=seed)
+    return workload(EinsumMoELM(SoftExperts, **kw).train(), (inputs,), target)
+
+
+FACTORIES = {"hw_moe_einsum": einsum_moe, "hw_moe_einsum_soft": soft_einsum_moe}
