@@ -203,3 +203,14 @@ def test_tp2_dp2_ep2_einsum_experts_train_like_one_process():
             assert r[k]["held"] and all(shape[0] * 2 == full[0] for shape, full in r[k]["held"].values()), \
                 (name, r[k]["held"])
         assert max_rel_diff(ranks[0][k]["losses"], ref_losses) < 1e-5, (name, ranks[0][k]["losses"], ref_losses)
+
+
+def test_inspect_counts_the_einsum_experts_slices_and_all_to_all_bytes():
+    from tests.zoo import ZOO
+    from threefold.cli.inspect_experts import expert_report
+    w = ZOO["hw_moe_einsum"]()
+    report = expert_report(_compile(w), tuple(w["inputs"]) + (w["target"],))
+    assert [l["held_by_ep_rank"] for l in report["layers"]] == [[[0, 1], [2, 3]]] * 2
+    for layer in report["layers"]:
+        assert layer["rows_per_microbatch"] == 2 * 4 * 8              # a rank's 2 rows x 4 experts x 8 tokens
+        assert layer["all_to_all_bytes"]["forward"] == 2 * 2 * 4 * 8 * 32 * 4   # [B, E, T, C] there and back

@@ -29,8 +29,9 @@ def expert_report(prog, batch: tuple | None = None) -> dict | None:
         rows = [nodes[x].meta["val"] for x in r["rows"]]
         outs = [nodes[x].meta["val"] for x in r["outputs"]]
         n_rows = int(rows[0].shape[0]) if rows else 0
-        if rows and not r["offs"]:   # dense (passes/dense_experts.py): [E, T, in], every expert every token
-            n_rows = int(rows[0].shape[0] * rows[0].shape[1])
+        if rows and not r["offs"]:   # dense (passes/dense_experts.py): [E, T, in] (or [B, E, T, in] of an
+            # einsum), every expert every token: the token slices, one per expert and token
+            n_rows = int(rows[0].numel() // max(rows[0].shape[-1], 1))
         there = sum(t.numel() * t.element_size() for t in rows)    # dispatch: rows to experts
         back = sum(t.numel() * t.element_size() for t in outs)     # combine: results home
         per = r["experts"] // ep
