@@ -38,7 +38,7 @@ class _OneProduct(nn.Module):
         self.w = nn.Parameter(torch.randn(4, 6, 5))
 
     def forward(self, x):
-        return x @ self.w if self.eq is None else torch.einsum(self.eq, x, self.w)
+        return x @ self.w if self.eq in (None, "@2d") else torch.einsum(self.eq, x, self.w)
 
 
 def _square_mean(out, target):
@@ -47,7 +47,7 @@ def _square_mean(out, target):
 
 _X = {"betc,ecf->betf": (2, 4, 3, 6), "bnc,ncf->bnf": (2, 4, 6), "etc,ecf->etf": (4, 3, 6),
       "btec,ecf->bfte": (2, 3, 4, 6), "betc,ecf->btf": (2, 4, 3, 6), "btc,ecf->betf": (2, 3, 6),
-      "betc,ecf->betcf": (2, 4, 3, 6), None: (2, 4, 3, 6)}
+      "betc,ecf->betcf": (2, 4, 3, 6), None: (2, 4, 3, 6), "@2d": (3, 6)}
 
 
 @pytest.mark.parametrize("eq,dims", [
@@ -56,9 +56,10 @@ _X = {"betc,ecf->betf": (2, 4, 3, 6), "bnc,ncf->bnf": (2, 4, 6), "etc,ecf->etf":
     ("etc,ecf->etf", (0, 0)),         # the bmm form
     ("btec,ecf->bfte", (2, 3)),       # the output reorders its letters
     ("betc,ecf->btf", None),          # the experts contracted: a sum over experts in one einsum
-    ("btc,ecf->betf", None),          # every expert on every token: no per-expert slices
+    ("btc,ecf->betf", (None, 1)),     # every expert on every token: x read whole by every expert
     ("betc,ecf->betcf", None),        # nothing contracted with the weight: not a matmul
     (None, (1, 1)),                   # x @ w, matmul broadcasting [E, C, F] against [B, E, T, C]
+    ("@2d", (None, 0)),               # [T, C] @ [E, C, F]: every expert on every token
 ], ids=lambda v: str(v))
 def test_dense_expert_matmul_reads_the_experts_dims_from_the_equation(eq, dims):
     from threefold.passes.dense_experts import dense_expert_matmul
@@ -70,24 +71,26 @@ def test_dense_expert_matmul_reads_the_experts_dims_from_the_equation(eq, dims):
         assert found[0].param.name.endswith("w")
 
 
-@pytest.mark.parametrize("arch,kw", [("hw_moe_einsum", {}), ("hw_moe_einsum", {"matmul": True}),
-                                     ("hw_moe_einsum_soft", {}), ("hw_moe_einsum_soft", {"slots": 1})],
-                         ids=["einsum", "matmul", "soft", "soft_one_slot"])
-def test_einsum_experts_are_split_under_ep_with_their_expert_dims(arch, kw):
+@pytest.mark.parametrize("name", ["einsum", "matmul", "soft", "soft_one_slot", "mixture", "mixture_matmul"])
+def test_einsum_experts_are_split_under_ep_with_their_expert_dims(name):
     """Regression: before, these were refused ("no expert computation found")."""
-    from tests.zoo import ZOO
-    prog = _compile(ZOO[arch](**kw))
+    arch, kw = CASES[name]
+    prog = _compile(_workload(name))
     regions = [r for c in prog.chunks for r in c.experts]
     names = ("w_in", "w_out") if arch == "hw_moe_einsum" else ("w1", "w2")
     assert [sorted(r["params"].items()) for r in regions] == [
         [(f"moes.{k}.{names[0]}", 4), (f"moes.{k}.{names[1]}", 4)] for k in (0, 1)]
+    # where the experts sit: [B, E, ...] on dim 1; a mixture's input [B, T, C] (or [N, C]) has
+    # none (None: every expert reads it whole) and its output [E, N, C] of `@` has them on dim 0
+    row_dim, out_dim = {"mixture": (None, 1), "mixture_matmul": (None, 0)}.get(name, (1, 1))
     for r in regions:
         assert r["offs"] is None and len(r["rows"]) == 1 and len(r["outputs"]) == 1
-        assert r["dims"][r["rows"][0]] == r["dims"][r["outputs"][0]] == 1      # [B, E, ...]: experts on dim 1
+        assert (r["dims"].get(r["rows"][0]), r["dims"][r["outputs"][0]]) == (row_dim, out_dim)
     from threefold.codegen.artifact import build_sources
     src = next(v for k, v in build_sources(prog).items() if k.endswith(".py"))
-    assert len(re.findall(r"= self\.experts\(\s*self\._experts_\d+, 4, None,[^=]*dims=\(\(1,\), \(1,\)\)\)",
-                          src)) == 4, src    # 2 layers, in forward and in model_outputs
+    call = re.escape(f"dims=(({row_dim},), ({out_dim},))")
+    assert len(re.findall(r"= self\.experts\(\s*self\._experts_\d+, 4, None,[^=]*" + call, src)) == 4, src
+    # 2 layers, in forward and in model_outputs
 
 
 def test_einsum_whose_expert_weights_meet_another_dim_than_the_experts_is_refused_in_one_line():
@@ -116,7 +119,9 @@ def test_einsum_whose_expert_weights_meet_another_dim_than_the_experts_is_refuse
 
 # -- multi-rank --------------------------------------------------------------------------
 CASES = {"einsum": ("hw_moe_einsum", {}), "matmul": ("hw_moe_einsum", {"matmul": True}),
-         "soft": ("hw_moe_einsum_soft", {}), "soft_one_slot": ("hw_moe_einsum_soft", {"slots": 1})}
+         "soft": ("hw_moe_einsum_soft", {}), "soft_one_slot": ("hw_moe_einsum_soft", {"slots": 1}),
+         "mixture": ("hw_moe_einsum", {"mixture": True}),
+         "mixture_matmul": ("hw_moe_einsum", {"mixture": True, "matmul": True})}
 
 
 def _workload(name: str) -> dict:
@@ -127,25 +132,30 @@ def _workload(name: str) -> dict:
 
 def _rank(names: list[str], plan: str) -> list[dict]:
     """Per workload the losses, every gradient this rank holds after each step's backward,
-    and the shapes of the expert parameters it keeps (with their full shapes)."""
+    the shapes of the expert parameters it keeps (with their full shapes), and the bytes its
+    expert all-to-alls moved."""
+    from tests.a2a_bytes import counting_all_to_all
     torch.set_num_threads(1)
-    out = []
-    for name in names:
-        torch.manual_seed(1234)
-        w = _workload(name)
-        full = {f: tuple(p.shape) for f, p in w["model"].named_parameters()}
-        pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
-        experts = pm.manifest["experts"]
-        held = {f: (tuple(p.shape), full[f]) for f, p in pm.named_parameters() if f in experts}
-        opt = pm.optimizer(torch.optim.SGD, lr=0.1)
-        losses, grads = [], []
-        for _ in range(STEPS):
-            opt.zero_grad()
-            losses.append(pm.step(*w["inputs"], target=w["target"]))
-            grads.append({f: p.grad.clone() for f, p in pm.named_parameters() if p.grad is not None})
-            opt.step()
-        out.append({"losses": losses, "grads": grads, "held": held})
-    return out
+    with counting_all_to_all() as sent:
+        return [_train(name, plan, sent) for name in names]
+
+
+def _train(name: str, plan: str, sent: dict) -> dict:
+    torch.manual_seed(1234)
+    w = _workload(name)
+    full = {f: tuple(p.shape) for f, p in w["model"].named_parameters()}
+    pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
+    experts = pm.manifest["experts"]
+    held = {f: (tuple(p.shape), full[f]) for f, p in pm.named_parameters() if f in experts}
+    opt = pm.optimizer(torch.optim.SGD, lr=0.1)
+    losses, grads = [], []
+    sent.clear()
+    for _ in range(STEPS):
+        opt.zero_grad()
+        losses.append(pm.step(*w["inputs"], target=w["target"]))
+        grads.append({f: p.grad.clone() for f, p in pm.named_parameters() if p.grad is not None})
+        opt.step()
+    return {"losses": losses, "grads": grads, "held": held, "sent": dict(sent)}
 
 
 def _reference(name: str):
@@ -189,12 +199,21 @@ def test_dp2_ep2_einsum_experts_train_like_one_process_each_rank_holding_half():
                     want = ref[rank * got.shape[0]:(rank + 1) * got.shape[0]] if fqn in r["held"] else ref
                     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6,
                                                msg=f"{name} {fqn} step {step} rank {rank}")
+        # a rank's [2, E, T, C] slices go out whole (its own experts' included) and come back,
+        # per layer and step; a mixture's [2, T, C] input goes once to each of the 2 ranks
+        per = STEPS * 2 * 4            # steps x layers x fp32 bytes
+        slices = per * 2 * 4 * 8 * 32
+        if name in ("einsum", "mixture"):
+            tokens = per * 2 * (2 * 8 * 32) if name == "mixture" else slices
+            for r in (a, b):
+                assert r["sent"]["expert tokens"] == r["sent"]["expert tokens gradients"] == tokens, (name, r["sent"])
+                assert r["sent"]["expert outputs"] == r["sent"]["expert outputs gradients"] == slices, (name, r["sent"])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_tp2_dp2_ep2_einsum_experts_train_like_one_process():
-    names = ["einsum", "soft"]
+    names = ["einsum", "soft", "mixture"]
     ranks = threefold.launch(_rank, 4, names, "tp=2,dp=2,ep=2", timeout=840)
     for k, name in enumerate(names):
         ref_losses, _ = _reference(name)

@@ -6,6 +6,8 @@ pass reads the einsum's equation for the experts' letter (passes/dense_experts.p
                       einsum('betc,ecf->betf') / einsum('betf,efc->betc') against [E, C, 2F]
                       and [E, F, C] parameters, summed over the experts. `matmul=True` writes
                       the products as `x @ w` (matmul broadcasting E against x's dim 1).
+                      `mixture=True`: every expert on every token, 'btc,ecf->betf' (or
+                      [T, C] @ [E, C, 2F] with `matmul`), outputs weighted by the scores.
   hw_moe_einsum_soft  Soft MoE with stacked experts: every slot a softmax-weighted mix of the
                       sequence's tokens ([B, E, P, D]: E experts of P slots), each expert's
                       GELU MLP as einsum('bepd,edf->bepf') / einsum('bepf,efd->bepd'), slots
@@ -22,9 +24,9 @@ from tests.zoo.common import HIDDEN, VOCAB, token_batch, workload
 
 
 class EinsumExperts(nn.Module):
-    def __init__(self, experts: int = 4, ffn: int = 24, matmul: bool = False):
+    def __init__(self, experts: int = 4, ffn: int = 24, matmul: bool = False, mixture: bool = False):
         super().__init__()
-        self.experts, self.matmul = experts, matmul
+        self.experts, self.matmul, self.mixture = experts, matmul, mixture
         self.router = nn.Linear(HIDDEN, experts, bias=False)
         self.w_in = nn.Parameter(torch.randn(experts, HIDDEN, 2 * ffn) * HIDDEN ** -0.5)   # [E, C, 2F]
         self.w_out = nn.Parameter(torch.randn(experts, ffn, HIDDEN) * ffn ** -0.5)        # [E, F, C]
@@ -33,6 +35,8 @@ class EinsumExperts(nn.Module):
         logits = self.router(x)                                         # [B, T, E]
         top, idx = logits.topk(1, dim=-1)
         scores = torch.full_like(logits, float("-inf")).scatter(-1, idx, top).sigmoid()
+        if self.mixture:
+            return self._mixture(x, scores)
         routed = x.unsqueeze(1) * scores.transpose(1, 2).unsqueeze(-1)  # [B, E, T, C]
         if self.matmul:
             g, u = (routed @ self.w_in).chunk(2, dim=-1)
@@ -41,6 +45,18 @@ class EinsumExperts(nn.Module):
             g, u = torch.einsum("betc,ecf->betf", routed, self.w_in).chunk(2, dim=-1)
             y = torch.einsum("betf,efc->betc", F.silu(g) * u, self.w_out)
         return y.sum(1)                                                 # [B, T, C]
+
+    def _mixture(self, x, scores):
+        """Every expert on every token (x read whole by each), weighted by its score."""
+        b, t, c = x.shape
+        if self.matmul:
+            tokens = x.reshape(-1, c)                                   # [N, C]
+            g, u = (tokens @ self.w_in).chunk(2, dim=-1)                # [E, N, F] each
+            y = (F.silu(g) * u) @ self.w_out                            # [E, N, C]
+            return (y * scores.reshape(-1, self.experts).t().unsqueeze(-1)).sum(0).reshape(b, t, c)
+        g, u = torch.einsum("btc,ecf->betf", x, self.w_in).chunk(2, dim=-1)
+        y = torch.einsum("betf,efc->betc", F.silu(g) * u, self.w_out)  # [B, E, T, C]
+        return (y * scores.transpose(1, 2).unsqueeze(-1)).sum(1)
 
 
 class SoftExperts(nn.Module):

@@ -7,16 +7,19 @@ activation `x` that carries the same E experts on one of its dims, each expert's
   - a batched matmul `x @ w` (bmm, or matmul) of x [..., E, T, in] by w [E, in, out], giving
     [..., E, T, out] (Llama 4's experts: every token repeated once per expert and scaled by
     its router score, then one bmm over the stacked experts; matmul's broadcast batch dims
-    may come before E);
+    may come before E), or of x [T, in] by w, every expert on every token;
   - an einsum of the two, read from its equation: the weight's expert letter (its dim 0) is
     also a letter of the activation and of the output (kept, not contracted), and the two
     contract at least one other letter ('etd,edf->etf', 'becd,edf->becf', soft MoE's slots
     'bnd,nde->bne'). Where the expert letter sits in the activation and in the output is
-    the expert dim of each (any dim, not only 0).
+    the expert dim of each (any dim, not only 0). An activation without the expert letter
+    ('btc,ecf->betf': every expert on every token, a dense mixture) is read whole by every
+    expert: `x_dim` None.
 Nothing but the equation, the shapes and the parameter is read.
 
 Under ep=N the slices of x along its expert dim are independent: expert e's slice goes to
-the rank holding e, the experts' ops run there, and the result slice comes back
+the rank holding e (an x without experts goes whole to every rank), the experts' ops run
+there, and the result slice comes back
 (runtime/dense_experts.py); the sum over experts (or whatever combines them) stays on the
 tokens' rank, in the model's order. A *dense region* is the dense expert matmuls linked by
 values that keep the experts on some dim (the activation, the gate product, chunk; followed
@@ -44,7 +47,7 @@ class DenseMatmul(NamedTuple):
     x: fx.Node          # the activation: the experts' token slices
     w: fx.Node          # the weight operand, [E, ...] with the experts on dim 0
     param: fx.Node      # the parameter placeholder w is a view or cast of
-    x_dim: int          # the experts' dim in x
+    x_dim: int | None   # the experts' dim in x; None: x has none, every expert reads all of it
     out_dim: int        # and in the product
 
 
@@ -63,10 +66,14 @@ def dense_expert_matmul(node: fx.Node) -> DenseMatmul | None:
     vx, vw, out = _val(x), _val(w), _val(node)
     if not all(isinstance(v, torch.Tensor) for v in (vx, vw, out)):
         return None
-    if vw.dim() != 3 or vx.dim() < 3 or out.dim() != vx.dim() or (name == "bmm" and vx.dim() != 3):
+    if vw.dim() != 3 or vx.dim() < 1 or vx.shape[-1] != vw.shape[1] or out.dim() < 3:
+        return None
+    if name == "matmul" and vx.dim() == 2 and out.shape[0] == vw.shape[0]:
+        return _tokens_by_experts(x, w, None, 0)   # [T, in] @ [E, in, out]: every expert on every token
+    if vx.dim() < 3 or out.dim() != vx.dim() or (name == "bmm" and vx.dim() != 3):
         return None
     # matmul broadcasts w's batch dim (E) against x's third dim from the end
-    if not (vx.shape[-3] == vw.shape[0] == out.shape[-3]) or vx.shape[-1] != vw.shape[1]:
+    if not (vx.shape[-3] == vw.shape[0] == out.shape[-3]):
         return None
     return _tokens_by_experts(x, w, vx.dim() - 3, vx.dim() - 3)
 
@@ -94,11 +101,13 @@ def _einsum_experts(node: fx.Node) -> DenseMatmul | None:
     wi = weights[0]
     xs, ws = subs[1 - wi], subs[wi]
     e = ws[0]
-    if e not in xs or e not in out:
-        return None   # the experts contracted, or every expert on every token (no slices)
+    if e not in out:
+        return None   # the experts contracted: a sum over experts inside the product
     if not any(c in xs and c not in out for c in ws if c != e):
         return None   # no contraction with the weight: a scale, not a matmul
     x, w = ops[1 - wi], ops[wi]
+    if e not in xs:   # every expert on every token ('btc,ecf->betf'): x is read whole
+        return _tokens_by_experts(x, w, None, out.index(e))
     if _val(x).shape[xs.index(e)] != _val(w).shape[0]:
         return None
     return _tokens_by_experts(x, w, xs.index(e), out.index(e))

@@ -170,11 +170,12 @@ def _region(graph, order, offs, mms, parts, dense: dict | None = None) -> dict:
     the dim each dense matmul's operands say, passes/dense_experts.py)."""
     if dense:
         first = dense[mms[0]]
-        rows = _val(first.x).shape[first.x_dim]
-        seeds = {d.x: d.x_dim for d in dense.values()}
+        rows = _val(first.w).shape[0]
+        seeds = {d.x: d.x_dim for d in dense.values()}   # x_dim None: x read whole by every expert
+        shared = {d.x for d in dense.values() if d.x_dim is None}
     else:
         rows = _val(parts[mms[0]][0]).shape[0]
-        seeds = None
+        seeds, shared = None, set()
     experts = _val(offs).shape[0] if offs is not None else rows
     mm_set = set(mms)
     down = _reach(mms, lambda n: n.users)
@@ -188,9 +189,11 @@ def _region(graph, order, offs, mms, parts, dense: dict | None = None) -> dict:
             if not u.users and u.op == "call_function" and all(a in nodes for a in u.all_input_nodes):
                 nodes.add(u)
     name = tf(mms[0]).get("module", "") or mms[0].name
-    states = _check_row_wise(name, sorted(nodes, key=order.get), rows, weights_of | {offs} - {None}, seeds)
-    for m, d in (dense or {}).items():   # each expert's slice meets that expert's weight
-        if states.get(d.x) != Rows(d.x_dim, 1) or states.get(m) != Rows(d.out_dim, 1):
+    made = {m: d.out_dim for m, d in (dense or {}).items() if d.x_dim is None}
+    states = _check_row_wise(name, sorted(nodes, key=order.get), rows, weights_of | {offs} - {None}, seeds, made)
+    for m, d in (dense or {}).items():   # each expert's slice (or the whole x) meets that expert's weight
+        if states.get(d.x) != (Rows(d.x_dim, 1) if d.x_dim is not None else None) \
+                or states.get(m) != Rows(d.out_dim, 1):
             raise PlanError(f"expert region {name}: {op_name(m)} ({m.name}) multiplies the experts' weights with "
                             "slices that are not the experts' own (the experts sit on another dim of its "
                             "operand), so they cannot be computed on the experts' ranks; drop ep for this model")
@@ -206,7 +209,7 @@ def _region(graph, order, offs, mms, parts, dense: dict | None = None) -> dict:
             weights.append(a)
             p = _param_root(a)
             params[tf(p)["fqn"]] = experts
-        elif _expert_dim(states.get(a), a, rows) is not None:
+        elif _expert_dim(states.get(a), a, rows) is not None or a in shared:
             row_inputs.append(a)
         elif a.op == "placeholder" and tf(a).get("kind") in ("param", "buffer"):
             others.append(a)
@@ -228,8 +231,10 @@ def _region(graph, order, offs, mms, parts, dense: dict | None = None) -> dict:
             raise PlanError(f"expert region {name}: {n.name} ({op_name(n)}) leaves the region as a tuple; "
                             "drop ep for this model")
     dims = {a.name: _expert_dim(states.get(a), a, rows) for a in row_inputs + ordered}
-    if any(dims[x.name] is None or offs is not None and dims[x.name] != 0 for x in row_inputs + outputs):
-        # the runtime cuts each row input and output on its rows' dim (grouped: dim 0)
+    if any(x not in shared and (dims[x.name] is None or offs is not None and dims[x.name] != 0)
+           for x in row_inputs + outputs):
+        # the runtime cuts each row input and output on its rows' dim (grouped: dim 0); a
+        # shared input (dim None) goes whole to every rank
         raise PlanError(f"expert region {name}: its rows enter or leave it on a dim other than 0; "
                         "drop ep for this model")
     for n in outputs:
@@ -255,7 +260,8 @@ def _reach(start, step) -> set:
     return seen
 
 
-def _check_row_wise(name: str, nodes: list[fx.Node], rows: int, outside: set, seeds: dict | None = None) -> dict:
+def _check_row_wise(name: str, nodes: list[fx.Node], rows: int, outside: set, seeds: dict | None = None,
+                    made: dict | None = None) -> dict:
     """Every op of the region keeps each row's result a function of that row alone, in its
     place on one dim (ep's region rules, passes/ep_rules.py, over the batch-row rules, with
     the region's row inputs and expert matmul outputs as the rows): then any subset of rows,
@@ -264,13 +270,18 @@ def _check_row_wise(name: str, nodes: list[fx.Node], rows: int, outside: set, se
 
     Where a row input holds its rows: grouped regions (seeds None) on dim 0; dense ones on
     the dim its dense matmul says (`seeds`), or, for another input, the dim that broadcasting
-    lines up with the rows of what it meets (a per-expert bias [E, 1, F] beside [E, T, F])."""
+    lines up with the rows of what it meets (a per-expert bias [E, 1, F] beside [E, T, F]).
+    `made`: dense matmuls whose experts come from the weight alone (every expert on every
+    token), matmul -> the experts' dim of its output."""
     inside = set(nodes)
     states: dict = {}
     for n in nodes:
         outer = [a for a in n.all_input_nodes if a not in inside and a not in outside and a not in states]
         for a in sorted(outer, key=lambda a: a not in (seeds or ())):   # the matmul operands first
             states[a] = _seed(a, n, states, rows, seeds)
+        if made and n in made:   # the experts enter here, from the weight (checked by the caller)
+            states[n] = Rows(made[n], 1)
+            continue
         states[n], bad = region_decision(n, states, rows)
         if bad:
             raise PlanError(f"expert region {name}: {op_name(n)} ({tf(n).get('module', '') or n.name}) between "
@@ -287,7 +298,7 @@ def _seed(a: fx.Node, user: fx.Node, states: dict, rows: int, seeds: dict | None
     if seeds is None:
         return Rows(0, 1) if v.shape[0] == rows else None
     if a in seeds:
-        return Rows(seeds[a], 1)
+        return Rows(seeds[a], 1) if seeds[a] is not None else None
     for b in user.all_input_nodes:   # right-aligned against an input whose rows are known
         s, vb = states.get(b), _val(b)
         if isinstance(s, Rows) and isinstance(vb, torch.Tensor):
