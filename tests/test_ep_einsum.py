@@ -224,6 +224,15 @@ def test_tp2_dp2_ep2_einsum_experts_train_like_one_process():
         assert max_rel_diff(ranks[0][k]["losses"], ref_losses) < 1e-5, (name, ranks[0][k]["losses"], ref_losses)
 
 
+def test_einsum_attention_heads_against_head_stacked_weights_are_not_taken_for_experts():
+    """'btc,hdc->bhtd' reads every token whole against [heads, d, C] weights, as a mixture's
+    first product does, but nothing after it is a product of per-head slices by per-head
+    weights: not experts, so ep still says it found none."""
+    from tests.zoo import ZOO
+    with pytest.raises(threefold.PlanError, match="no expert computation found"):
+        _compile(ZOO["hw_einsum"]())
+
+
 def test_inspect_counts_the_einsum_experts_slices_and_all_to_all_bytes():
     from tests.zoo import ZOO
     from threefold.cli.inspect_experts import expert_report

@@ -156,6 +156,11 @@ def _dense_regions(graph: fx.Graph, regions: list[dict], refusals: list[str]) ->
         if any(m.name in grouped for m in mms):
             continue
         found = {m: dense_expert_matmul(m) for m in mms}
+        if all(d.x_dim is None for d in found.values()):
+            # only products of whole inputs by [E, ...] weights ('btc,hdc->bhtd'): per-head
+            # projections of attention look the same; experts have at least one product of
+            # their own slices (an MLP's second), so this is not taken for experts
+            continue
         parts = {m: (d.x, d.w, d.param, None) for m, d in found.items()}
         try:
             out.append(_region(graph, order, None, mms, parts, found))
