@@ -16,13 +16,15 @@ rows the single process gives them. Anything else is a PlanError naming the op.
 
 Guarantees: `chunk.experts` is a tuple of regions {"name" (module path), "nodes" (compute
 nodes in graph order), "offs", "rows", "weights", "others", "outputs" (node names),
-"experts" (E), "params" (FQN -> E)}. Under ep=N a model with no region, or an E that N
+"experts" (E), "params" (FQN -> E), "dims" (node name -> the dim holding its rows; None for
+an input every expert reads whole)}. Under ep=N a model with no region, or an E that N
 does not divide, is a PlanError. Codegen writes each region as a method that
 ChunkModule.experts runs on the ranks holding its experts (runtime/experts.py). Which ops a
 region may hold is ep's region rules' answer (passes/ep_rules.py). Under ep, experts held as
 separate modules (passes/module_experts.py) go to `chunk.module_experts`, and experts computed
 densely (passes/dense_experts.py: a bmm of [E, T, in] token slices by an [E, in, out]
-parameter) are regions with "offs" None, whose rows are the experts themselves.
+parameter, or an einsum whose equation keeps the weight's experts, on any dim) are regions
+with "offs" None, whose rows are the experts themselves.
 """
 from __future__ import annotations
 
