@@ -233,15 +233,18 @@ def test_einsum_attention_heads_against_head_stacked_weights_are_not_taken_for_e
         _compile(ZOO["hw_einsum"]())
 
 
-def test_inspect_counts_the_einsum_experts_slices_and_all_to_all_bytes():
-    from tests.zoo import ZOO
+@pytest.mark.parametrize("name", ["einsum", "mixture"])
+def test_inspect_counts_the_einsum_experts_slices_and_all_to_all_bytes(name):
     from threefold.cli.inspect_experts import expert_report
-    w = ZOO["hw_moe_einsum"]()
+    w = _workload(name)
     report = expert_report(_compile(w), tuple(w["inputs"]) + (w["target"],))
     assert [l["held_by_ep_rank"] for l in report["layers"]] == [[[0, 1], [2, 3]]] * 2
+    slices = 2 * 4 * 8 * 32 * 4                                         # [B, E, T, C] of a rank's 2 rows, fp32
+    # the mixture's [B, T, C] input goes whole to each of the 2 ranks; the slices come back
+    there = 2 * (2 * 8 * 32 * 4) if name == "mixture" else slices
     for layer in report["layers"]:
         assert layer["rows_per_microbatch"] == 2 * 4 * 8              # a rank's 2 rows x 4 experts x 8 tokens
-        assert layer["all_to_all_bytes"]["forward"] == 2 * 2 * 4 * 8 * 32 * 4   # [B, E, T, C] there and back
+        assert layer["all_to_all_bytes"]["forward"] == there + slices
 
 
 @pytest.mark.slow
