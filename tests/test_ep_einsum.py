@@ -47,7 +47,7 @@ def _square_mean(out, target):
 
 _X = {"betc,ecf->betf": (2, 4, 3, 6), "bnc,ncf->bnf": (2, 4, 6), "etc,ecf->etf": (4, 3, 6),
       "btec,ecf->bfte": (2, 3, 4, 6), "betc,ecf->btf": (2, 4, 3, 6), "btc,ecf->betf": (2, 3, 6),
-      "betc,ecf->betcf": (2, 4, 3, 6), None: (2, 4, 3, 6), "@2d": (3, 6)}
+      "betc,ecf->betcf": (2, 4, 3, 6), None: (2, 4, 3, 6), "@2d": (3, 6), "...tc,...cf->...tf": (2, 4, 3, 6)}
 
 
 @pytest.mark.parametrize("eq,dims", [
@@ -60,6 +60,7 @@ _X = {"betc,ecf->betf": (2, 4, 3, 6), "bnc,ncf->bnf": (2, 4, 6), "etc,ecf->etf":
     ("betc,ecf->betcf", None),        # nothing contracted with the weight: not a matmul
     (None, (1, 1)),                   # x @ w, matmul broadcasting [E, C, F] against [B, E, T, C]
     ("@2d", (None, 0)),               # [T, C] @ [E, C, F]: every expert on every token
+    ("...tc,...cf->...tf", (1, 1)),   # ellipsis dims right-aligned: E meets x's dim 1
 ], ids=lambda v: str(v))
 def test_dense_expert_matmul_reads_the_experts_dims_from_the_equation(eq, dims):
     from threefold.passes.dense_experts import dense_expert_matmul
@@ -71,7 +72,8 @@ def test_dense_expert_matmul_reads_the_experts_dims_from_the_equation(eq, dims):
         assert found[0].param.name.endswith("w")
 
 
-@pytest.mark.parametrize("name", ["einsum", "matmul", "soft", "soft_one_slot", "mixture", "mixture_matmul"])
+@pytest.mark.parametrize("name", ["einsum", "matmul", "soft", "soft_one_slot", "mixture", "mixture_matmul",
+                                  "ellipsis"])
 def test_einsum_experts_are_split_under_ep_with_their_expert_dims(name):
     """Regression: before, these were refused ("no expert computation found")."""
     arch, kw = CASES[name]
@@ -121,7 +123,8 @@ def test_einsum_whose_expert_weights_meet_another_dim_than_the_experts_is_refuse
 CASES = {"einsum": ("hw_moe_einsum", {}), "matmul": ("hw_moe_einsum", {"matmul": True}),
          "soft": ("hw_moe_einsum_soft", {}), "soft_one_slot": ("hw_moe_einsum_soft", {"slots": 1}),
          "mixture": ("hw_moe_einsum", {"mixture": True}),
-         "mixture_matmul": ("hw_moe_einsum", {"mixture": True, "matmul": True})}
+         "mixture_matmul": ("hw_moe_einsum", {"mixture": True, "matmul": True}),
+         "ellipsis": ("hw_moe_einsum", {"ellipsis": True})}
 
 
 def _workload(name: str) -> dict:
@@ -222,6 +225,18 @@ def test_tp2_dp2_ep2_einsum_experts_train_like_one_process():
             assert r[k]["held"] and all(shape[0] * 2 == full[0] for shape, full in r[k]["held"].values()), \
                 (name, r[k]["held"])
         assert max_rel_diff(ranks[0][k]["losses"], ref_losses) < 1e-5, (name, ranks[0][k]["losses"], ref_losses)
+
+
+@pytest.mark.parametrize("eq,ndims,want", [
+    ("...nd,...dh->...nh", [4, 3], "ABnd,Bdh->ABnh"),     # right-aligned: w's one ellipsis dim is x's last
+    ("b n d, e s d -> b n e s", [3, 3], "bnd,esd->bnes"),  # spaces dropped
+    ("...d,...d->...", [2, 3], "Bd,ABd->AB"),
+    ("ab,bc", [2, 2], None),                               # implicit output
+    ("...d,df->...f", [-1, 2], None),                      # a rank not known
+])
+def test_explicit_einsum_writes_the_ellipsis_as_letters(eq, ndims, want):
+    from threefold.passes.row_state import explicit_einsum
+    assert explicit_einsum(eq, ndims) == want
 
 
 def test_einsum_attention_heads_against_head_stacked_weights_are_not_taken_for_experts():

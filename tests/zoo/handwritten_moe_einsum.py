@@ -8,6 +8,7 @@ pass reads the einsum's equation for the experts' letter (passes/dense_experts.p
                       the products as `x @ w` (matmul broadcasting E against x's dim 1).
                       `mixture=True`: every expert on every token, 'btc,ecf->betf' (or
                       [T, C] @ [E, C, 2F] with `matmul`), outputs weighted by the scores.
+                      `ellipsis=True`: '...tc,...cf->...tf', as mixture-of-experts writes it.
   hw_moe_einsum_soft  Soft MoE with stacked experts: every slot a softmax-weighted mix of the
                       sequence's tokens ([B, E, P, D]: E experts of P slots), each expert's
                       GELU MLP as einsum('bepd,edf->bepf') / einsum('bepf,efd->bepd'), slots
@@ -24,9 +25,11 @@ from tests.zoo.common import HIDDEN, VOCAB, token_batch, workload
 
 
 class EinsumExperts(nn.Module):
-    def __init__(self, experts: int = 4, ffn: int = 24, matmul: bool = False, mixture: bool = False):
+    def __init__(self, experts: int = 4, ffn: int = 24, matmul: bool = False, mixture: bool = False,
+                 ellipsis: bool = False):
         super().__init__()
         self.experts, self.matmul, self.mixture = experts, matmul, mixture
+        self.eqs = ("...tc,...cf->...tf",) * 2 if ellipsis else ("betc,ecf->betf", "betf,efc->betc")
         self.router = nn.Linear(HIDDEN, experts, bias=False)
         self.w_in = nn.Parameter(torch.randn(experts, HIDDEN, 2 * ffn) * HIDDEN ** -0.5)   # [E, C, 2F]
         self.w_out = nn.Parameter(torch.randn(experts, ffn, HIDDEN) * ffn ** -0.5)        # [E, F, C]
@@ -42,8 +45,8 @@ class EinsumExperts(nn.Module):
             g, u = (routed @ self.w_in).chunk(2, dim=-1)
             y = (F.silu(g) * u) @ self.w_out
         else:
-            g, u = torch.einsum("betc,ecf->betf", routed, self.w_in).chunk(2, dim=-1)
-            y = torch.einsum("betf,efc->betc", F.silu(g) * u, self.w_out)
+            g, u = torch.einsum(self.eqs[0], routed, self.w_in).chunk(2, dim=-1)
+            y = torch.einsum(self.eqs[1], F.silu(g) * u, self.w_out)
         return y.sum(1)                                                 # [B, T, C]
 
     def _mixture(self, x, scores):

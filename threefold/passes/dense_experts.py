@@ -37,7 +37,7 @@ import torch.fx as fx
 from threefold.passes.cost import op_name
 from threefold.passes.expert_match import _param_root, _val, schema_arg
 from threefold.passes.row_rules import propagate
-from threefold.passes.row_state import Rows
+from threefold.passes.row_state import Rows, explicit_einsum
 
 # batched matmuls and the schema names of their two operands
 _BATCHED = {"bmm": ("self", "mat2"), "matmul": ("self", "other")}
@@ -84,15 +84,15 @@ def _einsum_experts(node: fx.Node) -> DenseMatmul | None:
     eq, ops = schema_arg(node, "equation"), schema_arg(node, "tensors")
     if not isinstance(eq, str) or not isinstance(ops, (list, tuple)) or len(ops) != 2:
         return None
-    eq = eq.replace(" ", "")
-    if "->" not in eq or "." in eq:
+    if not all(isinstance(o, fx.Node) and isinstance(_val(o), torch.Tensor) for o in ops):
+        return None
+    eq = explicit_einsum(eq, [_val(o).dim() for o in ops])   # '...' as letters of their own
+    if eq is None:
         return None
     lhs, out = eq.split("->")
     subs = lhs.split(",")
-    if len(subs) != 2 or any(len(set(s)) != len(s) for s in subs + [out]):
+    if any(len(set(s)) != len(s) for s in subs + [out]):
         return None   # a repeated letter (a diagonal or a trace): not a plain product
-    if not all(isinstance(o, fx.Node) and isinstance(_val(o), torch.Tensor) for o in ops):
-        return None
     if not all(_val(o).dim() == len(s) for o, s in zip(ops, subs)):
         return None
     weights = [i for i, o in enumerate(ops) if _param_root(o) is not None]
