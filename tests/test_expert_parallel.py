@@ -157,7 +157,9 @@ def test_inspect_reports_experts_per_rank_tokens_per_expert_and_all_to_all_bytes
 ZOO_ARCHS = ["mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "hw_moe_top2", "hw_moe_interleaved", "gpt_oss",
              "qwen3_moe", "granitemoe", "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "deepseek_v2", "flex_olmo",
              # experts held as separate modules (tests/test_ep_modules.py): a dense mixture, Soft MoE
-             "hw_moe_softmax"] + (["soft_moe"] if importlib.util.find_spec("soft_moe_pytorch") else [])
+             "hw_moe_softmax",
+             # dense experts written as einsum (tests/test_ep_einsum.py): experts on dim 1, Soft MoE slots
+             "hw_moe_einsum", "hw_moe_einsum_soft"] + (["soft_moe"] if importlib.util.find_spec("soft_moe_pytorch") else [])
 ZOO_PLANS = ["dp=2,ep=2", "dp=4,ep=4", "dp=4,ep=2", "tp=2,dp=2,ep=2", "pp=2,dp=2,ep=2,m=2"]
 _cells: dict = {}
 

@@ -12,6 +12,7 @@ from tests.zoo import handwritten_coupling as _hwc
 from tests.zoo import handwritten_losses as _hwl
 from tests.zoo import handwritten_more as _hwm
 from tests.zoo import handwritten_moe as _hwmoe
+from tests.zoo import handwritten_moe_einsum as _hwmoee
 from tests.zoo import handwritten_moe_interleaved as _hwmoei
 from tests.zoo import handwritten_scans as _hwscan
 from tests.zoo import handwritten_semantics as _hws
@@ -116,6 +117,8 @@ ZOO = {
     "hw_odd_ffn": _hwu.FACTORIES["hw_odd_ffn"],           # MLP width 37 through a sigmoid (0.5 on padding)
     # issue 40: expert weights read through slices, recent HF MoE
     "hw_moe_interleaved": _hwmoei.interleaved_moe,  # gate/up interleaved in one [E, C, 2F] weight: w[..., ::2]
+    "hw_moe_einsum": _hwmoee.FACTORIES["hw_moe_einsum"],            # dense experts as einsum, experts on dim 1
+    "hw_moe_einsum_soft": _hwmoee.FACTORIES["hw_moe_einsum_soft"],  # Soft MoE slots by stacked-expert einsums
     # issue 40 item 7: recurrences written as scans over time (cp hands each block its carry)
     "hw_linear_attention": _hwscan.FACTORIES["hw_linear_attention"],  # cumsum of phi(k) v^T outer products
     "hw_min_gru": _hwscan.FACTORIES["hw_min_gru"],                    # log-space scan: cumsum + logcumsumexp

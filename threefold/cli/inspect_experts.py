@@ -29,9 +29,12 @@ def expert_report(prog, batch: tuple | None = None) -> dict | None:
         rows = [nodes[x].meta["val"] for x in r["rows"]]
         outs = [nodes[x].meta["val"] for x in r["outputs"]]
         n_rows = int(rows[0].shape[0]) if rows else 0
-        if rows and not r["offs"]:   # dense (passes/dense_experts.py): [E, T, in], every expert every token
-            n_rows = int(rows[0].shape[0] * rows[0].shape[1])
-        there = sum(t.numel() * t.element_size() for t in rows)    # dispatch: rows to experts
+        if outs and not r["offs"]:   # dense (passes/dense_experts.py): [E, T, out] (or [B, E, T, out] of
+            # an einsum), every expert every token: the token slices, one per expert and token
+            n_rows = int(outs[0].numel() // max(outs[0].shape[-1], 1))
+        # dispatch: rows to experts; an input every expert reads whole (dims None) goes to each rank
+        copies = [ep if r.get("dims", {}).get(x, 0) is None and ep > 1 else 1 for x in r["rows"]]
+        there = sum(t.numel() * t.element_size() * c for t, c in zip(rows, copies))
         back = sum(t.numel() * t.element_size() for t in outs)     # combine: results home
         per = r["experts"] // ep
         layers.append({

@@ -277,11 +277,19 @@ class _ClassWriter:
 
         def tup(g):
             return "(" + "".join(self.names[a] + ", " for a in g) + ")"
+        # the experts' dim of each row input and output, written only where one is not dim 0
+        # (an einsum's experts, 'becd,edf->becf'; None: an input every expert reads whole,
+        # passes/dense_experts.py)
+        dims = region.get("dims", {})
+        row_dims = [dims.get(a.name, 0) for a in groups[0]]
+        out_dims = [dims.get(o.name) or 0 for o in outputs]
+        dim_arg = ([f"dims=({tuple(row_dims)!r}, {tuple(out_dims)!r})"]
+                   if any(d != 0 for d in row_dims + out_dims) else [])
         return ([f"        # experts {region['name']}: {len(nodes)} ops on the rows' experts' ranks "
                  "(under ep: all-to-all there and back)"]
                 + wrap_call(f"        {''.join(self.names[o] + ', ' for o in outputs)}= self.experts(",
                             [f"self.{method}", str(region["experts"]), self.names[offs] if offs is not None else "None"]
-                            + [tup(g) for g in groups], "", "        "))
+                            + [tup(g) for g in groups] + dim_arg, "", "        "))
 
     def _unit_starts(self) -> dict[str, tuple[int, str]]:
         """zero=3: first node of each layer unit -> (unit index, layer) (passes/shard_units.py)."""

@@ -16,13 +16,15 @@ rows the single process gives them. Anything else is a PlanError naming the op.
 
 Guarantees: `chunk.experts` is a tuple of regions {"name" (module path), "nodes" (compute
 nodes in graph order), "offs", "rows", "weights", "others", "outputs" (node names),
-"experts" (E), "params" (FQN -> E)}. Under ep=N a model with no region, or an E that N
+"experts" (E), "params" (FQN -> E), "dims" (node name -> the dim holding its rows; None for
+an input every expert reads whole)}. Under ep=N a model with no region, or an E that N
 does not divide, is a PlanError. Codegen writes each region as a method that
 ChunkModule.experts runs on the ranks holding its experts (runtime/experts.py). Which ops a
 region may hold is ep's region rules' answer (passes/ep_rules.py). Under ep, experts held as
 separate modules (passes/module_experts.py) go to `chunk.module_experts`, and experts computed
 densely (passes/dense_experts.py: a bmm of [E, T, in] token slices by an [E, in, out]
-parameter) are regions with "offs" None, whose rows are the experts themselves.
+parameter, or an einsum whose equation keeps the weight's experts, on any dim) are regions
+with "offs" None, whose rows are the experts themselves.
 """
 from __future__ import annotations
 
@@ -155,18 +157,32 @@ def _dense_regions(graph: fx.Graph, regions: list[dict], refusals: list[str]) ->
     for mms in dense_groups(graph):
         if any(m.name in grouped for m in mms):
             continue
-        parts = {m: (*dense_expert_matmul(m), None) for m in mms}
+        found = {m: dense_expert_matmul(m) for m in mms}
+        if all(d.x_dim is None for d in found.values()):
+            # only products of whole inputs by [E, ...] weights ('btc,hdc->bhtd'): per-head
+            # projections of attention look the same; experts have at least one product of
+            # their own slices (an MLP's second), so this is not taken for experts
+            continue
+        parts = {m: (d.x, d.w, d.param, None) for m, d in found.items()}
         try:
-            out.append(_region(graph, order, None, mms, parts))
+            out.append(_region(graph, order, None, mms, parts, found))
         except PlanError as err:
             refusals.append(str(err))
     return out
 
 
-def _region(graph, order, offs, mms, parts) -> dict:
+def _region(graph, order, offs, mms, parts, dense: dict | None = None) -> dict:
     """One region: grouped (rows sorted by expert, `offs` where each expert's end) or, with
-    offs None, dense (rows [E, T, in]: the experts themselves are the rows)."""
-    rows = _val(parts[mms[0]][0]).shape[0]
+    offs None, dense (`dense`: matmul -> DenseMatmul; the experts themselves are the rows, on
+    the dim each dense matmul's operands say, passes/dense_experts.py)."""
+    if dense:
+        first = dense[mms[0]]
+        rows = _val(first.w).shape[0]
+        seeds = {d.x: d.x_dim for d in dense.values()}   # x_dim None: x read whole by every expert
+        shared = {d.x for d in dense.values() if d.x_dim is None}
+    else:
+        rows = _val(parts[mms[0]][0]).shape[0]
+        seeds, shared = None, set()
     experts = _val(offs).shape[0] if offs is not None else rows
     mm_set = set(mms)
     down = _reach(mms, lambda n: n.users)
@@ -180,7 +196,14 @@ def _region(graph, order, offs, mms, parts) -> dict:
             if not u.users and u.op == "call_function" and all(a in nodes for a in u.all_input_nodes):
                 nodes.add(u)
     name = tf(mms[0]).get("module", "") or mms[0].name
-    _check_row_wise(name, sorted(nodes, key=order.get), rows, weights_of | {offs} - {None})
+    made = {m: d.out_dim for m, d in (dense or {}).items() if d.x_dim is None}
+    states = _check_row_wise(name, sorted(nodes, key=order.get), rows, weights_of | {offs} - {None}, seeds, made)
+    for m, d in (dense or {}).items():   # each expert's slice (or the whole x) meets that expert's weight
+        if states.get(d.x) != (Rows(d.x_dim, 1) if d.x_dim is not None else None) \
+                or states.get(m) != Rows(d.out_dim, 1):
+            raise PlanError(f"expert region {name}: {op_name(m)} ({m.name}) multiplies the experts' weights with "
+                            "slices that are not the experts' own (the experts sit on another dim of its "
+                            "operand), so they cannot be computed on the experts' ranks; drop ep for this model")
     params = {}
     inputs: list[fx.Node] = []
     for n in sorted(nodes, key=order.get):
@@ -193,7 +216,7 @@ def _region(graph, order, offs, mms, parts) -> dict:
             weights.append(a)
             p = _param_root(a)
             params[tf(p)["fqn"]] = experts
-        elif isinstance(_val(a), torch.Tensor) and _val(a).dim() >= 1 and _val(a).shape[0] == rows:
+        elif _expert_dim(states.get(a), a, rows) is not None or a in shared:
             row_inputs.append(a)
         elif a.op == "placeholder" and tf(a).get("kind") in ("param", "buffer"):
             others.append(a)
@@ -214,6 +237,13 @@ def _region(graph, order, offs, mms, parts) -> dict:
         if not isinstance(_val(n), torch.Tensor):
             raise PlanError(f"expert region {name}: {n.name} ({op_name(n)}) leaves the region as a tuple; "
                             "drop ep for this model")
+    dims = {a.name: _expert_dim(states.get(a), a, rows) for a in row_inputs + ordered}
+    if any(x not in shared and (dims[x.name] is None or offs is not None and dims[x.name] != 0)
+           for x in row_inputs + outputs):
+        # the runtime cuts each row input and output on its rows' dim (grouped: dim 0); a
+        # shared input (dim None) goes whole to every rank
+        raise PlanError(f"expert region {name}: its rows enter or leave it on a dim other than 0; "
+                        "drop ep for this model")
     for n in outputs:
         for u in n.users:
             if u not in nodes and order[u] < last:
@@ -221,7 +251,9 @@ def _region(graph, order, offs, mms, parts) -> dict:
     return {"name": name, "nodes": [n.name for n in ordered], "offs": offs.name if offs is not None else None,
             "rows": [a.name for a in row_inputs], "weights": [a.name for a in weights],
             "others": [a.name for a in others], "outputs": [n.name for n in outputs],
-            "experts": int(experts), "params": params}
+            "experts": int(experts), "params": params,
+            # where each value holds its rows (dense: the experts), by node name
+            "dims": dims}
 
 
 def _reach(start, step) -> set:
@@ -235,23 +267,58 @@ def _reach(start, step) -> set:
     return seen
 
 
-def _check_row_wise(name: str, nodes: list[fx.Node], rows: int, outside: set) -> None:
+def _check_row_wise(name: str, nodes: list[fx.Node], rows: int, outside: set, seeds: dict | None = None,
+                    made: dict | None = None) -> dict:
     """Every op of the region keeps each row's result a function of that row alone, in its
-    place on dim 0 (ep's region rules, passes/ep_rules.py, over the batch-row rules, with the
-    region's row inputs and expert matmul outputs as the rows): then any subset of rows, on
-    any rank, computes what one process computes for them. Expert weights, offsets and
-    parameters carry no rows."""
+    place on one dim (ep's region rules, passes/ep_rules.py, over the batch-row rules, with
+    the region's row inputs and expert matmul outputs as the rows): then any subset of rows,
+    on any rank, computes what one process computes for them. Expert weights, offsets and
+    parameters carry no rows. Returns the row state of every value the region reads or makes.
+
+    Where a row input holds its rows: grouped regions (seeds None) on dim 0; dense ones on
+    the dim its dense matmul says (`seeds`), or, for another input, the dim that broadcasting
+    lines up with the rows of what it meets (a per-expert bias [E, 1, F] beside [E, T, F]).
+    `made`: dense matmuls whose experts come from the weight alone (every expert on every
+    token), matmul -> the experts' dim of its output."""
     inside = set(nodes)
     states: dict = {}
     for n in nodes:
-        for a in n.all_input_nodes:
-            if a not in inside and a not in outside and a not in states:
-                v = _val(a)
-                states[a] = Rows(0, 1) if isinstance(v, torch.Tensor) and v.dim() >= 1 \
-                    and v.shape[0] == rows else None
-    for n in nodes:
+        outer = [a for a in n.all_input_nodes if a not in inside and a not in outside and a not in states]
+        for a in sorted(outer, key=lambda a: a not in (seeds or ())):   # the matmul operands first
+            states[a] = _seed(a, n, states, rows, seeds)
+        if made and n in made:   # the experts enter here, from the weight (checked by the caller)
+            states[n] = Rows(made[n], 1)
+            continue
         states[n], bad = region_decision(n, states, rows)
         if bad:
             raise PlanError(f"expert region {name}: {op_name(n)} ({tf(n).get('module', '') or n.name}) between "
                             f"the expert matmuls is not row-wise ({bad}), so its rows cannot be computed on the "
                             "experts' ranks; drop ep for this model")
+    return states
+
+
+def _seed(a: fx.Node, user: fx.Node, states: dict, rows: int, seeds: dict | None):
+    """The row state of a value a region reads from outside (see _check_row_wise)."""
+    v = _val(a)
+    if not isinstance(v, torch.Tensor) or v.dim() < 1:
+        return None
+    if seeds is None:
+        return Rows(0, 1) if v.shape[0] == rows else None
+    if a in seeds:
+        return Rows(seeds[a], 1) if seeds[a] is not None else None
+    for b in user.all_input_nodes:   # right-aligned against an input whose rows are known
+        s, vb = states.get(b), _val(b)
+        if isinstance(s, Rows) and isinstance(vb, torch.Tensor):
+            d = s.dim - vb.dim() + v.dim()
+            if 0 <= d < v.dim() and v.shape[d] == rows:
+                return Rows(d, 1)
+    return None
+
+
+def _expert_dim(state, a: fx.Node, rows: int) -> int | None:
+    """The dim on which value `a` holds the region's rows, else None."""
+    v = _val(a)
+    if isinstance(state, Rows) and isinstance(v, torch.Tensor) and state.dim < v.dim() \
+            and v.shape[state.dim] == rows:
+        return state.dim
+    return None

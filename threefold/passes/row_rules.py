@@ -21,8 +21,8 @@ from threefold.ops import families as fam
 from threefold.ops.rules import Registry
 from threefold.passes.expert_match import expert_matmul
 from threefold.passes.row_index_rules import index_rule
-from threefold.passes.row_state import (LOST, POS, Rows, arg_of, dims_of, rows_of, shape_of,
-                                        op_name)
+from threefold.passes.row_state import (LOST, POS, Rows, arg_of, dims_of, explicit_einsum, rows_of,
+                                        shape_of, op_name)
 
 # op -> index of its `training` argument (-1: always training)
 BATCH_STAT_OPS = {"batch_norm": 5, "native_batch_norm": 5, "_native_batch_norm_legit": 5,
@@ -336,9 +336,11 @@ def _matmul(node: fx.Node, name: str, states: dict):
 
 def _einsum(node: fx.Node, states: dict):
     eq, ops = node.args[0], node.args[1]
-    if "..." in eq or "->" not in eq:
+    # '...' as letters of their own (needs the operands' ranks; -1: not known)
+    eq = explicit_einsum(eq, [len(s) if s is not None else -1 for s in map(shape_of, ops)])
+    if eq is None:
         return LOST, None
-    lhs, rhs = eq.replace(" ", "").split("->")
+    lhs, rhs = eq.split("->")
     found = set()
     for term, a in zip(lhs.split(","), ops):
         s = rows_of(states, a)

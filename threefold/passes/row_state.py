@@ -65,3 +65,26 @@ def dims_of(dim, ndim: int) -> list[int]:
 
 def rows_of(states: dict, a):
     return states.get(a) if isinstance(a, fx.Node) else None
+
+
+def explicit_einsum(eq: str, ndims: list[int]) -> str | None:
+    """An einsum equation with its `...` written as letters of their own (the operands'
+    ellipsis dims right-aligned, as einsum broadcasts them), spaces dropped; None for an
+    implicit output (no '->') or ranks that do not fit it (-1: a rank not known)."""
+    eq = eq.replace(" ", "")
+    if "->" not in eq:
+        return None
+    lhs, out = eq.split("->")
+    subs = lhs.split(",")
+    if len(subs) != len(ndims):
+        return None
+    if "..." not in eq:
+        return eq
+    spare = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq]
+    extra = [n - (len(s) - 3) if "..." in s else 0 for s, n in zip(subs, ndims)]
+    width = max(extra)
+    if min(extra) < 0 or width > len(spare) or ("..." in out) != any("..." in s for s in subs):
+        return None
+    letters = "".join(spare[:width])
+    subs = [s.replace("...", letters[width - k:]) for s, k in zip(subs, extra)]
+    return ",".join(subs) + "->" + out.replace("...", letters)

@@ -135,13 +135,14 @@ class ChunkModule(torch.nn.Module):
                 self.rng_key = current
         return checkpoint(replay, *args, use_reentrant=False)
 
-    def experts(self, fn, num_experts: int, offs, rows, weights, others):
+    def experts(self, fn, num_experts: int, offs, rows, weights, others, dims=None):
         """An expert region (generated method `fn`): its rows computed by the ranks that hold
-        their experts, moved there and back with all-to-all (runtime/experts.py)."""
+        their experts, moved there and back with all-to-all (runtime/experts.py). `dims`: the
+        experts' dim of each row input and output of a dense region, where not all 0."""
         if offs is None:   # experts computed densely, one token slice each (passes/dense_experts.py)
             # lazy: start-up: runtime.dense_experts loads only on this path
             from threefold.runtime.dense_experts import run_dense_experts
-            return run_dense_experts(fn, num_experts, rows, weights, others, self.ep_group)
+            return run_dense_experts(fn, num_experts, rows, weights, others, self.ep_group, dims)
         # lazy: start-up: runtime.experts loads only on this path
         from threefold.runtime.experts import run_experts
         return run_experts(fn, num_experts, offs, rows, weights, others, self.ep_group)
