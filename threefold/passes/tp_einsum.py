@@ -46,7 +46,9 @@ def einsum_matmul(rw, old: fx.Node) -> TpDecision:
     if isinstance(px, Shard) and px.seq:
         px = Replicate(gathered=True)
     if fqn in rw.avoid and fqn not in rw.decisions and isinstance(px, Replicate):
-        return TpDecision(Replicate(), {x_old: MatmulInput("seq")},
+        # every rank computes it whole: a sequence shard arrives by a plain all-gather (the
+        # column path's gather reduce-scatters its gradient, t times this use's whole one)
+        return TpDecision(Replicate(), {x_old: MatmulInput("whole")},
                           kept=((fqn, f"its shards would reach {rw.avoid[fqn]}, which has no sharded rule"),),
                           whole_uses=frozenset([fqn]))
     if isinstance(px, Replicate):

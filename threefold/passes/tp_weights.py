@@ -39,8 +39,10 @@ aten = torch.ops.aten
 class MatmulInput:
     """A matmul's activation: a partial sum reduced, f's input or a gathered sequence's
     source read back, then as `mode` says: "f" (column-parallel: a sequence shard gathered,
-    anything else through f), "seq" (a sequence shard gathered), "whole" (replicated as the
-    single process has it), "" (row-parallel: as it is)."""
+    whose backward reduce-scatters the ranks' partial input gradients; anything else through
+    f), "whole" (replicated as the single process has it, for a matmul every rank computes
+    whole: its input gradient is whole on every rank, so a sequence shard is gathered by a
+    plain all-gather whose backward slices), "" (row-parallel: as it is)."""
     mode: str
 
     def bring(self, rw, x: fx.Node, old: fx.Node) -> fx.Node:
@@ -51,7 +53,7 @@ class MatmulInput:
             x, p = replicated(rw, x)[0], R
         if self.mode == "whole":
             return replicated(rw, x, old.meta.get("val"))[0]
-        if self.mode in ("f", "seq") and isinstance(p, Shard) and p.seq:
+        if self.mode == "f" and isinstance(p, Shard) and p.seq:
             return rw.gather_seq(x, p.dim)
         return rw.f(x) if self.mode == "f" else x
 
