@@ -107,8 +107,8 @@ def _steps(c: Call, d: int) -> str:
     if len(at) > 1:
         return (f"reads the sequence one position at a time (select at t = {at[0]}..{at[-1]}, {len(at)} of "
                 f"{_val(src).shape[d]} local positions): a recurrence over time steps (a Python loop unrolled in the "
-                "trace, its state carried from step to step), which has no position-wise split (cp would have to "
-                "hand the state from rank to rank; write it as a scan or a chunked form)")
+                "trace, its state carried from step to step), which has no position-wise split (write it as a scan or a "
+                "chunked form)")
     return f"selects one position along the sequence (dim {d}, index {args_of(c.node)['index']})"
 
 
