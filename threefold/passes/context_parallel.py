@@ -138,8 +138,9 @@ def _loops(w) -> str:
     loops = w.ctx.get("recur")
     if not loops or not loops.count:
         return ""
-    return (f"{loops.count} loop(s) over time steps hand their state rank to rank ({sum(loops.handed)} elements "
-            "per rank each way; the blocks run one after another across the ranks, not overlapped); ")
+    return (f"{loops.count} loop(s) over time steps hand their state rank to rank ({sum(loops.handed)} state "
+            "element(s) per microbatch; each block waits for the one before it on the neighbouring rank: sequential "
+            "across the ranks, not overlapped); ")
 
 
 def _count(gm: fx.GraphModule, target) -> int:

@@ -237,7 +237,8 @@ class _Loop:
                 self.outs.extend(ys)
                 self.last = self.last or (st, ys[-1])
         if self.last is None:
-            return "its steps' values do not go back along the sequence (a stack or writes into positions)"
+            return ("its steps' values do not go back along the sequence in step order (a stack or writes into "
+                    "positions, step t's value at position t; does a step read a later position?)")
         return None
 
     def _outside_ok(self):
