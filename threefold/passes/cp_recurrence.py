@@ -346,6 +346,9 @@ class _Loop:
 
     def _initial_ok(self, bound: dict, derived: set, same: set):
         init = set(bound) | derived
+        for a in bound:   # rank 0 starts from it as it is: it must be the same whole value on every rank
+            if self.w.state.get(a) is not None:
+                return f"its initial value {a.name} is itself split across the ranks"
         if init & same:
             return f"it reads its initial value {sorted(x.name for x in init & same)[0]} at every step"
         for h in self.B:
