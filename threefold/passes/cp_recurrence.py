@@ -39,6 +39,7 @@ import torch.fx as fx
 from threefold.errors import PlanError
 from threefold.ir.program import tf
 from threefold.ops.families import READS_SHAPE_ONLY, args_of, op_name
+from threefold.passes.cp_loop_match import derives, hoist, meta_like, refine, same, writes_into
 from threefold.passes.cp_rules.core import Seq
 from threefold.runtime import cp_recur
 from threefold.runtime.tp_ops import GroupRef
@@ -221,10 +222,10 @@ class _Loop:
         for x, (src, _, t) in self.reads.items():
             by_src[src].append((x, t))
         for src, xs in by_src.items():
-            writes = [(x, t) for x, t in xs if any(_writes_into(u, x) for u in x.users)]
+            writes = [(x, t) for x, t in xs if any(writes_into(u, x) for u in x.users)]
             if not writes:
                 continue
-            if len(writes) != len(xs) or any(not all(_writes_into(u, x) for u in x.users) for x, _ in xs) \
+            if len(writes) != len(xs) or any(not all(writes_into(u, x) for u in x.users) for x, _ in xs) \
                     or sorted(t for _, t in writes) != list(range(self.n)):
                 return "it reads positions of a value it also writes"
             for x, t in writes:
@@ -263,7 +264,7 @@ class _Loop:
         feeds_out = self._feeds_outputs()
         pairs = {g: [h for h in cands[(g.target, self.steps[g] + self.b)] if self._node(g, h) is not None]
                  for g in self.A if g not in self.reads}
-        _refine(pairs)
+        refine(pairs)
         for g, found in pairs.items():
             for h in found:
                 images.add(h)
@@ -285,7 +286,7 @@ class _Loop:
             return None, None, "two initial values stand for the same state"
         for a in sorted(one, key=self.order.get, reverse=True):   # made from other initial values as its
             rest = {x: c for x, c in one.items() if x is not a}  # state is from theirs: recomputed instead
-            if _derives(a, one[a], rest, 8):
+            if derives(a, one[a], rest, 8):
                 del one[a]
         return one, same, None
 
@@ -329,7 +330,7 @@ class _Loop:
         if c in self.inS:                # a position-free value where B reads the state: the initial state
             binds.append(("bind", a, c))
             return True
-        if c in self.inside or not (c is a or _same(a, c, 6)):
+        if c in self.inside or not (c is a or same(a, c, 6)):
             return False
         binds.append(("same", a, None))
         return True
@@ -388,7 +389,7 @@ class _Loop:
         out_node, last_y = self.last
         if first is not None and any(order[reps[s]] > order[first] for s in hand):
             for s in hand:   # an initial value made inside the first step (w * den0 after num's update): earlier
-                if not _hoist(reps[s], first, order, self.inside):
+                if not hoist(reps[s], first, order, self.inside):
                     return "its initial state is made after its first step reads it"
             self.order = order = {x: i for i, x in enumerate(graph.nodes)}
         if first is not None and not anchors:
@@ -413,7 +414,7 @@ class _Loop:
             for i, s in enumerate(self.S):
                 with graph.inserting_after(prev):
                     got = graph.call_function(operator.getitem, (op, i))
-                got.meta = _meta_like(s)
+                got.meta = meta_like(s)
                 new.append(got)
                 mid[s], prev = got, got
             for h in readers_s:
@@ -428,7 +429,7 @@ class _Loop:
                 tok = graph.call_function(operator.getitem, (end, 1))
             val = last_y.meta["val"]
             end.meta = {"val": (val, val.new_zeros(())), "tf": dict(tf(last_y))}
-            y.meta, tok.meta = _meta_like(last_y), {"val": val.new_zeros(()), "tf": dict(tf(last_y))}
+            y.meta, tok.meta = meta_like(last_y), {"val": val.new_zeros(()), "tf": dict(tf(last_y))}
             new += [end, y, tok]
             out_node.replace_input_with(last_y, y)
             self.loops.token = tok
@@ -442,7 +443,7 @@ class _Loop:
             for i, s in enumerate(hand):
                 with graph.inserting_after(op if i == 0 else new[-1]):
                     got = graph.call_function(operator.getitem, (op, i))
-                got.meta = _meta_like(reps[s])
+                got.meta = meta_like(reps[s])
                 new.append(got)
                 for a in bound:
                     if bound[a] is s:
@@ -467,7 +468,7 @@ class _Loop:
             with self.graph.inserting_before(before):
                 x = self.graph.node_copy(a, lambda y: self._initial(y, start, derived, cache, before, new)
                                          if (y in start or y in derived) else y)
-            x.meta = _meta_like(a)
+            x.meta = meta_like(a)
             new.append(x)
             cache[a] = x
         return cache[a]
@@ -502,113 +503,7 @@ class _Loop:
             else:
                 with graph.inserting_before(before):
                     y = graph.node_copy(x, arg)
-            y.meta = _meta_like(x)
+            y.meta = meta_like(x)
             new.append(y)
             m[x] = y
         return [m[s] for s in self.S]
-
-
-def _derives(a, c, bound: dict, depth: int) -> bool:
-    """The initial value `a` is computed from other initial values (`bound`: each -> its state)
-    as the state `c` is from theirs, op for op."""
-    if not isinstance(a, fx.Node) or not isinstance(c, fx.Node):
-        return not isinstance(a, fx.Node) and not isinstance(c, fx.Node) and a == c
-    if a in bound:
-        return bound[a] is c
-    if a is c:
-        return True
-    if depth == 0 or a.op != "call_function" or c.op != "call_function" or a.target != c.target \
-            or len(a.args) != len(c.args) or set(a.kwargs) != set(c.kwargs):
-        return a is c or _same(a, c, 6)
-    fa, fc = _flat(a), _flat(c)
-    used = any(isinstance(x, fx.Node) and x in bound for _, x in fa)
-    ok = [at for at, _ in fa] == [at for at, _ in fc] and all(_derives(x, y, bound, depth - 1)
-                                                              for (_, x), (_, y) in zip(fa, fc))
-    return ok and (used or any(isinstance(x, fx.Node) and _derives(x, y, bound, depth - 1) and x is not y
-                               for (_, x), (_, y) in zip(fa, fc)))
-
-
-def _hoist(x: fx.Node, before: fx.Node, order: dict, inside: set) -> bool:
-    """Move the position-free value x (and what it is made of) before `before`; False where
-    it cannot move (a value of the loop, an impure call)."""
-    if order[x] < order[before]:
-        return True
-    if x in inside or x.op != "call_function" or x.is_impure():
-        return False
-    if not all(_hoist(a, before, order, inside) for a in x.all_input_nodes):
-        return False
-    before.prepend(x)
-    order[x] = order[before] - 0.5
-    return True
-
-
-def _refine(pairs: dict) -> None:
-    """Keep the matches (g, h) that g's readers agree with: where a reader u of g is matched,
-    one of u's matches reads h where u reads g (the num and den updates of a step both multiply
-    the same decay: the op alone matches either)."""
-    changed = True
-    while changed:
-        changed = False
-        for g, hs in pairs.items():
-            keep = []
-            for h in hs:
-                ok = True
-                for u in g.users:
-                    if pairs.get(u) and not any(_reads_at(hu, h, _where(u, g)) for hu in pairs[u]):
-                        ok = False
-                        break
-                keep.append(h) if ok else None
-            if len(keep) != len(hs):
-                pairs[g], changed = keep, True
-
-
-def _flat(node: fx.Node) -> list:
-    out = []
-
-    def walk(v, at):
-        if isinstance(v, (list, tuple)):
-            for i, x in enumerate(v):
-                walk(x, at + (i,))
-        else:
-            out.append((at, v))
-    walk(list(node.args), ("args",))
-    for k in sorted(node.kwargs):
-        walk(node.kwargs[k], ("kw", k))
-    return out
-
-
-def _where(u: fx.Node, g: fx.Node) -> set:
-    return {at for at, v in _flat(u) if v is g}
-
-
-def _reads_at(hu: fx.Node, h: fx.Node, where: set) -> bool:
-    flat = dict(_flat(hu))
-    return all(flat.get(at) is h for at in where)
-
-
-def _writes_into(u: fx.Node, view: fx.Node) -> bool:
-    return u.op == "call_function" and op_name(u) == "copy_" and args_of(u)["self"] is view
-
-
-def _meta_like(x: fx.Node) -> dict:
-    meta = {k: v for k, v in x.meta.items() if k in ("val", "on_mesh", "tensor_meta")}
-    meta["tf"] = dict(tf(x))
-    return meta
-
-
-def _same(a, c, depth: int) -> bool:
-    """Two position-free nodes computing the same value (a copy the trace did not merge)."""
-    if a is c:
-        return True
-    if depth == 0 or not isinstance(a, fx.Node) or not isinstance(c, fx.Node) or a.op != "call_function" \
-            or c.op != "call_function" or a.target != c.target or len(a.args) != len(c.args) \
-            or set(a.kwargs) != set(c.kwargs):
-        return False
-    pairs = list(zip(a.args, c.args)) + [(a.kwargs[k], c.kwargs[k]) for k in a.kwargs]
-    for x, y in pairs:
-        if isinstance(x, fx.Node) or isinstance(y, fx.Node):
-            if not _same(x, y, depth - 1):
-                return False
-        elif x != y:
-            return False
-    return True
