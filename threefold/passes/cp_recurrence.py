@@ -150,6 +150,7 @@ def finish(w) -> int:
         if not reads:
             continue
         first = min(reads, key=order.get)
+        order = {x: i for i, x in enumerate(graph.nodes)}   # the loops before inserted and moved nodes
         why = _Loop(w, comp, steps, loops, order).rewrite()
         if why is not None:
             text = loops.why[first] + (f"; cp cannot hand its state rank to rank: {why}" if why else "")
