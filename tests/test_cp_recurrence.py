@@ -101,3 +101,21 @@ def test_rwkv_matches_one_process_under_cp():
         losses, grads = rank["rwkv"]
         assert max_rel_diff(losses, ref_losses) < 1e-5, (losses, ref_losses)
         assert grad_diff(grads, ref_grads) < 1e-5, grad_diff(grads, ref_grads)
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("plan", ["cp=2,tp=2", "cp=2,pp=2,m=2"])
+def test_loops_compose_with_tp_and_pp(plan):
+    """Losses over 3 SGD steps against one process (each rank holds only its shards, so the
+    losses carry the check of every update)."""
+    from tests.cp_factory_models import reference
+    from tests.cp_loop_models import loop_parity
+    from tests.parity import max_rel_diff
+    archs = ["hw_gated_loop", "rwkv"]
+    got = launch(loop_parity, 4, archs, plan, 3, timeout=550)
+    for arch in archs:
+        ref_losses, _ = reference(zoo_batch2(arch))
+        for rank in got:
+            assert max_rel_diff(rank[arch][0], ref_losses) < 1e-5, (arch, rank[arch][0], ref_losses)
