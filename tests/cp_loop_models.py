@@ -58,3 +58,26 @@ def loop_parity(archs: list, plan: str, steps: int = 3) -> dict:
     """Run on every rank: each zoo arch (2 rows of 8 tokens) under `plan`: (losses, grads)."""
     from tests.cp_factory_models import zoo_grads_parity
     return zoo_grads_parity(archs, plan, steps)
+
+
+def hf_mamba(seed: int = 0, seq: int = 16) -> dict:
+    """Hugging Face's Mamba, tiny, on CPU (its selective scan's recurrent form: a loop over time
+    steps, `ssm_state = dA[:, :, t] * ssm_state + dBu[:, :, t]`, outputs stacked on the last dim),
+    2 rows of `seq` tokens."""
+    import transformers
+    from tests.zoo.hf_share import Logits
+    from tests.zoo.common import lm_loss, workload
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    cfg = transformers.MambaConfig(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2,
+                                   intermediate_size=64, conv_kernel=4, use_cache=False)
+    model = Logits(transformers.MambaForCausalLM(cfg)).train()
+    ids = torch.randint(1, 64, (2, seq + 1), generator=torch.Generator().manual_seed(seed + 1))
+    return workload(model, (ids[:, :-1],), ids[:, 1:], lm_loss)
+
+
+def mamba_parity(plan: str, seq: int, steps: int = 3):
+    """Run on every rank: hf_mamba (`seq` tokens) under `plan`, (losses, grads)."""
+    from tests.cp_factory_models import parallel
+    torch.set_num_threads(1)
+    return parallel(hf_mamba(seq=seq), plan, steps)

@@ -119,3 +119,27 @@ def test_loops_compose_with_tp_and_pp(plan):
         ref_losses, _ = reference(zoo_batch2(arch))
         for rank in got:
             assert max_rel_diff(rank[arch][0], ref_losses) < 1e-5, (arch, rank[arch][0], ref_losses)
+
+
+def test_mamba_selective_scan_loop_is_handed_on():
+    """HF Mamba on CPU: tensor_split(x, [T], dim=seq) (the whole sequence and an empty cached
+    tail) stays split (before: "slices along the sequence"), its causal conv1d exchanges halos
+    and the selective scan's loop over time steps hands its state rank to rank."""
+    from tests.cp_loop_models import hf_mamba
+    prog = compile_workload(hf_mamba(), "cp=2,strict=true")
+    notes = " ".join(prog.notes)
+    assert "2 causal conv1d(s) exchange halos" in notes and "2 loop(s) over time steps" in notes, notes
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("cp", [2, 4])
+def test_mamba_matches_one_process_under_cp(cp):
+    from tests.cp_factory_models import grad_diff, reference
+    from tests.cp_loop_models import hf_mamba, mamba_parity
+    from tests.parity import max_rel_diff
+    ref_losses, ref_grads = reference(hf_mamba(seq=8 * cp))
+    for losses, grads in launch(mamba_parity, cp, f"cp={cp}", 8 * cp, 3, timeout=550):
+        assert max_rel_diff(losses, ref_losses) < 1e-5, (losses, ref_losses)
+        assert grad_diff(grads, ref_grads) < 1e-5, grad_diff(grads, ref_grads)

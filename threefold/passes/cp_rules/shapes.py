@@ -78,6 +78,9 @@ def _slicing(c: Call):
     if d == s0.dim:
         if name == "select":
             _fail(c, _steps(c, d))
+        if isinstance(c.out, (tuple, list)) and sum(v.shape[d] != 0 for v in c.out) == 1 \
+                and all(v.shape[d] in (0, src.shape[d]) for v in c.out):
+            return tuple(s0 for _ in c.out)   # the whole sequence in one piece, the rest empty (Mamba's cached tail)
         start = a.get("start") or 0
         start = start + src.shape[d] if isinstance(start, int) and start < 0 else start   # t[-n:] of n rows
         if name == "slice" and start <= 0 and (a.get("end") is None or a["end"] >= src.shape[d]) \
