@@ -52,7 +52,9 @@ def chunk_collectives(prog) -> list[list[dict]]:
 def ring_sends(gm, cp: int) -> list[tuple[str, str, int, int]]:
     """Each ring attention's sends per rank and microbatch (runtime/cp_ops.py): its K and V
     blocks (and a key-side mask) go cp-1 hops in forward; in backward the same again (cp-1
-    hops) and the dK, dV accumulators, cp hops (the last brings each rank its own)."""
+    hops) and the dK, dV accumulators, cp hops (the last brings each rank its own). A loop
+    over time steps hands its state to the next rank and its end state to the one before
+    (`state_send`, runtime/cp_recur.py; each waits for the block before: sequential)."""
     out = []
     if cp == 1:
         return out
@@ -72,6 +74,11 @@ def ring_sends(gm, cp: int) -> list[tuple[str, str, int, int]]:
             totals = 2 * _per_position(node.args[0], node.args[1])   # runtime/cp_scan.py: 2 blocks' totals
             out.append(("all_gather", "forward", totals, 1))
             out.append(("all_reduce", "backward", cp * totals, 1))
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "recur_mid":
+            state = [meta_of(x).numel for x in node.args[0]]   # runtime/cp_recur.py: a loop's state, rank to rank
+            handed = sum(state[i] for i in node.args[1]) + sum(state)   # to r+1 (its start), to r-1 (end of B)
+            out.append(("state_send", "forward", handed, 1))   # sequential across the ranks, not overlapped
+            out.append(("state_send", "backward", handed, 1))
         halo = _halo_positions(node)
         if halo:   # causal conv1d / token shift: at most two halos out, their gradients back
             out.append(("halo_send", "forward", 2 * halo, 1))

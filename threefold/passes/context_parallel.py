@@ -30,10 +30,11 @@ from threefold.ops.families import ARANGE_TO_INDEX, args_of
 from threefold.passes.cp_attention import erase_dead, readers, rewrite_attention
 from threefold.passes.cp_factories import split_factories
 from threefold.passes.cp_fallback import gather_around
+from threefold.passes.cp_recurrence import collect, finish, step_read
 from threefold.passes.cp_shifts import shift_halo
 from threefold.passes.cp_whole import is_whole
 from threefold.passes.cp_whole_inputs import GatherWhole, whole_decision, whole_inputs
-from threefold.passes.cp_rules import PARTIAL, Place, Seq, decide, op_name
+from threefold.passes.cp_rules import PARTIAL, Place, Refuse, Seq, decide, op_name
 from threefold.passes.cp_rules.core import is_local
 from threefold.passes.shard import AxisRules, Fallback
 from threefold.placement import P, Shard, on_mesh_of
@@ -71,11 +72,16 @@ class ContextParallel(AxisRules):
         state = w.state
         if any(is_whole(a) for a in node.all_input_nodes):   # computed from a grid kept whole (cp_whole.py)
             return whole_decision(node, state, w.stage, w.refusal(node, "mixes sequence positions"))
+        stacked = collect(w, node)   # one value per step of a loop, back along the sequence (cp_recurrence.py)
+        if stacked is not None:
+            return Place(stacked)
         if all(state.get(a) is None for a in node.all_input_nodes) and op_name(node) != "shard_seq":
             return Place(Seq(0) if op_name(node) == "positions" else None)
         d = decide(node, state, w.stage)
         if not isinstance(d, Place) and shift_halo(node, state, w.stage):   # a token shift: a halo exchange
             return None                                                     # (cp_shifts.py places it)
+        if isinstance(d, Refuse) and step_read(w, node, d.why):   # a loop's step: its state handed rank to rank
+            return Place(None)                                    # at the end of the walk (finish)
         return d
 
     def redistribute(self, w, node, d, why: str):
@@ -96,6 +102,7 @@ class ContextParallel(AxisRules):
         return moved
 
     def check_output(self, w, node):
+        finish(w)   # the loops over time steps the walk met: rewritten, or the PlanError naming why not
         for out in node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]:
             if w.stage.has_loss and isinstance(w.state.get(out), Seq):
                 return "the loss is not reduced over the sequence"
@@ -120,10 +127,20 @@ class ContextParallel(AxisRules):
                 f"{c['convs']} causal conv1d(s) exchange halos; "
                 f"{_count(w.gm, cp_scan.scan_seq)} scan(s) along the sequence carry the blocks before theirs "
                 "(all-gathered totals, 2 positions per rank); "
+                f"{_loops(w)}"
                 "sequence split in blocks r, 2cp-1-r",)
 
 
 SHARDING = (ContextParallel(),)
+
+
+def _loops(w) -> str:
+    loops = w.ctx.get("recur")
+    if not loops or not loops.count:
+        return ""
+    return (f"{loops.count} loop(s) over time steps hand their state rank to rank ({sum(loops.handed)} state "
+            "element(s) per microbatch; each block waits for the one before it on the neighbouring rank: sequential "
+            "across the ranks, not overlapped); ")
 
 
 def _count(gm: fx.GraphModule, target) -> int:

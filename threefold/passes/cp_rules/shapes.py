@@ -78,6 +78,9 @@ def _slicing(c: Call):
     if d == s0.dim:
         if name == "select":
             _fail(c, _steps(c, d))
+        if isinstance(c.out, (tuple, list)) and sum(v.shape[d] != 0 for v in c.out) == 1 \
+                and all(v.shape[d] in (0, src.shape[d]) for v in c.out):
+            return tuple(s0 for _ in c.out)   # the whole sequence in one piece, the rest empty (Mamba's cached tail)
         start = a.get("start") or 0
         start = start + src.shape[d] if isinstance(start, int) and start < 0 else start   # t[-n:] of n rows
         if name == "slice" and start <= 0 and (a.get("end") is None or a["end"] >= src.shape[d]) \
@@ -107,8 +110,8 @@ def _steps(c: Call, d: int) -> str:
     if len(at) > 1:
         return (f"reads the sequence one position at a time (select at t = {at[0]}..{at[-1]}, {len(at)} of "
                 f"{_val(src).shape[d]} local positions): a recurrence over time steps (a Python loop unrolled in the "
-                "trace, its state carried from step to step), which has no position-wise split (cp would have to "
-                "hand the state from rank to rank; write it as a scan or a chunked form)")
+                "trace, its state carried from step to step), which has no position-wise split (write it as a scan or a "
+                "chunked form)")
     return f"selects one position along the sequence (dim {d}, index {args_of(c.node)['index']})"
 
 
