@@ -38,7 +38,7 @@ import torch.fx as fx
 
 from threefold.errors import PlanError
 from threefold.ir.program import tf
-from threefold.ops.families import READS_SHAPE_ONLY, args_of, op_name
+from threefold.ops.families import JOINS, READS_SHAPE_ONLY, args_of, op_name
 from threefold.passes.cp_loop_match import derives, hoist, meta_like, refine, same, writes_into
 from threefold.passes.cp_rules.core import Seq
 from threefold.runtime import cp_recur
@@ -87,7 +87,7 @@ def collect(w, node: fx.Node):
     """`stack(ys, d)` / `cat([y.unsqueeze(d) ...], d)` of one value per step, in step order,
     each placed off the sequence: the loop's output back along the sequence, Seq(d); else None."""
     loops = w.ctx.get("recur") if w.ctx else None
-    if not loops or not loops.reads or node.op != "call_function" or op_name(node) not in ("stack", "cat"):
+    if not loops or not loops.reads or node.op != "call_function" or op_name(node) not in JOINS:
         return None
     a = args_of(node)
     ys, n = list(a["tensors"]), w.stage.seq_len
