@@ -156,6 +156,7 @@ def pointwise_names() -> frozenset:
 # small sets the questions below are built from
 PICKS = frozenset({"getitem"})                        # operator.getitem: one output of a tuple-valued op
 METADATA_CHECKS = frozenset({"_assert_tensor_metadata"})   # checks a tensor's dtype/shape, computes nothing
+SHAPE_QUERIES = frozenset({"sym_size", "sym_numel"})          # a tensor's sizes as symbolic ints
 SPLITS = frozenset({"split", "split_with_sizes", "chunk"})   # one dim cut into pieces, each read by a getitem
 TRANSPOSES = frozenset({"t", "transpose", "permute", "numpy_T"})     # swap or reorder dims
 UNIT_DIMS = frozenset({"squeeze", "unsqueeze"})       # add or drop a size-1 dim

@@ -38,14 +38,14 @@ import torch.fx as fx
 
 from threefold.errors import PlanError
 from threefold.ir.program import tf
-from threefold.ops.families import JOINS, READS_SHAPE_ONLY, args_of, op_name
+from threefold.ops.families import JOINS, METADATA_CHECKS, READS_SHAPE_ONLY, SHAPE_QUERIES, args_of, op_name
 from threefold.passes.cp_loop_match import derives, hoist, meta_like, refine, same, writes_into
 from threefold.passes.cp_rules.core import Seq
 from threefold.runtime import cp_recur
 from threefold.runtime.tp_ops import GroupRef
 
 CP = GroupRef("cp")
-_NO_VALUE = READS_SHAPE_ONLY | {"_assert_tensor_metadata", "sym_size", "sym_numel"}
+_NO_VALUE = READS_SHAPE_ONLY | METADATA_CHECKS | SHAPE_QUERIES   # read no tensor value
 
 
 @dataclass
