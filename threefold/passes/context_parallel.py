@@ -30,10 +30,12 @@ from threefold.ops.families import ARANGE_TO_INDEX, args_of
 from threefold.passes.cp_attention import erase_dead, readers, rewrite_attention
 from threefold.passes.cp_factories import split_factories
 from threefold.passes.cp_fallback import gather_around
+from threefold.passes.cp_free_whole import FreeWhole, cut_whole_inputs, free_inputs_whole, free_whole_decision, \
+    run_free_whole
 from threefold.passes.cp_shifts import shift_halo
-from threefold.passes.cp_whole import is_whole
+from threefold.passes.cp_whole import TWIN, is_whole
 from threefold.passes.cp_whole_inputs import GatherWhole, whole_decision, whole_inputs
-from threefold.passes.cp_rules import PARTIAL, Place, Seq, decide, op_name
+from threefold.passes.cp_rules import PARTIAL, Gather, Place, Seq, decide, op_name
 from threefold.passes.cp_rules.core import is_local
 from threefold.passes.shard import AxisRules, Fallback
 from threefold.placement import P, Shard, on_mesh_of
@@ -60,7 +62,7 @@ class ContextParallel(AxisRules):
         convs = _causal_convolutions(gm, stage, n)
         moved = _global_positions(gm, n)
         _drop_unread(gm.graph)   # a mask the model builds and never reads (Qwen2-MoE) is not checked
-        w.ctx = {"rings": rings, "convs": convs, "moved": moved, "tables": []}
+        w.ctx = {"rings": rings, "convs": convs, "moved": moved, "tables": [], "free": {}}
 
     def seed(self, w, node):
         """A user input's sequence dim: its cp entry (compiler/api.py)."""
@@ -74,12 +76,25 @@ class ContextParallel(AxisRules):
         if all(state.get(a) is None for a in node.all_input_nodes) and op_name(node) != "shard_seq":
             return Place(Seq(0) if op_name(node) == "positions" else None)
         d = decide(node, state, w.stage)
+        free = free_whole_decision(node, state, d)   # input-free: computed whole, nothing moved (cp_free_whole.py)
+        if free is not None:
+            return free
         if not isinstance(d, Place) and shift_halo(node, state, w.stage):   # a token shift: a halo exchange
             return None                                                     # (cp_shifts.py places it)
         return d
 
     def redistribute(self, w, node, d, why: str):
+        if isinstance(d, FreeWhole):
+            try:
+                return run_free_whole(node, w.state, w.stage, w.ctx["free"], why)
+            except PlanError:
+                if not isinstance(d.then, Gather):
+                    raise PlanError(why) from None
         if isinstance(d, GatherWhole):
+            free_inputs_whole(node, w.state, w.stage, w.ctx["free"])
+            cut = cut_whole_inputs(node, w.state, w.stage)   # meets a split value: this rank's blocks, no gather
+            if cut is not None:
+                return cut, []
             return whole_inputs(node, w.state, w.stage, why)
         return gather_around(node, w.state, w.stage, why, op_name(node), Seq)
 
@@ -286,6 +301,7 @@ def _global_positions(gm: fx.GraphModule, n: int) -> int:
             pos = gm.graph.call_function(cp_ops.positions, (n, CP), kwargs)
         pos.meta = dict(node.meta)
         pos.meta["tf"] = dict(tf(node))
+        pos.meta[TWIN] = node.name   # the arange it stands for (cp_free_whole reads its twin)
         node.replace_all_uses_with(pos)
         gm.graph.erase_node(node)
         count += 1
