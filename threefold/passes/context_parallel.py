@@ -33,6 +33,7 @@ from threefold.passes.cp_fallback import gather_around
 from threefold.passes.cp_free_whole import FreeWhole, cut_whole_inputs, free_inputs_whole, free_whole_decision, \
     run_free_whole
 from threefold.passes.cp_shifts import shift_halo
+from threefold.passes.cp_tails import OnTail, Shorten, on_tail, shorten, tail_decision, tail_of
 from threefold.passes.cp_whole import TWIN, is_whole
 from threefold.passes.cp_whole_inputs import GatherWhole, whole_decision, whole_inputs
 from threefold.passes.cp_rules import PARTIAL, Gather, Place, Seq, decide, op_name
@@ -71,6 +72,8 @@ class ContextParallel(AxisRules):
 
     def decide(self, w, node):
         state = w.state
+        if any(tail_of(a) for a in node.all_input_nodes):     # a sequence shortened inside the model (cp_tails.py)
+            return tail_decision(node, state, None)
         if any(is_whole(a) for a in node.all_input_nodes):   # computed from a grid kept whole (cp_whole.py)
             return whole_decision(node, state, w.stage, w.refusal(node, "mixes sequence positions"))
         if all(state.get(a) is None for a in node.all_input_nodes) and op_name(node) != "shard_seq":
@@ -81,9 +84,13 @@ class ContextParallel(AxisRules):
             return free
         if not isinstance(d, Place) and shift_halo(node, state, w.stage):   # a token shift: a halo exchange
             return None                                                     # (cp_shifts.py places it)
-        return d
+        return tail_decision(node, state, d) or d   # x[:, :-1], x[:, 1:]: kept at n positions with a tail
 
     def redistribute(self, w, node, d, why: str):
+        if isinstance(d, Shorten):
+            return shorten(node, w.state, w.stage, why)
+        if isinstance(d, OnTail):
+            return on_tail(node, w.state, w.stage, why)
         if isinstance(d, FreeWhole):
             try:
                 return run_free_whole(node, w.state, w.stage, w.ctx["free"], why)
@@ -118,6 +125,8 @@ class ContextParallel(AxisRules):
                 return "returns rows sorted on this rank (a routing sort) or counted on it"
             if is_whole(out):
                 return "returns a grid of positions computed whole on every rank (attention weights?)"
+            if tail_of(out):
+                return "returns a sequence shortened inside the model (x[:, :-1]): return it whole, or shorten it outside"
         return None
 
     def placement(self, s):

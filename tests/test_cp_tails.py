@@ -1,0 +1,67 @@
+"""A sequence shortened inside the model under cp (passes/cp_tails.py): a model that takes the
+whole token row and shifts it itself (logits[:, :-1] against labels x[:, 1:], as
+x-transformers' AutoregressiveWrapper) keeps every rank's positions, the last of the whole
+sequence standing for nothing; the labels' shift is a halo exchange, the loss's sum skips the
+dropped position and its denominator counts the labels of whole sequences. Before: "slice at
+<top> slices along the sequence (dim 1; a shift such as x[:, :-1] inside the model? ...)"."""
+import pytest
+
+import threefold
+from threefold.compiler.api import compile_workload
+from threefold.runtime.launch import launch
+from tests.cp_factory_models import grad_diff
+from tests.cp_tail_models import reference, tail_parity, tail_workload, zoo_tail_parity
+from tests.parity import max_rel_diff
+
+FORMS = ["ce", "sum"]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_shift_inside_the_model_keeps_the_positions_and_moves_no_sequence(form):
+    from threefold.codegen.artifact import build_sources
+    prog = compile_workload(tail_workload(form), "cp=2")
+    assert not [n for n in prog.notes if n.startswith("cp fallback:")], prog.notes
+    code = build_sources(prog)["chunk00.py"].split("def model_outputs")[0]
+    assert code.count("cp_shift.shift_seq(") == 1 and code.count("cp_tail.drop_tail(") == 1
+    assert "gather_seq(" not in code
+    assert prog.loss_form["whole_along"] == ["cp"]
+
+
+def test_what_mixes_the_shortened_positions_is_refused_in_one_line():
+    with pytest.raises(threefold.PlanError, match="mean at <top> reads a value shortened along the sequence") as err:
+        compile_workload(tail_workload("leak"), "cp=2")
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_shift_inside_the_model_matches_one_process(cp):
+    got = launch(tail_parity, cp, FORMS, f"cp={cp}", 3, timeout=550)
+    for i, form in enumerate(FORMS):
+        ref_losses, ref_grads = reference(tail_workload(form))
+        for rank in got:
+            losses, grads = rank[i]
+            assert max_rel_diff(losses, ref_losses) < 1e-5, (form, losses, ref_losses)
+            assert grad_diff(grads, ref_grads) < 1e-5, (form, grad_diff(grads, ref_grads))
+
+
+def test_x_transformers_autoregressive_wrapper_compiles_under_cp():
+    from tests.zoo import ZOO
+    prog = compile_workload(ZOO["xt_autoregressive"](), "cp=2")
+    assert not [n for n in prog.notes if n.startswith("cp fallback:")], prog.notes
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("cp", [2, 4])
+def test_x_transformers_autoregressive_wrapper_matches_one_process(cp):
+    """At cp=4 its 8 tokens are 2 per rank: the labels' reshape (4, 1) -> (4, 1, 1) names the
+    shortened length 1 twice, told apart by the model traced at the whole length."""
+    from tests.cp_jobs import zoo_batch2
+    got = launch(zoo_tail_parity, cp, "xt_autoregressive", f"cp={cp}", 3, timeout=850)
+    ref_losses, ref_grads = reference(zoo_batch2("xt_autoregressive"))
+    for losses, grads in got:
+        assert max_rel_diff(losses, ref_losses) < 1e-5, (losses, ref_losses)
+        assert grad_diff(grads, ref_grads) < 1e-5, grad_diff(grads, ref_grads)
