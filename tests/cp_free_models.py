@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.cp_factory_models import lm_loss, losses_and_grads, parallel
+from tests.cp_factory_models import factory_workload, lm_loss, losses_and_grads, parallel
 
 
 class PackedCheck(nn.Module):
@@ -33,6 +33,28 @@ class PackedCheck(nn.Module):
         return self.head(x + self.proj(y.transpose(1, 2).reshape(b, t, -1)))
 
 
+class CutScores(nn.Module):
+    """s[..., :t - 1] of attention weights computed whole (RelPosAttention's grid of relative
+    positions): the weight on every key but the last, a bound of the length."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = factory_workload("relpos")["model"]
+
+    def forward(self, idx):
+        m = self.inner
+        b, t = idx.shape
+        x = m.emb(idx)
+        q, k, v = m.qkv(x).view(b, t, 3, m.heads, -1).permute(2, 0, 3, 1, 4)
+        s = torch.softmax(q @ k.transpose(-2, -1), -1)
+        mass = s[..., : t - 1].sum(-1, keepdim=True)
+        return m.head(x + m.proj((s @ v * mass).transpose(1, 2).reshape(b, t, -1)))
+
+
+def cut_workload() -> dict:
+    return {**factory_workload("relpos"), "model": CutScores()}
+
+
 def packed_workload(seq: int = 16, batch: int = 2) -> dict:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
@@ -50,7 +72,11 @@ def reference(w: dict, steps: int = 3):
     return losses_and_grads(step, list(model.named_parameters()), steps)
 
 
-def packed_parity(plan: str, steps: int = 3):
-    """Run on every rank: PackedCheck under `plan`, (losses, grads)."""
+WORKLOADS = {"packed": packed_workload, "cut": cut_workload}
+
+
+def packed_parity(plan: str, steps: int = 3, names: tuple = ("packed",)):
+    """Run on every rank: each workload of `names` under `plan`, (losses, grads)."""
     torch.set_num_threads(1)
-    return parallel(packed_workload(), plan, steps)
+    out = [parallel(WORKLOADS[n](), plan, steps) for n in names]
+    return out[0] if len(names) == 1 else out

@@ -65,3 +65,30 @@ def test_x_transformers_autoregressive_wrapper_matches_one_process(cp):
     for losses, grads in got:
         assert max_rel_diff(losses, ref_losses) < 1e-5, (losses, ref_losses)
         assert grad_diff(grads, ref_grads) < 1e-5, grad_diff(grads, ref_grads)
+
+
+def test_hf_labels_shift_is_a_halo_with_its_fill():
+    """A Hugging Face causal LM called with labels=: its loss pads the labels with -100 at the end
+    and reads them from position 1 (was refused: "pad at model pads (shifts) along the
+    sequence"): one shift with the fill, its denominator counted over whole sequences."""
+    from threefold.codegen.artifact import build_sources
+    from tests.own_loss_jobs import hf_labels
+    w = hf_labels("llama")
+    prog = compile_workload({"model": w["model"], "inputs": w["inputs"]}, "cp=2", own_loss=True)
+    assert not [n for n in prog.notes if n.startswith("cp fallback:")], prog.notes
+    assert "cp_tail.shift_fill(" in build_sources(prog)["chunk00.py"]
+    assert prog.loss_form["whole_along"] == ["cp"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_hf_labels_loss_matches_one_process_under_cp2():
+    """Loss and gradient norm of 3 SGD steps (some labels ignored: the denominator differs per
+    rank's share), against one process."""
+    from tests.own_loss_jobs import parallel, reference as own_reference
+    got = launch(parallel, 2, [("llama", "cp=2")], 3, timeout=550)
+    ref = own_reference("llama", 3)
+    for rank in got:
+        assert not isinstance(rank[0], str), rank[0]
+        assert max_rel_diff([l for l, _ in rank[0]], [l for l, _ in ref]) < 1e-5, (rank[0], ref)
+        assert max_rel_diff([g for _, g in rank[0]], [g for _, g in ref]) < 1e-5, (rank[0], ref)

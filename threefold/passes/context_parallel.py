@@ -33,7 +33,7 @@ from threefold.passes.cp_fallback import gather_around
 from threefold.passes.cp_free_whole import FreeWhole, cut_whole_inputs, free_inputs_whole, free_whole_decision, \
     run_free_whole
 from threefold.passes.cp_shifts import shift_halo
-from threefold.passes.cp_tails import OnTail, Shorten, on_tail, shorten, tail_decision, tail_of
+from threefold.passes.cp_tails import OnTail, PadShift, Shorten, on_tail, pad_shift, shorten, tail_decision, tail_of
 from threefold.passes.cp_whole import TWIN, is_whole
 from threefold.passes.cp_whole_inputs import GatherWhole, whole_decision, whole_inputs
 from threefold.passes.cp_rules import PARTIAL, Gather, Place, Seq, decide, op_name
@@ -91,6 +91,8 @@ class ContextParallel(AxisRules):
             return shorten(node, w.state, w.stage, why)
         if isinstance(d, OnTail):
             return on_tail(node, w.state, w.stage, why)
+        if isinstance(d, PadShift):
+            return pad_shift(node, w.state, w.stage, why)
         if isinstance(d, FreeWhole):
             try:
                 return run_free_whole(node, w.state, w.stage, w.ctx["free"], why)

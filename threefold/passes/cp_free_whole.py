@@ -29,13 +29,13 @@ import torch.fx as fx
 
 from threefold.errors import PlanError
 from threefold.ir.program import tf
+from threefold.ops.families import op_name
 from threefold.ops.rules import Gather, Refuse
 from threefold.passes.cp_masks import input_free
 from threefold.passes.cp_rules.core import Seq
-from threefold.ops.families import op_name
 from threefold.passes.cp_whole import TWIN, is_whole, mark, remember, run_whole, twin_named
-from threefold.runtime.tp_ops import GroupRef
 from threefold.runtime import cp_gather, cp_ops
+from threefold.runtime.tp_ops import GroupRef
 
 CP = GroupRef("cp")
 

@@ -61,10 +61,17 @@ class OnTail(Gather):
     """An op that reads a value with a tail."""
 
 
+@dataclass(frozen=True)
+class PadShift(Gather):
+    """A pad at the end of the split sequence read only from k positions on: a shift."""
+
+
 def tail_decision(node: fx.Node, state: dict, d):
-    """Shorten / OnTail for `node` (d: what cp decided for it), else None."""
+    """Shorten / OnTail / PadShift for `node` (d: what cp decided for it), else None."""
     if any(tail_of(a) for a in node.all_input_nodes):
         return OnTail("reads a value shortened along the sequence inside the model")
+    if (isinstance(d, Gather) or isinstance(d, Refuse) and d.table is None) and _end_pad(node, state) is not None:
+        return PadShift(d.why)
     if isinstance(d, Refuse) and d.table is None and op_name(node) == "slice":
         a = args_of(node)
         s, v = state.get(a["self"]), a["self"].meta.get("val")
@@ -92,6 +99,47 @@ def shorten(node: fx.Node, state: dict, stage, why: str):
     node.meta["val"] = src.meta["val"]
     remember(node, traced)
     node.meta[TAIL] = head + drop
+    return Seq(d), []
+
+
+def _end_pad(node: fx.Node, state: dict):
+    """(src, dim, k, value) where node pads the end of the split sequence by k with a number and
+    every reader slices it from position k on (`pad(labels, (0, 1), value=-100)[..., 1:]`)."""
+    if op_name(node) not in ("pad", "constant_pad_nd"):
+        return None
+    a = args_of(node)
+    src, pad, value = a.get("self", a.get("input")), list(a.get("pad") or []), a.get("value")
+    s = state.get(src)
+    if not isinstance(s, Seq) or s.inner != 1 or a.get("mode", "constant") != "constant" \
+            or not isinstance(value, (int, float)):
+        return None
+    j = src.meta["val"].dim() - 1 - s.dim   # pad pairs run from the last dim backwards
+    if 2 * j + 1 >= len(pad) or pad[2 * j] != 0 or pad[2 * j + 1] <= 0 \
+            or any(p for i, p in enumerate(pad) if i // 2 != j):
+        return None
+    k = pad[2 * j + 1]
+    for u in node.users:
+        if op_name(u) == "_assert_tensor_metadata":
+            continue
+        b = args_of(u) if op_name(u) == "slice" else None
+        if b is None or b["self"] is not node or b["dim"] % src.meta["val"].dim() != s.dim or b["start"] != k \
+                or b["step"] != 1 or not (b["end"] is None or b["end"] >= src.meta["val"].shape[s.dim] + k):
+            return None
+    return src, s.dim, k, value
+
+
+def pad_shift(node: fx.Node, state: dict, stage, why: str):
+    """pad(x, (0, k), v)[..., k:] -> x shifted by k toward the start, the last k positions of the
+    whole sequence v (cp_tail.shift_fill: a halo exchange); its readers' slices keep all of it."""
+    src, d, k, value = _end_pad(node, state)
+    n, cp = stage.seq_len, stage.plan.cp
+    if k > n // 2:
+        raise PlanError(f"{why} (it shifts by {k}: more than a block of {n // 2})")
+    node.target, node.args, node.kwargs = cp_tail.shift_fill, (src, k, d, value, CP), {"ranks": cp}
+    node.meta["val"] = src.meta["val"]
+    for u in list(node.users):
+        if op_name(u) == "slice":
+            u.args, u.kwargs = (node, d, 0, _END), {}
     return Seq(d), []
 
 

@@ -232,7 +232,7 @@ def run_whole(node: fx.Node, n: int, why: str, stage=None) -> None:
         full = node.target(*fx.node.map_arg(node.args, lambda a: a.meta["val"]),
                            **fx.node.map_arg(node.kwargs, lambda a: a.meta["val"]))
     except Exception as exc:
-        raise PlanError(f"{why} (and it cannot run on the whole sequence: {type(exc).__name__})") from exc
+        raise PlanError(f"{why} (and it cannot run on the whole sequence: {type(exc).__name__})") from None
     remember(node, traced)
     mark(node, traced, full)
 
