@@ -35,9 +35,10 @@ def test_what_mixes_the_shortened_positions_is_refused_in_one_line():
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("cp", [2, 4])
-def test_a_shift_inside_the_model_matches_one_process(cp):
-    got = launch(tail_parity, cp, FORMS, f"cp={cp}", 3, timeout=550)
+@pytest.mark.parametrize("plan,ranks", [("cp=2", 2), ("cp=4", 4), ("dp=2,cp=2", 4)])
+def test_a_shift_inside_the_model_matches_one_process(plan, ranks):
+    """dp=2,cp=2: the denominator is read from each dp rank's whole sequences."""
+    got = launch(tail_parity, ranks, FORMS, plan, 3, timeout=550)
     for i, form in enumerate(FORMS):
         ref_losses, ref_grads = reference(tail_workload(form))
         for rank in got:

@@ -17,6 +17,10 @@ they treat positions independently. cp's hooks on the sharding walker (passes/sh
 3. Every op is checked by the sequence rules (passes/cp_rules/): position-local ops keep
    the sequence placement; one that mixes positions runs on the all-gathered sequence
    (passes/cp_fallback.py) where its family allows, else is a PlanError naming it.
+4. Where such an op reads only input-free values (positions, tables, constants), they are
+   computed whole on every rank instead, nothing moved (passes/cp_free_whole.py).
+5. A slice that drops positions at an end of the sequence (a shift of the tokens inside the
+   model) keeps every rank's positions with a tail that stands for nothing (passes/cp_tails.py).
 """
 from __future__ import annotations
 
