@@ -79,6 +79,9 @@ def test_hf_labels_shift_is_a_halo_with_its_fill():
     assert not [n for n in prog.notes if n.startswith("cp fallback:")], prog.notes
     assert "cp_tail.shift_fill(" in build_sources(prog)["chunk00.py"]
     assert prog.loss_form["whole_along"] == ["cp"]
+    from threefold.compiler.collectives import chunk_collectives
+    halos = {(e["kind"], e["phase"]): e["elements"] for e in chunk_collectives(prog)[-1] if e["group"] == "cp"}
+    assert halos.get(("halo_send", "forward")) == 2 * 4, halos   # one label per halo, 4 rows, two halos
 
 
 @pytest.mark.slow
