@@ -14,7 +14,8 @@ class SelfShiftLM(nn.Module):
     `form` "ce": F.cross_entropy over the flattened tokens (mean over the labels that count),
     "sum": the per-token terms written out, summed and divided by their count (x-transformers'
     AutoregressiveWrapper), "leak": the shortened logits averaged over the sequence (mixes
-    positions: refused)."""
+    positions: refused), "mse": a mean over elements of the shortened sequence (refused: its
+    element count is a number traced at the local length)."""
 
     def __init__(self, form: str, vocab: int = 32, width: int = 16, heads: int = 2):
         super().__init__()
@@ -33,6 +34,8 @@ class SelfShiftLM(nn.Module):
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
         if self.form == "leak":
             return logits.mean(1).logsumexp(-1).mean()
+        if self.form == "mse":   # a mean over the elements: their count was traced at the local length
+            return F.mse_loss(logits[..., :1], labels[..., None].float())
         keep = labels != -100
         nll = logits.logsumexp(-1) - logits.gather(-1, labels.clamp(min=0)[..., None])[..., 0]
         return torch.where(keep, nll, 0.0).sum() / keep.sum()

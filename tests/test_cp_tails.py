@@ -33,6 +33,14 @@ def test_what_mixes_the_shortened_positions_is_refused_in_one_line():
     assert "\n" not in str(err.value)
 
 
+def test_an_element_mean_over_the_shortened_sequence_is_refused_not_trained_wrong():
+    """mse_loss (mean) over logits[:, :-1]: its denominator, the number of elements, is b*(n-1)
+    per rank as traced, b*(s-cp) over the ranks, not b*(s-1): refused in one line."""
+    with pytest.raises(threefold.PlanError, match="a mean over its elements") as err:
+        compile_workload(tail_workload("mse"), "cp=2")
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("plan,ranks", [("cp=2", 2), ("cp=4", 4), ("dp=2,cp=2", 4)])

@@ -28,6 +28,7 @@ count of labels x[:, 1:] that are not ignored), is evaluated on whole sequences
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -171,7 +172,7 @@ def on_tail(node: fx.Node, state: dict, stage, why: str):
         raise PlanError(what)
     if op_name(node) == "_assert_tensor_metadata" and args_of(node).get("size") is None:
         return None, []   # a dtype check: no value, no shape
-    if not isinstance(node.target, torch._ops.OpOverload):
+    if not isinstance(node.target, torch._ops.OpOverload) and node.target is not operator.getitem:
         raise PlanError(what)   # cp's own ops (ring attention, halos, scans) read other positions
     if op_name(node) in SLICING and "dim" in args_of(node):
         a = args_of(node)
@@ -234,6 +235,10 @@ def _sum_without_tail(node: fx.Node, state: dict, stage, what: str):
     """The loss's sum over every position: its input's tail zeroed first (a loss op that sums
     is run per position, then zeroed, then summed)."""
     name, a = op_name(node), args_of(node)
+    form = getattr(stage, "loss_form", None) or {}
+    if (form.get("denominator") or {}).get("kind") == "const" and form.get("reduction") == "mean":
+        raise PlanError(f"{what} (the loss is a mean over its elements, whose number was traced at this rank's "
+                        "shortened length: compute the loss over a sequence shortened outside the model, or use cp=1)")
     if name == "sum":
         x = a.get("self")
         if not isinstance(x, fx.Node) or not isinstance(state.get(x), Seq):
