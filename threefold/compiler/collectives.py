@@ -92,12 +92,12 @@ def _per_position(x, dim: int) -> int:
 
 
 def _halo_positions(node) -> int:
-    """Elements of one halo a causal conv1d (time last, k-1 wide) or a token shift (|k| wide)
-    sends, 0 for any other node."""
+    """Elements of one halo a causal conv1d (time last, k-1 wide) or a token shift (|k| wide,
+    also HF's labels shift with its fill) sends, 0 for any other node."""
     name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
     if name == "causal_conv1d":
         return _per_position(node.args[0], -1) * (meta_of(node.args[1]).shape[-1] - 1)
-    if name == "shift_seq":
+    if name in ("shift_seq", "shift_fill"):   # shift_fill: a shift whose last positions are a number (cp_tail)
         return _per_position(node.args[0], node.args[2]) * abs(node.args[1])
     return 0
 

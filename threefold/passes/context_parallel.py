@@ -17,6 +17,10 @@ they treat positions independently. cp's hooks on the sharding walker (passes/sh
 3. Every op is checked by the sequence rules (passes/cp_rules/): position-local ops keep
    the sequence placement; one that mixes positions runs on the all-gathered sequence
    (passes/cp_fallback.py) where its family allows, else is a PlanError naming it.
+4. Where such an op reads only input-free values (positions, tables, constants), they are
+   computed whole on every rank instead, nothing moved (passes/cp_free_whole.py).
+5. A slice that drops positions at an end of the sequence (a shift of the tokens inside the
+   model) keeps every rank's positions with a tail that stands for nothing (passes/cp_tails.py).
 """
 from __future__ import annotations
 
@@ -30,11 +34,14 @@ from threefold.ops.families import ARANGE_TO_INDEX, args_of
 from threefold.passes.cp_attention import erase_dead, readers, rewrite_attention
 from threefold.passes.cp_factories import split_factories
 from threefold.passes.cp_fallback import gather_around
+from threefold.passes.cp_free_whole import FreeWhole, cut_whole_inputs, free_inputs_whole, free_whole_decision, \
+    run_free_whole
 from threefold.passes.cp_recurrence import collect, finish, step_read
 from threefold.passes.cp_shifts import shift_halo
-from threefold.passes.cp_whole import is_whole
+from threefold.passes.cp_tails import OnTail, PadShift, Shorten, on_tail, pad_shift, shorten, tail_decision, tail_of
+from threefold.passes.cp_whole import TWIN, is_whole
 from threefold.passes.cp_whole_inputs import GatherWhole, whole_decision, whole_inputs
-from threefold.passes.cp_rules import PARTIAL, Place, Refuse, Seq, decide, op_name
+from threefold.passes.cp_rules import PARTIAL, Gather, Place, Refuse, Seq, decide, op_name
 from threefold.passes.cp_rules.core import is_local
 from threefold.passes.shard import AxisRules, Fallback
 from threefold.placement import P, Shard, on_mesh_of
@@ -61,7 +68,7 @@ class ContextParallel(AxisRules):
         convs = _causal_convolutions(gm, stage, n)
         moved = _global_positions(gm, n)
         _drop_unread(gm.graph)   # a mask the model builds and never reads (Qwen2-MoE) is not checked
-        w.ctx = {"rings": rings, "convs": convs, "moved": moved, "tables": []}
+        w.ctx = {"rings": rings, "convs": convs, "moved": moved, "tables": [], "free": {}}
 
     def seed(self, w, node):
         """A user input's sequence dim: its cp entry (compiler/api.py)."""
@@ -70,6 +77,8 @@ class ContextParallel(AxisRules):
 
     def decide(self, w, node):
         state = w.state
+        if any(tail_of(a) for a in node.all_input_nodes):     # a sequence shortened inside the model (cp_tails.py)
+            return tail_decision(node, state, None)
         if any(is_whole(a) for a in node.all_input_nodes):   # computed from a grid kept whole (cp_whole.py)
             return whole_decision(node, state, w.stage, w.refusal(node, "mixes sequence positions"))
         stacked = collect(w, node)   # one value per step of a loop, back along the sequence (cp_recurrence.py)
@@ -78,14 +87,33 @@ class ContextParallel(AxisRules):
         if all(state.get(a) is None for a in node.all_input_nodes) and op_name(node) != "shard_seq":
             return Place(Seq(0) if op_name(node) == "positions" else None)
         d = decide(node, state, w.stage)
+        free = free_whole_decision(node, state, d)   # input-free: computed whole, nothing moved (cp_free_whole.py)
+        if free is not None:
+            return free
         if not isinstance(d, Place) and shift_halo(node, state, w.stage):   # a token shift: a halo exchange
             return None                                                     # (cp_shifts.py places it)
         if isinstance(d, Refuse) and step_read(w, node, d.why):   # a loop's step: its state handed rank to rank
             return Place(None)                                    # at the end of the walk (finish)
-        return d
+        return tail_decision(node, state, d) or d   # x[:, :-1], x[:, 1:]: kept at n positions with a tail
 
     def redistribute(self, w, node, d, why: str):
+        if isinstance(d, Shorten):
+            return shorten(node, w.state, w.stage, why)
+        if isinstance(d, OnTail):
+            return on_tail(node, w.state, w.stage, why)
+        if isinstance(d, PadShift):
+            return pad_shift(node, w.state, w.stage, why)
+        if isinstance(d, FreeWhole):
+            try:
+                return run_free_whole(node, w.state, w.stage, w.ctx["free"], why)
+            except PlanError:
+                if not isinstance(d.then, Gather):
+                    raise PlanError(why) from None
         if isinstance(d, GatherWhole):
+            free_inputs_whole(node, w.state, w.stage, w.ctx["free"])
+            cut = cut_whole_inputs(node, w.state, w.stage)   # meets a split value: this rank's blocks, no gather
+            if cut is not None:
+                return cut, []
             return whole_inputs(node, w.state, w.stage, why)
         return gather_around(node, w.state, w.stage, why, op_name(node), Seq)
 
@@ -110,6 +138,8 @@ class ContextParallel(AxisRules):
                 return "returns rows sorted on this rank (a routing sort) or counted on it"
             if is_whole(out):
                 return "returns a grid of positions computed whole on every rank (attention weights?)"
+            if tail_of(out):
+                return "returns a sequence shortened inside the model (x[:, :-1]): return it whole, or shorten it outside"
         return None
 
     def placement(self, s):
@@ -303,6 +333,7 @@ def _global_positions(gm: fx.GraphModule, n: int) -> int:
             pos = gm.graph.call_function(cp_ops.positions, (n, CP), kwargs)
         pos.meta = dict(node.meta)
         pos.meta["tf"] = dict(tf(node))
+        pos.meta[TWIN] = node.name   # the arange it stands for (cp_free_whole reads its twin)
         node.replace_all_uses_with(pos)
         gm.graph.erase_node(node)
         count += 1

@@ -27,6 +27,7 @@ from threefold.errors import PlanError
 from threefold.ops.families import RESHAPES, SLICING, args_of, op_name
 
 WHOLE = "cp_whole"
+TWIN = "cp_twin"   # a node built by cp in the model's stead: the name of the node it stands for
 
 
 def is_whole(x) -> bool:
@@ -70,16 +71,19 @@ def regrow(node: fx.Node, n: int, why: str, stage=None) -> None:
             node.kwargs = {**node.kwargs, key: list(size)}
         return
     if name in SLICING:
-        _full_range(node, name, why)
+        _full_range(node, name, why, stage)
     if names_length(node, n, stage):
         raise PlanError(f"{why} (it names the number {n}, the local length s/cp, beside a value computed on "
                         "the whole sequence: a length or a coincidence of sizes; use another sequence length "
                         "or cp=1)")
 
 
-def _full_range(node: fx.Node, name: str, why: str) -> None:
+def _full_range(node: fx.Node, name: str, why: str, stage=None) -> None:
     """A slice along a dim of positions computed whole must keep all of it: its bounds were
-    traced at the local length (t - 1, t // 2 ...) and would cut the whole one wrongly."""
+    traced at the local length (t - 1, t // 2 ...) and would cut the whole one wrongly. Unless
+    the model traced at the whole length (stage.retrace) has the same slice of a value of the
+    whole shape: its bounds there are the whole length's (`position_ids[:, :1]` keeps 0:1,
+    `x[:, :t - 1]` becomes 0:s - 1)."""
     a = args_of(node)
     src = a.get("self", a.get("input"))
     old = _traced(src) if isinstance(src, fx.Node) else None
@@ -91,8 +95,31 @@ def _full_range(node: fx.Node, name: str, why: str) -> None:
         return
     if name == "slice" and a["start"] in (0, None) and (a["end"] is None or a["end"] >= old[d]) and a["step"] == 1:
         return
+    if _bounds_at_whole(node, name, tuple(new), stage):
+        return
     raise PlanError(f"{why} (it runs {name} along positions computed whole, with bounds traced at the local "
                     "length: cp cannot carry them to the whole sequence)")
+
+
+def _bounds_at_whole(node: fx.Node, name: str, shape: tuple, stage) -> bool:
+    """Take the integer arguments of node's twin at the whole length where it slices a value of
+    `shape` by the same op (True), else leave node as it is (False)."""
+    twin = _twin_at_whole(node, stage)
+    if twin is None or op_name(twin) != name or len(twin.args) != len(node.args) or set(twin.kwargs) != set(node.kwargs):
+        return False
+    src = args_of(twin)
+    src = src.get("self", src.get("input"))
+    if not isinstance(src, fx.Node) or not isinstance(src.meta.get("val"), torch.Tensor) \
+            or tuple(src.meta["val"].shape) != shape:
+        return False
+    ints = lambda v: isinstance(v, int) and not isinstance(v, bool)   # noqa: E731
+    pairs = list(zip(node.args[1:], twin.args[1:])) + [(node.kwargs[k], twin.kwargs[k]) for k in node.kwargs]
+    if any(isinstance(x, fx.Node) or isinstance(y, fx.Node) or ints(x) != ints(y) or (not ints(x) and x != y)
+           for x, y in pairs):
+        return False
+    node.args = node.args[:1] + tuple(twin.args[1:])
+    node.kwargs = dict(twin.kwargs)
+    return True
 
 
 def _traced(src: fx.Node):
@@ -179,13 +206,21 @@ def _ints(node: fx.Node) -> list:
 
 def _twin_at_whole(node: fx.Node, stage):
     """node's op in the model traced at the whole length (same name, same target), or None."""
+    twin = twin_named(node, stage)
+    return twin if twin is not None and twin.target == node.target else None
+
+
+def twin_named(node: fx.Node, stage):
+    """The node of node's name (or of the one it stands for, TWIN) in the model traced at the
+    whole length (stage.retrace), or None where there is no such trace or node."""
     if getattr(stage, "retrace", None) is None:
         return None
     try:
         graph = stage.retrace(stage.seq_len * stage.plan.cp)
     except Exception:   # the model does not trace at the whole length: no answer, no guess
         return None
-    return next((t for t in graph.nodes if t.name == node.name and t.target == node.target), None)
+    name = node.meta.get(TWIN, node.name)
+    return next((t for t in graph.nodes if t.name == name), None)
 
 
 def run_whole(node: fx.Node, n: int, why: str, stage=None) -> None:

@@ -33,6 +33,7 @@ from threefold.ir.program import is_eager_loss
 from threefold.ir.program import tf
 from threefold.ir.stages import Draft, Traced
 from threefold.errors import PlanError
+from threefold.passes.cp_denominator import whole_along
 from threefold.ops.families import (COPIES, ELEMENT_MEAN_LOSSES, RESHAPES, SCALINGS, TARGET_COUNTED_LOSSES,
                                     UNIT_DIMS)
 
@@ -76,6 +77,9 @@ def loss_form(stage: Traced) -> Traced:
                         f"{split_fix(stage.plan)}") from None
     form["mode"] = "exact"
     form["module"] = tf(node).get("module", "")
+    whole = whole_along(prog.loss_denominator, prog.graph, stage.plan)   # cp: a shift of the labels
+    if whole:
+        form["whole_along"] = whole
     prog.loss_form = form
     prog.gm.recompile()
     return prog.freeze()

@@ -406,7 +406,7 @@ class PipelineEngine:
         slot.input_grads = [x.grad if x.requires_grad else None for x in slot.inputs]
         slot.outputs, slot.output_grads = [], []
 
-    def _microbatches(self, batch: tuple, m: int, at: dict | None = None) -> list[tuple]:
+    def _microbatches(self, batch: tuple, m: int, at: dict | None = None, whole: tuple = ()) -> list[tuple]:
         """The m microbatches of the batch-rank at coordinates `at` (axis -> index: dp and the
         axes that cut inputs; this rank's where not given) of the global `batch` (the
         denominator also cuts the other ranks' shares)."""
@@ -420,7 +420,8 @@ class PipelineEngine:
             split = splits[i] if i < len(splits) else InputSplit()
             if isinstance(t, torch.Tensor):
                 for axis, dim in split.cuts:
-                    t = input_cut(axis)(t, dim, self.mesh.size(axis), at.get(axis, self.coord[axis]))
+                    if axis not in whole:   # `whole`: axes not cut (the loss denominator's whole sequences)
+                        t = input_cut(axis)(t, dim, self.mesh.size(axis), at.get(axis, self.coord[axis]))
             bd = split.batch
             if not isinstance(t, torch.Tensor) or t.dim() == 0 or bd is None:
                 for mb in out:
@@ -506,12 +507,14 @@ class PipelineEngine:
         if last is None:
             return float("nan")  # not the last stage: never seeds a loss backward
         total = torch.zeros((), dtype=torch.float64, device=self.device)
+        # axes along which it reads whole inputs (cp: labels shifted inside the model; passes/cp_denominator.py)
+        whole = tuple(den.detail.get("whole_along", ()))
         with torch.no_grad():
-            axes = ("dp",) + cutting_axes()   # every batch rank: dp x the axes that cut inputs
+            axes = ("dp",) + tuple(a for a in cutting_axes() if a not in whole)   # every batch rank: dp x the axes that cut inputs
             for index in itertools.product(*(range(self.mesh.size(a)) for a in axes)):
                 at = dict(zip(axes, index))
-                micro = st.micro if all(at[a] == self.coord[a] for a in axes) else (
-                    self._microbatches(st.batch, st.m, at))
+                micro = st.micro if not whole and all(at[a] == self.coord[a] for a in axes) else (
+                    self._microbatches(st.batch, st.m, at, whole))
                 for mb in micro:
                     total += last.loss_denominator(*[mb[j] for j in last.DENOMINATOR_INPUTS])[0].double()
         return float(total)
