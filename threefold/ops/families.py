@@ -109,6 +109,9 @@ FAMILIES = {
     "loss": LOSSES, "conv": CONVS, "pool": POOLS, "pad": PADS,
     "attention": ATTENTION,
 }
+# families whose ops move values between positions along a dim (a loss denominator read through
+# one of them counts positions its own way: passes/cp_denominator.py)
+MOVING_FAMILIES = ("slicing", "pad", "join", "scan", "sort", "conv", "pool", "matmul")   # keys of FAMILIES
 
 
 def is_pointwise(node: fx.Node) -> bool:

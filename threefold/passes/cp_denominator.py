@@ -14,10 +14,8 @@ import torch
 import torch.fx as fx
 
 from threefold.errors import PlanError
-from threefold.ops.families import family
+from threefold.ops.families import MOVING_FAMILIES, family
 from threefold.placement import on_mesh_of
-
-_MOVES = {"slicing", "pad", "join", "scan", "sort", "conv", "pool", "matmul"}
 
 
 def whole_along(denominator: fx.GraphModule | None, graph: fx.Graph, plan) -> list:
@@ -28,7 +26,7 @@ def whole_along(denominator: fx.GraphModule | None, graph: fx.Graph, plan) -> li
     ins = [p for p in denominator.graph.nodes if p.op == "placeholder"]
     if not any(dims.get(p.name) is not None for p in ins):
         return []
-    if not any(x.op == "call_function" and family(x) in _MOVES for x in denominator.graph.nodes):
+    if not any(x.op == "call_function" and family(x) in MOVING_FAMILIES for x in denominator.graph.nodes):
         return []
     vals = []
     for p in ins:   # it must run on whole sequences: each cut input as cp copies of its share

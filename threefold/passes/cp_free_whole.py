@@ -30,8 +30,9 @@ import torch.fx as fx
 from threefold.errors import PlanError
 from threefold.ir.program import tf
 from threefold.ops.families import op_name
-from threefold.ops.rules import Gather, Refuse
+from threefold.ops.rules import Gather, Place, Refuse
 from threefold.passes.cp_masks import input_free
+from threefold.passes.cp_rules import decide
 from threefold.passes.cp_rules.core import Seq
 from threefold.passes.cp_whole import TWIN, is_whole, mark, remember, run_whole, twin_named
 from threefold.runtime import cp_gather, cp_ops
@@ -155,7 +156,6 @@ def cut_whole_inputs(node: fx.Node, state: dict, stage):
     traced at n: positions in global order) and a split one: cut the whole value to this rank's
     blocks (cp_gather.shard_seq, a local slice: nothing moved) where the sequence rules then
     place the op position-wise; its Place, or None (the graph left as it was: gather)."""
-    from threefold.passes.cp_rules import Place, decide
     n, cp = stage.seq_len, stage.plan.cp
     if not any(isinstance(state.get(a), Seq) for a in node.all_input_nodes):
         return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from threefold.runtime.cp_ops import _rank, _size, block_positions
+from threefold.runtime.cp_shift import shift_seq
 
 
 def drop_tail(x: torch.Tensor, dim: int, tail: int, n: int, group, ranks: int = 1, inner: int = 1) -> torch.Tensor:
@@ -25,7 +26,6 @@ def shift_fill(x: torch.Tensor, k: int, dim: int, value, group, ranks: int = 1) 
     """x shifted toward the start by k along the split sequence, the last k positions of the
     whole sequence `value`: `pad(x, (0, k), value=v)[..., k:]` (Hugging Face's shift of the
     labels, -100 padded) on this rank's blocks."""
-    from threefold.runtime.cp_shift import shift_seq
     y = shift_seq(x, -k, dim, group, ranks)
     dim = dim % x.dim()
     n = x.shape[dim]
