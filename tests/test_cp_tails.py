@@ -55,6 +55,7 @@ def test_a_shift_inside_the_model_matches_one_process(plan, ranks):
             assert grad_diff(grads, ref_grads) < 1e-5, (form, grad_diff(grads, ref_grads))
 
 
+@pytest.mark.zoo   # needs the `zoo` extra (x-transformers); the default tier has the hand-written self-shift
 def test_x_transformers_autoregressive_wrapper_compiles_under_cp():
     from tests.zoo import ZOO
     prog = compile_workload(ZOO["xt_autoregressive"](), "cp=2")
