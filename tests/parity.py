@@ -32,6 +32,22 @@ def sgd_losses(w: dict, steps: int, lr: float = 0.1, optimizer=torch.optim.SGD) 
     return out
 
 
+def sgd_losses_and_grads(w: dict, steps: int, lr: float = 0.1) -> tuple[list[float], list[dict]]:
+    """The single-process reference with its gradients: per SGD step, the loss and each
+    parameter's gradient before the update."""
+    model = w["model"]
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, grads = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = w["loss_fn"](model(*w["inputs"]), w["target"])
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({f: p.grad.clone() for f, p in model.named_parameters() if p.grad is not None})
+        opt.step()
+    return losses, grads
+
+
 def parallel_sgd_losses(pm, w: dict, steps: int, lr: float = 0.1) -> list[float]:
     """`steps` SGD steps of ParallelModule `pm` on workload `w`'s batch: the loss of each.
     The optimizer is the one the plan needs (pm.optimizer: plain SGD, or its ZeRO-1 form)."""

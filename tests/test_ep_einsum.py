@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import threefold
-from tests.parity import max_rel_diff
+from tests.parity import max_rel_diff, sgd_losses_and_grads
 from tests.zoo.common import workload
 
 STEPS = 3
@@ -163,18 +163,7 @@ def _train(name: str, plan: str, sent: dict) -> dict:
 
 def _reference(name: str):
     torch.manual_seed(1234)
-    w = _workload(name)
-    model = w["model"]
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses, grads = [], []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        loss = w["loss_fn"](model(*w["inputs"]), w["target"])
-        loss.backward()
-        losses.append(loss.item())
-        grads.append({f: p.grad.clone() for f, p in model.named_parameters() if p.grad is not None})
-        opt.step()
-    return losses, grads
+    return sgd_losses_and_grads(_workload(name), STEPS)
 
 
 def _held_half(name: str, r: dict) -> None:
