@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.cp_factory_models import factory_workload, lm_loss, losses_and_grads, parallel
+from tests.cp_factory_models import factory_workload, lm_loss, parallel, reference  # noqa: F401  (the tests read them here)
 
 
 class PackedCheck(nn.Module):
@@ -60,16 +60,6 @@ def packed_workload(seq: int = 16, batch: int = 2) -> dict:
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 32, (batch, seq + 1), generator=g)
     return {"model": PackedCheck(), "inputs": (idx[:, :-1],), "target": idx[:, 1:], "loss_fn": lm_loss}
-
-
-def reference(w: dict, steps: int = 3):
-    model = w["model"]
-
-    def step():
-        loss = w["loss_fn"](model(*w["inputs"]), w["target"])
-        loss.backward()
-        return loss.item()
-    return losses_and_grads(step, list(model.named_parameters()), steps)
 
 
 WORKLOADS = {"packed": packed_workload, "cut": cut_workload}

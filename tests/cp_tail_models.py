@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.cp_factory_models import losses_and_grads
+from tests.cp_factory_models import losses_and_grads, reference  # noqa: F401  (the tests read reference here)
 
 
 class SelfShiftLM(nn.Module):
@@ -52,16 +52,6 @@ def tail_workload(form: str, seq: int = 16, batch: int = 2) -> dict:
     x[0, 5] = -100   # an ignored label: the denominator counts the labels that are not
     return {"model": SelfShiftLM(form), "inputs": (x,), "target": x[:, 1:], "loss_fn": own_loss,
             "batch_dims": (0, 0)}
-
-
-def reference(w: dict, steps: int = 3):
-    model = w["model"]
-
-    def step():
-        loss = w["loss_fn"](model(*w["inputs"]), w["target"])
-        loss.backward()
-        return loss.item()
-    return losses_and_grads(step, list(model.named_parameters()), steps)
 
 
 def parallel(w: dict, plan: str, steps: int = 3):
