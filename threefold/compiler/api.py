@@ -18,7 +18,7 @@ from threefold.passes.batch_coupling import check_batch_coupling
 from threefold.passes.batch_dims import AmbiguousBatch, find_batch_dims
 from threefold.compiler.seq_choice import compile_each_candidate
 from threefold.passes.seq_dims import AmbiguousSeq, find_seq_dims, full_length_refusal, full_length_tables, local_share, \
-    read_at_local_length
+    read_at_local_length, seq_tail_of
 from threefold.placement import Shard, place_on
 from threefold.plan import Plan
 from threefold.workload import Workload
@@ -159,7 +159,8 @@ def _finish(traced, workload, dims, sliced, seq_dims, batch, parts, plan, notes,
         _place_inputs(traced.gm, "cp", seq_dims)
     traced = traced.evolve(batch_dims=list(dims), micro_rows=rows[0] if rows else None,
                            notes=traced.notes + tuple(notes),
-                           seq_len=lengths[0] if plan.cp > 1 and lengths else None)
+                           seq_len=lengths[0] if plan.cp > 1 and lengths else None,
+                           seq_tail=seq_tail_of(batch, seq_dims, plan.cp) if plan.cp > 1 else 0)
     traced = traced.evolve(output_batch_dims=_output_batch_dims(traced, dims, batch, parts))
     eager = eager_node(traced)
     if eager is not None and parts > 1:   # how the eager loss combines rows, measured once

@@ -121,6 +121,10 @@ class Stage:
     # cp > 1: the sequence length traced, this cp rank's share S / cp (each user input's
     # sequence dim is its placeholder's cp entry, threefold/placement.OnMesh)
     seq_len: int | None = None
+    # cp > 1: positions the sequence was padded by at the end so 2cp blocks cut it
+    # (runtime/cp_ops.seq_tail): the whole traced sequence is seq_len * cp, the real one that
+    # minus seq_tail; what the padded positions hold stands for nothing (passes/cp_tails.py)
+    seq_tail: int = 0
     # cp > 1: n -> the same model traced at a local length of n (compiler/api.py), which tells
     # a size that is the sequence length from one equal to it by coincidence (passes/cp_masks.py)
     retrace: Callable | None = field(default=None, compare=False, repr=False)

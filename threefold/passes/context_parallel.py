@@ -38,7 +38,9 @@ from threefold.passes.cp_free_whole import FreeWhole, cut_whole_inputs, free_inp
     run_free_whole
 from threefold.passes.cp_recurrence import collect, finish, step_read
 from threefold.passes.cp_shifts import shift_halo
-from threefold.passes.cp_tails import OnTail, PadShift, Shorten, on_tail, pad_shift, shorten, tail_decision, tail_of
+from threefold.passes.cp_padding import PaddedSum, limit_rings, padded_decision, real_length, refuse_whole_grid
+from threefold.passes.cp_tails import OnTail, PadShift, Shorten, on_tail, pad_shift, shorten, sum_without_tail, \
+    tail_decision, tail_of
 from threefold.passes.cp_whole import TWIN, is_whole
 from threefold.passes.cp_whole_inputs import GatherWhole, whole_decision, whole_inputs
 from threefold.passes.cp_rules import PARTIAL, Gather, Place, Refuse, Seq, decide, op_name
@@ -65,10 +67,11 @@ class ContextParallel(AxisRules):
     def prepare(self, w) -> None:
         gm, stage, n = w.gm, w.stage, w.stage.seq_len
         rings = rewrite_attention(gm, stage, n)
+        limited = limit_rings(gm, stage)   # an uneven sequence's padded keys hidden (cp_padding.py)
         convs = _causal_convolutions(gm, stage, n)
-        moved = _global_positions(gm, n)
+        moved = _global_positions(gm, n, real_length(stage) if stage.seq_tail else None)
         _drop_unread(gm.graph)   # a mask the model builds and never reads (Qwen2-MoE) is not checked
-        w.ctx = {"rings": rings, "convs": convs, "moved": moved, "tables": [], "free": {}}
+        w.ctx = {"rings": rings, "convs": convs, "moved": moved, "tables": [], "free": {}, "limited": limited}
 
     def seed(self, w, node):
         """A user input's sequence dim: its cp entry (compiler/api.py)."""
@@ -80,6 +83,7 @@ class ContextParallel(AxisRules):
         if any(tail_of(a) for a in node.all_input_nodes):     # a sequence shortened inside the model (cp_tails.py)
             return tail_decision(node, state, None)
         if any(is_whole(a) for a in node.all_input_nodes):   # computed from a grid kept whole (cp_whole.py)
+            refuse_whole_grid(w.stage, w.refusal(node, "reads a grid of positions computed whole"))
             return whole_decision(node, state, w.stage, w.refusal(node, "mixes sequence positions"))
         stacked = collect(w, node)   # one value per step of a loop, back along the sequence (cp_recurrence.py)
         if stacked is not None:
@@ -94,7 +98,8 @@ class ContextParallel(AxisRules):
             return None                                                     # (cp_shifts.py places it)
         if isinstance(d, Refuse) and step_read(w, node, d.why):   # a loop's step: its state handed rank to rank
             return Place(None)                                    # at the end of the walk (finish)
-        return tail_decision(node, state, d) or d   # x[:, :-1], x[:, 1:]: kept at n positions with a tail
+        # x[:, :-1], x[:, 1:]: kept at n positions with a tail; a sum over a padded sequence skips the padding
+        return tail_decision(node, state, d) or padded_decision(node, state, w.stage, d)
 
     def redistribute(self, w, node, d, why: str):
         if isinstance(d, Shorten):
@@ -103,6 +108,8 @@ class ContextParallel(AxisRules):
             return on_tail(node, w.state, w.stage, why)
         if isinstance(d, PadShift):
             return pad_shift(node, w.state, w.stage, why)
+        if isinstance(d, PaddedSum):
+            return sum_without_tail(node, w.state, w.stage, why), []
         if isinstance(d, FreeWhole):
             try:
                 return run_free_whole(node, w.state, w.stage, w.ctx["free"], why)
@@ -158,10 +165,21 @@ class ContextParallel(AxisRules):
                 f"{_count(w.gm, cp_scan.scan_seq)} scan(s) along the sequence carry the blocks before theirs "
                 "(all-gathered totals, 2 positions per rank); "
                 f"{_loops(w)}"
+                f"{_padding(w)}"
                 "sequence split in blocks r, 2cp-1-r",)
 
 
 SHARDING = (ContextParallel(),)
+
+
+def _padding(w) -> str:
+    stage = w.stage
+    if not stage.seq_tail:
+        return ""
+    whole = stage.seq_len * stage.plan.cp
+    return (f"the sequence of {whole - stage.seq_tail} positions padded to {whole} ({stage.seq_tail} position(s) "
+            f"standing for nothing, {stage.seq_tail / whole:.1%} more tokens per rank; "
+            f"{w.ctx.get('limited', 0)} non-causal attention(s) hide the padded keys); ")
 
 
 def _loops(w) -> str:
@@ -197,7 +215,7 @@ def _rows_at_positions(table: fx.Node, stage) -> list:
     position table, position ids or a rotary cache sliced to the traced local length n)
     becomes t.index_select(dim, positions): the rows of this rank's global positions, under
     the load-balanced layout. Returns the new nodes ([] where there is none)."""
-    n, whole = stage.seq_len, stage.seq_len * stage.plan.cp
+    n, whole = stage.seq_len, real_length(stage)   # a padded sequence reads its padding as its last row
     if not input_free(table):
         return []
     found, seen, stack = [], set(), [table]
@@ -220,7 +238,8 @@ def _rows_at_positions(table: fx.Node, stage) -> list:
         a, graph = args_of(x), x.graph
         v, start = a["self"].meta["val"], a["start"] or 0
         with graph.inserting_before(x):
-            pos = graph.call_function(cp_ops.positions, (n, CP), {"device": v.device})
+            pos = graph.call_function(cp_ops.positions, (n, CP), {"device": v.device, **(
+                {"limit": whole} if stage.seq_tail else {})})
             at = graph.call_function(torch.ops.aten.add.Tensor, (pos, start)) if start else pos
             rows = graph.call_function(torch.ops.aten.index_select.default, (a["self"], a["dim"] % v.dim(), at))
         pos.meta = {"val": torch.arange(n, device=v.device), "tf": dict(tf(x))}
@@ -309,8 +328,9 @@ def _causal_convolutions(gm: fx.GraphModule, stage, n: int) -> int:
 
 # -- positions -------------------------------------------------------------------------------
 
-def _global_positions(gm: fx.GraphModule, n: int) -> int:
-    """arange(n) / arange(0, n[, 1]) over the sequence -> this rank's global positions."""
+def _global_positions(gm: fx.GraphModule, n: int, limit: int | None = None) -> int:
+    """arange(n) / arange(0, n[, 1]) over the sequence -> this rank's global positions (`limit`:
+    the real length of a padded sequence, the padded positions read as limit - 1)."""
     count = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or op_name(node) != "arange":
@@ -329,6 +349,8 @@ def _global_positions(gm: fx.GraphModule, n: int) -> int:
                 or _numbers_rows(node):
             continue
         kwargs = {k: v for k, v in node.kwargs.items() if k in ("dtype", "device")}
+        if limit is not None:
+            kwargs["limit"] = limit
         with gm.graph.inserting_before(node):
             pos = gm.graph.call_function(cp_ops.positions, (n, CP), kwargs)
         pos.meta = dict(node.meta)

@@ -26,6 +26,7 @@ import torch.fx as fx
 from threefold.ir.program import tf
 from threefold.errors import PlanError
 from threefold.ops.families import RESHAPES, family, op_name
+from threefold.passes.cp_padding import refuse_whole_grid
 from threefold.passes.cp_whole import is_whole, mark, names_length, regrow, remember
 from threefold.runtime import cp_gather
 from threefold.runtime.tp_ops import GroupRef
@@ -54,6 +55,13 @@ def gather_around(node: fx.Node, state: dict, stage, why: str, name: str, seq_cl
               if state[a].inner != 1 or a.meta["val"].shape[state[a].dim] != n}
     if merged and not _keeps_layout(outs, merged, n):
         raise PlanError(f"{why} (its sequence is merged with another dim there, so it cannot be gathered)") from None
+    tail = getattr(stage, "seq_tail", 0)   # an uneven sequence's padding: gathered without it (cp_padding.py)
+    if merged and tail:
+        raise PlanError(f"{why} (its sequence, padded to {n * plan.cp} positions for cp, is merged with another dim "
+                        f"there, so its padding cannot be left out; use a sequence length that is a multiple of "
+                        f"{2 * plan.cp})") from None
+    if tail and any(is_whole(a) for a in node.all_input_nodes):
+        refuse_whole_grid(stage, why)
     if merged and family(node) in ("scan", "sort"):
         # a running count over the tokens of the whole batch (an expert capacity queue): exact when
         # gathered, but the model compares it with numbers it computed from the local token count
@@ -65,7 +73,7 @@ def gather_around(node: fx.Node, state: dict, stage, why: str, name: str, seq_cl
     whole, moved = {}, []
     for a in ins:
         d = state[a].dim
-        g = _gather(graph, node, a, d, merged.get(a), cp)
+        g = _gather(graph, node, a, d, merged.get(a), cp, tail)
         state[g] = None
         whole[a] = g
         val = a.meta["val"]
@@ -81,8 +89,10 @@ def gather_around(node: fx.Node, state: dict, stage, why: str, name: str, seq_cl
     except Exception as exc:
         raise PlanError(f"{why} (and it cannot run on the gathered sequence: {type(exc).__name__})") from None
     fulls = list(full) if isinstance(full, (tuple, list)) else [full]
-    grid = not isinstance(out, (tuple, list)) and not merged and _grid(out, full, cp)
-    cuts = [None] if grid else [_seq_dim(o, f, cp, why) for o, f in zip(outs, fulls)]
+    grid = not isinstance(out, (tuple, list)) and not merged and _grid(out, full, cp, tail)
+    if grid:
+        refuse_whole_grid(stage, why)
+    cuts = [None] if grid else [_seq_dim(o, f, cp, why, tail) for o, f in zip(outs, fulls)]
     layout = next(iter(merged.values()), None)   # outputs of a merged op keep its input's digits
     node.meta["val"] = full
     if grid:   # it runs along the sequence twice (positions paired with positions): kept whole
@@ -124,13 +134,14 @@ def _split_digits(graph, x: fx.Node, d: int, layout, val, length: int):
     return v
 
 
-def _gather(graph, node: fx.Node, a: fx.Node, d: int, layout, cp: int) -> fx.Node:
-    """gather_seq of `a` along d (through its digits where the sequence is merged there)."""
+def _gather(graph, node: fx.Node, a: fx.Node, d: int, layout, cp: int, tail: int = 0) -> fx.Node:
+    """gather_seq of `a` along d (through its digits where the sequence is merged there), the
+    `tail` positions of an uneven sequence's padding left out."""
     val = a.meta["val"]
     with graph.inserting_before(node):
         if layout is None:
-            g = graph.call_function(cp_gather.gather_seq, (a, d, CP), {"ranks": cp})
-            g.meta = {"val": torch.cat([val] * cp, dim=d), "tf": dict(tf(node))}
+            g = graph.call_function(cp_gather.gather_seq, (a, d, CP), {"ranks": cp, **({"tail": tail} if tail else {})})
+            g.meta = {"val": torch.cat([val] * cp, dim=d).narrow(d, 0, val.shape[d] * cp - tail), "tf": dict(tf(node))}
             return g
         n = val.shape[d] // (layout[0] * layout[1])
         v = _split_digits(graph, a, d, layout, val, n)
@@ -142,18 +153,19 @@ def _gather(graph, node: fx.Node, a: fx.Node, d: int, layout, cp: int) -> fx.Nod
         return r
 
 
-def _grid(out, full, cp: int) -> bool:
+def _grid(out, full, cp: int, tail: int = 0) -> bool:
     """Two or more dims of the whole output run along the sequence (cp_whole.py keeps it whole)."""
     dims = [d for d in range(out.dim()) if full.shape[d] != out.shape[d]]
-    return len(dims) > 1 and all(full.shape[d] == out.shape[d] * cp for d in dims)
+    return len(dims) > 1 and all(full.shape[d] == out.shape[d] * cp - tail for d in dims)
 
 
-def _seq_dim(out, full, cp: int, why: str):
-    """The dim of the whole output that runs along the sequence (None: none does)."""
+def _seq_dim(out, full, cp: int, why: str, tail: int = 0):
+    """The dim of the whole output that runs along the sequence (None: none does); `tail`: the
+    whole sequence is shorter than the traced one by an uneven length's padding."""
     dims = [d for d in range(out.dim()) if full.shape[d] != out.shape[d]]
     if not dims:
         return None
-    if len(dims) != 1 or full.shape[dims[0]] != out.shape[dims[0]] * cp:
+    if len(dims) != 1 or full.shape[dims[0]] != out.shape[dims[0]] * cp - tail:
         raise PlanError(f"{why} (its output {tuple(out.shape)} does not run along the sequence)")
     return dims[0]
 

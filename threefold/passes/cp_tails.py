@@ -38,8 +38,10 @@ from threefold.errors import PlanError
 from threefold.ir.program import tf
 from threefold.ops.families import RESHAPES, SLICING, args_of, op_name
 from threefold.ops.rules import Gather, Place, Refuse
+from threefold.passes.cp_padding import scale_mean
 from threefold.passes.cp_rules.core import PARTIAL, Seq, decide
 from threefold.passes.cp_whole import is_whole, names_length, remember, twin_named
+from threefold.passes.loss_form import final_op
 from threefold.runtime import cp_shift, cp_tail
 from threefold.runtime.tp_ops import GroupRef
 
@@ -200,7 +202,7 @@ def on_tail(node: fx.Node, state: dict, stage, why: str):
     if not isinstance(d, Place) or d.op is not None:
         raise PlanError(what)
     if d.out == PARTIAL:
-        return _sum_without_tail(node, state, stage, what), []
+        return sum_without_tail(node, state, stage, what), []
     outs = d.out if isinstance(d.out, tuple) else (d.out,)
     if not any(isinstance(o, Seq) for o in outs) or not all(isinstance(o, Seq) or o is None for o in outs):
         raise PlanError(what)
@@ -231,20 +233,26 @@ def _carry_shape(node: fx.Node, n: int, tails: set, what: str, stage) -> None:
         node.kwargs = {**node.kwargs, key: size}
 
 
-def _sum_without_tail(node: fx.Node, state: dict, stage, what: str):
+def sum_without_tail(node: fx.Node, state: dict, stage, what: str):
     """The loss's sum over every position: its input's tail zeroed first (a loss op that sums
-    is run per position, then zeroed, then summed)."""
+    is run per position, then zeroed, then summed). The tail is the shortened one plus the
+    padding of an uneven sequence (stage.seq_tail, passes/cp_padding.py)."""
     name, a = op_name(node), args_of(node)
+    pad = getattr(stage, "seq_tail", 0)
     form = getattr(stage, "loss_form", None) or {}
-    if (form.get("denominator") or {}).get("kind") == "const" and form.get("reduction") == "mean":
+    mean = (form.get("denominator") or {}).get("kind") == "const" and form.get("reduction") == "mean" \
+        and final_op(node.graph)[0] is node
+    if mean and any(tail_of(v) for v in node.all_input_nodes):
         raise PlanError(f"{what} (the loss is a mean over its elements, whose number was traced at this rank's "
                         "shortened length: compute the loss over a sequence shortened outside the model, or use cp=1)")
     if name == "sum":
         x = a.get("self")
         if not isinstance(x, fx.Node) or not isinstance(state.get(x), Seq):
             raise PlanError(what)
-        m = _zero_tail(node, x, state[x], tail_of(x), stage, state)
+        m = _zero_tail(node, x, state[x], tail_of(x) + pad, stage, state)
         node.args = fx.node.map_arg(node.args, lambda v: m if v is x else v)
+        if mean:
+            scale_mean(node, stage, state)
         return PARTIAL
     names = [arg.name for arg in node.target._schema.arguments] if isinstance(node.target, torch._ops.OpOverload) else []
     if "reduction" not in names or a.get("reduction") != 2:   # at::Reduction::Sum (loss_form's numerator)
@@ -262,9 +270,11 @@ def _sum_without_tail(node: fx.Node, state: dict, stage, what: str):
     state[each] = decide(each, state, stage).out
     if not isinstance(state[each], Seq):
         raise PlanError(what)
-    tail = max(tail_of(v) for v in node.all_input_nodes)
+    tail = max(tail_of(v) for v in node.all_input_nodes) + pad
     m = _zero_tail(node, each, state[each], tail, stage, state)
     node.target, node.args, node.kwargs = torch.ops.aten.sum.default, (m,), {}
+    if mean:
+        scale_mean(node, stage, state)
     return PARTIAL
 
 

@@ -77,7 +77,7 @@ def loss_form(stage: Traced) -> Traced:
                         f"{split_fix(stage.plan)}") from None
     form["mode"] = "exact"
     form["module"] = tf(node).get("module", "")
-    whole = whole_along(prog.loss_denominator, prog.graph, stage.plan)   # cp: a shift of the labels
+    whole = whole_along(prog.loss_denominator, prog.graph, stage.plan, stage.seq_tail)   # cp: a shift of the labels
     if whole:
         form["whole_along"] = whole
     prog.loss_form = form

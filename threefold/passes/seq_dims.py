@@ -2,8 +2,9 @@
 
 The batch dim is found first (passes/batch_dims.py). The sequence length S is read from the
 first model input that has a dim besides its batch dim: its one such dim whose size 2*cp
-divides (the load-balanced layout cuts each sequence into 2*cp blocks); where it has several,
-the workload must say (a PlanError). Every input (and the target) is split along its one
+divides (the load-balanced layout cuts each sequence into 2*cp blocks), or its only one, padded
+to a multiple of 2*cp at the end (runtime/cp_ops.pad_to_blocks; the padded positions stand for
+nothing, passes/cp_tails.py); where it has several, the workload must say (a PlanError). Every input (and the target) is split along its one
 non-batch dim of size S; an input without one is not split, one with two is refused. The
 graph check (passes/cp_rules/) then proves the choice: a wrong dim meets an op with no rule.
 """
@@ -39,17 +40,12 @@ def find_seq_dims(batch: tuple, batch_dims: list, num_model_inputs: int, cp: int
         cands = [d for d in range(t.dim()) if d != batch_dims[i] and t.shape[d] % (2 * cp) == 0]
         if chosen and i in chosen:
             cands = [chosen[i]]
+        if not cands:   # an uneven length: padded to 2cp blocks (cp_ops.pad_to_blocks)
+            cands = [d for d in range(t.dim()) if d != batch_dims[i]]
         if len(cands) != 1:
-            others = [d for d in range(t.dim()) if d != batch_dims[i]]
-            if len(others) == 1:
-                first = " (if dim 0 is the sequence, seq-first, declare the batch dim: batch_dims=1)" \
-                    if t.shape[batch_dims[i]] % (2 * cp) == 0 else ""
-                raise PlanError(f"{name}: cp={cp} splits the sequence into 2*cp={2 * cp} blocks, but input "
-                                f"{i} has {t.shape[others[0]]} positions (dim {others[0]}); use a sequence "
-                                f"length that is a multiple of {2 * cp}{first}")
             raise AmbiguousSeq(f"{name}: cp={cp} cannot tell the sequence dim of input {i} {tuple(t.shape)} "
-                               f"(candidates {cands}); pass the sequence as the one non-batch dim divisible by "
-                               f"{2 * cp}", i, cands)
+                               f"(candidates {cands}); pass the sequence as the one non-batch dim (or the one divisible by "
+                               f"{2 * cp})", i, cands)
         length = t.shape[cands[0]]
         break
     if length is None:
@@ -70,8 +66,17 @@ def find_seq_dims(batch: tuple, batch_dims: list, num_model_inputs: int, cp: int
     return out
 
 
+def seq_tail_of(values: tuple, dims: list, cp: int) -> int:
+    """Positions the sequence is padded by (runtime/cp_ops.seq_tail; 0 where 2cp divides it)."""
+    # lazy: start-up: runtime.cp_ops loads only on this path
+    from threefold.runtime.cp_ops import seq_tail
+    lengths = [v.shape[d] for v, d in zip(values, dims) if d is not None and isinstance(v, torch.Tensor)]
+    return seq_tail(lengths[0], cp) if lengths else 0
+
+
 def local_share(values: tuple, dims: list, cp: int) -> tuple:
-    """The first cp rank's share of each value (blocks 0 and 2cp-1): its shape is what we trace."""
+    """The first cp rank's share of each value (blocks 0 and 2cp-1 of the sequence padded to
+    2cp blocks, cp_ops.pad_to_blocks): its shape is what we trace."""
     # lazy: start-up: runtime.cp_ops loads only on this path
     from threefold.runtime.cp_ops import local_blocks
     return tuple(local_blocks(v, d, cp, 0) if d is not None and isinstance(v, torch.Tensor) else v

@@ -31,22 +31,26 @@ def _rank_major(n: int, cp: int, device) -> torch.Tensor:
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
+    def forward(ctx, x, dim, group, tail=0):
         cp, n = _size(group), x.shape[dim]
         parts = [torch.empty_like(x.contiguous()) for _ in range(cp)]
         comm.all_gather(parts, x.contiguous(), group, "a sequence shard (cp all-gather fallback)")
-        order = torch.argsort(_rank_major(n, cp, x.device))
-        ctx.dim, ctx.group, ctx.n = dim, group, n
+        order = torch.argsort(_rank_major(n, cp, x.device))[:n * cp - tail]   # the padding left out
+        ctx.dim, ctx.group, ctx.n, ctx.tail = dim, group, n, tail
         return torch.cat(parts, dim=dim).index_select(dim, order)
 
     @staticmethod
     def backward(ctx, g):
         cp, dim, n = _size(ctx.group), ctx.dim, ctx.n
+        if ctx.tail:   # the padding's gradient is zero
+            shape = list(g.shape)
+            shape[dim] = ctx.tail
+            g = torch.cat([g, torch.zeros(shape, dtype=g.dtype, device=g.device)], dim=dim)
         rm = g.index_select(dim, _rank_major(n, cp, g.device)).movedim(dim, 0).contiguous()
         out = torch.empty((n,) + tuple(rm.shape[1:]), dtype=rm.dtype, device=rm.device)
         work = reduce_scatter_flat(out, rm, ctx.group, "a sequence gradient (cp all-gather fallback)")
         comm.wait(work, "a sequence gradient (cp all-gather fallback)", ctx.group)
-        return out.movedim(0, dim), None, None
+        return out.movedim(0, dim), None, None, None
 
 
 class _Shard(torch.autograd.Function):
@@ -54,27 +58,31 @@ class _Shard(torch.autograd.Function):
     def forward(ctx, y, dim, group):
         cp, r = _size(group), _rank(group)
         ctx.dim, ctx.shape, ctx.cp, ctx.r = dim, y.shape, cp, r
-        return local_blocks(y, dim, cp, r).contiguous()
+        return local_blocks(y, dim, cp, r).contiguous()   # a length 2cp does not divide: padded first
 
     @staticmethod
     def backward(ctx, g):
         n = g.shape[ctx.dim]
-        full = torch.zeros(ctx.shape, dtype=g.dtype, device=g.device)
+        shape = list(ctx.shape)
+        shape[ctx.dim] = n * ctx.cp
+        full = torch.zeros(shape, dtype=g.dtype, device=g.device)
         full.index_copy_(ctx.dim, block_positions(n, ctx.cp, ctx.r, device=g.device), g)
-        return full, None, None
+        return full.narrow(ctx.dim, 0, ctx.shape[ctx.dim]), None, None
 
 
-def gather_seq(x: torch.Tensor, dim: int, group, ranks: int = 1) -> torch.Tensor:
-    """This rank's blocks of a sequence along `dim` -> the whole sequence, in order."""
+def gather_seq(x: torch.Tensor, dim: int, group, ranks: int = 1, tail: int = 0) -> torch.Tensor:
+    """This rank's blocks of a sequence along `dim` -> the whole sequence, in order; `tail`:
+    the positions an uneven sequence was padded by (cp_ops.seq_tail), left out."""
     if group is None:
-        return x if ranks == 1 else torch.cat([x] * ranks, dim=dim)
+        return x if ranks == 1 else torch.cat([x] * ranks, dim=dim).narrow(dim, 0, x.shape[dim] * ranks - tail)
     if _size(group) != ranks:
         raise RuntimeError(f"gather_seq was compiled for cp={ranks} but runs on a group of {_size(group)}")
-    return _Gather.apply(x, dim, group)
+    return _Gather.apply(x, dim, group, tail)
 
 
 def shard_seq(y: torch.Tensor, dim: int, group, ranks: int = 1) -> torch.Tensor:
-    """The whole sequence along `dim` -> this rank's blocks r and 2cp-1-r."""
+    """The whole sequence along `dim` -> this rank's blocks r and 2cp-1-r (a sequence of an
+    uneven length padded at its end first, cp_ops.pad_to_blocks)."""
     if group is None:
-        return y if ranks == 1 else y.narrow(dim, 0, y.shape[dim] // ranks)
+        return y if ranks == 1 else y.narrow(dim, 0, -(-y.shape[dim] // ranks))
     return _Shard.apply(y, dim, group)

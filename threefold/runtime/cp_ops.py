@@ -39,20 +39,43 @@ def block_positions(n_local: int, cp: int, r: int, device=None, dtype=torch.int6
                       torch.arange((2 * cp - 1 - r) * b, (2 * cp - r) * b, device=device, dtype=dtype)])
 
 
+def seq_tail(length: int, cp: int) -> int:
+    """Positions a sequence of `length` is padded by at the end so 2cp equal blocks cut it: the
+    padded length is ceil(length / 2cp) * 2cp, and the last `seq_tail` positions of the whole
+    sequence stand for nothing (passes/cp_tails.py: what reads them is made exact)."""
+    return -length % (2 * cp) if cp > 1 else 0
+
+
+def pad_to_blocks(t: torch.Tensor, dim: int, cp: int) -> torch.Tensor:
+    """t padded with zeros at the end of `dim` to a multiple of 2cp positions (seq_tail): the
+    one place an uneven sequence becomes cp's padded one (the runtime's cut and the compiler's
+    trace both call it). Zeros are a valid token id, a hidden key of a boolean mask and a
+    neutral number; what they stand for never reaches a real position."""
+    tail = seq_tail(t.shape[dim], cp)
+    if not tail:
+        return t
+    shape = list(t.shape)
+    shape[dim] = tail
+    return torch.cat([t, torch.zeros(shape, dtype=t.dtype, device=t.device)], dim=dim)
+
+
 def local_blocks(t: torch.Tensor, dim: int, cp: int, r: int) -> torch.Tensor:
-    """Rank r's share of a global tensor along `dim`: blocks r and 2cp-1-r of 2cp."""
+    """Rank r's share of a global tensor along `dim`: blocks r and 2cp-1-r of 2cp (a length
+    2cp does not divide is padded first, pad_to_blocks)."""
     if cp == 1:
         return t
-    n = t.shape[dim]
-    if n % (2 * cp):
-        raise ValueError(f"sequence length {n} (dim {dim}) is not divisible by 2*cp={2 * cp}")
-    parts = t.chunk(2 * cp, dim=dim)
+    parts = pad_to_blocks(t, dim, cp).chunk(2 * cp, dim=dim)
     return torch.cat([parts[r], parts[2 * cp - 1 - r]], dim=dim)
 
 
-def positions(n: int, group, device=None, dtype=torch.int64, layout=None, pin_memory=None) -> torch.Tensor:
-    """`arange(n)` over a sequence of which this rank holds n positions: their global indices."""
-    return block_positions(n, _size(group), _rank(group), device=device, dtype=dtype or torch.int64)
+def positions(n: int, group, device=None, dtype=torch.int64, layout=None, pin_memory=None,
+              limit: int | None = None) -> torch.Tensor:
+    """`arange(n)` over a sequence of which this rank holds n positions: their global indices.
+    `limit`: the real length of a padded sequence (seq_tail); the padded positions read as
+    limit - 1, so a table of exactly `limit` rows is never indexed past its end (what they
+    read stands for nothing)."""
+    pos = block_positions(n, _size(group), _rank(group), device=device, dtype=dtype or torch.int64)
+    return pos if limit is None else pos.clamp(max=limit - 1)
 
 
 # -- ring attention -------------------------------------------------------------------------
@@ -167,7 +190,7 @@ class _Ring:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, group, kbias=None, rel=None, cap=None, sink=None, *pbias):
+    def forward(ctx, q, k, v, scale, causal, group, kbias=None, rel=None, cap=None, sink=None, limit=None, *pbias):
         ring = _Ring(group)
         cp, r, n = ring.cp, ring.r, q.shape[-2]
         out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
@@ -177,7 +200,7 @@ class _RingAttention(torch.autograd.Function):
             wait = ring.shift(kv, "keys and values") if step < cp - 1 else None   # next block in flight
             qs, ks, mask = _pieces(step, r, cp, n, causal)
             allowed = _diag_mask(n, cp, r, q.device) if mask == "diag" else None
-            bias = _step_bias(kv, rel, step, r, cp, n, qs, ks, q, pbias)
+            bias = _step_bias(kv, rel, step, r, cp, n, qs, ks, q, pbias, limit)
             o, l = _block(q[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :], scale, allowed, bias, cap)
             out[..., qs, :], lse[..., qs, :] = _merge(out[..., qs, :], lse[..., qs, :], o, l)
             if wait is not None:
@@ -188,7 +211,7 @@ class _RingAttention(torch.autograd.Function):
         ctx.npbias = len(pbias)
         ctx.save_for_backward(q, k, v, out, lse, *([kbias] if kbias is not None else []),
                               *([sink] if sink is not None else []), *pbias)
-        ctx.scale, ctx.causal, ctx.group, ctx.rel, ctx.cap = scale, causal, group, rel, cap
+        ctx.scale, ctx.causal, ctx.group, ctx.rel, ctx.cap, ctx.limit = scale, causal, group, rel, cap, limit
         return out
 
     @staticmethod
@@ -214,7 +237,7 @@ class _RingAttention(torch.autograd.Function):
             kb_, vb = kv[0][..., ks, :], kv[1][..., ks, :]
             qb, dob = q[..., qs, :], dout[..., qs, :]
             allowed = _diag_mask(n, cp, r, q.device) if mask == "diag" else None
-            s = _scores(qb, kb_, scale, allowed, _step_bias(kv, rel, step, r, cp, n, qs, ks, q, pbias), cap)
+            s = _scores(qb, kb_, scale, allowed, _step_bias(kv, rel, step, r, cp, n, qs, ks, q, pbias, ctx.limit), cap)
             p = torch.exp(s - lse[..., qs, :])
             dv = torch.matmul(p.transpose(-2, -1), dob)
             ds = p * (torch.matmul(dob, vb.transpose(-2, -1)) - delta[..., qs, :])
@@ -237,16 +260,21 @@ class _RingAttention(torch.autograd.Function):
         if sink is not None:   # d lse / d sink = p_sink; the sink's value is 0: d sink = -p_sink * delta
             dsink = _reduce_to(-(torch.exp(sink.to(lse.dtype).expand_as(lse) - lse) * delta), sink.shape)
         return dq, _reduce_to(acc[0], k.shape), _reduce_to(acc[1], v.shape), None, None, None, None, None, None, \
-            dsink, *dpbias
+            dsink, None, *dpbias
 
 
 def _step_bias(kv: list, rel, step: int, r: int, cp: int, n: int, qs: slice, ks: slice, q: torch.Tensor,
-               pbias=()):
+               pbias=(), limit=None):
     """The additive mask of ring step `step` for its (query, key) slices: the relative-position
     part from global positions (keys of rank (r-step) mod cp), plus the key-side bias that
-    travelled with the keys, plus the step's position-bias block (runtime/cp_bias.py); None
-    when there is none."""
+    travelled with the keys, plus the step's position-bias block (runtime/cp_bias.py), plus
+    -inf on the keys at global positions >= `limit` (the padding of an uneven sequence,
+    seq_tail: those keys do not exist); None when there is none."""
     bias = pbias[step][..., qs, ks].to(q.dtype) if pbias else None
+    if limit is not None:
+        kpos = block_positions(n, cp, (r - step) % cp, device=q.device)[ks]
+        pad = torch.zeros(kpos.shape, dtype=q.dtype, device=q.device).masked_fill(kpos >= limit, float("-inf"))
+        bias = pad if bias is None else bias + pad
     if rel is not None:
         qpos = block_positions(n, cp, r, device=q.device)[qs]
         kpos = block_positions(n, cp, (r - step) % cp, device=q.device)[ks]
@@ -273,7 +301,7 @@ def _reduce_to(g: torch.Tensor, shape) -> torch.Tensor:
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
                    group, ranks: int = 1, kbias: torch.Tensor | None = None, rel=None,
                    softcap: float | None = None, sink: torch.Tensor | None = None,
-                   pbias: list | None = None) -> torch.Tensor:
+                   pbias: list | None = None, limit: int | None = None) -> torch.Tensor:
     """softmax(q k^T * scale [causal over global positions]) v over the whole sequence, with
     q, k, v [..., n_local, d] this rank's blocks. `ranks` is the cp size the code was compiled
     for (the cost model reads it). Saved for backward: q, k, v, the output and the
@@ -285,7 +313,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     query for one more key whose value is zero (attention sinks, gpt-oss). `pbias`: one
     additive bias block [..., n, n] per ring step, a function of (query, key) positions and
     parameters evaluated for this rank's queries and the keys of that step (runtime/cp_bias.py);
-    its gradient flows back to whatever computed it."""
+    its gradient flows back to whatever computed it. `limit`: the real length of a padded
+    sequence (seq_tail): keys at global positions >= limit are hidden from every query (a
+    non-causal mask; a causal one hides them from the real queries already)."""
     if group is not None and _size(group) != ranks:
         raise RuntimeError(f"ring attention was compiled for cp={ranks} but runs on a group of {_size(group)}")
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
@@ -297,7 +327,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         # group None: one rank's view (cp=1, or the memory model running the op alone on
         # fakes): the same autograd function, so it saves what a real rank saves
         o = _RingAttention.apply(q, k, v, scale, causal, group, kbias, rel, softcap,
-                                 sink.to(work) if sink is not None else None, *(pbias or ())[:_size(group)])
+                                 sink.to(work) if sink is not None else None, limit, *(pbias or ())[:_size(group)])
     return o.to(dtype)
 
 

@@ -1,0 +1,85 @@
+"""Sequences of a length 2*cp does not divide (passes/cp_padding.py), for
+tests/test_cp_uneven.py: the sequence is padded to 2cp blocks at the runtime's cut, and what
+mixes positions leaves the padding out.
+
+`Encoder(form)`: an embedding, a learned position table of exactly `seq` rows sliced to the
+input's length (`pos[:t]`: the padded positions would read past its end), NON-causal SDPA
+(every real query sees every real key, so a padded key must be hidden), then
+    "pool":   a mean over the sequence and a classifier per row (the mean counts the real
+              positions only: the all-gather fallback leaves the padding out);
+    "tokens": a per-token cross-entropy (mean over the labels that count);
+    "mse":    a per-token mean squared error (a mean over elements: its count, traced at the
+              padded length, is scaled to the real one);
+    "causal": the same with is_causal=True (the padded keys come after every real query).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.cp_factory_models import losses_and_grads, reference  # noqa: F401  (the tests read reference here)
+
+FORMS = ["pool", "tokens", "mse", "causal"]
+
+
+class Encoder(nn.Module):
+    def __init__(self, form: str, seq: int, vocab: int = 32, width: int = 16, heads: int = 2, classes: int = 5):
+        super().__init__()
+        self.form, self.heads = form, heads
+        self.emb, self.pos = nn.Embedding(vocab, width), nn.Parameter(torch.randn(seq, width) * 0.1)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        self.head = nn.Linear(width, classes if form == "pool" else vocab)
+
+    def forward(self, x):
+        b, t = x.shape
+        h = self.emb(x) + self.pos[:t]
+        q, k, v = self.qkv(h).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.form == "causal")
+        h = h + self.proj(y.transpose(1, 2).reshape(b, t, -1))
+        h = h + self.mlp(h)
+        if self.form == "pool":
+            h = h.mean(1)
+        return self.head(h)
+
+
+def loss_for(form: str):
+    if form == "pool":
+        return lambda out, y: F.cross_entropy(out, y)
+    if form == "mse":
+        return lambda out, y: F.mse_loss(out[..., :2], y[..., None].float().expand(*y.shape, 2) / 32)
+    return lambda out, y: F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), ignore_index=-100)
+
+
+def encoder_workload(form: str, seq: int = 7, batch: int = 4) -> dict:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 32, (batch, seq), generator=g)
+    if form == "pool":
+        y = torch.randint(0, 5, (batch,), generator=g)
+    else:
+        y = torch.randint(0, 32, (batch, seq), generator=g)
+        y[0, 2] = -100 if form != "mse" else y[0, 2]   # an ignored label: the denominator counts the others
+    return {"model": Encoder(form, seq), "inputs": (x,), "target": y, "loss_fn": loss_for(form)}
+
+
+def parallel(w: dict, plan: str, steps: int = 3):
+    import threefold
+    pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
+    return losses_and_grads(lambda: pm.step(*w["inputs"], target=w["target"]), list(pm.named_parameters()),
+                            steps, make_opt=pm.optimizer)
+
+
+def uneven_parity(names: list, plan: str, steps: int = 3) -> list:
+    """Run on every rank: each workload (an Encoder form, or a zoo arch as "zoo:NAME") under
+    `plan`, (losses, grads)."""
+    torch.set_num_threads(1)
+    return [parallel(workload(name), plan, steps) for name in names]
+
+
+def workload(name: str) -> dict:
+    if name.startswith("zoo:"):
+        from tests.zoo import ZOO
+        return ZOO[name[4:]]()
+    return encoder_workload(name)
