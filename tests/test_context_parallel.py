@@ -145,9 +145,11 @@ def test_causal_conv1d_exchanges_halos():
     assert "cp_ops.causal_conv1d(" in code and "conv1d.default" not in code
 
 
-def test_sequence_not_divisible_by_2cp_is_refused():
-    with pytest.raises(threefold.PlanError, match="multiple of 8"):
-        compile_workload(load_workload("gpt", **{**GPT[1], "seq": 12}), "cp=4")
+def test_sequence_not_divisible_by_2cp_is_padded():
+    """Was refused ("use a sequence length that is a multiple of 8"): padded to 16 positions
+    (passes/cp_padding.py; parity in tests/test_cp_uneven.py)."""
+    prog = compile_workload(load_workload("gpt", **{**GPT[1], "seq": 12}), "cp=4")
+    assert prog.seq_tail == 4 and prog.seq_len == 4 and "padded to 16" in prog.notes[0]
 
 
 @pytest.mark.slow
