@@ -83,3 +83,16 @@ def workload(name: str) -> dict:
         from tests.zoo import ZOO
         return ZOO[name[4:]]()
     return encoder_workload(name)
+
+
+def wrong_length(plan: str) -> str:
+    """Run on every rank: compile gpt_seq7 (7 tokens), step it on 6: the error's text."""
+    import threefold
+    torch.set_num_threads(1)
+    w = workload("zoo:gpt_seq7")
+    pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
+    try:
+        pm.step(w["inputs"][0][:, :6], target=w["target"][:, :6])
+    except Exception as exc:   # what the user sees
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"

@@ -102,3 +102,12 @@ def test_a_grid_of_positions_over_a_padded_sequence_is_refused_in_one_line():
     with pytest.raises(threefold.PlanError, match="padded to 8 positions .* a grid of positions computed whole") as err:
         compile_workload(w, "cp=2")
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_step_on_another_length_than_compiled_is_named_not_padded_silently():
+    """7 and 6 tokens both pad to 8 at cp=2: the code leaves 1 position out, so 6 would train wrong."""
+    from tests.cp_uneven_models import wrong_length
+    for got in launch(wrong_length, 2, "cp=2", timeout=250):
+        assert "has 6 positions (dim 1), but the artifact was compiled for 7" in got, got

@@ -420,6 +420,10 @@ class PipelineEngine:
             split = splits[i] if i < len(splits) else InputSplit()
             if isinstance(t, torch.Tensor):
                 for axis, dim in split.cuts:
+                    if axis == "cp" and self.manifest.seq_length not in (None, t.shape[dim]):
+                        raise ValueError(f"input {i} has {t.shape[dim]} positions (dim {dim}), but the artifact was "
+                                         f"compiled for {self.manifest.seq_length} (cp pads it to 2*cp blocks and "
+                                         "leaves that padding out): recompile for this length")
                     if axis not in whole:   # `whole`: axes not cut (the loss denominator's whole sequences)
                         t = input_cut(axis)(t, dim, self.mesh.size(axis), at.get(axis, self.coord[axis]))
             bd = split.batch

@@ -179,6 +179,9 @@ class Manifest:
     # with a loss: why pm(x) cannot return the model's outputs ('' = it can: the last
     # chunk's `model_outputs` method computes them; codegen/model_outputs.py)
     model_outputs_missing: str = ""
+    # cp: the sequence length it was compiled for where 2*cp does not divide it (the cut pads it,
+    # runtime/cp_ops.pad_to_blocks, and the code leaves that many positions out): a step checks it
+    seq_length: int | None = None
     notes: tuple[str, ...] = ()
     files: dict[str, str] = field(default_factory=dict)   # relative path -> sha256
     threefold_version: str = ""
@@ -290,6 +293,8 @@ class Manifest:
             "op_modules": {k: dict(v) for k, v in self.op_modules.items()},
             "model_outputs_missing": self.model_outputs_missing,
         }
+        if self.seq_length is not None:
+            out["seq_length"] = self.seq_length
         out.update({k: v for k, v in self.extra.items() if k not in out})
         return out
 
@@ -332,6 +337,7 @@ class Manifest:
                 op_modules={str(k): {"module": str(v["module"]), "sha256": str(v["sha256"])}
                             for k, v in (m.get("op_modules") or {}).items()},
                 model_outputs_missing=m.get("model_outputs_missing", _OLD_OUTPUTS if m.get("has_loss") else ""),
+                seq_length=int(m["seq_length"]) if m.get("seq_length") is not None else None,
                 notes=tuple(m.get("notes", [])),
                 files=dict(m["files"]),
                 threefold_version=m.get("threefold_version", ""),
