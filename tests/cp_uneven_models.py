@@ -79,9 +79,12 @@ def uneven_parity(names: list, plan: str, steps: int = 3) -> list:
 
 
 def workload(name: str) -> dict:
+    """An Encoder form, a zoo arch as it is ("zoo:NAME") or at 2 rows of `seq` tokens ("zoo:NAME@seq")."""
     if name.startswith("zoo:"):
+        from tests.cp_jobs import zoo_batch2
         from tests.zoo import ZOO
-        return ZOO[name[4:]]()
+        arch, _, seq = name[4:].partition("@")
+        return zoo_batch2(arch, int(seq)) if seq else ZOO[arch]()
     return encoder_workload(name)
 
 
