@@ -10,7 +10,12 @@ input's length (`pos[:t]`: the padded positions would read past its end), NON-ca
     "tokens": a per-token cross-entropy (mean over the labels that count);
     "mse":    a per-token mean squared error (a mean over elements: its count, traced at the
               padded length, is scaled to the real one);
-    "causal": the same with is_causal=True (the padded keys come after every real query).
+    "causal": the same with is_causal=True (the padded keys come after every real query);
+    "hflabels": causal, its loss shifting the labels as Hugging Face's does,
+              `pad(labels, (0, 1), value=-100)[..., 1:]` (the fill starts before the padding).
+`workload("shift@7")`: tests/cp_shift_jobs.ShiftMix on 7 tokens (a look-ahead shift reads zeros
+past the real end, not the padding); `workload("selfshift:ce@15")`: tests/cp_tail_models'
+SelfShiftLM on 15 tokens (a shift inside the model on a padded sequence).
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ import torch.nn.functional as F
 
 from tests.cp_factory_models import losses_and_grads, reference  # noqa: F401  (the tests read reference here)
 
-FORMS = ["pool", "tokens", "mse", "causal"]
+FORMS = ["pool", "tokens", "mse", "causal", "hflabels"]
 
 
 class Encoder(nn.Module):
@@ -36,7 +41,7 @@ class Encoder(nn.Module):
         b, t = x.shape
         h = self.emb(x) + self.pos[:t]
         q, k, v = self.qkv(h).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.form == "causal")
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.form in ("causal", "hflabels"))
         h = h + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         h = h + self.mlp(h)
         if self.form == "pool":
@@ -47,6 +52,11 @@ class Encoder(nn.Module):
 def loss_for(form: str):
     if form == "pool":
         return lambda out, y: F.cross_entropy(out, y)
+    if form == "hflabels":
+        def shifted(out, y):
+            labels = F.pad(y, (0, 1), value=-100)[..., 1:]
+            return F.cross_entropy(out.reshape(-1, out.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        return shifted
     if form == "mse":
         return lambda out, y: F.mse_loss(out[..., :2], y[..., None].float().expand(*y.shape, 2) / 32)
     return lambda out, y: F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), ignore_index=-100)
@@ -66,7 +76,8 @@ def encoder_workload(form: str, seq: int = 7, batch: int = 4) -> dict:
 
 def parallel(w: dict, plan: str, steps: int = 3):
     import threefold
-    pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
+    pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"],
+                               batch_dims=w.get("batch_dims"))
     return losses_and_grads(lambda: pm.step(*w["inputs"], target=w["target"]), list(pm.named_parameters()),
                             steps, make_opt=pm.optimizer)
 
@@ -85,6 +96,13 @@ def workload(name: str) -> dict:
         from tests.zoo import ZOO
         arch, _, seq = name[4:].partition("@")
         return zoo_batch2(arch, int(seq)) if seq else ZOO[arch]()
+    name, _, seq = name.partition("@")
+    if name == "shift":
+        from tests.cp_shift_jobs import shift_workload
+        return shift_workload(int(seq))
+    if name.startswith("selfshift:"):
+        from tests.cp_tail_models import tail_workload
+        return tail_workload(name.split(":")[1], seq=int(seq))
     return encoder_workload(name)
 
 

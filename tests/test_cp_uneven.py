@@ -72,6 +72,19 @@ def test_encoders_on_7_tokens_match_one_process_under_cp2():
     _check(got, FORMS)
 
 
+SHIFTS = ["shift@7", "selfshift:ce@15", "selfshift:sum@15"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_token_shifts_on_uneven_lengths_match_one_process_under_cp2():
+    """A look-ahead shift near the real end reads zeros, not the padding (a drop_tail after its
+    halo); a shift inside the model (logits[:, :-1] against x[:, 1:]) on 15 tokens: its tail
+    is the shift's plus the padding."""
+    got = launch(uneven_parity, 2, SHIFTS, "cp=2", 3, timeout=850)
+    _check(got, SHIFTS)
+
+
 ZOO_ENCODERS = ["zoo:bert_mlm@7", "zoo:nn_encoder_seq_first@7"]
 
 

@@ -22,7 +22,7 @@ import torch.fx as fx
 from threefold.ir.program import tf
 from threefold.ops.families import CASTS, CONSTANT_LIKE, COPIES, UNIFORM_FACTORIES, args_of, family, op_name
 from threefold.passes.cp_rules.core import Seq
-from threefold.runtime import cp_shift
+from threefold.runtime import cp_shift, cp_tail
 from threefold.runtime.tp_ops import GroupRef
 
 CP = GroupRef("cp")
@@ -58,7 +58,16 @@ def shift_halo(node: fx.Node, state: dict, stage) -> bool:
     with graph.inserting_before(end):
         new = graph.call_function(cp_shift.shift_seq, (form.src, form.k, d, CP), {"ranks": stage.plan.cp})
     new.meta = {"val": end.meta["val"], "tf": dict(tf(end))}
-    end.replace_all_uses_with(new)
+    pad = getattr(stage, "seq_tail", 0)
+    if pad and form.k < 0:   # a look-ahead near the end of an uneven sequence reads its padding, where one
+        with graph.inserting_after(new):   # process reads zeros: zeroed (and the padding itself, nothing)
+            ahead = graph.call_function(cp_tail.drop_tail, (new, d, pad - form.k, stage.seq_len, CP),
+                                        {"ranks": stage.plan.cp})
+        ahead.meta = dict(new.meta)
+        end.replace_all_uses_with(ahead)
+        state[ahead] = Seq(d)
+    else:
+        end.replace_all_uses_with(new)
     state[new] = Seq(d)   # placed here: inserted before the node check_sequence is at, the loop would not reach it
     for x in _dead_after(end, form.src):
         state.pop(x, None)

@@ -138,7 +138,9 @@ def pad_shift(node: fx.Node, state: dict, stage, why: str):
     n, cp = stage.seq_len, stage.plan.cp
     if k > n // 2:
         raise PlanError(f"{why} (it shifts by {k}: more than a block of {n // 2})")
-    node.target, node.args, node.kwargs = cp_tail.shift_fill, (src, k, d, value, CP), {"ranks": cp}
+    pad = getattr(stage, "seq_tail", 0)   # an uneven sequence: the fill starts k before its real end
+    node.target, node.args, node.kwargs = cp_tail.shift_fill, (src, k, d, value, CP), {
+        "ranks": cp, **({"tail": pad} if pad else {})}
     node.meta["val"] = src.meta["val"]
     for u in list(node.users):
         if op_name(u) == "slice":

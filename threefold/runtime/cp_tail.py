@@ -22,14 +22,15 @@ def drop_tail(x: torch.Tensor, dim: int, tail: int, n: int, group, ranks: int = 
     return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def shift_fill(x: torch.Tensor, k: int, dim: int, value, group, ranks: int = 1) -> torch.Tensor:
+def shift_fill(x: torch.Tensor, k: int, dim: int, value, group, ranks: int = 1, tail: int = 0) -> torch.Tensor:
     """x shifted toward the start by k along the split sequence, the last k positions of the
     whole sequence `value`: `pad(x, (0, k), value=v)[..., k:]` (Hugging Face's shift of the
-    labels, -100 padded) on this rank's blocks."""
+    labels, -100 padded) on this rank's blocks. `tail`: the padding of an uneven sequence
+    (cp_ops.seq_tail): the fill starts k positions before the real end, and covers the padding."""
     y = shift_seq(x, -k, dim, group, ranks)
     dim = dim % x.dim()
     n = x.shape[dim]
     cp = _size(group) if group is not None else ranks
     pos = block_positions(n, cp, _rank(group), device=x.device)
-    keep = (pos < n * cp - k).reshape([n if d == dim else 1 for d in range(x.dim())])
+    keep = (pos < n * cp - tail - k).reshape([n if d == dim else 1 for d in range(x.dim())])
     return torch.where(keep, y, torch.full((), value, dtype=x.dtype, device=x.device))

@@ -188,9 +188,11 @@ def _complex_view(c: Call):
 
 
 
-@rule("shift_seq")
+@rule("shift_seq", "drop_tail")
 def _shift_seq(c: Call):
-    """A token shift by k along the split sequence (runtime/cp_shift.py): a halo exchange."""
+    """A token shift by k along the split sequence (runtime/cp_shift.py): a halo exchange; the
+    positions at the end of the whole sequence zeroed (runtime/cp_tail.drop_tail: they stand
+    for nothing, or a look-ahead past an uneven sequence's real end reads zeros there)."""
     s0 = c.place(c.x)
     if not isinstance(s0, Seq) or s0.inner != 1 or s0.dim != _norm(c.args["dim"], _val(c.x).dim()):
         _fail(c, "shifts along a dim that is not the split sequence")
