@@ -15,7 +15,8 @@ input's length (`pos[:t]`: the padded positions would read past its end), NON-ca
               `pad(labels, (0, 1), value=-100)[..., 1:]` (the fill starts before the padding).
 `workload("shift@7")`: tests/cp_shift_jobs.ShiftMix on 7 tokens (a look-ahead shift reads zeros
 past the real end, not the padding); `workload("selfshift:ce@15")`: tests/cp_tail_models'
-SelfShiftLM on 15 tokens (a shift inside the model on a padded sequence).
+SelfShiftLM on 15 tokens (a shift inside the model on a padded sequence); `workload("packed@7")`:
+tests/cp_free_models' packed-sequence check over positions (gathered without the padding).
 """
 from __future__ import annotations
 
@@ -47,6 +48,39 @@ class Encoder(nn.Module):
         if self.form == "pool":
             h = h.mean(1)
         return self.head(h)
+
+
+class MergedSoftmax(nn.Module):
+    """A softmax over every token of the batch at once ([b*t] merged): the all-gather fallback
+    cannot leave a padded sequence's padding out of a merged dim (refused)."""
+
+    def __init__(self, vocab: int = 32, width: int = 8):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, width), nn.Linear(width, vocab)
+
+    def forward(self, x):
+        h = self.emb(x)
+        w = h.reshape(-1, h.shape[-1]).softmax(0).reshape(h.shape)
+        return self.head(h * w)
+
+
+def baked_ratio(out, y):
+    """sum(nll * y) / sum(y) with y viewed to its traced size (b * t as numbers): the
+    denominator cannot run on the unpadded sequences (refused)."""
+    b, t = y.shape
+    nll = out.logsumexp(-1).reshape(b * t)
+    return (nll * y.reshape(b * t)).sum() / y.reshape(b * t).sum()
+
+
+def refused(kind: str) -> dict:
+    """A workload on 7 tokens that stays refused under cp=2, by kind."""
+    torch.manual_seed(0)
+    x = torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(1))
+    if kind == "merged":
+        return {"model": MergedSoftmax(), "inputs": (x,), "target": x, "loss_fn": loss_for("tokens")}
+    if kind == "denominator":
+        return {"model": Encoder("causal", 7), "inputs": (x,), "target": (x % 2).float(), "loss_fn": baked_ratio}
+    return workload({"free": "packed@7", "shortened_mean": "selfshift:mse@15"}[kind])
 
 
 def loss_for(form: str):
@@ -100,6 +134,9 @@ def workload(name: str) -> dict:
     if name == "shift":
         from tests.cp_shift_jobs import shift_workload
         return shift_workload(int(seq))
+    if name == "packed":
+        from tests.cp_free_models import packed_workload
+        return packed_workload(int(seq))
     if name.startswith("selfshift:"):
         from tests.cp_tail_models import tail_workload
         return tail_workload(name.split(":")[1], seq=int(seq))

@@ -121,6 +121,23 @@ def test_the_encoder_hides_the_padded_keys_in_its_ring():
     assert not any("limit=" in line for line in ring_call("causal"))
 
 
+REFUSALS = {
+    "merged": "its sequence, padded to 8 positions for cp, is merged with another dim there",
+    "denominator": "the loss's denominator is counted on the whole unpadded sequences of an uneven length and "
+                   "cannot run there",
+    "free": "computed whole it would run past the real end of the sequence, padded to 8 positions",
+    "shortened_mean": "a mean over its elements, whose number was traced at this rank's shortened length",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(REFUSALS))
+def test_what_stays_refused_on_a_padded_sequence_says_why_in_one_line(kind):
+    from tests.cp_uneven_models import refused
+    with pytest.raises(threefold.PlanError, match=REFUSALS[kind].replace("(", r"\(").replace(")", r"\)")) as err:
+        compile_workload(refused(kind), "cp=2")
+    assert "\n" not in str(err.value)
+
+
 def test_a_grid_of_positions_over_a_padded_sequence_is_refused_in_one_line():
     from tests.cp_factory_models import factory_workload
     w = factory_workload("relpos")

@@ -38,7 +38,8 @@ from threefold.passes.cp_free_whole import FreeWhole, cut_whole_inputs, free_inp
     run_free_whole
 from threefold.passes.cp_recurrence import collect, finish, step_read
 from threefold.passes.cp_shifts import shift_halo
-from threefold.passes.cp_padding import PaddedSum, limit_rings, padded_decision, real_length, refuse_whole_grid
+from threefold.passes.cp_padding import PaddedSum, limit_rings, padded_decision, real_length, refuse_whole_grid, \
+    unpadded_free
 from threefold.passes.cp_tails import OnTail, PadShift, Shorten, on_tail, pad_shift, shorten, sum_without_tail, \
     tail_decision, tail_of
 from threefold.passes.cp_whole import TWIN, is_whole
@@ -92,6 +93,8 @@ class ContextParallel(AxisRules):
             return Place(Seq(0) if op_name(node) == "positions" else None)
         d = decide(node, state, w.stage)
         free = free_whole_decision(node, state, d)   # input-free: computed whole, nothing moved (cp_free_whole.py)
+        if free is not None and w.stage.seq_tail:   # not past the real end of a padded sequence:
+            return unpadded_free(d, w.stage)          # gathered without the padding, or refused
         if free is not None:
             return free
         if not isinstance(d, Place) and shift_halo(node, state, w.stage):   # a token shift: a halo exchange

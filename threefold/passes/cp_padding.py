@@ -28,7 +28,11 @@ they are (a padded position only ever feeds itself). What mixes positions is mad
   (cp_ops.positions `limit=`), so a table of exactly S rows is never read past its end.
 
 Refused in one line (PlanError naming the op): a grid of positions computed whole (it would
-pair real positions with padded ones), and the sequence made inside the model.
+pair real positions with padded ones), an op cp would compute whole from positions alone
+(cp_free_whole.py: at the padded length it would run past the real end) that the all-gather
+fallback does not take, a fallback op whose sequence is merged with another dim (its padding
+cannot be left out), a loss denominator that cannot run on the unpadded sequences, and the
+sequence made inside the model.
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ import torch.fx as fx
 
 from threefold.errors import PlanError
 from threefold.ir.program import tf
-from threefold.ops.rules import Gather, Place
+from threefold.ops.rules import Gather, Place, Refuse
 from threefold.passes.cp_rules.core import PARTIAL, Seq
 from threefold.runtime import cp_ops
 
@@ -97,3 +101,14 @@ def refuse_whole_grid(stage, why: str) -> None:
         raise PlanError(f"{why} (the sequence is padded to {stage.seq_len * stage.plan.cp} positions for cp's "
                         f"{2 * stage.plan.cp} blocks, and a grid of positions computed whole would pair the real "
                         f"ones with the padding; use a sequence length that is a multiple of {2 * stage.plan.cp})")
+
+
+def unpadded_free(d, stage):
+    """What a value made from positions alone (cp_free_whole.py would compute it whole, at the
+    padded length, past the real end) gets on a padded sequence: the all-gather fallback where
+    cp gathers it (the padding left out), else its refusal, saying why."""
+    if isinstance(d, Gather):
+        return d
+    return Refuse(f"{d.why} (computed whole it would run past the real end of the sequence, padded to "
+                  f"{stage.seq_len * stage.plan.cp} positions for cp's {2 * stage.plan.cp} blocks; use a "
+                  f"sequence length that is a multiple of {2 * stage.plan.cp})")
