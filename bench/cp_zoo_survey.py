@@ -1,10 +1,12 @@
 """cp=2 over the zoo, compile only: per arch pass / all-gather fallbacks used / refused (with the
 one-line reason). Compile decides every cp refusal; parity of what compiles is the tests' job.
 
-    python bench/cp_zoo_survey.py [arch ...] [--rows N] [--json out.json]
+    python bench/cp_zoo_survey.py [arch ...] [--rows N] [--seq N] [--plan cp=4] [--json out.json]
 
 The zoo's own token batches (tests/zoo/common.token_batch: 4 rows of 8 tokens, so cp=2's local
-length equals the batch and a sliding window of 4) unless `--rows` says otherwise.
+length equals the batch and a sliding window of 4) unless `--rows` / `--seq` say otherwise
+(`--seq 7`: a length 2*cp does not divide, padded to 2cp blocks, passes/cp_padding.py; the
+padding each pass adds is printed: extra positions over real ones).
 """
 from __future__ import annotations
 
@@ -17,14 +19,14 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]   # be
 sys.path.insert(0, os.path.dirname(_HERE))
 
 
-def survey(archs: list, plan: str = "cp=2", rows: int | None = None) -> dict:
+def survey(archs: list, plan: str = "cp=2", rows: int | None = None, seq: int | None = None) -> dict:
     import torch
     from threefold.compiler.api import compile_workload
     from threefold.errors import PlanError
     from tests.zoo import ZOO, common
     torch.set_num_threads(1)
-    vocab, batch, seq, seed = common.token_batch.__defaults__
-    common.token_batch.__defaults__ = (vocab, rows or batch, seq, seed)
+    vocab, batch, length, seed = common.token_batch.__defaults__
+    common.token_batch.__defaults__ = (vocab, rows or batch, seq or length, seed)
     out = {}
     for a in archs or list(ZOO):
         try:
@@ -32,12 +34,15 @@ def survey(archs: list, plan: str = "cp=2", rows: int | None = None) -> dict:
             falls = [n.split(" mixes")[0].removeprefix("cp fallback: ") for n in prog.notes
                      if n.startswith("cp fallback:")]
             out[a] = {"verdict": "fallback" if falls else "pass", "fallbacks": falls}
+            if getattr(prog, "seq_tail", 0):   # positions added per sequence / real ones
+                whole = prog.seq_len * prog.plan.cp
+                out[a]["padding"] = f"{whole - prog.seq_tail}->{whole} (+{prog.seq_tail / (whole - prog.seq_tail):.1%})"
         except PlanError as exc:
             out[a] = {"verdict": "refused", "msg": str(exc)[:300]}
         except Exception as exc:   # a crash is a bug, counted apart
             out[a] = {"verdict": "crash", "msg": f"{type(exc).__name__}: {str(exc)[:300]}"}
-        print(f"{a:<26} {out[a]['verdict']:<9} {out[a].get('msg', '') or ', '.join(out[a]['fallbacks'])}",
-              flush=True)
+        print(f"{a:<26} {out[a]['verdict']:<9} {out[a].get('msg', '') or ', '.join(out[a]['fallbacks'])}"
+              f"{'  padded ' + out[a]['padding'] if out[a].get('padding') else ''}", flush=True)
     return out
 
 
@@ -50,7 +55,14 @@ def main(argv: list) -> None:
     if "--rows" in argv:
         i = argv.index("--rows")
         rows, argv = int(argv[i + 1]), argv[:i] + argv[i + 2:]
-    res = survey(argv, rows=rows)
+    seq, plan = None, "cp=2"
+    if "--seq" in argv:
+        i = argv.index("--seq")
+        seq, argv = int(argv[i + 1]), argv[:i] + argv[i + 2:]
+    if "--plan" in argv:
+        i = argv.index("--plan")
+        plan, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+    res = survey(argv, plan, rows=rows, seq=seq)
     counts = {}
     for r in res.values():
         counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1

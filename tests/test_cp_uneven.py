@@ -85,14 +85,17 @@ def test_token_shifts_on_uneven_lengths_match_one_process_under_cp2():
     _check(got, SHIFTS)
 
 
-ZOO_ENCODERS = ["zoo:bert_mlm@7", "zoo:nn_encoder_seq_first@7"]
+ZOO_ENCODERS = ["zoo:bert_mlm@7", "zoo:nn_encoder_seq_first@7", "zoo:t5@7", "zoo:nn_multihead_attention@7",
+                "zoo:nn_decoder@7"]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_zoo_encoders_on_7_tokens_match_one_process_under_cp2():
     """HF BERT (masked LM, an attention mask input padded with hidden keys besides the ring's
-    limit) and nn.TransformerEncoder seq-first ([S, B]: padded along dim 0)."""
+    limit), nn.TransformerEncoder seq-first ([S, B]: padded along dim 0), T5 (a non-causal
+    encoder with learned relative buckets, a causal decoder, cross-attention to padded keys),
+    nn.MultiheadAttention and nn.TransformerDecoder."""
     got = launch(uneven_parity, 2, ZOO_ENCODERS, "cp=2", 3, timeout=850)
     _check(got, ZOO_ENCODERS)
 
