@@ -28,6 +28,7 @@ count of labels x[:, 1:] that are not ignored), is evaluated on whole sequences
 """
 from __future__ import annotations
 
+import inspect
 import operator
 from dataclasses import dataclass
 
@@ -256,19 +257,27 @@ def sum_without_tail(node: fx.Node, state: dict, stage, what: str):
         if mean:
             scale_mean(node, stage, state)
         return PARTIAL
-    names = [arg.name for arg in node.target._schema.arguments] if isinstance(node.target, torch._ops.OpOverload) else []
-    if "reduction" not in names or a.get("reduction") != 2:   # at::Reduction::Sum (loss_form's numerator)
+    aten = isinstance(node.target, torch._ops.OpOverload)
+    names = [arg.name for arg in node.target._schema.arguments] if aten else \
+        list(inspect.signature(node.target).parameters) if callable(node.target) else []
+    # at::Reduction::Sum (loss_form's numerator); a runtime loss (tp's vocab-parallel one) says "sum"
+    if "reduction" not in names or a.get("reduction") not in (2, "sum") or not aten and "target" not in a:
         raise PlanError(f"{what} (a {name} would count the dropped positions)")
     graph, i = node.graph, names.index("reduction")
     args, kwargs = list(node.args), dict(node.kwargs)
+    each_one = 0 if aten else "none"
     if i < len(args):
-        args[i] = 0
+        args[i] = each_one
     else:
-        kwargs["reduction"] = 0
+        kwargs["reduction"] = each_one
     with graph.inserting_before(node):
         each = graph.call_function(node.target, tuple(args), kwargs)
-    each.meta = {"val": node.target(*fx.node.map_arg(tuple(args), lambda v: v.meta["val"]),
-                                    **fx.node.map_arg(kwargs, lambda v: v.meta["val"])), "tf": dict(tf(node))}
+    if aten:
+        val = node.target(*fx.node.map_arg(tuple(args), lambda v: v.meta["val"]),
+                          **fx.node.map_arg(kwargs, lambda v: v.meta["val"]))
+    else:   # a runtime op runs collectives: its per-position terms have the target's shape
+        val = torch.zeros(a["target"].meta["val"].shape, dtype=node.meta["val"].dtype)
+    each.meta = {"val": val, "tf": dict(tf(node))}
     state[each] = decide(each, state, stage).out
     if not isinstance(state[each], Seq):
         raise PlanError(what)
