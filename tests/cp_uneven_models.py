@@ -13,6 +13,8 @@ input's length (`pos[:t]`: the padded positions would read past its end), NON-ca
     "causal": the same with is_causal=True (the padded keys come after every real query);
     "hflabels": causal, its loss shifting the labels as Hugging Face's does,
               `pad(labels, (0, 1), value=-100)[..., 1:]` (the fill starts before the padding).
+`workload("exactgpt@7")`: examples/gpt.py with block_size 7 (its position table and causal mask
+buffer hold exactly the real length: the padded positions read row 6, the mask is fitted at 7);
 `workload("shift@7")`: tests/cp_shift_jobs.ShiftMix on 7 tokens (a look-ahead shift reads zeros
 past the real end, not the padding); `workload("selfshift:ce@15")`: tests/cp_tail_models'
 SelfShiftLM on 15 tokens (a shift inside the model on a padded sequence); `workload("packed@7")`:
@@ -134,6 +136,12 @@ def workload(name: str) -> dict:
     if name == "shift":
         from tests.cp_shift_jobs import shift_workload
         return shift_workload(int(seq))
+    if name == "exactgpt":   # examples/gpt.py whose position table and causal-mask buffer have exactly `seq` rows
+        from examples.gpt import GPT, GPTConfig, lm_loss
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=32, block_size=int(seq), n_layer=2, n_head=2, n_embd=16))
+        idx = torch.randint(0, 32, (2, int(seq) + 1), generator=torch.Generator().manual_seed(1))
+        return {"model": model, "inputs": (idx[:, :-1],), "target": idx[:, 1:], "loss_fn": lm_loss}
     if name == "packed":
         from tests.cp_free_models import packed_workload
         return packed_workload(int(seq))

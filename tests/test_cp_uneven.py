@@ -79,15 +79,16 @@ def test_encoders_on_7_tokens_match_one_process_under_cp2():
     _check(got, FORMS)
 
 
-SHIFTS = ["shift@7", "selfshift:ce@15", "selfshift:sum@15"]
+SHIFTS = ["shift@7", "selfshift:ce@15", "selfshift:sum@15", "exactgpt@7"]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_token_shifts_on_uneven_lengths_match_one_process_under_cp2():
+def test_shifts_and_exact_tables_on_uneven_lengths_match_one_process_under_cp2():
     """A look-ahead shift near the real end reads zeros, not the padding (a drop_tail after its
     halo); a shift inside the model (logits[:, :-1] against x[:, 1:]) on 15 tokens: its tail
-    is the shift's plus the padding."""
+    is the shift's plus the padding. A GPT whose tables hold exactly the real length (its
+    position table read at clamped positions, its causal-mask buffer read at 7, not 8)."""
     got = launch(uneven_parity, 2, SHIFTS, "cp=2", 3, timeout=850)
     _check(got, SHIFTS)
 

@@ -83,7 +83,9 @@ def split_mask(masks: list, is_causal: bool, stage, node: fx.Node, n: int):
     if stage.is_meta:
         raise PlanError(f"cp: the mask of {where} cannot be checked on the meta device; compile with real "
                         "weights (threefold needs them to read the mask) or use cp=1")
-    s = n * stage.plan.cp
+    # the whole sequence's mask (a band of j - i reads the same at any length): at the real length
+    # of a padded one (passes/cp_padding.py), where a buffer of exactly that many rows still fits
+    s = n * stage.plan.cp - getattr(stage, "seq_tail", 0)
     whole = _additive(fixed, is_causal, stage, where, s)
     lead = whole.shape[:-2]
     lo, hi, slopes, intercepts = _fit(whole.reshape(-1, s, s), where)
