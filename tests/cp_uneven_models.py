@@ -66,6 +66,29 @@ class MergedSoftmax(nn.Module):
         return self.head(h * w)
 
 
+class EmbedsIn(nn.Module):
+    """Takes embeddings [b, 7, 16]: the feature dim divides 2*cp, the sequence does not; cp tries
+    both and keeps the padded sequence (cutting the features fails at the linear layer)."""
+
+    def __init__(self, width: int = 16, classes: int = 5):
+        super().__init__()
+        self.qkv, self.head = nn.Linear(width, 3 * width), nn.Linear(width, classes)
+
+    def forward(self, x):
+        b, t, w = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, w // 2).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(x + y.transpose(1, 2).reshape(b, t, w))
+
+
+def embeds_workload() -> dict:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return {"model": EmbedsIn(), "inputs": (torch.randn(4, 7, 16, generator=g),),
+            "target": torch.randint(0, 5, (4, 7), generator=g),
+            "loss_fn": lambda o, t: F.cross_entropy(o.reshape(-1, o.shape[-1]), t.reshape(-1))}
+
+
 def baked_ratio(out, y):
     """sum(nll * y) / sum(y) with y viewed to its traced size (b * t as numbers): the
     denominator cannot run on the unpadded sequences (refused)."""
@@ -142,6 +165,8 @@ def workload(name: str) -> dict:
         model = GPT(GPTConfig(vocab_size=32, block_size=int(seq), n_layer=2, n_head=2, n_embd=16))
         idx = torch.randint(0, 32, (2, int(seq) + 1), generator=torch.Generator().manual_seed(1))
         return {"model": model, "inputs": (idx[:, :-1],), "target": idx[:, 1:], "loss_fn": lm_loss}
+    if name == "embeds":
+        return embeds_workload()
     if name == "packed":
         from tests.cp_free_models import packed_workload
         return packed_workload(int(seq))

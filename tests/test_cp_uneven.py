@@ -79,7 +79,7 @@ def test_encoders_on_7_tokens_match_one_process_under_cp2():
     _check(got, FORMS)
 
 
-SHIFTS = ["shift@7", "selfshift:ce@15", "selfshift:sum@15", "exactgpt@7"]
+SHIFTS = ["shift@7", "selfshift:ce@15", "selfshift:sum@15", "exactgpt@7", "embeds"]
 
 
 @pytest.mark.slow
@@ -130,6 +130,15 @@ def test_the_encoder_hides_the_padded_keys_in_its_ring():
         return code.split("cp_ops.ring_attention(")[1].split(")  #")[0].split("\n        ")[0:3]
     assert any("limit=7" in line for line in ring_call("tokens"))
     assert not any("limit=" in line for line in ring_call("causal"))
+
+
+def test_an_uneven_sequence_beside_a_feature_dim_that_divides_is_found_by_compiling():
+    """[4, 7, 16] embeddings at cp=2: dim 2 (16) divides 2*cp, dim 1 (7) does not; before, the
+    features were cut and the trace failed at the linear layer. Both are tried, the padded
+    sequence compiles."""
+    prog = compile_workload(workload("embeds"), "cp=2")
+    assert prog.seq_tail == 1
+    assert any("sequence is dim 1, the only one of its candidates [2, 1]" in n for n in prog.notes), prog.notes
 
 
 REFUSALS = {

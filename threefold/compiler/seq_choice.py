@@ -32,6 +32,9 @@ def compile_each_candidate(exc: AmbiguousSeq, compile_with: Callable, traced_who
             done.append((d, compile_with({exc.index: d})))
         except Exception as err:   # this dim is not the sequence: the trace or a pass fails on it
             failed.append(f"dim {d}: {type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}")
+    if len(done) > 1:   # a dim 2cp divides before one it pads (passes/cp_padding.py), then no fallback
+        unpadded = [(d, p) for d, p in done if d not in getattr(exc, "padded", [])]
+        done = unpadded if unpadded else done
     if len(done) > 1:
         position_wise = [(d, p) for d, p in done if not any(n.startswith("cp fallback:") for n in p.notes)]
         done = position_wise if len(position_wise) == 1 else done

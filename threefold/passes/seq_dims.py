@@ -18,12 +18,13 @@ from threefold.errors import PlanError
 
 
 class AmbiguousSeq(PlanError):
-    """Input `index` has several dims the sequence could be (`candidates`): the compiler then
-    tries each (compiler/seq_choice.py) and keeps the only one cp compiles."""
+    """Input `index` has several dims the sequence could be (`candidates`; `padded`: those 2cp
+    does not divide): the compiler then tries each (compiler/seq_choice.py) and keeps the only
+    one cp compiles (where several do, one 2cp divides before a padded one)."""
 
-    def __init__(self, msg: str, index: int, candidates: list):
+    def __init__(self, msg: str, index: int, candidates: list, padded: list | None = None):
         super().__init__(msg)
-        self.index, self.candidates = index, candidates
+        self.index, self.candidates, self.padded = index, candidates, padded or []
 
 
 def find_seq_dims(batch: tuple, batch_dims: list, num_model_inputs: int, cp: int, name: str = "",
@@ -37,15 +38,18 @@ def find_seq_dims(batch: tuple, batch_dims: list, num_model_inputs: int, cp: int
     for i, t in enumerate(batch[:num_model_inputs]):
         if not isinstance(t, torch.Tensor) or t.dim() < 2:
             continue
-        cands = [d for d in range(t.dim()) if d != batch_dims[i] and t.shape[d] % (2 * cp) == 0]
+        others = [d for d in range(t.dim()) if d != batch_dims[i]]
+        cands = [d for d in others if t.shape[d] % (2 * cp) == 0]
         if chosen and i in chosen:
             cands = [chosen[i]]
-        if not cands:   # an uneven length: padded to 2cp blocks (cp_ops.pad_to_blocks)
-            cands = [d for d in range(t.dim()) if d != batch_dims[i]]
+        elif len(cands) < len(others) and (len(cands) == 1 and len(others) > 1 or not cands):
+            # an uneven length is padded to 2cp blocks (cp_ops.pad_to_blocks): beside one dim that
+            # divides ([b, 7, 16] embeddings) it is a candidate too, tried after it (seq_choice.py)
+            cands = cands + [d for d in others if d not in cands]
         if len(cands) != 1:
             raise AmbiguousSeq(f"{name}: cp={cp} cannot tell the sequence dim of input {i} {tuple(t.shape)} "
                                f"(candidates {cands}); pass the sequence as the one non-batch dim (or the one divisible by "
-                               f"{2 * cp})", i, cands)
+                               f"{2 * cp})", i, cands, [d for d in cands if t.shape[d] % (2 * cp)])
         length = t.shape[cands[0]]
         break
     if length is None:
