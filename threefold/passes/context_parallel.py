@@ -181,7 +181,7 @@ def _padding(w) -> str:
         return ""
     whole = stage.seq_len * stage.plan.cp
     return (f"the sequence of {whole - stage.seq_tail} positions padded to {whole} ({stage.seq_tail} position(s) "
-            f"standing for nothing, {stage.seq_tail / whole:.1%} more tokens per rank; "
+            f"standing for nothing: {stage.seq_tail / (whole - stage.seq_tail):.1%} more tokens per rank; "
             f"{w.ctx.get('limited', 0)} non-causal attention(s) hide the padded keys); ")
 
 

@@ -2,9 +2,10 @@
 
 The batch dim is found first (passes/batch_dims.py). The sequence length S is read from the
 first model input that has a dim besides its batch dim: its one such dim whose size 2*cp
-divides (the load-balanced layout cuts each sequence into 2*cp blocks), or its only one, padded
-to a multiple of 2*cp at the end (runtime/cp_ops.pad_to_blocks; the padded positions stand for
-nothing, passes/cp_tails.py); where it has several, the workload must say (a PlanError). Every input (and the target) is split along its one
+divides (the load-balanced layout cuts each sequence into 2*cp blocks), or one 2*cp does not
+divide, padded at its end to a multiple of 2*cp (runtime/cp_ops.pad_to_blocks; the padded
+positions stand for nothing, passes/cp_padding.py); where several dims could be it, each is
+compiled (compiler/seq_choice.py). Every input (and the target) is split along its one
 non-batch dim of size S; an input without one is not split, one with two is refused. The
 graph check (passes/cp_rules/) then proves the choice: a wrong dim meets an op with no rule.
 """
