@@ -71,11 +71,13 @@ def test_gpt_on_7_tokens_matches_one_process(plan, ranks):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_encoders_on_7_tokens_match_one_process_under_cp2():
+@pytest.mark.parametrize("cp", [2, 4])
+def test_encoders_on_7_tokens_match_one_process(cp):
     """Non-causal attention (padded keys hidden by the ring's limit), a mean pool over the
     sequence (gathered without the padding), a per-token mean loss over elements (scaled to the
-    real count), a causal one (the padded keys after every real query)."""
-    got = launch(uneven_parity, 2, FORMS, "cp=2", 3, timeout=850)
+    real count), a causal one (the padded keys after every real query). At cp=4 rank 0's second
+    block is all padding."""
+    got = launch(uneven_parity, cp, FORMS, f"cp={cp}", 3, timeout=850)
     _check(got, FORMS)
 
 
