@@ -49,8 +49,8 @@ def find_seq_dims(batch: tuple, batch_dims: list, num_model_inputs: int, cp: int
             cands = cands + [d for d in others if d not in cands]
         if len(cands) != 1:
             raise AmbiguousSeq(f"{name}: cp={cp} cannot tell the sequence dim of input {i} {tuple(t.shape)} "
-                               f"(candidates {cands}); pass the sequence as the one non-batch dim (or the one divisible by "
-                               f"{2 * cp})", i, cands, [d for d in cands if t.shape[d] % (2 * cp)])
+                               f"(candidates {cands}); pass the sequence as the one non-batch dim (or the one "
+                               f"divisible by {2 * cp})", i, cands, [d for d in cands if t.shape[d] % (2 * cp)])
         length = t.shape[cands[0]]
         break
     if length is None:
