@@ -53,8 +53,8 @@ class Encoder(nn.Module):
 
 
 class MergedSoftmax(nn.Module):
-    """A softmax over every token of the batch at once ([b*t] merged): the all-gather fallback
-    cannot leave a padded sequence's padding out of a merged dim (refused)."""
+    """A softmax over every token of the batch at once ([b*t] merged): gathered through its
+    digits [b, t], the padding left out of t, run, padded and cut back."""
 
     def __init__(self, vocab: int = 32, width: int = 8):
         super().__init__()
@@ -101,8 +101,6 @@ def refused(kind: str) -> dict:
     """A workload on 7 tokens that stays refused under cp=2, by kind."""
     torch.manual_seed(0)
     x = torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(1))
-    if kind == "merged":
-        return {"model": MergedSoftmax(), "inputs": (x,), "target": x, "loss_fn": loss_for("tokens")}
     if kind == "denominator":
         return {"model": Encoder("causal", 7), "inputs": (x,), "target": (x % 2).float(), "loss_fn": baked_ratio}
     return workload({"free": "packed@7", "shortened_mean": "selfshift:mse@15"}[kind])
@@ -165,6 +163,10 @@ def workload(name: str) -> dict:
         model = GPT(GPTConfig(vocab_size=32, block_size=int(seq), n_layer=2, n_head=2, n_embd=16))
         idx = torch.randint(0, 32, (2, int(seq) + 1), generator=torch.Generator().manual_seed(1))
         return {"model": model, "inputs": (idx[:, :-1],), "target": idx[:, 1:], "loss_fn": lm_loss}
+    if name == "merged":   # a softmax over every token of the batch at once
+        torch.manual_seed(0)
+        x = torch.randint(0, 32, (2, int(seq)), generator=torch.Generator().manual_seed(1))
+        return {"model": MergedSoftmax(), "inputs": (x,), "target": x, "loss_fn": loss_for("tokens")}
     if name == "embeds":
         return embeds_workload()
     if name == "packed":

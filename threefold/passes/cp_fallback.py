@@ -56,10 +56,6 @@ def gather_around(node: fx.Node, state: dict, stage, why: str, name: str, seq_cl
     if merged and not _keeps_layout(outs, merged, n):
         raise PlanError(f"{why} (its sequence is merged with another dim there, so it cannot be gathered)") from None
     tail = getattr(stage, "seq_tail", 0)   # an uneven sequence's padding: gathered without it (cp_padding.py)
-    if merged and tail:
-        raise PlanError(f"{why} (its sequence, padded to {n * plan.cp} positions for cp, is merged with another dim "
-                        f"there, so its padding cannot be left out; use a sequence length that is a multiple of "
-                        f"{2 * plan.cp})") from None
     if tail and any(is_whole(a) for a in node.all_input_nodes):
         refuse_whole_grid(stage, why)
     if merged and family(node) in ("scan", "sort"):
@@ -92,8 +88,9 @@ def gather_around(node: fx.Node, state: dict, stage, why: str, name: str, seq_cl
     grid = not isinstance(out, (tuple, list)) and not merged and _grid(out, full, cp, tail)
     if grid:
         refuse_whole_grid(stage, why)
-    cuts = [None] if grid else [_seq_dim(o, f, cp, why, tail) for o, f in zip(outs, fulls)]
     layout = next(iter(merged.values()), None)   # outputs of a merged op keep its input's digits
+    short = tail * (layout[0] * layout[1] if layout else 1)   # the padding's elements along a merged dim
+    cuts = [None] if grid else [_seq_dim(o, f, cp, why, short) for o, f in zip(outs, fulls)]
     node.meta["val"] = full
     if grid:   # it runs along the sequence twice (positions paired with positions): kept whole
         remember(node, out)
@@ -145,9 +142,10 @@ def _gather(graph, node: fx.Node, a: fx.Node, d: int, layout, cp: int, tail: int
             return g
         n = val.shape[d] // (layout[0] * layout[1])
         v = _split_digits(graph, a, d, layout, val, n)
-        g = graph.call_function(cp_gather.gather_seq, (v, d + 1, CP), {"ranks": cp})
-        g.meta = {"val": torch.cat([v.meta["val"]] * cp, dim=d + 1), "tf": dict(tf(node))}
-        shape = list(val.shape[:d]) + [val.shape[d] * cp] + list(val.shape[d + 1:])
+        g = graph.call_function(cp_gather.gather_seq, (v, d + 1, CP), {"ranks": cp, **({"tail": tail} if tail else {})})
+        g.meta = {"val": torch.cat([v.meta["val"]] * cp, dim=d + 1).narrow(d + 1, 0, n * cp - tail),
+                  "tf": dict(tf(node))}
+        shape = list(val.shape[:d]) + [layout[0] * (n * cp - tail) * layout[1]] + list(val.shape[d + 1:])
         r = graph.call_function(torch.ops.aten.reshape.default, (g, shape))
         r.meta = {"val": g.meta["val"].reshape(shape), "tf": dict(tf(node))}
         return r
@@ -185,7 +183,9 @@ def _cut(node: fx.Node, d: int, local, cp: int, layout=None) -> None:
         v = _split_digits(graph, node, d, layout, full, full.shape[d] // (layout[0] * layout[1]))
     with graph.inserting_after(v):
         cut = graph.call_function(cp_gather.shard_seq, (v, d + 1, CP), {"ranks": cp})
-    cut.meta = {"val": v.meta["val"].narrow(d + 1, 0, v.meta["val"].shape[d + 1] // cp), "tf": dict(tf(node))}
+    # this rank's n of the whole (an uneven one padded to 2cp blocks first: ceil)
+    cut.meta = {"val": local.reshape(v.meta["val"].shape[:d + 1] + (-1,) + v.meta["val"].shape[d + 2:]),
+                "tf": dict(tf(node))}
     with graph.inserting_after(cut):
         back = graph.call_function(torch.ops.aten.reshape.default, (cut, list(local.shape)))
     back.meta = {"val": local, "tf": dict(tf(node))}

@@ -20,9 +20,10 @@ they are (a padded position only ever feeds itself). What mixes positions is mad
   labels that are not ignored) is evaluated on the whole unpadded sequences
   (passes/cp_denominator.py);
 * what the all-gather fallback runs (a mean or softmax over the sequence, a sort, a
-  convolution): gathered, cut to the S real positions, run as one process runs it, and where
-  its output runs along the sequence, padded back and cut to this rank's blocks
-  (cp_gather.gather_seq / shard_seq `tail=`); scans forward along the sequence (cumsum) carry
+  convolution, a BatchNorm over every token of the batch merged [b*s]): gathered (through its
+  digits where merged), cut to the S real positions, run as one process runs it, and where its
+  output runs along the sequence, padded back and cut to this rank's blocks
+  (cp_gather.gather_seq `tail=` / shard_seq); scans forward along the sequence (cumsum) carry
   the blocks before theirs and the padding comes last: exact as they are;
 * position tables: `arange` over the sequence reads the padded positions as S - 1
   (cp_ops.positions `limit=`), so a table of exactly S rows is never read past its end.
@@ -30,8 +31,7 @@ they are (a padded position only ever feeds itself). What mixes positions is mad
 Refused in one line (PlanError naming the op): a grid of positions computed whole (it would
 pair real positions with padded ones), an op cp would compute whole from positions alone
 (cp_free_whole.py: at the padded length it would run past the real end) that the all-gather
-fallback does not take, a fallback op whose sequence is merged with another dim (its padding
-cannot be left out), a loss denominator that cannot run on the unpadded sequences, and the
+fallback does not take, a loss denominator that cannot run on the unpadded sequences, and the
 sequence made inside the model.
 """
 from __future__ import annotations
