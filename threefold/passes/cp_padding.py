@@ -26,7 +26,15 @@ they are (a padded position only ever feeds itself). What mixes positions is mad
   (cp_gather.gather_seq `tail=` / shard_seq); scans forward along the sequence (cumsum) carry
   the blocks before theirs and the padding comes last: exact as they are;
 * position tables: `arange` over the sequence reads the padded positions as S - 1
-  (cp_ops.positions `limit=`), so a table of exactly S rows is never read past its end.
+  (cp_ops.positions `limit=`), so a table of exactly S rows is never read past its end; a
+  mask is fitted from the model traced at S (passes/cp_masks.py), so a causal-mask buffer of
+  exactly S rows is read within it;
+* token shifts: a look-ahead (x[i + k]) near the real end reads zeros as one process does, not
+  the padding (a drop_tail after its halo, passes/cp_shifts.py); Hugging Face's label shift
+  fills from the real end (cp_tail.shift_fill `tail=`); a shift inside the model adds its tail
+  to the padding (cp_tails.py);
+* a step on another length than the compiled one is an error naming both (the manifest's
+  `seq_length`, runtime/engine.py): 7 and 6 tokens both pad to 8 at cp=2.
 
 Refused in one line (PlanError naming the op): a grid of positions computed whole (it would
 pair real positions with padded ones), an op cp would compute whole from positions alone
