@@ -1,0 +1,67 @@
+"""Compile cp (plan `cp=N`) from where the sequence is born inside the model (compiler/seq_birth.py).
+
+Reached when no input dim is the sequence (compiler/seq_choice.py, compiler/api.py). The model
+is traced whole once (cp=1) to find the birth point, then again with the cut there, at this
+rank's local length; a learned position table of the whole length added after the birth
+(`x + self.pos`) is read at the local length as for a split input (passes/seq_dims.py
+read_at_local_length), and cp reads this rank's rows of it at their global positions.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+
+from threefold.compiler.seq_birth import calls_of, find_birth, to_shard_seq, uneven_birth
+from threefold.compiler.trace import trace
+from threefold.errors import PlanError
+from threefold.passes.seq_dims import full_length_tables, read_at_local_length
+
+
+def compile_inner(workload, plan, name, batch, dims, sliced, parts, notes, progress, own_loss, finish, cause=None):
+    """The program with cp starting at the sequence's birth; where the model has no birth point
+    (an input carries the sequence, or there is no attention), raise `cause`, or None without one."""
+    model, cp = workload.model, plan.cp
+    has_target = workload.loss_fn is not None
+    inputs, target = (sliced[:-1], sliced[-1]) if has_target else (sliced, None)
+    try:
+        with calls_of(model) as seen:
+            whole = trace(model, inputs, target, workload.loss_fn, plan.replace(cp=1), own_loss=own_loss)
+    except Exception:   # the model does not trace whole either: the first error stands
+        if cause is None:
+            return None
+        raise cause from None
+    graph = whole.gm.graph
+    birth = find_birth(graph)
+    if birth is None:
+        if cause is None:
+            return None
+        raise cause
+    val = next(n for n in graph.nodes if n.name == birth.node).meta["val"]
+    if seen.shapes.get(birth.call) != tuple(val.shape):
+        raise PlanError(f"{name}: cp={cp}: the sequence is born inside the model at `{birth.node}` ({birth.module}), "
+                        f"but its torch call {birth.call} could not be found again to cut it there; use cp=1")
+    if birth.length % (2 * cp):
+        raise uneven_birth(birth, cp, name)
+    n = birth.length // cp
+    failed = []
+    for table in [None] + full_length_tables(model, birth.length, cp)[:4]:
+        try:
+            with read_at_local_length(model, [table], n) if table else nullcontext(), \
+                    calls_of(model, birth.call, birth.dim, cp) as cutting:
+                traced = trace(model, inputs, target, workload.loss_fn, plan, own_loss=own_loss)
+            if not cutting.done or to_shard_seq(traced.gm, cp) != 1:
+                raise PlanError("the cut was not traced")
+            traced = traced.evolve(retrace=lambda m: graph if m == birth.length else None)
+            prog = finish(traced, workload, dims, sliced, [None] * len(batch), batch, parts, plan,
+                          notes + [birth.note(cp)], progress, seq_len=n)
+        except Exception as err:   # this table is not the position table (or none is needed): the next
+            failed.append(f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}")
+            continue
+        if table is None or f"`{table[1]}`" in " ".join(prog.notes):
+            return prog
+        failed.append(f"the table `{table[1]}` was not read at this rank's positions")
+    raise PlanError(f"{name}: cp={cp}: the sequence is born inside the model at `{birth.node}` ({birth.module}, "
+                    f"{birth.length} positions), but cp cannot run from there: {failed[-1]}") from None
+
+
+__all__ = ["compile_inner"]
