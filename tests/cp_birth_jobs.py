@@ -32,3 +32,19 @@ def vit_parity_or_error(archs: list, plan: str, steps: int = 3) -> dict:
         except Exception as exc:
             out[a] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]
     return out
+
+
+def compare(got: list, ref, whole_only: bool = False) -> tuple:
+    """(loss diff, grad diff, names compared) of each rank's run against one process; with
+    `whole_only` (tp, pp) only the parameters a rank holds whole (tp shards and other stages'
+    parameters left out)."""
+    from tests.cp_factory_models import grad_diff
+    from tests.parity import max_rel_diff
+    out = []
+    for losses, grads in got:
+        ref_grads = ref[1]
+        if whole_only:
+            ref_grads = [{k: v for k, v in r.items() if k in g and g[k].shape == v.shape} for g, r in zip(grads, ref[1])]
+            grads = [{k: g[k] for k in r} for g, r in zip(grads, ref_grads)]
+        out.append((max_rel_diff(losses, ref[0]), grad_diff(grads, ref_grads), sorted(ref_grads[0])))
+    return out
