@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from threefold.errors import PlanError
 from threefold.ir.program import tf
 from threefold.ops.families import args_of, op_name
+from threefold.passes.cost import node_cost
 from threefold.runtime import cp_gather
 from threefold.runtime.cp_ops import block_positions, local_blocks
 from threefold.runtime.tp_ops import GroupRef
@@ -76,13 +77,17 @@ class Birth:
     dim: int
     length: int
     prefix: tuple   # the ops before the cut that read the inputs (run whole on every cp rank)
+    prefix_flops: int = 0   # their forward FLOPs per microbatch (passes/cost.py), and the whole model's
+    total_flops: int = 0
 
     def note(self, cp: int) -> str:
         ops = ", ".join(self.prefix) or "none"
+        share = f", {100 * self.prefix_flops / self.total_flops:.1f}%" if self.total_flops else ""
         return (f"cp: the sequence ({self.length} positions) is born inside the model at `{self.node}` "
                 f"({self.module}, dim {self.dim}); cp starts there: each rank cuts its {self.length // cp} "
                 f"positions (blocks r, 2cp-1-r) and the ops before it run whole on every cp rank, redundantly "
-                f"({ops})")
+                f"({ops}: {self.prefix_flops} of the model's {self.total_flops} forward FLOPs per "
+                f"microbatch{share})")
 
 
 def find_birth(graph: fx.Graph) -> Birth | None:
@@ -112,9 +117,10 @@ def find_birth(graph: fx.Graph) -> Birth | None:
     if fn is None or len(dims) != 1 or not isinstance(born.meta.get("val"), torch.Tensor):
         return None
     name, k = fn[0].rsplit("_", 1)
-    prefix = tuple(dict.fromkeys(op_name(n) for n in graph.nodes if n in derived and order[n] <= order[born]
-                                 and n.op == "call_function"))
-    return Birth(born.name, tf(born).get("module") or "<top>", (fn[1], int(k)), dims[0], length, prefix)
+    before = [n for n in graph.nodes if n in derived and order[n] <= order[born] and n.op == "call_function"]
+    flops = [node_cost(n).flops for n in graph.nodes if n.op == "call_function"]
+    return Birth(born.name, tf(born).get("module") or "<top>", (fn[1], int(k)), dims[0], length,
+                 tuple(dict.fromkeys(op_name(n) for n in before)), sum(node_cost(n).flops for n in before), sum(flops))
 
 
 def uneven_birth(birth: Birth, cp: int, name: str) -> PlanError:

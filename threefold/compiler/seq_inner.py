@@ -51,7 +51,7 @@ def compile_inner(workload, plan, name, batch, dims, sliced, parts, notes, progr
                 traced = trace(model, inputs, target, workload.loss_fn, plan, own_loss=own_loss)
             if not cutting.done or to_shard_seq(traced.gm, cp) != 1:
                 raise PlanError("the cut was not traced")
-            traced = traced.evolve(retrace=lambda m: graph if m == birth.length else None)
+            traced = traced.evolve(retrace=lambda m: _whole(graph, m, birth.length))
             prog = finish(traced, workload, dims, sliced, [None] * len(batch), batch, parts, plan,
                           notes + [birth.note(cp)], progress, seq_len=n)
         except Exception as err:   # this table is not the position table (or none is needed): the next
@@ -62,6 +62,13 @@ def compile_inner(workload, plan, name, batch, dims, sliced, parts, notes, progr
         failed.append(f"the table `{table[1]}` was not read at this rank's positions")
     raise PlanError(f"{name}: cp={cp}: the sequence is born inside the model at `{birth.node}` ({birth.module}, "
                     f"{birth.length} positions), but cp cannot run from there: {failed[-1]}") from None
+
+
+def _whole(graph, m: int, length: int):
+    """The model traced at the whole length (cp_masks, cp_whole read twins there); no other length."""
+    if m != length:
+        raise PlanError(f"the sequence is born inside the model with {length} positions, not {m}")
+    return graph
 
 
 __all__ = ["compile_inner"]
