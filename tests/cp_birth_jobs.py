@@ -8,7 +8,7 @@ from tests.cp_factory_models import parallel, reference
 
 def vit_workload(arch: str) -> dict:
     from tests.zoo import ZOO
-    return ZOO[arch]()
+    return per_patch_workload() if arch == "per_patch" else ZOO[arch]()
 
 
 def vit_parity(archs: list, plan: str, steps: int = 3) -> dict:
@@ -48,3 +48,22 @@ def compare(got: list, ref, whole_only: bool = False) -> tuple:
             grads = [{k: g[k] for k in r} for g, r in zip(grads, ref_grads)]
         out.append((max_rel_diff(losses, ref[0]), grad_diff(grads, ref_grads), sorted(ref_grads[0])))
     return out
+
+
+def per_patch_workload() -> dict:
+    """A ViT scoring each of its 16 patch tokens against a target [B, 16] (a segmentation head):
+    the target runs along a sequence only the model makes."""
+    import torch.nn.functional as F
+    from tests.zoo.vit16 import MeanViT
+    torch.manual_seed(0)
+
+    class PerPatch(MeanViT):
+        def forward(self, images):
+            x = self.patch(images).flatten(2).transpose(1, 2) + self.pos
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.norm(x))                          # [B, 16, classes]
+    g = torch.Generator().manual_seed(5)
+    images, labels = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4, 16), generator=g)
+    return {"model": PerPatch().train(), "inputs": (images,), "target": labels,
+            "loss_fn": lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten())}

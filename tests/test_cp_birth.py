@@ -35,6 +35,12 @@ def test_a_cls_read_takes_one_position_from_the_rank_that_holds_it():
     assert "select_seq(" in code and "gather_seq(" not in code
 
 
+def test_a_target_along_the_born_sequence_is_cut_with_it():
+    from tests.cp_jobs import input_seq_dims
+    prog = compile_workload(vit_workload("per_patch"), "cp=2")
+    assert input_seq_dims(prog) == [None, 1], input_seq_dims(prog)   # images whole, target [B, 16] cut
+
+
 def test_a_born_length_2cp_does_not_divide_is_refused_in_one_line():
     """17 tokens (CLS + 16 patches): the cut is where passes/cp_tails.py's padding will go."""
     with pytest.raises(threefold.PlanError, match=r"cp=2: the sequence is born inside the model at `cat` \(<top>\) "
@@ -70,11 +76,14 @@ def test_vits_born_inside_match_one_process(plan, ranks):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_cls_vit_with_a_whole_position_table_matches_one_process():
-    """(c) CLS + 15 patches, a learned position table of 16 added whole, the CLS row pooled."""
-    got = launch(vit_parity, 2, ["vit16_cls"], "cp=2", 3, timeout=550)
-    for loss, grad, _ in compare([rank["vit16_cls"] for rank in got], vit_reference("vit16_cls")):
-        assert loss < 1e-5 and grad < 1e-4, (loss, grad)
+def test_a_cls_vit_and_a_per_patch_target_match_one_process():
+    """(c) CLS + 15 patches, a learned position table of 16 added whole, the CLS row pooled; and
+    a per-patch target [B, 16], cut to this rank's positions as the born sequence is."""
+    archs = ["vit16_cls", "per_patch"]
+    got = launch(vit_parity, 2, archs, "cp=2", 3, timeout=550)
+    for arch in archs:
+        for loss, grad, _ in compare([rank[arch] for rank in got], vit_reference(arch)):
+            assert loss < 1e-5 and grad < 1e-4, (arch, loss, grad)
 
 
 @pytest.mark.slow

@@ -79,6 +79,7 @@ class Birth:
     prefix: tuple   # the ops before the cut that read the inputs (run whole on every cp rank)
     prefix_flops: int = 0   # their forward FLOPs per microbatch (passes/cost.py), and the whole model's
     total_flops: int = 0
+    sources: tuple = ()     # the batch entries (input indices) the born value is computed from
 
     def note(self, cp: int) -> str:
         ops = ", ".join(self.prefix) or "none"
@@ -119,8 +120,23 @@ def find_birth(graph: fx.Graph) -> Birth | None:
     name, k = fn[0].rsplit("_", 1)
     before = [n for n in graph.nodes if n in derived and order[n] <= order[born] and n.op == "call_function"]
     flops = [node_cost(n).flops for n in graph.nodes if n.op == "call_function"]
+    sources = tuple(sorted({tf(a)["input_index"] for n in before for a in n.all_input_nodes
+                            if a.op == "placeholder" and tf(a).get("kind") == "input"}))
     return Birth(born.name, tf(born).get("module") or "<top>", (fn[1], int(k)), dims[0], length,
-                 tuple(dict.fromkeys(op_name(n) for n in before)), sum(node_cost(n).flops for n in before), sum(flops))
+                 tuple(dict.fromkeys(op_name(n) for n in before)), sum(node_cost(n).flops for n in before), sum(flops),
+                 sources)
+
+
+def along_birth(batch: tuple, rows: list, birth: Birth) -> list:
+    """Per batch entry, the dim to cut to this rank's blocks: the one non-batch dim of the born
+    length in an entry the sequence is not made from (a per-token target [B, L]), else None."""
+    out = []
+    for i, t in enumerate(batch):
+        row = 0 if i >= len(rows) or rows[i] is None else rows[i]
+        dims = [d for d in range(t.dim()) if d != row and t.shape[d] == birth.length] \
+            if isinstance(t, torch.Tensor) and i not in birth.sources else []
+        out.append(dims[0] if len(dims) == 1 else None)
+    return out
 
 
 def uneven_birth(birth: Birth, cp: int, name: str) -> PlanError:

@@ -11,10 +11,10 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 
-from threefold.compiler.seq_birth import calls_of, find_birth, to_shard_seq, uneven_birth
+from threefold.compiler.seq_birth import along_birth, calls_of, find_birth, to_shard_seq, uneven_birth
 from threefold.compiler.trace import trace
 from threefold.errors import PlanError
-from threefold.passes.seq_dims import full_length_tables, read_at_local_length
+from threefold.passes.seq_dims import full_length_tables, local_share, read_at_local_length
 
 
 def compile_inner(workload, plan, name, batch, dims, sliced, parts, notes, progress, own_loss, finish, cause=None):
@@ -43,6 +43,9 @@ def compile_inner(workload, plan, name, batch, dims, sliced, parts, notes, progr
     if birth.length % (2 * cp):
         raise uneven_birth(birth, cp, name)
     n = birth.length // cp
+    seq_dims = along_birth(batch, dims, birth)   # a per-token target is cut as the sequence is
+    local = local_share(sliced, seq_dims, cp)
+    inputs, target = (local[:-1], local[-1]) if has_target else (local, None)
     failed = []
     for table in [None] + full_length_tables(model, birth.length, cp)[:4]:
         try:
@@ -52,7 +55,7 @@ def compile_inner(workload, plan, name, batch, dims, sliced, parts, notes, progr
             if not cutting.done or to_shard_seq(traced.gm, cp) != 1:
                 raise PlanError("the cut was not traced")
             traced = traced.evolve(retrace=lambda m: _whole(graph, m, birth.length))
-            prog = finish(traced, workload, dims, sliced, [None] * len(batch), batch, parts, plan,
+            prog = finish(traced, workload, dims, sliced, seq_dims, batch, parts, plan,
                           notes + [birth.note(cp)], progress, seq_len=n)
         except Exception as err:   # this table is not the position table (or none is needed): the next
             failed.append(f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}")
