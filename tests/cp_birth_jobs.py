@@ -7,8 +7,21 @@ from tests.cp_factory_models import parallel, reference
 
 
 def vit_workload(arch: str) -> dict:
+    """A zoo arch, or one of this file's workloads (per_patch, first_token)."""
     from tests.zoo import ZOO
-    return per_patch_workload() if arch == "per_patch" else ZOO[arch]()
+    return {"per_patch": per_patch_workload, "first_token": first_token_workload}.get(arch, ZOO[arch] if arch in ZOO
+                                                                                     else None)()
+
+
+def first_token_workload() -> dict:
+    """An LM that adds its first token's embedding to every position (x + x[:, 0]): one global
+    position read under cp (tests/cp_loop_models.FirstToken)."""
+    from tests.cp_loop_models import FirstToken
+    from tests.cp_shift_jobs import shift_workload
+    w = shift_workload()
+    torch.manual_seed(0)
+    w["model"] = FirstToken()
+    return w
 
 
 def vit_parity(archs: list, plan: str, steps: int = 3) -> dict:

@@ -76,10 +76,11 @@ def test_vits_born_inside_match_one_process(plan, ranks):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_cls_vit_and_a_per_patch_target_match_one_process():
-    """(c) CLS + 15 patches, a learned position table of 16 added whole, the CLS row pooled; and
-    a per-patch target [B, 16], cut to this rank's positions as the born sequence is."""
-    archs = ["vit16_cls", "per_patch"]
+def test_a_cls_vit_a_per_patch_target_and_a_first_token_read_match_one_process():
+    """(c) CLS + 15 patches, a learned position table of 16 added whole, the CLS row pooled; a
+    per-patch target [B, 16], cut to this rank's positions as the born sequence is; an LM that
+    reads its first token at every position (x + x[:, 0]; refused before as "selects one position")."""
+    archs = ["vit16_cls", "per_patch", "first_token"]
     got = launch(vit_parity, 2, archs, "cp=2", 3, timeout=550)
     for arch in archs:
         for loss, grad, _ in compare([rank[arch] for rank in got], vit_reference(arch)):
