@@ -35,6 +35,15 @@ def test_a_cls_read_takes_one_position_from_the_rank_that_holds_it():
     assert "select_seq(" in code and "gather_seq(" not in code
 
 
+def test_a_position_table_interpolated_in_forward_is_cut_where_it_meets_the_sequence():
+    """Dinov2 interpolates its 10-position table to the 12x20 image's 16 tokens (bicubic, in
+    forward) and adds it whole: the cut trace cuts that value too (exact: broadcasting pairs
+    the same positions)."""
+    prog = compile_workload(vit_workload("hf_dinov2_16"), "cp=2")
+    assert any("meet the cut sequence element-wise" in n for n in prog.notes), prog.notes
+    assert _code(prog).split("def model_outputs")[0].count("shard_seq(") == 2   # the tokens and the table
+
+
 def test_a_target_along_the_born_sequence_is_cut_with_it():
     from tests.cp_jobs import input_seq_dims
     prog = compile_workload(vit_workload("per_patch"), "cp=2")
@@ -79,8 +88,9 @@ def test_vits_born_inside_match_one_process(plan, ranks):
 def test_a_cls_vit_a_per_patch_target_and_a_first_token_read_match_one_process():
     """(c) CLS + 15 patches, a learned position table of 16 added whole, the CLS row pooled; a
     per-patch target [B, 16], cut to this rank's positions as the born sequence is; an LM that
-    reads its first token at every position (x + x[:, 0]; refused before as "selects one position")."""
-    archs = ["vit16_cls", "per_patch", "first_token"]
+    reads its first token at every position (x + x[:, 0]; refused before as "selects one position");
+    HF DeiT (CLS and distillation rows read) and Dinov2 (its position table interpolated in forward)."""
+    archs = ["vit16_cls", "per_patch", "first_token", "hf_deit16", "hf_dinov2_16"]
     got = launch(vit_parity, 2, archs, "cp=2", 3, timeout=550)
     for arch in archs:
         for loss, grad, _ in compare([rank[arch] for rank in got], vit_reference(arch)):

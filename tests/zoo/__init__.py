@@ -106,6 +106,8 @@ ZOO = {
     "vit16_mean": _vit16.FACTORIES["vit16_mean"],   # 16 patch tokens born in forward, whole position table, mean pool
     "vit16_cls": _vit16.FACTORIES["vit16_cls"],     # CLS + 15 patches born in forward (cat), whole table, CLS pool
     "hf_vit16": _vit16.FACTORIES["hf_vit16"],       # HF ViTForImageClassification on 12x20 images: 15 + CLS = 16
+    "hf_deit16": _vit16.FACTORIES["hf_deit16"],     # HF DeiT: 14 patches + CLS + distillation token = 16
+    "hf_dinov2_16": _vit16.FACTORIES["hf_dinov2_16"],  # HF Dinov2: position table interpolated in forward, 16 tokens
     "gpt_seq7": _vit.FACTORIES["gpt_seq7"],         # 7 tokens: sp pads the vocab-parallel embedding's shards
     "meta_llama": _meta.FACTORIES["meta_llama"],    # Meta's reference LLaMA: view_as_complex rotary, expand GQA
     "deberta_v2": _hfs.FACTORIES["deberta_v2"],     # disentangled attention: repeat of relative-position q/k

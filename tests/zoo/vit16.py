@@ -83,4 +83,44 @@ def hf_vit16(seed: int = 0):
     return workload(Logits().train(), (images,), labels, F.cross_entropy)
 
 
-FACTORIES = {"vit16_mean": vit16_mean, "vit16_cls": vit16_cls, "hf_vit16": hf_vit16}
+def hf_deit16(seed: int = 0):
+    """transformers' DeiTForImageClassification, 8x28 images in 4x4 patches: 14 + CLS + distillation = 16."""
+    from transformers import DeiTConfig, DeiTForImageClassification
+    torch.manual_seed(seed)
+    cfg = DeiTConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                     image_size=(8, 28), patch_size=PATCH, num_labels=CLASSES, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0, attn_implementation="eager")
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = DeiTForImageClassification(cfg)
+
+        def forward(self, pixel_values):
+            return self.model(pixel_values=pixel_values).logits
+    images, labels = _images(seed, 8, 28)
+    return workload(Logits().train(), (images,), labels, F.cross_entropy)
+
+
+def hf_dinov2_16(seed: int = 0):
+    """transformers' Dinov2Model trained on its CLS row (pooler_output), 12x20 images in 4x4 patches
+    (15 + CLS = 16): its position table of 10 (a 12x12 image) is interpolated bicubically in forward."""
+    from transformers import Dinov2Config, Dinov2Model
+    torch.manual_seed(seed)
+    cfg = Dinov2Config(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2, image_size=12,
+                       patch_size=PATCH, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                       attn_implementation="eager")
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model, self.head = Dinov2Model(cfg), torch.nn.Linear(HIDDEN, CLASSES)
+
+        def forward(self, pixel_values):
+            return self.head(self.model(pixel_values=pixel_values).pooler_output)
+    images, labels = _images(seed, 12, 20)
+    return workload(Logits().train(), (images,), labels, F.cross_entropy)
+
+
+FACTORIES = {"vit16_mean": vit16_mean, "vit16_cls": vit16_cls, "hf_vit16": hf_vit16, "hf_deit16": hf_deit16,
+             "hf_dinov2_16": hf_dinov2_16}

@@ -148,18 +148,29 @@ def uneven_birth(birth: Birth, cp: int, name: str) -> PlanError:
                      f"in 2*cp blocks, or cp=1")
 
 
+# element-wise torch functions whose operands broadcast (not in place: cutting `self` would write a copy)
+_ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "where", "maximum", "minimum", "__add__", "__radd__", "__sub__",
+                          "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__"})
+
+
 class _Calls(TorchFunctionMode):
     """Counts each torch function's calls, as torch.export's torch_fn metadata does (its k-th
     call); records their output shapes (`shapes`) and, at `cut` = (name, k), passes the
-    output through cp_cut."""
+    output through cp_cut. After the cut, an element-wise operand that holds all `length`
+    positions where another holds this rank's (a position table interpolated in forward,
+    added whole) is cut too (`also`): exact, since broadcasting pairs the same positions."""
 
-    def __init__(self, cut: tuple | None = None, dim: int = 0, ranks: int = 1):
+    def __init__(self, cut: tuple | None = None, dim: int = 0, ranks: int = 1, length: int = 0):
         super().__init__()
         self.counts, self.shapes, self.cut, self.dim, self.ranks, self.done = {}, {}, cut, dim, ranks, False
+        self.length, self.also = length, 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         self.counts[func] = self.counts.get(func, 0) + 1
-        key = (f"{type(func).__name__}.{getattr(func, '__name__', '')}", self.counts[func])
+        name = getattr(func, "__name__", "")
+        key = (f"{type(func).__name__}.{name}", self.counts[func])
+        if self.done and name in _ELEMENTWISE and self.ranks > 1:
+            args = self._cut_whole(args)
         out = func(*args, **(kwargs or {}))
         if isinstance(out, torch.Tensor):
             self.shapes.setdefault(key, tuple(out.shape))
@@ -168,17 +179,34 @@ class _Calls(TorchFunctionMode):
             return torch.ops.threefold.cp_cut(out, self.dim, self.ranks)
         return out
 
+    def _cut_whole(self, args):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if len(tensors) < 2:
+            return args
+        rank, n = max(t.dim() for t in tensors), self.length // self.ranks
+
+        def size(t, e):   # t's size at dim e of the broadcast shape (1 where t has no such dim)
+            return t.shape[e - rank + t.dim()] if e >= rank - t.dim() else 1
+        out = list(args)
+        for e in range(rank):
+            if {n, self.length} <= {size(t, e) for t in tensors}:
+                for i, a in enumerate(out):
+                    if isinstance(a, torch.Tensor) and size(a, e) == self.length:
+                        out[i] = torch.ops.threefold.cp_cut(a, e - rank + a.dim(), self.ranks)
+                        self.also += 1
+        return tuple(out)
+
 
 @contextmanager
-def calls_of(model: torch.nn.Module, cut: tuple | None = None, dim: int = 0, ranks: int = 1):
+def calls_of(model: torch.nn.Module, cut: tuple | None = None, dim: int = 0, ranks: int = 1, length: int = 0):
     """While `model` runs forward (inside a trace): its torch-level calls counted (and cut).
     The mode is entered inside forward, above export's own modes, so it sees the calls export's
     torch_fn metadata counts, in the same order."""
-    mode = _Calls(cut, dim, ranks)
+    mode = _Calls(cut, dim, ranks, length)
     forward, own = model.forward, model.__dict__.get("forward")
 
     def counted(*args, **kwargs):   # counted afresh on each forward (a trace may export twice)
-        mode.counts, mode.done = {}, False
+        mode.counts, mode.done, mode.also = {}, False, 0
         with mode:   # (a `with`, so an export that fails pops its modes in order)
             return forward(*args, **kwargs)
     model.forward = counted

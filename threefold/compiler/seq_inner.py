@@ -50,13 +50,16 @@ def compile_inner(workload, plan, name, batch, dims, sliced, parts, notes, progr
     for table in [None] + full_length_tables(model, birth.length, cp)[:4]:
         try:
             with read_at_local_length(model, [table], n) if table else nullcontext(), \
-                    calls_of(model, birth.call, birth.dim, cp) as cutting:
+                    calls_of(model, birth.call, birth.dim, cp, birth.length) as cutting:
                 traced = trace(model, inputs, target, workload.loss_fn, plan, own_loss=own_loss)
-            if not cutting.done or to_shard_seq(traced.gm, cp) != 1:
+            if not cutting.done or to_shard_seq(traced.gm, cp) != 1 + cutting.also:
                 raise PlanError("the cut was not traced")
             traced = traced.evolve(retrace=lambda m: _whole(graph, m, birth.length))
+            also = [f"cp: {cutting.also} value(s) of all {birth.length} positions (a position table added whole, "
+                    "or interpolated to the image in forward) meet the cut sequence element-wise: cut to this "
+                    "rank's positions too"] if cutting.also else []
             prog = finish(traced, workload, dims, sliced, seq_dims, batch, parts, plan,
-                          notes + [birth.note(cp)], progress, seq_len=n)
+                          notes + [birth.note(cp)] + also, progress, seq_len=n)
         except Exception as err:   # this table is not the position table (or none is needed): the next
             failed.append(f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}")
             continue
