@@ -80,3 +80,22 @@ def per_patch_workload() -> dict:
     images, labels = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4, 16), generator=g)
     return {"model": PerPatch().train(), "inputs": (images,), "target": labels,
             "loss_fn": lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten())}
+
+
+def patch_mean_workload() -> dict:
+    """CLS + 15 patches pooled as the mean of the patch rows alone (x[:, 1:].mean(1), as
+    Dinov2's and BEiT's classifiers do): a mean over a sequence shortened inside the model."""
+    import torch.nn.functional as F
+    from tests.zoo.vit16 import ClsViT
+    torch.manual_seed(0)
+
+    class PatchMean(ClsViT):
+        def forward(self, images):
+            x = self.patch(images).flatten(2).transpose(1, 2)
+            x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.pos
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.norm(x)[:, 1:].mean(dim=1))
+    g = torch.Generator().manual_seed(5)
+    return {"model": PatchMean().train(), "inputs": (torch.randn(4, 3, 12, 20, generator=g),),
+            "target": torch.randint(0, 10, (4,), generator=g), "loss_fn": F.cross_entropy}

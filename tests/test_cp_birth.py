@@ -58,6 +58,16 @@ def test_a_born_length_2cp_does_not_divide_is_refused_in_one_line():
     assert "\n" not in str(err.value)
 
 
+def test_what_cannot_run_after_the_birth_is_refused_in_one_line_naming_both():
+    """A mean over the patch rows without the CLS row (x[:, 1:].mean(1)) reads a sequence
+    shortened inside the model, which cp keeps only for position-wise ops and the loss."""
+    from tests.cp_birth_jobs import patch_mean_workload
+    with pytest.raises(threefold.PlanError, match=r"born inside the model at `cat` .*cannot run from there: .*mean at "
+                                                  r"<top> reads a value shortened along the sequence") as err:
+        compile_workload(patch_mean_workload(), "cp=2")
+    assert "\n" not in str(err.value)
+
+
 def test_an_artifact_with_the_cut_saves_and_loads(tmp_path):
     from threefold.codegen.artifact import save_artifact
     from threefold.runtime.loader import load_chunk, open_artifact

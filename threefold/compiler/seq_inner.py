@@ -67,7 +67,7 @@ def compile_inner(workload, plan, name, batch, dims, sliced, parts, notes, progr
             return prog
         failed.append(f"the table `{table[1]}` was not read at this rank's positions")
     raise PlanError(f"{name}: cp={cp}: the sequence is born inside the model at `{birth.node}` ({birth.module}, "
-                    f"{birth.length} positions), but cp cannot run from there: {failed[-1]}") from None
+                    f"{birth.length} positions), but cp cannot run from there: {failed[0]}") from None
 
 
 def _whole(graph, m: int, length: int):
