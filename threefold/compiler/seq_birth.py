@@ -70,22 +70,23 @@ cp_cut.register_autograd(_cut_backward, setup_context=_cut_context)
 @dataclass(frozen=True)
 class Birth:
     """Where the sequence is born: the node (its name and module), the torch-level call that
-    makes it (`call`: (qualified function name, k) for its k-th call), the dim and length."""
+    makes it (`call`: (qualified function name, k) for its k-th call; None where export left
+    no torch_fn), its dims of that length (`dims`: where several, each is tried) and the length."""
     node: str
     module: str
-    call: tuple
-    dim: int
+    call: tuple | None
+    dims: tuple
     length: int
     prefix: tuple   # the ops before the cut that read the inputs (run whole on every cp rank)
     prefix_flops: int = 0   # their forward FLOPs per microbatch (passes/cost.py), and the whole model's
     total_flops: int = 0
     sources: tuple = ()     # the batch entries (input indices) the born value is computed from
 
-    def note(self, cp: int) -> str:
+    def note(self, cp: int, dim: int) -> str:
         ops = ", ".join(self.prefix) or "none"
         share = f", {100 * self.prefix_flops / self.total_flops:.1f}%" if self.total_flops else ""
         return (f"cp: the sequence ({self.length} positions) is born inside the model at `{self.node}` "
-                f"({self.module}, dim {self.dim}); cp starts there: each rank cuts its {self.length // cp} "
+                f"({self.module}, dim {dim}); cp starts there: each rank cuts its {self.length // cp} "
                 f"positions (blocks r, 2cp-1-r) and the ops before it run whole on every cp rank, redundantly "
                 f"({ops}: {self.prefix_flops} of the model's {self.total_flops} forward FLOPs per "
                 f"microbatch{share})")
@@ -114,17 +115,13 @@ def find_birth(graph: fx.Graph) -> Birth | None:
         return None   # an input carries the sequence: the seq_dims path decides
     born = _call_output(min(births, key=order.get), graph)
     fn = born.meta.get("torch_fn")
-    dims = _dims_of(born, length)
-    if fn is None or len(dims) != 1 or not isinstance(born.meta.get("val"), torch.Tensor):
-        return None
-    name, k = fn[0].rsplit("_", 1)
-    before = [n for n in graph.nodes if n in derived and order[n] <= order[born] and n.op == "call_function"]
-    flops = [node_cost(n).flops for n in graph.nodes if n.op == "call_function"]
-    sources = tuple(sorted({tf(a)["input_index"] for n in before for a in n.all_input_nodes
-                            if a.op == "placeholder" and tf(a).get("kind") == "input"}))
-    return Birth(born.name, tf(born).get("module") or "<top>", (fn[1], int(k)), dims[0], length,
-                 tuple(dict.fromkeys(op_name(n) for n in before)), sum(node_cost(n).flops for n in before), sum(flops),
-                 sources)
+    call = (fn[1], int(fn[0].rsplit("_", 1)[1])) if fn is not None else None
+    before = sorted(_ancestors(born) & derived, key=order.get)   # the prefix: what the born value is made of
+    ops = [n for n in before if n.op == "call_function"]
+    sources = tuple(sorted(tf(n)["input_index"] for n in before if n.op == "placeholder"))
+    return Birth(born.name, tf(born).get("module") or "<top>", call, tuple(_dims_of(born, length)), length,
+                 tuple(dict.fromkeys(op_name(n) for n in ops)), sum(node_cost(n).flops for n in ops),
+                 sum(node_cost(n).flops for n in graph.nodes if n.op == "call_function"), sources)
 
 
 def along_birth(batch: tuple, rows: list, birth: Birth) -> list:
@@ -249,6 +246,17 @@ def _first_attention(graph: fx.Graph):
         if isinstance(v, torch.Tensor) and v.dim() >= 2:
             return q, v.shape[-2]
     return None
+
+
+def _ancestors(node: fx.Node) -> set:
+    """node and every node it is computed from."""
+    seen, stack = set(), [node]
+    while stack:
+        x = stack.pop()
+        if x not in seen:
+            seen.add(x)
+            stack.extend(x.all_input_nodes)
+    return seen
 
 
 def _input_derived(graph: fx.Graph) -> set:
