@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from threefold.errors import PlanError
 from threefold.ir.program import tf
-from threefold.ops.families import args_of, op_name
+from threefold.ops.families import ELEMENTWISE_BINARY, args_of, op_name
 from threefold.passes.cost import node_cost
 from threefold.runtime import cp_gather
 from threefold.runtime.cp_ops import block_positions, local_blocks
@@ -145,11 +145,6 @@ def uneven_birth(birth: Birth, cp: int, name: str) -> PlanError:
                      f"in 2*cp blocks, or cp=1")
 
 
-# element-wise torch functions whose operands broadcast (not in place: cutting `self` would write a copy)
-_ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "where", "maximum", "minimum", "__add__", "__radd__", "__sub__",
-                          "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__"})
-
-
 class _Calls(TorchFunctionMode):
     """Counts each torch function's calls, as torch.export's torch_fn metadata does (its k-th
     call); records their output shapes (`shapes`) and, at `cut` = (name, k), passes the
@@ -166,7 +161,7 @@ class _Calls(TorchFunctionMode):
         self.counts[func] = self.counts.get(func, 0) + 1
         name = getattr(func, "__name__", "")
         key = (f"{type(func).__name__}.{name}", self.counts[func])
-        if self.done and name in _ELEMENTWISE and self.ranks > 1:
+        if self.done and _elementwise(name) and self.ranks > 1:
             args = self._cut_whole(args)
         out = func(*args, **(kwargs or {}))
         if isinstance(out, torch.Tensor):
@@ -230,6 +225,17 @@ def to_shard_seq(gm: fx.GraphModule, cp: int) -> int:
             count += 1
     gm.recompile()
     return count
+
+
+def _elementwise(name: str) -> bool:
+    """A torch-level element-wise call whose operands broadcast: add, Tensor.add, `__add__`,
+    reflected `__radd__`, `__truediv__` (in place, `add_` / `__iadd__`, is not: cutting its
+    `self` would write a copy)."""
+    if name.endswith("_") and not name.startswith("__"):
+        return False
+    base = name.strip("_")
+    base = "div" if base in ("truediv", "rtruediv") else base
+    return base in ELEMENTWISE_BINARY or (name.startswith("__r") and base[1:] in ELEMENTWISE_BINARY)
 
 
 def _first_attention(graph: fx.Graph):
