@@ -74,12 +74,16 @@ def compile_workload(workload: Workload | dict, plan: Plan | str | None = None,
     sliced = microbatch(batch, parts, name, dims)
     rows = _rows_for_cp(workload, batch, dims, plan, declared, name) if plan.cp > 1 and parts == 1 else dims
 
+    image_like = plan.cp > 1 and any(isinstance(t, torch.Tensor) and t.dim() >= 3 for t in workload.inputs)
+
     def inner(cause=None):   # cp from where the sequence is born inside the model (compiler/seq_inner.py)
+        if image_like and cause is not None:   # already asked, below: no birth point
+            raise cause
         return compile_inner(workload, plan, name, batch, dims, sliced, parts, list(notes), progress, own_loss,
                              _finish, cause)
     # an image-like input (rank >= 3): its dims may merely divide like a sequence (a ViT's H and W);
     # where the model makes its sequence from it, cutting an input dim is not cutting the sequence
-    if plan.cp > 1 and any(isinstance(t, torch.Tensor) and t.dim() >= 3 for t in workload.inputs):
+    if image_like:
         prog = inner()
         if prog is not None:
             return prog
