@@ -118,3 +118,24 @@ def test_the_born_sequence_composes_with_tp_and_pp(plan):
     for loss, grad, names in results:
         assert loss < 1e-5 and grad < 1e-4, (plan, loss, grad)
     assert any("patch.weight" in names for _, _, names in results)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_saved_artifact_with_the_cut_trains_like_one_process(tmp_path):
+    """`threefold run` on the saved cp=2 artifact of HF ViT (no model source needed)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from threefold.codegen.artifact import save_artifact
+    from tests.parity import max_rel_diff
+    w = vit_workload("hf_vit16")
+    save_artifact(compile_workload(w, "cp=2"), str(tmp_path / "art"), batch=(*w["inputs"], w["target"]))
+    root = os.path.dirname(os.path.dirname(threefold.__file__))   # threefold itself, wherever it is imported from
+    out = subprocess.run([sys.executable, "-m", "threefold", "run", str(tmp_path / "art"), "--json"], cwd=str(tmp_path),
+                         env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True, timeout=500)
+    assert out.returncode == 0, out.stderr[-2000:]
+    losses = json.loads(out.stdout.strip().splitlines()[-1])["losses"]
+    ref = vit_reference("hf_vit16")[0]
+    assert max_rel_diff(losses, ref) < 1e-5, (losses, ref)
