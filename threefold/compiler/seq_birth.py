@@ -9,9 +9,13 @@ starts at that point instead:
    to the value where that dim first appears: a node none of whose input-derived arguments
    has a dim of size L. Its torch-level call (node.meta["torch_fn"], the k-th call of that
    torch function) is what the second trace cuts.
-2. `cut_at`: the model is traced again with a TorchFunctionMode that passes that call's output
+2. `calls_of`: the model is traced again with a TorchFunctionMode that passes that call's output
    through `threefold::cp_cut` (this rank's blocks r, 2cp-1-r along the born dim; its fake
-   returns the local length), so every view and reshape after it is traced at L/cp.
+   returns the local length), so every view and reshape after it is traced at L/cp. After the
+   cut, an element-wise operand holding all L positions where another holds this rank's (a
+   position table added whole, or interpolated to the image in forward) is cut too: exact,
+   since broadcasting pairs the same positions. A per-token target along the born sequence
+   [B, L] is cut like an input sequence (`along_birth`).
 3. `to_shard_seq`: the cut becomes runtime/cp_gather.shard_seq (forward: this rank's blocks;
    backward: their rows in a zero gradient), which the cp rules place as Seq(dim); everything
    before it (the prefix) runs whole on every cp rank, redundant but exact. The prefix's
