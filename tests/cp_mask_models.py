@@ -78,7 +78,8 @@ def masked_workload(mode: str, seq: int = 16, batch: int = 4) -> dict:
 class Mixing(nn.Module):
     """Ops with no ring form that take the all-gather fallback: `mode` cumsum (a running mean
     over time added to each position), conv (a non-causal conv1d over time), pool (mean over
-    the sequence -> a classifier: the target has no sequence dim), kmax (k-max pooling,
+    the sequence -> a classifier: the target has no sequence dim; partial sums all-reduced, not
+    gathered: runtime/cp_gather.reduce_seq), kmax (k-max pooling,
     topk(x, 2, dim=1) over time, added back to every position), sort (values sorted over
     time, indices used too), cumprod / logcumsumexp (scans over time); and position-wise
     ones cp must keep local: router (topk(k=2, dim=-1) over [tokens, 4 experts], a

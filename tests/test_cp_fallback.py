@@ -1,6 +1,6 @@
 """The all-gather fallback of context parallelism (passes/cp_fallback.py, runtime/cp_gather.py):
 ops that mix sequence positions (a running max over time, a non-causal conv, mean over the sequence)
-run on the gathered sequence, are listed with their bytes, refused under strict=true, and
+run on the gathered sequence (a sum or mean over it: partial sums all-reduced), are listed with their bytes, refused under strict=true, and
 equal one process at cp=2 (fp32, 3 SGD steps)."""
 import pytest
 
@@ -15,8 +15,7 @@ from tests.parity import max_rel_diff, sgd_losses
 MODES = ["cummax", "conv", "pool"]
 
 
-@pytest.mark.parametrize("mode,op,cut", [("cummax", "cummax", True), ("conv", "conv1d", True),
-                                         ("pool", "mean", False)])
+@pytest.mark.parametrize("mode,op,cut", [("cummax", "cummax", True), ("conv", "conv1d", True)])
 def test_fallback_gathers_around_the_op_and_lists_its_bytes(mode, op, cut):
     prog = compile_workload(mixing_workload(mode), "cp=2,m=2")
     code = build_sources(prog)["chunk00.py"].split("def model_outputs")[0]
@@ -24,6 +23,15 @@ def test_fallback_gathers_around_the_op_and_lists_its_bytes(mode, op, cut):
     notes = [n for n in prog.notes if n.startswith("cp fallback:")]
     # [2 rows, 8 positions, 16] fp32 per microbatch, gathered from 1 peer, forward + backward, m=2
     assert len(notes) == 1 and f"{op} (" in notes[0] and f"{2 * 2 * 2 * 8 * 16 * 4} bytes per rank per step" in notes[0]
+
+
+def test_a_mean_over_the_sequence_sums_each_rank_and_all_reduces_instead():
+    """Pooling over the sequence (the `pool` mode) moves [rows, features], not the sequence: each
+    rank's partial sum all-reduced (runtime/cp_gather.reduce_seq); it was the all-gather fallback."""
+    prog = compile_workload(mixing_workload("pool"), "cp=2,m=2")
+    code = build_sources(prog)["chunk00.py"].split("def model_outputs")[0]
+    assert "cp_gather.reduce_seq(" in code and "gather_seq(" not in code
+    assert not [n for n in prog.notes if n.startswith("cp fallback:")]
 
 
 def test_strict_plan_refuses_the_fallback_in_one_line():

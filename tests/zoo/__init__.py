@@ -28,6 +28,7 @@ from tests.zoo import hf_other as _hfo
 from tests.zoo import hf_recent as _hfr
 from tests.zoo import torch_nn as _nn
 from tests.zoo import vit as _vit
+from tests.zoo import vit16 as _vit16
 
 _D = _hf.FACTORIES
 
@@ -102,6 +103,11 @@ ZOO = {
     "wav2vec2_ctc": _ctc.FACTORIES["wav2vec2_ctc"], # HF Wav2Vec2ForCTC: conv encoder, weight-norm pos conv, CTC
     "vit17": _vit.FACTORIES["vit17"],               # CLS + 16 patches = 17 tokens: sp pads the sequence shards
     "hf_vit17": _vit.FACTORIES["hf_vit17"],         # HF ViTForImageClassification, 17 tokens
+    "vit16_mean": _vit16.FACTORIES["vit16_mean"],   # 16 patch tokens born in forward, whole position table, mean pool
+    "vit16_cls": _vit16.FACTORIES["vit16_cls"],     # CLS + 15 patches born in forward (cat), whole table, CLS pool
+    "hf_vit16": _vit16.FACTORIES["hf_vit16"],       # HF ViTForImageClassification on 12x20 images: 15 + CLS = 16
+    "hf_deit16": _vit16.FACTORIES["hf_deit16"],     # HF DeiT: 14 patches + CLS + distillation token = 16
+    "hf_dinov2_16": _vit16.FACTORIES["hf_dinov2_16"],  # HF Dinov2: position table interpolated in forward, 16 tokens
     "gpt_seq7": _vit.FACTORIES["gpt_seq7"],         # 7 tokens: sp pads the vocab-parallel embedding's shards
     "meta_llama": _meta.FACTORIES["meta_llama"],    # Meta's reference LLaMA: view_as_complex rotary, expand GQA
     "deberta_v2": _hfs.FACTORIES["deberta_v2"],     # disentangled attention: repeat of relative-position q/k

@@ -17,6 +17,7 @@ from threefold.errors import PlanError
 from threefold.passes.batch_coupling import check_batch_coupling
 from threefold.passes.batch_dims import AmbiguousBatch, find_batch_dims
 from threefold.compiler.seq_choice import compile_each_candidate
+from threefold.compiler.seq_inner import compile_inner
 from threefold.passes.seq_dims import AmbiguousSeq, find_seq_dims, full_length_refusal, full_length_tables, local_share, \
     read_at_local_length, seq_tail_of
 from threefold.placement import Shard, place_on
@@ -72,15 +73,28 @@ def compile_workload(workload: Workload | dict, plan: Plan | str | None = None,
                      "so no split could be checked numerically; the usual dim 0 is taken")
     sliced = microbatch(batch, parts, name, dims)
     rows = _rows_for_cp(workload, batch, dims, plan, declared, name) if plan.cp > 1 and parts == 1 else dims
+
+    image_like = plan.cp > 1 and any(isinstance(t, torch.Tensor) and t.dim() >= 3 for t in workload.inputs)
+
+    def inner(cause=None):   # cp from where the sequence is born inside the model (compiler/seq_inner.py)
+        if image_like and cause is not None:   # already asked, below: no birth point
+            raise cause
+        return compile_inner(workload, plan, name, batch, dims, sliced, parts, list(notes), progress, own_loss,
+                             _finish, cause)
+    # an image-like input (rank >= 3): its dims may merely divide like a sequence (a ViT's H and W);
+    # where the model makes its sequence from it, cutting an input dim is not cutting the sequence
+    if image_like:
+        prog = inner()
+        if prog is not None:
+            return prog
     try:
         seq_dims = find_seq_dims(batch, rows, len(workload.inputs), plan.cp, name)
     except AmbiguousSeq as exc:   # several dims could be the sequence: keep the only one cp compiles
         if len(exc.candidates) < 2:
-            raise
+            return inner(exc)
         return compile_each_candidate(exc, lambda chosen: _compile_split(
             workload, plan, name, batch, dims, sliced, parts, list(notes), progress, own_loss,
-            find_seq_dims(batch, rows, len(workload.inputs), plan.cp, name, chosen)),
-            lambda: _traced_whole(workload, sliced, plan, own_loss), plan.cp)
+            find_seq_dims(batch, rows, len(workload.inputs), plan.cp, name, chosen)), inner)
     return _compile_split(workload, plan, name, batch, dims, sliced, parts, notes, progress, own_loss, seq_dims)
 
 
@@ -109,14 +123,6 @@ def _compile_split(workload, plan, name, batch, dims, sliced, parts, notes, prog
     if plan.cp > 1:
         traced = traced.evolve(retrace=_retracer(workload, inputs, target, plan, own_loss, seq_dims))
     return _finish(traced, workload, dims, sliced, seq_dims, batch, parts, plan, notes, progress)
-
-
-def _traced_whole(workload: Workload, sliced: tuple, plan: Plan, own_loss: bool):
-    """The model's graph on the whole sequence (cp=1): where cp finds no input dim to cut, it
-    shows where the sequence is made (compiler/seq_choice.py)."""
-    has_target = workload.loss_fn is not None
-    inputs, target = (sliced[:-1], sliced[-1]) if has_target else (sliced, None)
-    return trace(workload.model, inputs, target, workload.loss_fn, plan.replace(cp=1), own_loss=own_loss).gm.graph
 
 
 def _rows_for_cp(workload: Workload, batch: tuple, dims: list, plan: Plan, declared, name: str) -> list:
@@ -152,9 +158,10 @@ def _retracer(workload: Workload, inputs: tuple, target, plan: Plan, own_loss: b
     return retrace
 
 
-def _finish(traced, workload, dims, sliced, seq_dims, batch, parts, plan, notes, progress):
+def _finish(traced, workload, dims, sliced, seq_dims, batch, parts, plan, notes, progress, seq_len=None):
+    """`seq_len`: the local length where no input carries the sequence (compiler/seq_birth.py)."""
     rows = [sliced[i].shape[d] for i, d in enumerate(dims) if d is not None]
-    lengths = [sliced[i].shape[d] for i, d in enumerate(seq_dims) if d is not None]
+    lengths = [seq_len] if seq_len else [sliced[i].shape[d] for i, d in enumerate(seq_dims) if d is not None]
     if plan.cp > 1:   # each input's sequence dim: its cp entry, which the cp pass starts from
         _place_inputs(traced.gm, "cp", seq_dims)
     traced = traced.evolve(batch_dims=list(dims), micro_rows=rows[0] if rows else None,

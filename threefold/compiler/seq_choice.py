@@ -13,19 +13,15 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
-
 from threefold.errors import PlanError
-from threefold.ops.families import args_of, op_name
 from threefold.passes.seq_dims import AmbiguousSeq
 
 
-def compile_each_candidate(exc: AmbiguousSeq, compile_with: Callable, traced_whole: Callable | None = None,
-                           cp: int = 1):
+def compile_each_candidate(exc: AmbiguousSeq, compile_with: Callable, inner: Callable | None = None):
     """`compile_with({input index: dim})` for each candidate dim of exc: the program of the only
-    one that compiles (with a note saying why), else re-raise exc; where none compiles and
-    `traced_whole()` (the model's graph at cp=1) shows the sequence made inside the model (a
-    patch embedding), a PlanError saying so instead."""
+    one that compiles (with a note saying why), else re-raise exc; where none compiles,
+    `inner(cause)`: cp from where the sequence is born inside the model (a patch embedding;
+    compiler/seq_inner.py), which raises `cause` where it is not."""
     done, failed = [], []
     for d in exc.candidates:
         try:
@@ -38,39 +34,12 @@ def compile_each_candidate(exc: AmbiguousSeq, compile_with: Callable, traced_who
     if len(done) > 1:
         position_wise = [(d, p) for d, p in done if not any(n.startswith("cp fallback:") for n in p.notes)]
         done = position_wise if len(position_wise) == 1 else done
-    if not done and traced_whole is not None:
-        inner = _inner_sequence(traced_whole, cp)
-        if inner is not None:
-            raise PlanError(f"{str(exc).split(':')[0]}: cp={cp}: no dim of input {exc.index} is the sequence (cutting "
-                            f"any of dims {exc.candidates} fails); {inner}") from None
+    if not done and inner is not None:
+        return inner(PlanError(f"{str(exc).split(':')[0]}: no dim of input {exc.index} is the sequence (cutting any "
+                               f"of dims {exc.candidates} fails: {'; '.join(failed)})"))
     if len(done) != 1:
         raise exc
     d, prog = done[0]
     note = (f"cp: input {exc.index}'s sequence is dim {d}, the only one of its candidates {exc.candidates} that "
             f"compiles ({'; '.join(failed) or 'the others need an all-gather fallback'})")
     return prog.evolve(notes=prog.notes + (note,))
-
-
-def _inner_sequence(traced_whole: Callable, cp: int):
-    """Where the sequence is made inside the model: the first attention's query length and
-    module, as a reason (None where the model has no attention, or does not trace)."""
-    try:
-        graph = traced_whole()
-    except Exception:   # no answer, no guess
-        return None
-    for node in graph.nodes:
-        name = op_name(node) if node.op == "call_function" else None
-        if name == "scaled_dot_product_attention":
-            q = args_of(node)["query"].meta.get("val")
-        elif name in ("softmax", "_softmax") and op_name(node.args[0]) in ("matmul", "bmm", "mul", "div", "add"):
-            q = node.meta.get("val")
-        else:
-            continue
-        if not isinstance(q, torch.Tensor) or q.dim() < 2:
-            continue
-        length, module = q.shape[-2], node.meta.get("tf", {}).get("module") or "<top>"
-        why = f"the sequence appears inside the model ({length} tokens at the attention in {module}, made from the input)"
-        if length % (2 * cp):
-            return f"{why}, and {length} is not a multiple of 2*cp={2 * cp}; use cp=1"
-        return f"{why}; cp splits a sequence the inputs carry: use cp=1"
-    return None

@@ -173,6 +173,9 @@ CROSS_ENTROPIES = frozenset({"cross_entropy", "cross_entropy_loss"})     # F.cro
 VOCAB_PARALLEL_CROSS_ENTROPIES = LOSSES & {"vocab_parallel_cross_entropy", "vocab_parallel_cross_entropy_full"}
 # the tensor-parallel collectives runtime/tp_ops.py applies to a value as a whole
 TP_WHOLE_VALUE_OPS = frozenset({"f", "g", "scatter", "gather", "all_gather_seq", "scatter_blocks", "gather_blocks"})
+# element-wise ops whose operands broadcast (compiler/seq_birth.py cuts a whole-length operand
+# of one met at the torch level, `x + self.pos`, where `__add__` / `__radd__` stand for add)
+ELEMENTWISE_BINARY = frozenset({"add", "sub", "mul", "div", "where", "maximum", "minimum"})
 # a constant of another tensor's shape (and dtype): reads nothing else of it
 CONSTANT_LIKE = LIKE_FACTORIES & {"empty_like", "zeros_like", "ones_like", "full_like"}
 

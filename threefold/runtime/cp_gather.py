@@ -86,3 +86,69 @@ def shard_seq(y: torch.Tensor, dim: int, group, ranks: int = 1) -> torch.Tensor:
     if group is None:
         return y if ranks == 1 else y.narrow(dim, 0, -(-y.shape[dim] // ranks))
     return _Shard.apply(y, dim, group)
+
+
+class _Select(torch.autograd.Function):
+    """One global position of the sequence, the same on every cp rank: the rank that holds it
+    contributes it, the others zeros, summed (all-reduce); backward: the gradients of the cp
+    ranks' copies summed, at that position on its holder (zeros elsewhere)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, index, group):
+        cp, n = _size(group), x.shape[dim]
+        hit = (block_positions(n, cp, _rank(group), device=x.device) == index % (n * cp)).nonzero()
+        ctx.dim, ctx.group, ctx.shape = dim, group, x.shape
+        ctx.local = int(hit[0, 0]) if len(hit) else None
+        y = x.select(dim, ctx.local).clone() if ctx.local is not None else \
+            x.new_zeros(x.shape[:dim] + x.shape[dim + 1:])
+        comm.all_reduce(y, group, "one position read along the sequence (cp select)")
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        comm.all_reduce(g, ctx.group, "the gradient of one position read along the sequence (cp select)")
+        full = g.new_zeros(ctx.shape)
+        if ctx.local is not None:
+            full.select(ctx.dim, ctx.local).copy_(g)
+        return full, None, None, None
+
+
+def select_seq(x: torch.Tensor, dim: int, index: int, group, ranks: int = 1) -> torch.Tensor:
+    """x.select(dim, index) at a global position `index` of a sequence split along `dim` (a
+    CLS token read as x[:, 0]): the same value on every cp rank."""
+    if group is None:   # one rank standing in for a real one (fakes): its shapes
+        return x.select(dim, index % x.shape[dim])
+    return _Select.apply(x, dim, index, group)
+
+
+class _Sum(torch.autograd.Function):
+    """A sum over dims that include the split sequence, the same on every cp rank: each rank's
+    sum of its positions, all-reduced; backward: the cp ranks' gradients of it summed,
+    broadcast back over this rank's positions."""
+
+    @staticmethod
+    def forward(ctx, x, dims, keepdim, group):
+        y = x.sum(dim=dims, keepdim=keepdim).contiguous()
+        comm.all_reduce(y, group, "a sum over the sequence (cp)")
+        ctx.dims, ctx.keepdim, ctx.group, ctx.shape = dims, keepdim, group, x.shape
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        comm.all_reduce(g, ctx.group, "the gradient of a sum over the sequence (cp)")
+        if not ctx.keepdim:
+            for d in sorted(d % len(ctx.shape) for d in ctx.dims):
+                g = g.unsqueeze(d)
+        return g.expand(ctx.shape), None, None, None
+
+
+def reduce_seq(x: torch.Tensor, dims: list, keepdim: bool, mean: bool, group, ranks: int = 1) -> torch.Tensor:
+    """x.sum / x.mean over `dims`, one of them the sequence split along the cp group (a
+    mean-pooled ViT): a partial sum per rank, all-reduced (B x C moved, not the sequence)."""
+    count = ranks   # one of dims is the sequence: every rank's positions count
+    for d in dims:
+        count *= x.shape[d]
+    y = x.sum(dim=dims, keepdim=keepdim) if group is None else _Sum.apply(x, list(dims), keepdim, group)
+    return y / count if mean else y

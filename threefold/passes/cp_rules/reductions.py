@@ -9,7 +9,7 @@ from threefold.ops.rules import Op
 from threefold.passes.cp_rules.core import PARTIAL, Call, Gather, Place, Seq, _fail, _norm, _val, rule
 from threefold.passes.cp_rules.permutations import counts, feeds_offsets, routes_rows, sorted_rows
 from threefold.passes.loss_form import _arg, _reduction_index
-from threefold.runtime import cp_scan
+from threefold.runtime import cp_gather, cp_scan
 from threefold.runtime.tp_ops import GroupRef
 
 CP = GroupRef("cp")
@@ -38,6 +38,11 @@ def _reduce(c: Call):
             return PARTIAL
         if c.name == "sum" and feeds_offsets(c.node):
             return counts(c)                               # rows per expert of this rank's tokens
+        if c.name in ("sum", "mean") and c.args.get("dtype") is None and s0.inner == 1 \
+                and src.shape[s0.dim] == c.stage.seq_len and src.is_floating_point():
+            # pooled over the sequence (a mean-pooled ViT): partial sums all-reduced, the same on every rank
+            return Place(None, Op(cp_gather.reduce_seq, (c.x, dims, bool(c.args.get("keepdim")), c.name == "mean", CP),
+                                  {"ranks": c.stage.plan.cp}))
         _fail(c, f"reduces along the sequence (dim {s0.dim})")
     s = s0.at(s0.dim if c.args.get("keepdim") else s0.dim - sum(d < s0.dim for d in dims))
     return tuple(s for _ in c.out) if isinstance(c.out, (tuple, list)) else s

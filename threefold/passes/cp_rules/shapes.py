@@ -5,7 +5,12 @@ from math import prod
 
 from threefold.ops.families import args_of, op_name
 from threefold.passes.cp_masks import input_free
-from threefold.passes.cp_rules.core import Call, Seq, _fail, _norm, _val, rule
+from threefold.ops.rules import Op
+from threefold.passes.cp_rules.core import Call, Place, Seq, _fail, _norm, _val, rule
+from threefold.runtime import cp_gather
+from threefold.runtime.tp_ops import GroupRef
+
+CP = GroupRef("cp")
 
 
 @rule(family="dim_move")
@@ -77,7 +82,7 @@ def _slicing(c: Call):
         _fail(c, "slices with split positions")
     if d == s0.dim:
         if name == "select":
-            _fail(c, _steps(c, d))
+            return _select_position(c, s0, d)
         if isinstance(c.out, (tuple, list)) and sum(v.shape[d] != 0 for v in c.out) == 1 \
                 and all(v.shape[d] in (0, src.shape[d]) for v in c.out):
             return tuple(s0 for _ in c.out)   # the whole sequence in one piece, the rest empty (Mamba's cached tail)
@@ -98,6 +103,17 @@ def _slicing(c: Call):
     if isinstance(c.out, (tuple, list)):
         return tuple(s0 for _ in c.out)
     return s0
+
+
+def _select_position(c: Call, s0: Seq, d: int):
+    """x.select(seq, i) at a fixed position (a CLS token read as x[:, 0]): read on the rank that
+    holds position i and summed over the cp group (cp_gather.select_seq), the same value on
+    every rank; refused where the same value is read position by position (a recurrence)."""
+    why, index = _steps(c, d), c.args.get("index")
+    if why.startswith("reads the sequence one position at a time") or not isinstance(index, int) \
+            or s0.inner != 1 or _val(c.x).shape[d] != c.stage.seq_len:
+        _fail(c, why)
+    return Place(None, Op(cp_gather.select_seq, (c.x, d, index, CP), {"ranks": c.stage.plan.cp}))
 
 
 def _steps(c: Call, d: int) -> str:
