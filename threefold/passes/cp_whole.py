@@ -188,8 +188,12 @@ def names_length(node: fx.Node, n: int, stage=None) -> bool:
 
 
 def _ints(node: fx.Node) -> list:
-    """(where, value) of every integer among node's arguments but the first."""
+    """(where, value) of every integer among node's arguments but the first, and but those the
+    op's schema names as dims (`dim`, `dim0`, `axis1`: an index of a dim, never a length)."""
     out = []
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    dims = {k for k in names if k.startswith(("dim", "axis"))}
 
     def look(a, at):
         if isinstance(a, (list, tuple)):
@@ -198,9 +202,11 @@ def _ints(node: fx.Node) -> list:
         elif isinstance(a, int) and not isinstance(a, bool):
             out.append((at, a))
     for i, a in enumerate(node.args[1:]):
-        look(a, ("arg", i))
+        if i + 1 >= len(names) or names[i + 1] not in dims:
+            look(a, ("arg", i))
     for k, a in node.kwargs.items():
-        look(a, ("kw", k))
+        if k not in dims:
+            look(a, ("kw", k))
     return out
 
 

@@ -11,6 +11,7 @@ from threefold.ops.families import args_of, is_pointwise, op_name
 from threefold.passes.cp_factories import local_factories
 from threefold.passes.cp_fallback import gather_around
 from threefold.passes.cp_rules import Gather, Refuse, Seq
+from threefold.passes.cp_tables import position_slices
 from threefold.passes.cp_whole import is_whole, run_whole
 
 
@@ -21,10 +22,14 @@ class GatherWhole(Gather):
 
 def whole_decision(node: fx.Node, state: dict, stage, why: str):
     """The decision for an op that reads a whole value (`why`: its refusal message): a mask made
-    of ones(b, n) beside the whole scores is split first (a Refuse naming it), else GatherWhole."""
+    of ones(b, n) beside the whole scores is split first (a Refuse naming it), and so is an
+    input-free table sliced to the sequence (a decay grid D[:n, :n] beside the whole scores:
+    it then reads this rank's rows, and free_inputs_whole rebuilds it whole), else GatherWhole."""
     n = stage.seq_len
     for a in node.all_input_nodes:
         v = a.meta.get("val")
+        if state.get(a) is None and not is_whole(a) and position_slices(a, stage):
+            return Refuse(f"{why} (it meets a table sliced to the sequence)", a)
         if state.get(a) is None and not is_whole(a) and isinstance(v, torch.Tensor) and n in v.shape \
                 and local_factories(a, state, n, stage):
             return Refuse(f"{why} (it meets a value of the local length made in forward)", a)

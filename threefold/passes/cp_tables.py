@@ -1,0 +1,80 @@
+"""Position tables found by data flow under cp (plan `cp=N`): input-free values sliced to the
+sequence read this rank's rows.
+
+The model is traced at the local length n = s/cp, so a table (parameters, buffers, constants:
+a learned position table, a rotary cache, a decay table) sliced to the sequence reads its first
+n rows in the trace, where one process reads the first s. Every such slice along a dim that
+covers the whole sequence becomes an index_select of this rank's global positions, under the
+load-balanced layout (cp_ops.positions):
+- `t[start:start + n]` (a table read from row `start`, OPT's offset 2) -> rows start + positions;
+- `t[-n:]` (a table read from its end, as lightning attention's key decay `k_decay[:, -b:]`
+  over a block that is the whole sequence) -> rows L - s + positions, L the table's length:
+  one process reads its last s rows.
+A table sliced so on two dims (a decay grid `D[:n, :n]` of positions x positions) gets both;
+where it meets a value computed whole (cp_whole.py), the grid of this rank's positions is then
+itself rebuilt whole (cp_free_whole.py) and no row of it is guessed.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from threefold.ir.program import tf
+from threefold.ops.families import args_of, op_name
+from threefold.passes.cp_masks import input_free
+from threefold.runtime import cp_ops
+from threefold.runtime.tp_ops import GroupRef
+
+CP = GroupRef("cp")
+
+
+def position_slices(table: fx.Node, stage) -> list:
+    """The slices to the sequence in what the input-free `table` is made of: [(slice node, dim,
+    first row at the whole length)], [] where there is none."""
+    n, whole = stage.seq_len, stage.seq_len * stage.plan.cp
+    if not isinstance(table, fx.Node) or not input_free(table):
+        return []
+    found, seen, stack = [], set(), [table]
+    while stack:
+        x = stack.pop()
+        if not isinstance(x, fx.Node) or x in seen:
+            continue
+        seen.add(x)
+        stack.extend(x.all_input_nodes)
+        if x.op != "call_function" or op_name(x) != "slice":
+            continue
+        a = args_of(x)
+        v, start, end = a["self"].meta.get("val"), a["start"] or 0, a["end"]
+        if not isinstance(v, torch.Tensor) or not isinstance(start, int) or a["step"] != 1:
+            continue
+        dim = a["dim"] % v.dim()
+        length = v.shape[dim]
+        if length < whole:
+            continue
+        if start >= 0 and end == start + n and length >= start + whole:
+            found.append((x, dim, start))
+        elif start == -n and (end is None or end >= length):   # t[-n:]: the last rows
+            found.append((x, dim, length - whole))
+    return found
+
+
+def rows_at_positions(table: fx.Node, stage) -> list:
+    """Every slice `position_slices` finds in `table` -> t.index_select(dim, first + positions):
+    the rows of this rank's global positions. Returns the new nodes ([] where there is none)."""
+    n, new = stage.seq_len, []
+    for x, dim, first in position_slices(table, stage):
+        a, graph = args_of(x), x.graph
+        v = a["self"].meta["val"]
+        with graph.inserting_before(x):
+            pos = graph.call_function(cp_ops.positions, (n, CP), {"device": v.device})
+            at = graph.call_function(torch.ops.aten.add.Tensor, (pos, first)) if first else pos
+            rows = graph.call_function(torch.ops.aten.index_select.default, (a["self"], dim, at))
+        pos.meta = {"val": torch.arange(n, device=v.device), "tf": dict(tf(x))}
+        if first:
+            at.meta = {"val": torch.arange(n, device=v.device) + first, "tf": dict(tf(x))}
+            new.append(at)
+        rows.meta = {"val": x.meta["val"], "tf": dict(tf(x))}
+        x.replace_all_uses_with(rows)
+        graph.erase_node(x)
+        new += [pos, rows]
+    return new
