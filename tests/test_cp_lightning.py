@@ -79,3 +79,61 @@ def test_hf_minimax_matches_one_process_under_cp(cp):
         losses, grads = rank["minimax"]
         assert max_rel_diff(losses, ref_losses) < 1e-5, (losses, ref_losses)
         assert grad_diff(grads, ref_grads) < 1e-5, grad_diff(grads, ref_grads)
+
+
+# -- several blocks per rank: the loop over blocks hands its state rank to rank ----------------
+
+def test_a_loop_over_blocks_hands_its_state_rank_to_rank():
+    """Blocks of 2 positions, 8 tokens, cp=2: each rank's trace loops over its 2 local blocks
+    (slices x[:, :, 0:2], x[:, :, 2:4] of the split sequence, K^T V carried); the slices are the
+    loop's steps (passes/cp_recurrence.py), the state handed on, nothing gathered. Before: "slice
+    ... slices along the sequence ... (its bound 2 may be a length: cp cannot tell)"."""
+    from threefold.codegen.artifact import build_sources
+    prog = compile_workload(zoo_batch2("hw_lightning_blocks"), "cp=2,strict=true")
+    code = build_sources(prog)["chunk00.py"].split("def model_outputs")[0]
+    for op in ("recur_start(", "recur_mid(", "recur_end("):
+        assert code.count(f"cp_recur.{op}") == 2, (op, code)   # one per decoder layer
+    assert "cp_gather" not in code
+
+
+def test_a_block_as_long_as_a_ranks_share_is_named_in_one_line():
+    """cp=4 on 8 tokens: a rank holds 2 positions, one block of 2 spans both of its halves, and
+    the trace at the local length is one block where one process runs four: refused, naming it."""
+    import threefold
+    with pytest.raises(threefold.PlanError, match=r"the model sizes it from the length it runs on .* at least 8 "
+                       r"such blocks") as err:
+        compile_workload(zoo_batch2("hw_lightning_blocks"), "cp=4")
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("cp, seq", [(2, 8), (2, 32), (4, 16)])
+def test_a_loop_over_blocks_matches_one_process(cp, seq):
+    """Losses and every gradient over 3 SGD steps, fp32, against one process (2 to 8 blocks of 2
+    positions per rank)."""
+    from tests.cp_factory_models import grad_diff, reference, zoo_grads_parity
+    from tests.parity import max_rel_diff
+    got = launch(zoo_grads_parity, cp, ["hw_lightning_blocks"], f"cp={cp}", 3, seq, timeout=550)
+    ref_losses, ref_grads = reference(zoo_batch2("hw_lightning_blocks", seq))
+    for rank in got:
+        losses, grads = rank["hw_lightning_blocks"]
+        assert max_rel_diff(losses, ref_losses) < 1e-5, (losses, ref_losses)
+        assert grad_diff(grads, ref_grads) < 1e-5, grad_diff(grads, ref_grads)
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("cp, seq", [(2, 16), (4, 32)])
+def test_hf_minimax_over_blocks_matches_one_process_under_cp(cp, seq):
+    """HF MiniMax with block_size=4: 2 blocks per rank, the state handed rank to rank."""
+    from tests.cp_factory_models import grad_diff, reference
+    from tests.cp_lightning_models import hf_minimax_blocks, minimax_blocks_parity
+    from tests.parity import max_rel_diff
+    got = launch(minimax_blocks_parity, cp, f"cp={cp}", seq, 3, timeout=550)
+    ref_losses, ref_grads = reference(hf_minimax_blocks(seq))
+    for rank in got:
+        losses, grads = rank
+        assert max_rel_diff(losses, ref_losses) < 1e-5, (losses, ref_losses)
+        assert grad_diff(grads, ref_grads) < 1e-5, grad_diff(grads, ref_grads)

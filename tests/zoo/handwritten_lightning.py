@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.zoo.common import HIDDEN
-from tests.zoo.handwritten_attention import HEADS, decoder_with
+from tests.zoo.common import HIDDEN, token_batch, workload
+from tests.zoo.handwritten_attention import HEADS, TinyDecoder, decoder_with
 
 
 def _slopes(heads: int) -> torch.Tensor:
@@ -60,9 +60,9 @@ class LightningAttention(nn.Module):
         return self.out(y)
 
 
-class LightningBlocks4(LightningAttention):
-    """The same with blocks of 4 positions: a sequence of 8 is two blocks, the state carried."""
-    block = 4
+class LightningBlocks2(LightningAttention):
+    """The same with blocks of 2 positions: a sequence of 8 is four blocks, the state carried."""
+    block = 2
 
 
 class Retention(nn.Module):
@@ -85,8 +85,21 @@ class Retention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(B, T, C))
 
 
+def _longer_decoder(attn: type, positions: int = 32):
+    """decoder_with(attn) with a position table of `positions` rows: the blocks case is run on
+    sequences of 16 and 32 tokens (several blocks on each cp rank)."""
+    def factory(seed: int = 0):
+        torch.manual_seed(seed)
+        model = TinyDecoder(attn)
+        model.wpe = nn.Embedding(positions, HIDDEN)
+        inputs, target = token_batch(seed=seed)
+        return workload(model.train(), (inputs,), target)
+    factory.__name__ = f"longer_decoder_{attn.__name__}"
+    return factory
+
+
 FACTORIES = {
     "hw_lightning": decoder_with(LightningAttention),
-    "hw_lightning_blocks": decoder_with(LightningBlocks4),
+    "hw_lightning_blocks": _longer_decoder(LightningBlocks2),
     "hw_retention": decoder_with(Retention),
 }

@@ -1,0 +1,27 @@
+"""HF MiniMax with lightning attention over several blocks (block_size 4), 2 rows of `seq`
+tokens, and the job the multi-rank tests run on local gloo ranks (tests/test_cp_lightning.py)."""
+from __future__ import annotations
+
+import torch
+
+
+def hf_minimax_blocks(seq: int = 16, seed: int = 0) -> dict:
+    """tests/zoo/hf_recent.py's MiniMax with block_size=4: `seq` tokens are seq/4 blocks, the
+    state K^T V carried from block to block."""
+    from tests.zoo import common
+    from tests.zoo.hf_decoders import build
+    from tests.zoo.hf_recent import RECENT
+    config, model, kwargs = RECENT["minimax"]
+    vocab, batch, length, seed0 = common.token_batch.__defaults__
+    common.token_batch.__defaults__ = (vocab, 2, seq, seed0)
+    try:
+        return build(config, model, dict(kwargs, block_size=4), seed=seed)
+    finally:
+        common.token_batch.__defaults__ = (vocab, batch, length, seed0)
+
+
+def minimax_blocks_parity(plan: str, seq: int, steps: int = 3):
+    """Run on every rank: hf_minimax_blocks(seq) under `plan`, (losses, grads)."""
+    from tests.cp_factory_models import parallel
+    torch.set_num_threads(1)
+    return parallel(hf_minimax_blocks(seq), plan, steps)
