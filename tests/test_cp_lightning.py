@@ -137,3 +137,21 @@ def test_hf_minimax_over_blocks_matches_one_process_under_cp(cp, seq):
         losses, grads = rank
         assert max_rel_diff(losses, ref_losses) < 1e-5, (losses, ref_losses)
         assert grad_diff(grads, ref_grads) < 1e-5, grad_diff(grads, ref_grads)
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_decay_tables_compose_with_tp():
+    """cp=2,tp=2: tp scatters the decay tables by heads, cp reads them at its positions and
+    rebuilds the grid whole (a tp op on a whole value keeps its grown dims). Losses over 3 SGD
+    steps against one process (each rank holds only its shards, so the losses carry the check of
+    every update)."""
+    from tests.cp_factory_models import reference, zoo_grads_parity
+    from tests.parity import max_rel_diff
+    archs = ["hw_lightning", "minimax"]
+    got = launch(zoo_grads_parity, 4, archs, "cp=2,tp=2", 3, timeout=550)
+    for arch in archs:
+        ref_losses, _ = reference(zoo_batch2(arch))
+        for rank in got:
+            assert max_rel_diff(rank[arch][0], ref_losses) < 1e-5, (arch, rank[arch][0], ref_losses)

@@ -47,8 +47,8 @@ def whole_inputs(node: fx.Node, state: dict, stage, why: str):
             raise PlanError(f"{why} (it meets a value that is neither split nor whole)")
         try:
             run_whole(node, stage.seq_len, why, stage)
-        except PlanError:
-            raise PlanError(_local_sized(node, state, stage) or why) from None
+        except PlanError as exc:
+            raise PlanError(_local_sized(node, state, stage) or str(exc)) from None
         return None, []
     return gather_around(node, state, stage, why, op_name(node), Seq)
 
