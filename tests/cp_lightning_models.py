@@ -1,8 +1,23 @@
-"""HF MiniMax with lightning attention over several blocks (block_size 4), 2 rows of `seq`
-tokens, and the job the multi-rank tests run on local gloo ranks (tests/test_cp_lightning.py)."""
+"""Lightning attention for tests/test_cp_lightning.py: tables longer than the block (a bound
+that equals s/cp by chance), HF MiniMax over several blocks (block_size 4, 2 rows of `seq`
+tokens), and the job the multi-rank tests run on local gloo ranks."""
 from __future__ import annotations
 
 import torch
+
+from tests.zoo.handwritten_lightning import LightningAttention
+
+
+class LongTables(LightningAttention):
+    """Blocks of 4 positions with decay tables of 16 rows (longer than the block, as a model that
+    builds them for its longest block would): at cp=2 on 8 tokens a rank's trace is one block of
+    4, the tables sliced D[:4, :4] as if to the sequence, where one process runs two blocks."""
+    block = 4
+
+    def __init__(self):
+        super().__init__()
+        long = LightningAttention()   # its class's block: tables of 16 rows
+        self.q_decay, self.k_decay, self.diag_decay = long.q_decay, long.k_decay, long.diag_decay
 
 
 def hf_minimax_blocks(seq: int = 16, seed: int = 0) -> dict:

@@ -106,6 +106,20 @@ def test_a_block_as_long_as_a_ranks_share_is_named_in_one_line():
     assert "\n" not in str(err.value)
 
 
+def test_a_block_bound_equal_to_the_share_is_not_read_as_the_sequence():
+    """Tables of 16 rows sliced to a block of 4 on 8 tokens at cp=2: the bound 4 equals s/cp, but
+    the model traced at the whole length slices the same 4 rows (two blocks): a constant, not
+    the length. Before: read as rows of this rank's positions (one block over the whole
+    sequence where one process runs two: right only because lightning's blocks are an exact
+    rewrite); now refused in one line."""
+    import threefold
+    from tests.cp_lightning_models import LongTables
+    from tests.zoo.handwritten_attention import decoder_with
+    with pytest.raises(threefold.PlanError, match=r"the model sizes it from the length it runs on") as err:
+        compile_workload(decoder_with(LongTables)(), "cp=2")
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("cp, seq", [(2, 8), (2, 32), (4, 16)])

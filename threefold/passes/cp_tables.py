@@ -12,7 +12,9 @@ load-balanced layout (cp_ops.positions):
   one process reads its last s rows.
 A table sliced so on two dims (a decay grid `D[:n, :n]` of positions x positions) gets both;
 where it meets a value computed whole (cp_whole.py), the grid of this rank's positions is then
-itself rebuilt whole (cp_free_whole.py) and no row of it is guessed.
+itself rebuilt whole (cp_free_whole.py) and no row of it is guessed. A slice whose twin in the
+model traced at the whole length cuts the same rows is a constant equal to n by chance (a block
+of a blockwise loop as long as the share), not the sequence: left alone.
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ def position_slices(table: fx.Node, stage) -> list:
             found.append((x, dim, start))
         elif start == -n and (end is None or end >= length):   # t[-n:]: the last rows
             found.append((x, dim, length - whole))
-    return found
+    return [f for f in found if not _same_at_whole(f[0], stage)]
 
 
 def rows_at_positions(table: fx.Node, stage) -> list:
@@ -78,3 +80,30 @@ def rows_at_positions(table: fx.Node, stage) -> list:
         graph.erase_node(x)
         new += [pos, rows]
     return new
+
+
+def _same_at_whole(x: fx.Node, stage) -> bool:
+    """The model traced at the whole length (stage.retrace) slices the same rows of the same
+    table there: its bound is a constant that equals n (a block of a blockwise loop as long as
+    this rank's share, where one process runs several blocks), not the sequence's length. Slices
+    are compared by the table they start from and their bounds (node names differ between the
+    traces where the loop runs more blocks)."""
+    if getattr(stage, "retrace", None) is None:
+        return False
+    try:
+        graph = stage.retrace(stage.seq_len * stage.plan.cp)
+    except Exception:   # the model does not trace at the whole length: no answer, no guess
+        return False
+    want = _rows_path(x)
+    return any(_rows_path(t) == want for t in graph.nodes if t.op == "call_function" and op_name(t) == "slice")
+
+
+def _rows_path(x: fx.Node) -> tuple:
+    """(the value a chain of slices and aliases starts from, by name; each slice's bounds)."""
+    steps = []
+    while isinstance(x, fx.Node) and x.op == "call_function" and op_name(x) in ("slice", "alias"):
+        a = args_of(x)
+        if op_name(x) == "slice":
+            steps.append((a["dim"], a["start"], a["end"], a["step"]))
+        x = a["self"]
+    return (x.name if isinstance(x, fx.Node) else None, tuple(reversed(steps)))
