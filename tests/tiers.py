@@ -30,6 +30,7 @@ DEFAULT_SAMPLE = [
     "tests/test_tensor_parallel.py::test_vocabulary_that_tp_does_not_divide_is_padded_without_changing_the_loss",
     "tests/test_tp_constructs.py::test_an_einsum_weight_kept_whole_under_sp_trains_exactly",
     "tests/test_cp_recurrence.py::test_loops_match_one_process[2]",
+    "tests/test_cp_lightning.py::test_decayed_linear_attention_matches_one_process[2]",
     "tests/test_tensor_parallel.py::test_other_decoder_architectures_match_single_process[gpt_neox]",
     "tests/test_tp_constructs.py::test_every_construct_matches_single_process_under_tp2",
     "tests/test_saved_shards.py::test_sequence_parallel_saves_shards_and_gathers_again_in_backward[gpt]",

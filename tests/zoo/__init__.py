@@ -14,6 +14,7 @@ from tests.zoo import handwritten_more as _hwm
 from tests.zoo import handwritten_moe as _hwmoe
 from tests.zoo import handwritten_moe_einsum as _hwmoee
 from tests.zoo import handwritten_moe_interleaved as _hwmoei
+from tests.zoo import handwritten_lightning as _hwlight
 from tests.zoo import handwritten_loops as _hwloop
 from tests.zoo import handwritten_scans as _hwscan
 from tests.zoo import handwritten_semantics as _hws
@@ -132,6 +133,9 @@ ZOO = {
     "hw_decay_cumprod": _hwscan.FACTORIES["hw_decay_cumprod"],        # decay by cumprod, A * cumsum(v / A)
     "hw_gated_loop": _hwloop.FACTORIES["hw_gated_loop"],              # Python loop: h = a*h + (1-a)*v, stacked
     "hw_two_state_loop": _hwloop.FACTORIES["hw_two_state_loop"],      # Python loop: num/den states, out[:, t] = ..
+    "hw_lightning": _hwlight.FACTORIES["hw_lightning"],               # MiniMax lightning attention, one block: decay tables sliced [:T, :T]
+    "hw_lightning_blocks": _hwlight.FACTORIES["hw_lightning_blocks"], # lightning attention, blocks of 4: a loop over blocks carrying K^T V
+    "hw_retention": _hwlight.FACTORIES["hw_retention"],               # RetNet retention: decay gamma^(i-j) from arange(T), no softmax
     # issue 40: recent Hugging Face architectures (tests/zoo/hf_recent.py says what each brings)
     **_hfr.FACTORIES,
     # issue 40 item 6: other projects' models used as is from their PyPI packages (the `zoo`

@@ -71,6 +71,11 @@ RECENT = {
     "doge": ("DogeConfig", "DogeForCausalLM", dict(_GQA, head_dim=8)),
     "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM", dict(_GQA, head_dim=8, num_local_experts=4,
                     num_experts_per_tok=1, intermediate_size_mlp=64, pad_token_id=0)),
+    # MiniMax: lightning attention (decayed linear attention over blocks, decay tables as buffers
+    # sliced to the block: the whole sequence is one block here) on odd layers, softmax attention
+    # on even ones, MoE in every layer
+    "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM", dict(_GQA, head_dim=8, num_local_experts=4,
+                num_experts_per_tok=2)),
 }
 
 MOE = ["gpt_oss", "qwen3_moe", "granitemoe", "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "deepseek_v2",

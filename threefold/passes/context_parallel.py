@@ -40,6 +40,7 @@ from threefold.passes.cp_recurrence import collect, finish, step_read
 from threefold.passes.cp_shifts import shift_halo
 from threefold.passes.cp_padding import PaddedSum, limit_rings, padded_decision, real_length, refuse_whole_grid, \
     unpadded_free
+from threefold.passes.cp_tables import rows_at_positions
 from threefold.passes.cp_tails import OnTail, PadShift, Shorten, on_tail, pad_shift, shorten, sum_without_tail, \
     tail_decision, tail_of
 from threefold.passes.cp_whole import TWIN, is_whole
@@ -135,7 +136,7 @@ class ContextParallel(AxisRules):
 
     def retry(self, w, node, d) -> list:
         """A position table or factory of the local length that a refusal names: this rank's rows."""
-        moved = _rows_at_positions(d.table, w.stage) or split_factories(d.table, w.state, w.stage)
+        moved = rows_at_positions(d.table, w.stage) or split_factories(d.table, w.state, w.stage)
         w.ctx["tables"].extend(m for m in moved if op_name(m) == "index_select")
         return moved
 
@@ -208,52 +209,6 @@ def _drop_unread(graph: fx.Graph) -> None:
             for u in users:
                 graph.erase_node(u)
             graph.erase_node(node)
-
-
-# -- position tables ---------------------------------------------------------------------------
-
-def _rows_at_positions(table: fx.Node, stage) -> list:
-    """Position tables found by data flow: in what `table` is made of (parameters, buffers,
-    constants only), every `t[:n]` along a dim of t that covers the whole sequence (a learned
-    position table, position ids or a rotary cache sliced to the traced local length n)
-    becomes t.index_select(dim, positions): the rows of this rank's global positions, under
-    the load-balanced layout. Returns the new nodes ([] where there is none)."""
-    n, whole = stage.seq_len, real_length(stage)   # a padded sequence reads its padding as its last row
-    if not input_free(table):
-        return []
-    found, seen, stack = [], set(), [table]
-    while stack:
-        x = stack.pop()
-        if not isinstance(x, fx.Node) or x in seen:
-            continue
-        seen.add(x)
-        stack.extend(x.all_input_nodes)
-        if x.op != "call_function" or op_name(x) != "slice":
-            continue
-        a = args_of(x)
-        v, start = a["self"].meta.get("val"), a["start"] or 0
-        if not isinstance(v, torch.Tensor) or not isinstance(start, int) or a["end"] != start + n or a["step"] != 1 \
-                or v.shape[a["dim"] % v.dim()] < start + whole:
-            continue
-        found.append(x)
-    new = []
-    for x in found:   # t[start:start+n] -> t.index_select(dim, start + positions) (OPT's offset 2)
-        a, graph = args_of(x), x.graph
-        v, start = a["self"].meta["val"], a["start"] or 0
-        with graph.inserting_before(x):
-            pos = graph.call_function(cp_ops.positions, (n, CP), {"device": v.device, **(
-                {"limit": whole} if stage.seq_tail else {})})
-            at = graph.call_function(torch.ops.aten.add.Tensor, (pos, start)) if start else pos
-            rows = graph.call_function(torch.ops.aten.index_select.default, (a["self"], a["dim"] % v.dim(), at))
-        pos.meta = {"val": torch.arange(n, device=v.device), "tf": dict(tf(x))}
-        if start:
-            at.meta = {"val": torch.arange(n, device=v.device) + start, "tf": dict(tf(x))}
-            new.append(at)
-        rows.meta = {"val": x.meta["val"], "tf": dict(tf(x))}
-        x.replace_all_uses_with(rows)
-        graph.erase_node(x)
-        new += [pos, rows]
-    return new
 
 
 __all__ = ["ContextParallel", "SHARDING"]

@@ -27,7 +27,7 @@ from threefold.ir.program import tf
 from threefold.errors import PlanError
 from threefold.ops.families import RESHAPES, family, op_name
 from threefold.passes.cp_padding import refuse_whole_grid
-from threefold.passes.cp_whole import is_whole, mark, names_length, regrow, remember
+from threefold.passes.cp_whole import is_whole, mark, names_length, one_mode, regrow, remember
 from threefold.runtime import cp_gather
 from threefold.runtime.tp_ops import GroupRef
 
@@ -79,9 +79,9 @@ def gather_around(node: fx.Node, state: dict, stage, why: str, name: str, seq_cl
     for a, g in whole.items():
         remember(g, a.meta["val"])
     regrow(node, n, why, stage)   # a view / expand of the whole value: its shape argument carried over
+    val = one_mode(node)
     try:
-        full = node.target(*fx.node.map_arg(node.args, lambda a: a.meta["val"]),
-                           **fx.node.map_arg(node.kwargs, lambda a: a.meta["val"]))
+        full = node.target(*fx.node.map_arg(node.args, val), **fx.node.map_arg(node.kwargs, val))
     except Exception as exc:
         raise PlanError(f"{why} (and it cannot run on the gathered sequence: {type(exc).__name__})") from None
     fulls = list(full) if isinstance(full, (tuple, list)) else [full]

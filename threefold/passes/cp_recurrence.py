@@ -40,6 +40,7 @@ from threefold.errors import PlanError
 from threefold.ir.program import tf
 from threefold.ops.families import JOINS, METADATA_CHECKS, READS_SHAPE_ONLY, SHAPE_QUERIES, args_of, op_name
 from threefold.passes.cp_loop_match import derives, hoist, meta_like, refine, same, writes_into
+from threefold.passes.cp_masks import input_free
 from threefold.passes.cp_rules.core import Seq
 from threefold.runtime import cp_recur
 from threefold.runtime.tp_ops import GroupRef
@@ -53,6 +54,7 @@ class Loops:
     """What the walk saw: step reads (select node -> (source, dim, t)), the refusal each would
     have been, and the stacks that put one value per step back along the sequence."""
     reads: dict = field(default_factory=dict)
+    width: dict = field(default_factory=dict)    # a step read by slice -> positions per step (select: 1)
     why: dict = field(default_factory=dict)
     stacks: dict = field(default_factory=dict)
     count: int = 0
@@ -66,21 +68,56 @@ def loops_of(w) -> Loops:
 
 def step_read(w, node: fx.Node, why: str) -> bool:
     """Record `node` as a step read where it selects one local position (0..n-1) along the
-    sequence of a sequence-split value; True where it did (it is then placed off the sequence)."""
-    if node.op != "call_function" or op_name(node) != "select":
+    sequence of a sequence-split value, or slices a block of it (`x[:, lo:lo + L]`, a loop over
+    blocks of L positions, L dividing n/2, the value read block by block: `block_step`); True
+    where it did (it is then placed off the sequence)."""
+    name = op_name(node) if node.op == "call_function" else None
+    if name not in ("select", "slice"):
         return False
     a = args_of(node)
     src, s = a["self"], w.state.get(a["self"])
     v = src.meta.get("val") if isinstance(src, fx.Node) else None
-    if not isinstance(s, Seq) or s.inner != 1 or not isinstance(v, torch.Tensor) or not isinstance(a["index"], int):
+    if not isinstance(s, Seq) or s.inner != 1 or not isinstance(v, torch.Tensor):
         return False
     dim = a["dim"] % v.dim()
-    if dim != s.dim or not 0 <= a["index"] < v.shape[dim]:
+    if dim != s.dim:
         return False
+    if name == "slice":
+        t, width = block_step(node, w.stage.seq_len), node.meta["val"].shape[dim]
+        if t is None:
+            return False
+    else:
+        t, width = a["index"], 1
+        if not isinstance(t, int) or not 0 <= t < v.shape[dim]:
+            return False
     loops = loops_of(w)
-    loops.reads[node] = (src, dim, a["index"])
+    loops.reads[node] = (src, dim, t)
+    loops.width[node] = width
     loops.why[node] = why
     return True
+
+
+def block_step(node: fx.Node, n: int):
+    """The step of a slice `x[lo:lo + L]` along x's sequence dim of n positions read block by
+    block (x's slices there cover 0..n in blocks of L, L < n dividing n/2): lo // L, else None.
+    A lone slice (a shift x[:, :-1], a head x[:, :k]) is not a step."""
+    a = args_of(node)
+    src, dim = a["self"], a["dim"]
+    lo, hi = a["start"] or 0, a["end"]
+    if not isinstance(lo, int) or not isinstance(hi, int) or a["step"] != 1 or lo < 0 or hi <= lo:
+        return None
+    width = hi - lo
+    if width >= n or (n // 2) % width or n % 2 or lo % width:
+        return None
+    rank = src.meta["val"].dim()
+    starts = set()
+    for u in src.users:
+        if u.op == "call_function" and op_name(u) == "slice":
+            b = args_of(u)
+            if b["dim"] % rank == dim % rank and b["step"] == 1 and isinstance(b["start"] or 0, int) \
+                    and b["end"] == (b["start"] or 0) + width:
+                starts.add(b["start"] or 0)
+    return lo // width if starts == set(range(0, n, width)) else None
 
 
 def collect(w, node: fx.Node):
@@ -91,14 +128,15 @@ def collect(w, node: fx.Node):
         return None
     a = args_of(node)
     ys, n = list(a["tensors"]), w.stage.seq_len
-    if len(ys) != n or any(not isinstance(y, fx.Node) or w.state.get(y) is not None for y in ys):
+    if not ys or any(not isinstance(y, fx.Node) or w.state.get(y) is not None for y in ys):
         return None
     out = node.meta.get("val")
     d = a.get("dim", 0) % out.dim()
-    if op_name(node) == "cat" and any(y.meta["val"].shape[d] != 1 for y in ys):
+    width = ys[0].meta["val"].shape[d] if op_name(node) == "cat" else 1   # a cat of blocks of L positions
+    if len(ys) * width != n or any(op_name(node) == "cat" and y.meta["val"].shape[d] != width for y in ys):
         return None
     steps = _steps(node.graph, loops)
-    if [steps.get(y, -1) for y in ys] != list(range(n)):
+    if [steps.get(y, -1) for y in ys] != list(range(len(ys))):
         return None
     loops.stacks[node] = ys
     return Seq(d)
@@ -171,11 +209,13 @@ class _Loop:
     def __init__(self, w, comp: list, steps: dict, loops: Loops, order: dict):
         self.w, self.loops, self.steps, self.order = w, loops, steps, order
         self.graph = w.gm.graph
-        self.n = w.stage.seq_len
-        self.b = self.n // 2
         self.comp = sorted((x for x in comp if not (x in loops.reads and _shape_only(x))), key=order.get)
         self.inside = set(self.comp)
         self.reads = {x: loops.reads[x] for x in self.comp if x in loops.reads}
+        widths = {loops.width.get(x, 1) for x in self.reads}
+        self.width = widths.pop() if len(widths) == 1 else 0   # positions per step (0: steps of several widths)
+        self.n = w.stage.seq_len // self.width if self.width else 0   # steps per rank
+        self.b = self.n // 2
         self.A = [x for x in self.comp if steps[x] < self.b]
         self.B = [x for x in self.comp if steps[x] >= self.b]
         self.inA, self.inB = set(self.A), set(self.B)
@@ -186,7 +226,7 @@ class _Loop:
     # -- checks ----------------------------------------------------------------------------
 
     def rewrite(self):
-        if {t for _, _, t in self.reads.values()} != set(range(self.n)) or self.n % 2:
+        if not self.n or {t for _, _, t in self.reads.values()} != set(range(self.n)) or self.n % 2:
             return ""
         why = self._writes_ok() or self._outside_ok()
         if why:
@@ -207,8 +247,9 @@ class _Loop:
         if first_b is None:
             return None
         late = [g for g in self.A if self.order[g] > self.order[first_b]]
-        for g in late:
-            if any(a not in self.inA and self.order[a] > self.order[first_b] for a in g.all_input_nodes):
+        for g in late:   # a position-free value it reads (the block's decay, exp(-slope * L)) moves along
+            if any(a not in self.inA and self.order[a] > self.order[first_b]
+                   and (a in self.inside or not hoist(a, first_b, self.order, self.inside)) for a in g.all_input_nodes):
                 return f"{op_name(g)} of step {self.steps[g]} reads a value made after the next block starts"
         for g in late:
             first_b.prepend(g)
@@ -370,10 +411,22 @@ class _Loop:
                 continue
             for a in g.all_input_nodes:
                 if a not in self.inside and a not in init and a not in same and len(seen_at[a]) < 2 \
-                        and a.op == "call_function":
+                        and a.op == "call_function" and not self._constant(a, seen_at):
                     return (f"cannot tell whether {a.name}, read at step {self.steps[g]} only, is its initial state "
                             "or a constant of every step")
         return None
+
+    def _constant(self, a, seen_at: dict) -> bool:
+        """A value read at one step only (each block re-slices its decay table: a node per step, and
+        the last step's update, which would read the next, was dropped as unread) is a constant of
+        every step where the same value is read at another step, or where it is input-free and no
+        value of the loop has its shape (a state is carried in values of its own shape)."""
+        steps = seen_at[a]
+        if any(b is not a and seen_at[b] - steps and same(a, b, 6) for b in seen_at):
+            return True
+        shape = tuple(a.meta["val"].shape) if isinstance(a.meta.get("val"), torch.Tensor) else None
+        return shape is not None and input_free(a) and all(
+            tuple(x.meta["val"].shape) != shape for x in self.comp if isinstance(x.meta.get("val"), torch.Tensor))
 
     # -- the rewrite -----------------------------------------------------------------------
 
@@ -499,8 +552,10 @@ class _Loop:
                 continue
             if x in self.reads:
                 src, dim, t = self.reads[x]
+                at, L = t + self.b, self.width
                 with graph.inserting_before(before):
-                    y = graph.call_function(torch.ops.aten.select.int, (src, dim, t + self.b))
+                    y = graph.call_function(torch.ops.aten.select.int, (src, dim, at)) if op_name(x) == "select" \
+                        else graph.call_function(torch.ops.aten.slice.Tensor, (src, dim, at * L, (at + 1) * L))
             else:
                 with graph.inserting_before(before):
                     y = graph.node_copy(x, arg)

@@ -22,6 +22,7 @@ import math
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from threefold.errors import PlanError
 from threefold.ops.families import RESHAPES, SLICING, args_of, op_name
@@ -188,8 +189,12 @@ def names_length(node: fx.Node, n: int, stage=None) -> bool:
 
 
 def _ints(node: fx.Node) -> list:
-    """(where, value) of every integer among node's arguments but the first."""
+    """(where, value) of every integer among node's arguments but the first, and but those the
+    op's schema names as dims (`dim`, `dim0`, `axis1`: an index of a dim, never a length)."""
     out = []
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    dims = {k for k in names if k.startswith(("dim", "axis"))}
 
     def look(a, at):
         if isinstance(a, (list, tuple)):
@@ -198,9 +203,11 @@ def _ints(node: fx.Node) -> list:
         elif isinstance(a, int) and not isinstance(a, bool):
             out.append((at, a))
     for i, a in enumerate(node.args[1:]):
-        look(a, ("arg", i))
+        if i + 1 >= len(names) or names[i + 1] not in dims:
+            look(a, ("arg", i))
     for k, a in node.kwargs.items():
-        look(a, ("kw", k))
+        if k not in dims:
+            look(a, ("kw", k))
     return out
 
 
@@ -228,13 +235,57 @@ def run_whole(node: fx.Node, n: int, why: str, stage=None) -> None:
     whole fakes, its shape arguments carried over (regrow); its output is whole too."""
     traced = node.meta.get("val")
     regrow(node, n, why, stage)
+    val = one_mode(node)
     try:
-        full = node.target(*fx.node.map_arg(node.args, lambda a: a.meta["val"]),
-                           **fx.node.map_arg(node.kwargs, lambda a: a.meta["val"]))
+        full = node.target(*fx.node.map_arg(node.args, val), **fx.node.map_arg(node.kwargs, val))
     except Exception as exc:
-        raise PlanError(f"{why} (and it cannot run on the whole sequence: {type(exc).__name__})") from None
+        full = _runtime_op_whole(node, traced)
+        if full is None:
+            raise PlanError(f"{why} (and it cannot run on the whole sequence: {type(exc).__name__})") from None
     remember(node, traced)
     mark(node, traced, full)
+
+
+def _runtime_op_whole(node: fx.Node, traced):
+    """The whole value of a runtime op placed by another axis (tp's scatter of heads), which
+    cannot run on fakes outside its group: the traced value with the grown dims of its one whole
+    input, where the op keeps those dims and names none of them (it acts on heads or features,
+    never on positions); else None."""
+    if isinstance(node.target, torch._ops.OpOverload) or not isinstance(traced, torch.Tensor):
+        return None
+    grown = [a for a in node.all_input_nodes if _traced(a) is not None and tuple(_traced(a)) != tuple(a.meta["val"].shape)]
+    if len(grown) != 1 or len(_traced(grown[0])) != traced.dim():
+        return None
+    old, new = _traced(grown[0]), grown[0].meta["val"].shape
+    dims = [d for d in range(traced.dim()) if old[d] != new[d]]
+    named = {v % traced.dim() for v in args_of(node).values() if isinstance(v, int) and not isinstance(v, bool)}
+    if any(traced.shape[d] != old[d] or d in named for d in dims):
+        return None
+    shape = [new[d] if d in dims else traced.shape[d] for d in range(traced.dim())]
+    if not isinstance(traced, FakeTensor):
+        return torch.empty(shape, dtype=traced.dtype, device=traced.device)
+    with traced.fake_mode:
+        return torch.empty(shape, dtype=traced.dtype, device=traced.device)
+
+
+def one_mode(node: fx.Node):
+    """a -> its value, in one kind of tensor for node's op: meta tensors where any input is on
+    the meta device (tp's rewrite leaves some), else fakes of the fake mode another input's value
+    is in (a whole arange beside a table's fake); only shapes are read from them."""
+    vals = [a.meta.get("val") for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+    meta = any(v.device.type == "meta" for v in vals)
+    fake = next((v for v in vals if isinstance(v, FakeTensor)), None)
+
+    def val(a):
+        v = a.meta["val"]
+        if not isinstance(v, torch.Tensor) or (meta and v.device.type == "meta") \
+                or (not meta and (fake is None or isinstance(v, FakeTensor))):
+            return v
+        if meta:
+            return torch.empty(v.shape, dtype=v.dtype, device="meta")
+        with fake.fake_mode:
+            return torch.empty(v.shape, dtype=v.dtype, device=fake.device)
+    return val
 
 
 def remember(node: fx.Node, traced) -> None:

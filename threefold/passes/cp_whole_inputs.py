@@ -9,8 +9,10 @@ import torch.fx as fx
 from threefold.errors import PlanError
 from threefold.ops.families import args_of, is_pointwise, op_name
 from threefold.passes.cp_factories import local_factories
+from threefold.passes.cp_masks import input_free
 from threefold.passes.cp_fallback import gather_around
 from threefold.passes.cp_rules import Gather, Refuse, Seq
+from threefold.passes.cp_tables import position_slices
 from threefold.passes.cp_whole import is_whole, run_whole
 
 
@@ -21,10 +23,14 @@ class GatherWhole(Gather):
 
 def whole_decision(node: fx.Node, state: dict, stage, why: str):
     """The decision for an op that reads a whole value (`why`: its refusal message): a mask made
-    of ones(b, n) beside the whole scores is split first (a Refuse naming it), else GatherWhole."""
+    of ones(b, n) beside the whole scores is split first (a Refuse naming it), and so is an
+    input-free table sliced to the sequence (a decay grid D[:n, :n] beside the whole scores:
+    it then reads this rank's rows, and free_inputs_whole rebuilds it whole), else GatherWhole."""
     n = stage.seq_len
     for a in node.all_input_nodes:
         v = a.meta.get("val")
+        if state.get(a) is None and not is_whole(a) and position_slices(a, stage):
+            return Refuse(f"{why} (it meets a table sliced to the sequence)", a)
         if state.get(a) is None and not is_whole(a) and isinstance(v, torch.Tensor) and n in v.shape \
                 and local_factories(a, state, n, stage):
             return Refuse(f"{why} (it meets a value of the local length made in forward)", a)
@@ -39,9 +45,29 @@ def whole_inputs(node: fx.Node, state: dict, stage, why: str):
     if not any(isinstance(state.get(a), Seq) for a in node.all_input_nodes):
         if any(state.get(a) is not None for a in node.all_input_nodes):
             raise PlanError(f"{why} (it meets a value that is neither split nor whole)")
-        run_whole(node, stage.seq_len, why, stage)
+        try:
+            run_whole(node, stage.seq_len, why, stage)
+        except PlanError as exc:
+            raise PlanError(_local_sized(node, state, stage) or str(exc)) from None
         return None, []
     return gather_around(node, state, stage, why, op_name(node), Seq)
+
+
+def _local_sized(node: fx.Node, state: dict, stage):
+    """Why an op on a whole grid fails where it meets an input-free value of the local length
+    that is no table sliced to the sequence (a decay table of one block, the block as long as a
+    rank's share: the model's loop over blocks differs at the whole length), else None."""
+    n, cp = stage.seq_len, stage.plan.cp
+    for a in node.all_input_nodes:
+        v = a.meta.get("val")
+        if state.get(a) is None and not is_whole(a) and isinstance(v, torch.Tensor) and n in v.shape \
+                and input_free(a):
+            return (f"cp={cp}: {op_name(node)} at {a.meta.get('tf', {}).get('module') or '<top>'} reads "
+                    f"{a.name} {tuple(v.shape)}, made of parameters and buffers, with {n} positions (this rank's "
+                    f"share) beside the whole sequence ({n * cp}): the model sizes it from the length it runs on "
+                    f"(a block of a blockwise loop as long as the share?), which differs on one process; use a "
+                    f"sequence of at least {2 * cp} such blocks (a multiple of 2*cp blocks) or cp=1")
+    return None
 
 
 def _widen_broadcasts(node: fx.Node, state: dict, stage, seq_cls) -> None:
