@@ -41,11 +41,11 @@ def test_a_table_read_from_its_end_reads_this_ranks_rows():
     t.meta.update(val=torch.zeros(4, 16, 1), tf={"kind": "buffer"})
     cut = g.call_function(torch.ops.aten.slice.Tensor, (t, 1, -4, 9223372036854775807))
     cut.meta["val"] = torch.zeros(4, 4, 1)
-    stage = SimpleNamespace(seq_len=4, plan=SimpleNamespace(cp=2))
+    stage = SimpleNamespace(seq_len=4, seq_tail=0, plan=SimpleNamespace(cp=2))
     assert position_slices(cut, stage) == [(cut, 1, 16 - 8)]
     short = g.call_function(torch.ops.aten.slice.Tensor, (t, 1, -4, 9223372036854775807))
     short.meta["val"] = torch.zeros(4, 4, 1)
-    stage4 = SimpleNamespace(seq_len=4, plan=SimpleNamespace(cp=8))   # 32 positions: not a table of them
+    stage4 = SimpleNamespace(seq_len=4, seq_tail=0, plan=SimpleNamespace(cp=8))   # 32 positions: not a table of them
     assert position_slices(short, stage4) == []
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from threefold.runtime import comm
 from threefold.runtime.cp_ops import _rank, _size, block_positions, local_blocks
+from threefold.runtime.cp_tail import drop_tail
 from threefold.runtime.zero import reduce_scatter_flat
 
 
@@ -144,11 +145,19 @@ class _Sum(torch.autograd.Function):
         return g.expand(ctx.shape), None, None, None
 
 
-def reduce_seq(x: torch.Tensor, dims: list, keepdim: bool, mean: bool, group, ranks: int = 1) -> torch.Tensor:
+def reduce_seq(x: torch.Tensor, dims: list, keepdim: bool, mean: bool, group, ranks: int = 1, tail: int = 0,
+               seq: int | None = None) -> torch.Tensor:
     """x.sum / x.mean over `dims`, one of them the sequence split along the cp group (a
-    mean-pooled ViT): a partial sum per rank, all-reduced (B x C moved, not the sequence)."""
-    count = ranks   # one of dims is the sequence: every rank's positions count
+    mean-pooled ViT): a partial sum per rank, all-reduced (B x C moved, not the sequence).
+    `tail`: the padding of a sequence 2cp does not divide (along dim `seq`), left out of the
+    sum and of the mean's count."""
+    cp = ranks if group is None else _size(group)
+    if tail:
+        x = drop_tail(x, seq, tail, x.shape[seq], group, cp)
+    count = cp   # one of dims is the sequence: every rank's positions count, the padding does not
     for d in dims:
         count *= x.shape[d]
+    if tail:
+        count = count // (cp * x.shape[seq]) * (cp * x.shape[seq] - tail)
     y = x.sum(dim=dims, keepdim=keepdim) if group is None else _Sum.apply(x, list(dims), keepdim, group)
     return y / count if mean else y

@@ -42,7 +42,8 @@ def _reduce(c: Call):
                 and src.shape[s0.dim] == c.stage.seq_len and src.is_floating_point():
             # pooled over the sequence (a mean-pooled ViT): partial sums all-reduced, the same on every rank
             return Place(None, Op(cp_gather.reduce_seq, (c.x, dims, bool(c.args.get("keepdim")), c.name == "mean", CP),
-                                  {"ranks": c.stage.plan.cp}))
+                                  {"ranks": c.stage.plan.cp, "seq": s0.dim,
+                                   **({"tail": c.stage.seq_tail} if getattr(c.stage, "seq_tail", 0) else {})}))
         _fail(c, f"reduces along the sequence (dim {s0.dim})")
     s = s0.at(s0.dim if c.args.get("keepdim") else s0.dim - sum(d < s0.dim for d in dims))
     return tuple(s for _ in c.out) if isinstance(c.out, (tuple, list)) else s
