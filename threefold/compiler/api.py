@@ -158,8 +158,10 @@ def _retracer(workload: Workload, inputs: tuple, target, plan: Plan, own_loss: b
     return retrace
 
 
-def _finish(traced, workload, dims, sliced, seq_dims, batch, parts, plan, notes, progress, seq_len=None):
-    """`seq_len`: the local length where no input carries the sequence (compiler/seq_birth.py)."""
+def _finish(traced, workload, dims, sliced, seq_dims, batch, parts, plan, notes, progress, seq_len=None,
+            seq_tail=None):
+    """`seq_len`, `seq_tail`: the local length and the padding where no input carries the
+    sequence (compiler/seq_birth.py)."""
     rows = [sliced[i].shape[d] for i, d in enumerate(dims) if d is not None]
     lengths = [seq_len] if seq_len else [sliced[i].shape[d] for i, d in enumerate(seq_dims) if d is not None]
     if plan.cp > 1:   # each input's sequence dim: its cp entry, which the cp pass starts from
@@ -167,7 +169,8 @@ def _finish(traced, workload, dims, sliced, seq_dims, batch, parts, plan, notes,
     traced = traced.evolve(batch_dims=list(dims), micro_rows=rows[0] if rows else None,
                            notes=traced.notes + tuple(notes),
                            seq_len=lengths[0] if plan.cp > 1 and lengths else None,
-                           seq_tail=seq_tail_of(batch, seq_dims, plan.cp) if plan.cp > 1 else 0)
+                           seq_tail=(seq_tail if seq_tail is not None else seq_tail_of(batch, seq_dims, plan.cp))
+                           if plan.cp > 1 else 0)
     traced = traced.evolve(output_batch_dims=_output_batch_dims(traced, dims, batch, parts))
     eager = eager_node(traced)
     if eager is not None and parts > 1:   # how the eager loss combines rows, measured once

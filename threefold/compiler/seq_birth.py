@@ -22,8 +22,9 @@ starts at that point instead:
    parameter gradients are then partial sums over this rank's positions, summed once over the
    cp group with every other replicated parameter's gradient.
 
-A born length that 2*cp does not divide is a PlanError for now: that is where the tail padding
-of passes/cp_tails.py (positions that stand for nothing) is to be called (`uneven_birth`).
+A born length that 2*cp does not divide is padded at the cut (cp_cut's fake and the runtime's
+shard_seq both pad through cp_ops.pad_to_blocks), its last positions standing for nothing; the
+stage's `seq_tail` tells passes/cp_padding.py, which keeps them out of what mixes positions.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from threefold.ir.program import tf
 from threefold.ops.families import ELEMENTWISE_BINARY, args_of, op_name
 from threefold.passes.cost import node_cost
 from threefold.runtime import cp_gather
-from threefold.runtime.cp_ops import block_positions, local_blocks
+from threefold.runtime.cp_ops import block_positions, local_blocks, seq_tail
 from threefold.runtime.tp_ops import GroupRef
 
 CP = GroupRef("cp")
@@ -53,14 +54,17 @@ def cp_cut(x: torch.Tensor, dim: int, ranks: int) -> torch.Tensor:
 
 @cp_cut.register_fake
 def _cp_cut_fake(x, dim, ranks):
-    shape = list(x.shape)
-    shape[dim] //= ranks
+    shape = list(x.shape)   # a length 2*cp does not divide is padded first (cp_ops.pad_to_blocks)
+    shape[dim] = (shape[dim] + seq_tail(shape[dim], ranks)) // ranks
     return x.new_empty(shape)
 
 
 def _cut_backward(ctx, g):
-    full = g.new_zeros(ctx.shape)
-    return full.index_copy(ctx.dim, block_positions(ctx.shape[ctx.dim], ctx.ranks, 0, device=g.device), g), None, None
+    n = g.shape[ctx.dim]
+    shape = list(ctx.shape)
+    shape[ctx.dim] = n * ctx.ranks   # the padded length; the padding's gradient is dropped
+    full = g.new_zeros(shape).index_copy(ctx.dim, block_positions(n, ctx.ranks, 0, device=g.device), g)
+    return full.narrow(ctx.dim, 0, ctx.shape[ctx.dim]), None, None
 
 
 def _cut_context(ctx, inputs, output):
@@ -89,9 +93,11 @@ class Birth:
     def note(self, cp: int, dim: int) -> str:
         ops = ", ".join(self.prefix) or "none"
         share = f", {100 * self.prefix_flops / self.total_flops:.1f}%" if self.total_flops else ""
+        tail = seq_tail(self.length, cp)
+        pad = f"; padded by {tail} position(s) that stand for nothing, passes/cp_padding.py" if tail else ""
         return (f"cp: the sequence ({self.length} positions) is born inside the model at `{self.node}` "
-                f"({self.module}, dim {dim}); cp starts there: each rank cuts its {self.length // cp} "
-                f"positions (blocks r, 2cp-1-r) and the ops before it run whole on every cp rank, redundantly "
+                f"({self.module}, dim {dim}); cp starts there: each rank cuts its {-(-self.length // (2 * cp)) * 2} "
+                f"positions (blocks r, 2cp-1-r{pad}) and the ops before it run whole on every cp rank, redundantly "
                 f"({ops}: {self.prefix_flops} of the model's {self.total_flops} forward FLOPs per "
                 f"microbatch{share})")
 
@@ -140,15 +146,6 @@ def along_birth(batch: tuple, rows: list, birth: Birth) -> list:
     return out
 
 
-def uneven_birth(birth: Birth, cp: int, name: str) -> PlanError:
-    """A born length 2*cp does not divide. Here passes/cp_tails.py's padding is to be called
-    (the sequence padded to a multiple of 2*cp at the cut, its tail positions standing for
-    nothing); until then, this refusal."""
-    return PlanError(f"{name}: cp={cp}: the sequence is born inside the model at `{birth.node}` ({birth.module}) "
-                     f"with {birth.length} positions, not a multiple of 2*cp={2 * cp}; use a cp that divides it "
-                     f"in 2*cp blocks, or cp=1")
-
-
 class _Calls(TorchFunctionMode):
     """Counts each torch function's calls, as torch.export's torch_fn metadata does (its k-th
     call); records their output shapes (`shapes`) and, at `cut` = (name, k), passes the
@@ -179,7 +176,7 @@ class _Calls(TorchFunctionMode):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if len(tensors) < 2:
             return args
-        rank, n = max(t.dim() for t in tensors), self.length // self.ranks
+        rank, n = max(t.dim() for t in tensors), (self.length + seq_tail(self.length, self.ranks)) // self.ranks
 
         def size(t, e):   # t's size at dim e of the broadcast shape (1 where t has no such dim)
             return t.shape[e - rank + t.dim()] if e >= rank - t.dim() else 1

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
-from threefold.compiler.seq_birth import along_birth, calls_of, find_birth, to_shard_seq, uneven_birth
+from threefold.compiler.seq_birth import along_birth, calls_of, find_birth, to_shard_seq
 from threefold.compiler.trace import trace
 from threefold.errors import PlanError
 from threefold.passes.seq_dims import full_length_tables, local_share, read_at_local_length
+from threefold.runtime.cp_ops import seq_tail
 
 
 def compile_inner(workload, plan, name, batch, dims, sliced, parts, notes, progress, own_loss, finish, cause=None):
@@ -42,8 +43,6 @@ def compile_inner(workload, plan, name, batch, dims, sliced, parts, notes, progr
     if birth.call is None or seen.shapes.get(birth.call) != tuple(val.shape) or not birth.dims:
         raise PlanError(f"{name}: cp={cp}: the sequence is born inside the model at `{birth.node}` ({birth.module}), "
                         "but the torch call that makes it could not be found again to cut it there; use cp=1")
-    if birth.length % (2 * cp):
-        raise uneven_birth(birth, cp, name)
     failed = []
     for dim in birth.dims:   # a born value with several dims of that length: the one that compiles
         try:
@@ -58,7 +57,8 @@ def _compile_cut(workload, plan, name, birth, dim, graph, batch, dims, sliced, p
                  finish):
     """The program with the born value cut along `dim`, else a PlanError naming why."""
     model, cp = workload.model, plan.cp
-    n = birth.length // cp
+    tail = seq_tail(birth.length, cp)   # a born length 2*cp does not divide is padded (passes/cp_padding.py)
+    n = (birth.length + tail) // cp
     seq_dims = along_birth(batch, dims, birth)   # a per-token target is cut as the sequence is
     local = local_share(sliced, seq_dims, cp)
     inputs, target = (local[:-1], local[-1]) if workload.loss_fn is not None else (local, None)
@@ -75,7 +75,7 @@ def _compile_cut(workload, plan, name, birth, dim, graph, batch, dims, sliced, p
                     "or interpolated to the image in forward) meet the cut sequence element-wise: cut to this "
                     "rank's positions too"] if cutting.also else []
             prog = finish(traced, workload, dims, sliced, seq_dims, batch, parts, plan,
-                          notes + [birth.note(cp, dim)] + also, progress, seq_len=n)
+                          notes + [birth.note(cp, dim)] + also, progress, seq_len=n, seq_tail=tail)
         except Exception as err:   # this table is not the position table (or none is needed): the next
             failed.append(f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}")
             continue
