@@ -178,14 +178,15 @@ def workload(name: str) -> dict:
     return encoder_workload(name)
 
 
-def wrong_length(plan: str) -> str:
-    """Run on every rank: compile gpt_seq7 (7 tokens), step it on 6: the error's text."""
+def wrong_length(plan: str, arch: str = "zoo:gpt_seq7", length: int = 6) -> str:
+    """Run on every rank: compile `arch` at its own length, step it on `length` tokens: the
+    error's text."""
     import threefold
     torch.set_num_threads(1)
-    w = workload("zoo:gpt_seq7")
+    w = workload(arch)
     pm = threefold.parallelize(w["model"], plan, w["inputs"], w["loss_fn"], target=w["target"])
     try:
-        pm.step(w["inputs"][0][:, :6], target=w["target"][:, :6])
+        pm.step(w["inputs"][0][:, :length], target=w["target"][:, :length])
     except Exception as exc:   # what the user sees
         return f"{type(exc).__name__}: {exc}"
     return "no error"

@@ -183,8 +183,10 @@ def test_a_grid_of_positions_over_a_padded_sequence_is_refused_in_one_line():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_step_on_another_length_than_compiled_is_named_not_padded_silently():
-    """7 and 6 tokens both pad to 8 at cp=2: the code leaves 1 position out, so 6 would train wrong."""
+@pytest.mark.parametrize("arch,compiled,length", [("zoo:gpt_seq7", 7, 6), ("zoo:llama", 8, 7)])
+def test_a_step_on_another_length_than_compiled_is_named_not_padded_silently(arch, compiled, length):
+    """7 and 6 tokens both pad to 8 at cp=2: the code leaves 1 position out, so 6 would train
+    wrong; 7 tokens on code compiled for 8 would pad to 8 and leave nothing out."""
     from tests.cp_uneven_models import wrong_length
-    for got in launch(wrong_length, 2, "cp=2", timeout=250):
-        assert "has 6 positions (dim 1), but the artifact was compiled for 7" in got, got
+    for got in launch(wrong_length, 2, "cp=2", arch, length, timeout=250):
+        assert f"has {length} positions (dim 1), but the artifact was compiled for {compiled}" in got, got

@@ -179,7 +179,7 @@ def build_manifest(prog: Program, sources: dict[str, str], hashes: dict[str, str
         output_batch_dims=prog.output_batch_dims,
         output_tree=prog.output_tree,
         model_outputs_missing=missing_reason(prog),
-        seq_length=prog.seq_len * plan.cp - prog.seq_tail if getattr(prog, "seq_tail", 0) else None,
+        seq_length=prog.seq_len * plan.cp - prog.seq_tail if plan.cp > 1 and prog.seq_len else None,
         op_modules=op_modules(prog),
         experts={f: e for c in prog.chunks for r in c.experts for f, e in r["params"].items()},
         expert_modules={f: [e, g["experts"]] for c in prog.chunks for g in c.module_experts

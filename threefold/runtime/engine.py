@@ -422,8 +422,8 @@ class PipelineEngine:
                 for axis, dim in split.cuts:
                     if axis == "cp" and self.manifest.seq_length not in (None, t.shape[dim]):
                         raise ValueError(f"input {i} has {t.shape[dim]} positions (dim {dim}), but the artifact was "
-                                         f"compiled for {self.manifest.seq_length} (cp pads it to 2*cp blocks and "
-                                         "leaves that padding out): recompile for this length")
+                                         f"compiled for {self.manifest.seq_length} (cp's code is specialised to the "
+                                         "length it pads to 2*cp blocks): recompile for this length")
                     if axis not in whole:   # `whole`: axes not cut (the loss denominator's whole sequences)
                         t = input_cut(axis)(t, dim, self.mesh.size(axis), at.get(axis, self.coord[axis]))
             bd = split.batch

@@ -179,8 +179,9 @@ class Manifest:
     # with a loss: why pm(x) cannot return the model's outputs ('' = it can: the last
     # chunk's `model_outputs` method computes them; codegen/model_outputs.py)
     model_outputs_missing: str = ""
-    # cp: the sequence length it was compiled for where 2*cp does not divide it (the cut pads it,
-    # runtime/cp_ops.pad_to_blocks, and the code leaves that many positions out): a step checks it
+    # cp: the sequence length it was compiled for (a length 2*cp does not divide is padded by the
+    # cut, runtime/cp_ops.pad_to_blocks, and the code leaves the padding out; another length
+    # could pad to the same blocks and train wrong): a step checks it
     seq_length: int | None = None
     notes: tuple[str, ...] = ()
     files: dict[str, str] = field(default_factory=dict)   # relative path -> sha256
