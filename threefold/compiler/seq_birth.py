@@ -36,7 +36,7 @@ import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
 from threefold.errors import PlanError
-from threefold.ir.program import tf
+from threefold.ir.program import tf, upstream
 from threefold.ops.families import ELEMENTWISE_BINARY, args_of, op_name
 from threefold.passes.cost import node_cost
 from threefold.runtime import cp_gather
@@ -126,7 +126,7 @@ def find_birth(graph: fx.Graph) -> Birth | None:
     born = _call_output(min(births, key=order.get), graph)
     fn = born.meta.get("torch_fn")
     call = (fn[1], int(fn[0].rsplit("_", 1)[1])) if fn is not None else None
-    before = sorted(_ancestors(born) & derived, key=order.get)   # the prefix: what the born value is made of
+    before = sorted(upstream(born) & derived, key=order.get)   # the prefix: what the born value is made of
     ops = [n for n in before if n.op == "call_function"]
     sources = tuple(sorted(tf(n)["input_index"] for n in before if n.op == "placeholder"))
     return Birth(born.name, tf(born).get("module") or "<top>", call, tuple(_dims_of(born, length)), length,
@@ -253,17 +253,6 @@ def _first_attention(graph: fx.Graph):
         if isinstance(v, torch.Tensor) and v.dim() >= 2:
             return q, v.shape[-2]
     return None
-
-
-def _ancestors(node: fx.Node) -> set:
-    """node and every node it is computed from."""
-    seen, stack = set(), [node]
-    while stack:
-        x = stack.pop()
-        if x not in seen:
-            seen.add(x)
-            stack.extend(x.all_input_nodes)
-    return seen
 
 
 def _input_derived(graph: fx.Graph) -> set:

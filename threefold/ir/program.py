@@ -72,6 +72,17 @@ def compute_nodes(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "call_function"]
 
 
+def upstream(node: fx.Node) -> set[fx.Node]:
+    """node and every node it is computed from."""
+    seen, stack = set(), [node]
+    while stack:
+        x = stack.pop()
+        if x not in seen:
+            seen.add(x)
+            stack.extend(x.all_input_nodes)
+    return seen
+
+
 def format_stage(stage) -> str:
     """A readable listing: the stage's kind, then one line per node of each graph with its
     shape, dtype and annotations, and each chunk's boundary specs."""

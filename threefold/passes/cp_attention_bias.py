@@ -24,7 +24,7 @@ import torch.fx as fx
 from torch.fx.node import map_arg
 
 from threefold.errors import PlanError
-from threefold.ir.program import tf
+from threefold.ir.program import tf, upstream
 from threefold.ops.families import op_name
 from threefold.passes.cp_masks import free, input_free, param_free
 from threefold.runtime import cp_bias
@@ -45,7 +45,7 @@ def is_position_bias(node, n: int) -> bool:
         return False
     if not free(node):
         return bool(_aranges(node, n))
-    return not _aranges(node, n) and any(isinstance(a, GroupRef) for x in _upstream(node) for a in x.args)
+    return not _aranges(node, n) and any(isinstance(a, GroupRef) for x in upstream(node) for a in x.args)
 
 
 def carries_position_bias(node, n: int) -> bool:
@@ -126,25 +126,14 @@ def _arange_of(node: fx.Node, n: int) -> bool:
     return bounds is not None and bounds() == (0, n, 1)
 
 
-def _upstream(node: fx.Node) -> set:
-    """node and everything it is computed from."""
-    seen, stack = set(), [node]
-    while stack:
-        x = stack.pop()
-        if x not in seen:
-            seen.add(x)
-            stack.extend(x.all_input_nodes)
-    return seen
-
-
 def _ancestors(node: fx.Node) -> list:
-    """_upstream(node) in graph order."""
-    seen = _upstream(node)
+    """upstream(node) in graph order."""
+    seen = upstream(node)
     return [x for x in node.graph.nodes if x in seen]
 
 
 def _aranges(node: fx.Node, n: int) -> list:
-    up = _upstream(node)
+    up = upstream(node)
     return [x for x in _ancestors(node) if _arange_of(x, n)] if any(_arange_of(x, n) for x in up) else []
 
 
@@ -333,7 +322,7 @@ def _blocks(bias: fx.Node, stage, n: int) -> list:
 def _one_arange_per_use(bias: fx.Node, n: int) -> None:
     """An arange read by several ops inside the bias (`i[None, :] - i[:, None]`) gets one copy
     per reader, so each copy can be told query or key positions."""
-    inside = _upstream(bias)
+    inside = upstream(bias)
     for a in _aranges(bias, n):
         readers = [u for u in a.users if u in inside]
         for u in readers[1:]:
