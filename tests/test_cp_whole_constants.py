@@ -28,17 +28,3 @@ def test_deberta_at_the_local_length_matches_one_process():
     for rank in got:
         assert not isinstance(rank["deberta_v2"], str), rank["deberta_v2"]
         assert max_rel_diff(rank["deberta_v2"], ref) < 1e-5, (rank["deberta_v2"], ref)
-
-
-@pytest.mark.parametrize("arch", ["vit17"])
-def test_a_sequence_made_inside_the_model_is_named(arch):
-    """A ViT's 17 tokens (16 patches and a class token) appear after the patch conv: no input
-    dim is the sequence; cp starts where it is born (compiler/seq_birth.py), which 2*cp must
-    divide. Before: "cannot tell the sequence dim of input 0 ... pass the sequence as the one
-    non-batch dim divisible by 4", which no image can do."""
-    import threefold
-    from tests.zoo import ZOO
-    with pytest.raises(threefold.PlanError, match=r"cp=2: the sequence is born inside the model at `cat` \(<top>\) "
-                                                  r"with 17 positions, not a multiple of 2\*cp=4") as err:
-        compile_workload(ZOO[arch](), "cp=2")
-    assert "\n" not in str(err.value)
