@@ -221,3 +221,19 @@ def test_attention_dropout_is_refused_in_one_line():
     w = {"model": model, "inputs": (idx[:, :-1],), "target": idx[:, 1:], "loss_fn": lm_loss}
     with pytest.raises(threefold.PlanError, match="attention dropout p=0.1 at h.0.attn.attn_dropout"):
         compile_workload(w, "cp=2")
+
+
+def test_a_model_without_a_sequence_is_refused_naming_the_dim_cp_cut():
+    """Rows of 16 features (no sequence): cp cuts the only other dim, the features, and the trace
+    of that share fails in a matmul. Before: "cannot trace" with torch.export's error, as if the
+    model did not trace at all."""
+    import torch
+    import threefold
+    from threefold.compiler.api import compile_workload
+    torch.manual_seed(0)
+    w = {"model": torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)),
+         "inputs": (torch.randn(8, 16),), "target": torch.randn(8, 4), "loss_fn": torch.nn.functional.mse_loss}
+    with pytest.raises(threefold.PlanError, match=r"cp=2 cuts input 0 \(8, 16\) along dim 1 \(16 -> 8 positions per "
+                                                  r"rank\).*though it traces whole: dim 1 is not a sequence") as err:
+        compile_workload(w, "cp=2")
+    assert "\n" not in str(err.value)

@@ -113,7 +113,7 @@ def _compile_split(workload, plan, name, batch, dims, sliced, parts, notes, prog
         refusal = full_length_refusal(workload.model, whole[0], plan.cp, name, str(exc)) \
             if plan.cp > 1 and whole else None
         if refusal is None:
-            raise
+            raise _share_refusal(workload, plan, name, batch, seq_dims, has_target, own_loss, exc) from None
         for table in full_length_tables(workload.model, whole[0], plan.cp, str(exc))[:4]:
             prog = _compile_reading(workload, table, whole[0], plan, inputs, target, own_loss, progress,
                                     dims, sliced, seq_dims, batch, parts, notes)
@@ -123,6 +123,27 @@ def _compile_split(workload, plan, name, batch, dims, sliced, parts, notes, prog
     if plan.cp > 1:
         traced = traced.evolve(retrace=_retracer(workload, inputs, target, plan, own_loss, seq_dims))
     return _finish(traced, workload, dims, sliced, seq_dims, batch, parts, plan, notes, progress)
+
+
+def _share_refusal(workload, plan, name, batch, seq_dims, has_target, own_loss, exc) -> PlanError:
+    """Why this cp rank's share does not trace: where the model traces whole (cp=1), the cut dim
+    is not a sequence it treats position by position (features, a model without a sequence),
+    said in one line; else the trace's own error stands."""
+    cut = [(i, d) for i, d in enumerate(seq_dims) if d is not None]
+    if plan.cp == 1 or not cut:
+        return exc
+    whole = tuple(batch)
+    inputs, target = (whole[:-1], whole[-1]) if has_target else (whole, None)
+    try:
+        trace(workload.model, inputs, target, workload.loss_fn, plan.replace(cp=1), own_loss=own_loss)
+    except Exception:   # it does not trace whole either: the trace's error is the answer
+        return exc
+    i, d = cut[0]
+    length = batch[i].shape[d]
+    return PlanError(f"{name}: cp={plan.cp} cuts input {i} {tuple(batch[i].shape)} along dim {d} ({length} -> "
+                     f"{-(-length // (2 * plan.cp)) * 2} positions per rank) and the model does not trace on that share "
+                     f"({str(exc).splitlines()[0][:200]}), though it traces whole: dim {d} is not a sequence the model "
+                     "treats position by position (features? a model without a sequence?); use cp=1")
 
 
 def _rows_for_cp(workload: Workload, batch: tuple, dims: list, plan: Plan, declared, name: str) -> list:
