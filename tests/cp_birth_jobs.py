@@ -9,8 +9,9 @@ from tests.cp_factory_models import parallel, reference
 def vit_workload(arch: str) -> dict:
     """A zoo arch, or one of this file's workloads (per_patch, first_token)."""
     from tests.zoo import ZOO
-    return {"per_patch": per_patch_workload, "first_token": first_token_workload}.get(arch, ZOO[arch] if arch in ZOO
-                                                                                     else None)()
+    own = {"per_patch": per_patch_workload, "first_token": first_token_workload, "patch_mean": patch_mean_workload,
+           "patch_mean17": lambda: patch_mean_workload((16, 16))}
+    return own.get(arch, ZOO[arch] if arch in ZOO else None)()
 
 
 def first_token_workload() -> dict:
@@ -82,9 +83,10 @@ def per_patch_workload() -> dict:
             "loss_fn": lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten())}
 
 
-def patch_mean_workload() -> dict:
+def patch_mean_workload(image: tuple = (12, 20)) -> dict:
     """CLS + 15 patches pooled as the mean of the patch rows alone (x[:, 1:].mean(1), as
-    Dinov2's and BEiT's classifiers do): a mean over a sequence shortened inside the model."""
+    Dinov2's and BEiT's classifiers do): a mean over a sequence shortened inside the model.
+    `image` (16, 16): CLS + 16 patches, 17 tokens, padded under cp."""
     import torch.nn.functional as F
     from tests.zoo.vit16 import ClsViT
     torch.manual_seed(0)
@@ -97,5 +99,5 @@ def patch_mean_workload() -> dict:
                 x = block(x)
             return self.head(self.norm(x)[:, 1:].mean(dim=1))
     g = torch.Generator().manual_seed(5)
-    return {"model": PatchMean().train(), "inputs": (torch.randn(4, 3, 12, 20, generator=g),),
+    return {"model": PatchMean(image=image).train(), "inputs": (torch.randn(4, 3, *image, generator=g),),
             "target": torch.randint(0, 10, (4,), generator=g), "loss_fn": F.cross_entropy}

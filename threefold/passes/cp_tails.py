@@ -43,7 +43,7 @@ from threefold.passes.cp_padding import scale_mean
 from threefold.passes.cp_rules.core import PARTIAL, Seq, decide
 from threefold.passes.cp_whole import is_whole, names_length, remember, twin_named
 from threefold.passes.loss_form import final_op
-from threefold.runtime import cp_shift, cp_tail
+from threefold.runtime import cp_gather, cp_shift, cp_tail
 from threefold.runtime.tp_ops import GroupRef
 
 CP = GroupRef("cp")
@@ -202,6 +202,12 @@ def on_tail(node: fx.Node, state: dict, stage, why: str):
     remember(node, traced)
     node.meta["val"] = val
     d = decide(node, state, stage)
+    if isinstance(d, Place) and d.op is not None and d.op.target is cp_gather.reduce_seq:
+        # pooled over the sequence (x[:, 1:].mean(1): the patch tokens without the CLS one):
+        # partial sums without the tail, the mean's count the positions that exist
+        pad = getattr(stage, "seq_tail", 0)
+        node.target, node.args, node.kwargs = d.op.target, d.op.args, {**d.op.kwargs, "tail": tail + pad}
+        return d.out, []
     if not isinstance(d, Place) or d.op is not None:
         raise PlanError(what)
     if d.out == PARTIAL:
