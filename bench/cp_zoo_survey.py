@@ -47,28 +47,22 @@ def survey(archs: list, plan: str = "cp=2", rows: int | None = None, seq: int | 
 
 
 def main(argv: list) -> None:
-    dest = None
-    if "--json" in argv:
-        i = argv.index("--json")
-        dest, argv = argv[i + 1], argv[:i] + argv[i + 2:]
-    rows = None
-    if "--rows" in argv:
-        i = argv.index("--rows")
-        rows, argv = int(argv[i + 1]), argv[:i] + argv[i + 2:]
-    seq, plan = None, "cp=2"
-    if "--seq" in argv:
-        i = argv.index("--seq")
-        seq, argv = int(argv[i + 1]), argv[:i] + argv[i + 2:]
-    if "--plan" in argv:
-        i = argv.index("--plan")
-        plan, argv = argv[i + 1], argv[:i] + argv[i + 2:]
-    res = survey(argv, plan, rows=rows, seq=seq)
+    import argparse
+    parser = argparse.ArgumentParser(description="cp over the zoo, compile only: per architecture pass / "
+                                     "all-gather fallbacks used / refused (one line) / crash, then the counts.")
+    parser.add_argument("archs", nargs="*", help="zoo architectures (default: all of tests/zoo)")
+    parser.add_argument("--plan", default="cp=2", help="the plan to compile (default cp=2)")
+    parser.add_argument("--rows", type=int, help="rows per token batch (default: the zoo's 4)")
+    parser.add_argument("--seq", type=int, help="tokens per row (default: the zoo's 8; 7 pads under cp=2)")
+    parser.add_argument("--json", dest="dest", help="also write the verdicts to this JSON file")
+    args = parser.parse_args(argv)
+    res = survey(args.archs, args.plan, rows=args.rows, seq=args.seq)
     counts = {}
     for r in res.values():
         counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
     print(counts)
-    if dest:
-        with open(dest, "w") as f:
+    if args.dest:
+        with open(args.dest, "w") as f:
             json.dump(res, f, indent=1)
 
 
