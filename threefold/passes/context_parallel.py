@@ -32,6 +32,7 @@ from threefold.errors import PlanError
 from threefold.passes.cp_masks import input_free
 from threefold.ops.families import ARANGE_TO_INDEX, args_of
 from threefold.passes.cp_attention import erase_dead, readers, rewrite_attention
+from threefold.passes.cp_counts import reads_counts, whole_scalars
 from threefold.passes.cp_factories import split_factories
 from threefold.passes.cp_fallback import gather_around
 from threefold.passes.cp_free_whole import FreeWhole, cut_whole_inputs, free_inputs_whole, free_whole_decision, \
@@ -82,6 +83,8 @@ class ContextParallel(AxisRules):
 
     def decide(self, w, node):
         state = w.state
+        if reads_counts(node):   # computed from counts over the whole batch: one process's numbers (cp_counts.py)
+            whole_scalars(node, w.stage, w.refusal(node, "reads a count over the whole batch"))
         if any(tail_of(a) for a in node.all_input_nodes):     # a sequence shortened inside the model (cp_tails.py)
             return tail_decision(node, state, None)
         if any(is_whole(a) for a in node.all_input_nodes):   # computed from a grid kept whole (cp_whole.py)

@@ -1,0 +1,45 @@
+"""An expert capacity queue under cp (passes/cp_counts.py): a cumsum over every token of the
+batch (the batch and sequence flattened) runs on the gathered tokens, and the capacity the
+model computes from its token count (a constant of the trace: the local count under cp) is
+read from the model traced at the whole length, as one process computes it."""
+import pytest
+import torch
+
+from threefold.codegen.artifact import build_sources
+from threefold.compiler.api import compile_workload
+from threefold.runtime.launch import launch
+from tests.cp_factory_models import grad_diff, reference, zoo_grads_parity
+from tests.cp_jobs import zoo_batch2
+from tests.parity import max_rel_diff
+
+
+def _capacities(prog) -> set:
+    """The numbers the compiled code compares the queue positions with."""
+    import re
+    code = build_sources(prog)["chunk00.py"].split("def model_outputs")[0]
+    return set(re.findall(r"aten\.lt\.Scalar\([^,]+, (\d+)\)", code))
+
+
+def test_the_capacity_is_one_process_number_not_this_rank_one():
+    """2 rows x 8 tokens, factor 0.5, k=2, 4 experts: capacity ceil(0.5 * 16 * 2 / 4) = 4 in one
+    process; cp=2 traces 2 x 4 tokens (capacity 2), so without the twin's number it is 2."""
+    from tests.zoo.handwritten_coupling import CapacityMoE
+    w = zoo_batch2("hw_moe_capacity")
+    assert isinstance(w["model"], CapacityMoE)
+    prog = compile_workload(w, "cp=2")
+    assert _capacities(prog) == {"4"}, _capacities(prog)
+    notes = [n for n in prog.notes if n.startswith("cp fallback:")]
+    assert len(notes) == 1 and notes[0].startswith("cp fallback: cumsum ("), notes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("cp", [2, 4])
+def test_capacity_moe_at_cp_matches_one_process_losses_and_grads(cp):
+    torch.set_num_threads(1)
+    got = launch(zoo_grads_parity, cp, ["hw_moe_capacity"], f"cp={cp}", 3, timeout=550)
+    ref_losses, ref_grads = reference(zoo_batch2("hw_moe_capacity"))
+    for rank in got:
+        losses, grads = rank["hw_moe_capacity"]
+        assert max_rel_diff(losses, ref_losses) < 1e-5, (losses, ref_losses)
+        assert grad_diff(grads, ref_grads) < 1e-4, grad_diff(grads, ref_grads)
