@@ -74,3 +74,34 @@ def test_grouped_capacity_moe_at_cp2_matches_one_process_losses_and_grads():
     for losses, grads in got:
         assert max_rel_diff(losses, ref_losses) < 1e-5, (losses, ref_losses)
         assert grad_diff(grads, ref_grads) < 1e-4, grad_diff(grads, ref_grads)
+
+
+def _graph(count: int, n: int, name: str = "lt") -> "torch.fx.Graph":
+    """x [n] -> lt(x, count), as export writes it (its stack trace in meta)."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta = {"val": torch.zeros(n), "stack_trace": "model"}
+    lt = g.call_function(torch.ops.aten.lt.Scalar, (x, count))
+    lt.name = name
+    lt.meta = {"val": torch.zeros(n, dtype=torch.bool), "stack_trace": "model"}
+    g.output(lt)
+    return g
+
+
+def _stage(whole):
+    from types import SimpleNamespace
+    return SimpleNamespace(retrace=lambda s: whole, seq_len=4, plan=SimpleNamespace(cp=2))
+
+
+def test_an_elementwise_op_on_counts_takes_its_twin_number_or_is_refused_in_one_line():
+    import threefold
+    from threefold.passes.cp_counts import whole_scalars
+    local = _graph(2, 8)
+    lt = next(n for n in local.nodes if n.name == "lt")
+    whole_scalars(lt, _stage(_graph(4, 16)), "cp=2: lt at <top> reads a count over the whole batch")
+    assert lt.args[1] == 4
+    for other in (_graph(4, 16, "gt"), _graph(4, 12)):   # no op of its name; not the whole shapes
+        lt = next(n for n in _graph(2, 8).nodes if n.name == "lt")
+        with pytest.raises(threefold.PlanError, match="cp=2: lt at <top> reads a count") as err:
+            whole_scalars(lt, _stage(other), "cp=2: lt at <top> reads a count over the whole batch")
+        assert "\n" not in str(err.value)

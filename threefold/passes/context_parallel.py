@@ -21,6 +21,9 @@ they treat positions independently. cp's hooks on the sharding walker (passes/sh
    computed whole on every rank instead, nothing moved (passes/cp_free_whole.py).
 5. A slice that drops positions at an end of the sequence (a shift of the tokens inside the
    model) keeps every rank's positions with a tail that stands for nothing (passes/cp_tails.py).
+6. A scan over the whole batch's tokens (an expert capacity queue) runs gathered, and the
+   element-wise ops computed from it take the numbers of the model traced at the whole length
+   (the capacity one process computes from its token count; passes/cp_counts.py).
 """
 from __future__ import annotations
 
