@@ -13,8 +13,8 @@ class SelfShiftLM(nn.Module):
     """logits[:, :-1] against labels x[:, 1:] inside forward (-100 ignored), causal attention;
     `form` "ce": F.cross_entropy over the flattened tokens (mean over the labels that count),
     "sum": the per-token terms written out, summed and divided by their count (x-transformers'
-    AutoregressiveWrapper), "leak": the shortened logits averaged over the sequence (mixes
-    positions: refused), "mse": a mean over elements of the shortened sequence (refused: its
+    AutoregressiveWrapper), "leak": the shortened logits averaged over the sequence (partial
+    sums without the dropped position), "softmax": a softmax over them (mixes positions: refused), "mse": a mean over elements of the shortened sequence (refused: its
     element count is a number traced at the local length)."""
 
     def __init__(self, form: str, vocab: int = 32, width: int = 16, heads: int = 2):
@@ -32,8 +32,10 @@ class SelfShiftLM(nn.Module):
         logits, labels = logits[:, :-1], x[:, 1:]
         if self.form == "ce":
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
-        if self.form == "leak":
+        if self.form == "leak":   # pooled over the shortened positions: reduce_seq without the tail
             return logits.mean(1).logsumexp(-1).mean()
+        if self.form == "softmax":   # a softmax over the shortened positions: refused
+            return logits.softmax(1).logsumexp(-1).mean()
         if self.form == "mse":   # a mean over the elements: their count was traced at the local length
             return F.mse_loss(logits[..., :1], labels[..., None].float())
         keep = labels != -100

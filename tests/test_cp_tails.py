@@ -28,9 +28,29 @@ def test_a_shift_inside_the_model_keeps_the_positions_and_moves_no_sequence(form
 
 
 def test_what_mixes_the_shortened_positions_is_refused_in_one_line():
-    with pytest.raises(threefold.PlanError, match="mean at <top> reads a value shortened along the sequence") as err:
-        compile_workload(tail_workload("leak"), "cp=2")
+    with pytest.raises(threefold.PlanError, match="softmax at <top> reads a value shortened along the sequence") \
+            as err:
+        compile_workload(tail_workload("softmax"), "cp=2")
     assert "\n" not in str(err.value)
+
+
+def test_a_mean_pooled_over_the_shortened_positions_leaves_the_dropped_one_out():
+    """logits[:, :-1].mean(1): all-reduced partial sums (cp_gather.reduce_seq) without the
+    dropped last position, counted over the s - 1 that exist. Before: refused."""
+    from threefold.codegen.artifact import build_sources
+    code = build_sources(compile_workload(tail_workload("leak"), "cp=2"))["chunk00.py"]
+    assert "cp_gather.reduce_seq(" in code and "tail=1" in code, code
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_mean_pooled_over_the_shortened_positions_matches_one_process():
+    got = launch(tail_parity, 2, ["leak"], "cp=2", 3, timeout=550)
+    ref_losses, ref_grads = reference(tail_workload("leak"))
+    for rank in got:
+        losses, grads = rank[0]
+        assert max_rel_diff(losses, ref_losses) < 1e-5, (losses, ref_losses)
+        assert grad_diff(grads, ref_grads) < 1e-5, grad_diff(grads, ref_grads)
 
 
 def test_an_element_mean_over_the_shortened_sequence_is_refused_not_trained_wrong():
