@@ -60,11 +60,13 @@ def test_batch_norm_over_merged_tokens_is_gathered_through_its_digits():
     assert len(notes) == 1 and notes[0].startswith("cp fallback: batch_norm ("), notes
 
 
-def test_capacity_queue_over_merged_tokens_is_refused_not_trained_wrong():
+def test_capacity_queue_on_a_padded_sequence_is_refused_not_trained_wrong():
     """An expert capacity queue (cumsum over every token of the batch, compared with a capacity
-    the model computes from its token count): gathering the cumsum alone trained 1.5e-3 off
-    (the capacity was the local one), so cp refuses it in one line."""
+    the model computes from its token count) reads one process's capacity from the model traced
+    at the whole length (passes/cp_counts.py, tests/test_cp_counts.py); a sequence padded to 2cp
+    blocks has no such trace (the padding would count), so it is refused in one line, naming it."""
     import threefold
     from tests.cp_jobs import zoo_batch2
-    with pytest.raises(threefold.PlanError, match="capacity queue"):
-        compile_workload(zoo_batch2("hw_moe_capacity"), "cp=2")
+    with pytest.raises(threefold.PlanError, match="capacity queue.*multiple of 4") as err:
+        compile_workload(zoo_batch2("hw_moe_capacity", 7), "cp=2")
+    assert "\n" not in str(err.value)

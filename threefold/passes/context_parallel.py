@@ -21,6 +21,9 @@ they treat positions independently. cp's hooks on the sharding walker (passes/sh
    computed whole on every rank instead, nothing moved (passes/cp_free_whole.py).
 5. A slice that drops positions at an end of the sequence (a shift of the tokens inside the
    model) keeps every rank's positions with a tail that stands for nothing (passes/cp_tails.py).
+6. A scan over the whole batch's tokens (an expert capacity queue) runs gathered, and the
+   element-wise ops computed from it take the numbers of the model traced at the whole length
+   (the capacity one process computes from its token count; passes/cp_counts.py).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from threefold.errors import PlanError
 from threefold.passes.cp_masks import input_free
 from threefold.ops.families import ARANGE_TO_INDEX, args_of
 from threefold.passes.cp_attention import erase_dead, readers, rewrite_attention
+from threefold.passes.cp_counts import reads_counts, whole_scalars
 from threefold.passes.cp_factories import split_factories
 from threefold.passes.cp_fallback import gather_around
 from threefold.passes.cp_free_whole import FreeWhole, cut_whole_inputs, free_inputs_whole, free_whole_decision, \
@@ -82,6 +86,8 @@ class ContextParallel(AxisRules):
 
     def decide(self, w, node):
         state = w.state
+        if reads_counts(node):   # computed from counts over the whole batch: one process's numbers (cp_counts.py)
+            whole_scalars(node, w.stage, w.refusal(node, "reads a count over the whole batch"))
         if any(tail_of(a) for a in node.all_input_nodes):     # a sequence shortened inside the model (cp_tails.py)
             return tail_decision(node, state, None)
         if any(is_whole(a) for a in node.all_input_nodes):   # computed from a grid kept whole (cp_whole.py)

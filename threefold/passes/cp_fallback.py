@@ -27,7 +27,8 @@ from threefold.ir.program import tf
 from threefold.errors import PlanError
 from threefold.ops.families import RESHAPES, family, op_name
 from threefold.passes.cp_padding import refuse_whole_grid
-from threefold.passes.cp_whole import is_whole, mark, names_length, one_mode, regrow, remember
+from threefold.passes.cp_counts import mark_counts
+from threefold.passes.cp_whole import is_whole, mark, names_length, one_mode, regrow, remember, twin_named
 from threefold.runtime import cp_gather
 from threefold.runtime.tp_ops import GroupRef
 
@@ -58,13 +59,18 @@ def gather_around(node: fx.Node, state: dict, stage, why: str, name: str, seq_cl
     tail = getattr(stage, "seq_tail", 0)   # an uneven sequence's padding: gathered without it (cp_padding.py)
     if tail and any(is_whole(a) for a in node.all_input_nodes):
         refuse_whole_grid(stage, why)
-    if merged and family(node) in ("scan", "sort"):
+    counts = bool(merged) and family(node) in ("scan", "sort")
+    if counts and (tail or twin_named(node, stage) is None):
         # a running count over the tokens of the whole batch (an expert capacity queue): exact when
-        # gathered, but the model compares it with numbers it computed from the local token count
-        # (capacity = factor * tokens / experts), which no graph records: 1.5e-3 off when tried
+        # gathered, and the numbers the model compares it with (capacity = factor * tokens / experts,
+        # a constant computed from the traced token count) are read from the model traced at the whole
+        # length (passes/cp_counts.py); without that trace they would be this rank's: 1.5e-3 off
+        how = (f"on a sequence padded to {2 * plan.cp} blocks the model traced at the whole length counts the "
+               f"padding too: use a sequence length that is a multiple of {2 * plan.cp}") if tail else \
+            "the model does not trace at the whole length to give one process's"
         raise PlanError(f"{why} (a scan or sort over the tokens of the whole batch, such as an expert capacity "
-                        "queue, is compared with counts the model computes from the token count, which differ "
-                        "per rank)") from None
+                        "queue, is compared with numbers the model computes from the token count, constants of the "
+                        f"trace that are this rank's count under cp; {how})") from None
     graph, cp = node.graph, plan.cp
     whole, moved = {}, []
     for a in ins:
@@ -92,6 +98,8 @@ def gather_around(node: fx.Node, state: dict, stage, why: str, name: str, seq_cl
     short = tail * (layout[0] * layout[1] if layout else 1)   # the padding's elements along a merged dim
     cuts = [None] if grid else [_seq_dim(o, f, cp, why, short) for o, f in zip(outs, fulls)]
     node.meta["val"] = full
+    if counts:   # everything computed from it reads one process's numbers (cp_counts.py)
+        mark_counts(node)
     if grid:   # it runs along the sequence twice (positions paired with positions): kept whole
         remember(node, out)
         mark(node, out, full)
