@@ -51,8 +51,10 @@ def test_small_whole_values_on_7_tokens_match_one_process_under_cp2():
 @pytest.mark.slow
 @pytest.mark.zoo
 @pytest.mark.timeout(900)
-def test_zoo_whole_values_on_7_tokens_match_one_process_under_cp2():
-    got = launch(uneven_parity, 2, ZOO, "cp=2", 3, timeout=850)
+@pytest.mark.parametrize("cp", [2, 4])
+def test_zoo_whole_values_on_7_tokens_match_one_process(cp):
+    """cp=4: a rank holds 2 of the 8 padded positions, the whole 7 no multiple of them."""
+    got = launch(uneven_parity, cp, ZOO, f"cp={cp}", 3, timeout=850)
     _check(got, ZOO)
 
 
