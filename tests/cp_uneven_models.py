@@ -18,7 +18,8 @@ buffer hold exactly the real length: the padded positions read row 6, the mask i
 `workload("shift@7")`: tests/cp_shift_jobs.ShiftMix on 7 tokens (a look-ahead shift reads zeros
 past the real end, not the padding); `workload("selfshift:ce@15")`: tests/cp_tail_models'
 SelfShiftLM on 15 tokens (a shift inside the model on a padded sequence); `workload("packed@7")`:
-tests/cp_free_models' packed-sequence check over positions (gathered without the padding).
+tests/cp_free_models' packed-sequence check over positions (computed whole at the real length);
+`workload("relpos@7")`: tests/cp_factory_models' grid of relative positions (computed whole at 7).
 """
 from __future__ import annotations
 
@@ -103,7 +104,7 @@ def refused(kind: str) -> dict:
     x = torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(1))
     if kind == "denominator":
         return {"model": Encoder("causal", 7), "inputs": (x,), "target": (x % 2).float(), "loss_fn": baked_ratio}
-    return workload({"free": "packed@7", "shortened_mean": "selfshift:mse@15"}[kind])
+    return workload({"shortened_mean": "selfshift:mse@15"}[kind])
 
 
 def loss_for(form: str):
@@ -169,6 +170,9 @@ def workload(name: str) -> dict:
         return {"model": MergedSoftmax(), "inputs": (x,), "target": x, "loss_fn": loss_for("tokens")}
     if name == "embeds":
         return embeds_workload()
+    if name in ("relpos", "t5bias"):   # a grid of relative positions computed whole (tests/cp_factory_models.py)
+        from tests.cp_factory_models import factory_workload
+        return factory_workload(name, seq=int(seq))
     if name == "packed":
         from tests.cp_free_models import packed_workload
         return packed_workload(int(seq))

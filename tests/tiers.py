@@ -96,6 +96,7 @@ DEFAULT_SAMPLE = [
     "tests/test_cp_factories.py::test_factories_at_cp2_match_one_process_losses_and_grads",
     "tests/test_cp_free_whole.py::test_packed_sequence_check_matches_one_process[2]",
     "tests/test_cp_uneven.py::test_gpt_on_7_tokens_matches_one_process_under_cp2",
+    "tests/test_cp_pad_whole.py::test_small_whole_values_on_7_tokens_match_one_process_under_cp2",
     "tests/test_cp_birth.py::test_vits_born_inside_match_one_process[cp=2]",
     # the zoo's representative sample (the full matrices are `-m zoo`)
     "tests/test_zoo.py::test_zoo_sample_matches_single_process[llama-tp=2]",

@@ -42,8 +42,7 @@ from threefold.passes.cp_free_whole import FreeWhole, cut_whole_inputs, free_inp
     run_free_whole
 from threefold.passes.cp_recurrence import collect, finish, step_read
 from threefold.passes.cp_shifts import shift_halo
-from threefold.passes.cp_padding import PaddedSum, limit_rings, padded_decision, real_length, refuse_whole_grid, \
-    unpadded_free
+from threefold.passes.cp_padding import PaddedSum, limit_rings, padded_decision, real_length
 from threefold.passes.cp_tables import rows_at_positions
 from threefold.passes.cp_tails import OnTail, PadShift, Shorten, on_tail, pad_shift, shorten, sum_without_tail, \
     tail_decision, tail_of
@@ -91,7 +90,6 @@ class ContextParallel(AxisRules):
         if any(tail_of(a) for a in node.all_input_nodes):     # a sequence shortened inside the model (cp_tails.py)
             return tail_decision(node, state, None)
         if any(is_whole(a) for a in node.all_input_nodes):   # computed from a grid kept whole (cp_whole.py)
-            refuse_whole_grid(w.stage, w.refusal(node, "reads a grid of positions computed whole"))
             return whole_decision(node, state, w.stage, w.refusal(node, "mixes sequence positions"))
         stacked = collect(w, node)   # one value per step of a loop, back along the sequence (cp_recurrence.py)
         if stacked is not None:
@@ -100,9 +98,7 @@ class ContextParallel(AxisRules):
             return Place(Seq(0) if op_name(node) == "positions" else None)
         d = decide(node, state, w.stage)
         free = free_whole_decision(node, state, d)   # input-free: computed whole, nothing moved (cp_free_whole.py)
-        if free is not None and w.stage.seq_tail:   # not past the real end of a padded sequence:
-            return unpadded_free(d, w.stage)          # gathered without the padding, or refused
-        if free is not None:
+        if free is not None:   # a padded sequence's at its real length (cp_padding.real_length)
             return free
         if not isinstance(d, Place) and shift_halo(node, state, w.stage):   # a token shift: a halo exchange
             return None                                                     # (cp_shifts.py places it)

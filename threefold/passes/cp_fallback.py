@@ -26,7 +26,6 @@ import torch.fx as fx
 from threefold.ir.program import tf
 from threefold.errors import PlanError
 from threefold.ops.families import RESHAPES, family, op_name
-from threefold.passes.cp_padding import refuse_whole_grid
 from threefold.passes.cp_counts import mark_counts
 from threefold.passes.cp_whole import is_whole, mark, names_length, one_mode, regrow, remember, twin_named
 from threefold.runtime import cp_gather
@@ -57,8 +56,6 @@ def gather_around(node: fx.Node, state: dict, stage, why: str, name: str, seq_cl
     if merged and not _keeps_layout(outs, merged, n):
         raise PlanError(f"{why} (its sequence is merged with another dim there, so it cannot be gathered)") from None
     tail = getattr(stage, "seq_tail", 0)   # an uneven sequence's padding: gathered without it (cp_padding.py)
-    if tail and any(is_whole(a) for a in node.all_input_nodes):
-        refuse_whole_grid(stage, why)
     counts = bool(merged) and family(node) in ("scan", "sort")
     if counts and (tail or twin_named(node, stage) is None):
         # a running count over the tokens of the whole batch (an expert capacity queue): exact when
@@ -92,8 +89,6 @@ def gather_around(node: fx.Node, state: dict, stage, why: str, name: str, seq_cl
         raise PlanError(f"{why} (and it cannot run on the gathered sequence: {type(exc).__name__})") from None
     fulls = list(full) if isinstance(full, (tuple, list)) else [full]
     grid = not isinstance(out, (tuple, list)) and not merged and _grid(out, full, cp, tail)
-    if grid:
-        refuse_whole_grid(stage, why)
     layout = next(iter(merged.values()), None)   # outputs of a merged op keep its input's digits
     short = tail * (layout[0] * layout[1] if layout else 1)   # the padding's elements along a merged dim
     cuts = [None] if grid else [_seq_dim(o, f, cp, why, short) for o, f in zip(outs, fulls)]

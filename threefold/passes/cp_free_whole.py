@@ -34,7 +34,7 @@ from threefold.ops.rules import Gather, Place, Refuse
 from threefold.passes.cp_masks import input_free
 from threefold.passes.cp_rules import decide
 from threefold.passes.cp_rules.core import Seq
-from threefold.passes.cp_whole import TWIN, is_whole, mark, remember, run_whole, twin_named
+from threefold.passes.cp_whole import TWIN, is_whole, mark, remember, run_whole, twin_named, whole_length
 from threefold.runtime import cp_gather, cp_ops
 from threefold.runtime.tp_ops import GroupRef
 
@@ -106,7 +106,7 @@ def whole_of(x: fx.Node, state: dict, stage, cache: dict, before: fx.Node, made:
         raise PlanError(f"{x.name} is split along the sequence but no call")
     graph, n, cp = x.graph, stage.seq_len, stage.plan.cp
     if x.target is cp_gather.shard_seq:   # this rank's blocks of a whole value: the value itself
-        new = x.args[0]
+        new = _real_part(x, before, made, stage)
     elif x.target is cp_ops.positions:     # this rank's global positions: all of them
         length = _arange_length(x, stage)
         kwargs = {k: v for k, v in x.kwargs.items() if k in ("dtype", "device")}
@@ -138,7 +138,23 @@ def _arange_length(x: fx.Node, stage) -> int:
     val = twin.meta.get("val") if twin is not None and op_name(twin) == "arange" else None
     if isinstance(val, torch.Tensor) and val.dim() == 1 and val.shape[0] == n:
         return n
-    return n * stage.plan.cp
+    return whole_length(stage)
+
+
+def _real_part(x: fx.Node, before: fx.Node, made: list, stage) -> fx.Node:
+    """The whole value shard_seq `x` cuts, without a padded sequence's padding (a factory made at
+    the padded length S' and cut at once, cp_factories.py): its first S positions."""
+    y, d = x.args[0], x.args[1]
+    v, s = y.meta.get("val"), whole_length(stage)
+    if not isinstance(v, torch.Tensor) or v.shape[d] == s:
+        return y
+    with x.graph.inserting_before(before):
+        new = x.graph.call_function(torch.ops.aten.narrow.default, (y, d, 0, s))
+    new.meta = {"val": v.narrow(d, 0, s), "tf": dict(tf(y))}
+    made.append(new)
+    remember(new, x.meta["val"])
+    mark(new, x.meta["val"], new.meta["val"])
+    return new
 
 
 def _forget(made: list, cache: dict, state: dict) -> None:
@@ -167,7 +183,7 @@ def cut_whole_inputs(node: fx.Node, state: dict, stage):
         if not isinstance(v, torch.Tensor) or old is None or len(old) != v.dim():
             return None
         grown = [d for d in range(v.dim()) if v.shape[d] != old[d]]
-        if len(grown) != 1 or old[grown[0]] != n or v.shape[grown[0]] != n * cp:
+        if len(grown) != 1 or old[grown[0]] != n or v.shape[grown[0]] != whole_length(stage):
             return None
         cuts[a] = grown[0]
     graph, made = node.graph, {}

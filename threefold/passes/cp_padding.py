@@ -33,13 +33,17 @@ they are (a padded position only ever feeds itself). What mixes positions is mad
   the padding (a drop_tail after its halo, passes/cp_shifts.py); Hugging Face's label shift
   fills from the real end (cp_tail.shift_fill `tail=`); a shift inside the model adds its tail
   to the padding (cp_tails.py);
+* values computed whole on every rank (a grid of positions, cp_whole.py; an input-free value
+  rebuilt whole, cp_free_whole.py): computed at the real length S, exactly as one process does
+  (`real_length`): the gathered inputs leave the padding out, positions become arange(S), a
+  factory made at S' is narrowed to S, a view's shape grows from n to S (not n*cp), and the
+  model's twin is read from its trace at S (stage.retrace); where a whole value meets the split
+  sequence, shard_seq pads it back before it cuts this rank's blocks;
 * a step on another length than the compiled one is an error naming both (the manifest's
   `seq_length`, runtime/engine.py): 7 and 6 tokens both pad to 8 at cp=2.
 
-Refused in one line (PlanError naming the op): a grid of positions computed whole (it would
-pair real positions with padded ones), an op cp would compute whole from positions alone
-(cp_free_whole.py: at the padded length it would run past the real end) that the all-gather
-fallback does not take, a loss denominator that cannot run on the unpadded sequences, and the
+Refused in one line (PlanError naming the op): a scan or sort over the tokens of the whole batch
+compared with counts traced at the padded length (cp_counts.py), a loss denominator that cannot run on the unpadded sequences, and the
 sequence made inside the model.
 """
 from __future__ import annotations
@@ -47,9 +51,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from threefold.errors import PlanError
 from threefold.ir.program import tf
-from threefold.ops.rules import Gather, Place, Refuse
+from threefold.ops.rules import Gather, Place
 from threefold.passes.cp_rules.core import PARTIAL, Seq
 from threefold.runtime import cp_ops
 
@@ -102,21 +105,3 @@ def scale_mean(node: fx.Node, stage, state: dict) -> None:
     m.meta = {"val": node.meta["val"], "tf": dict(tf(node))}
     node.replace_all_uses_with(m, delete_user_cb=lambda u: u is not m)
     state[m] = PARTIAL
-
-
-def refuse_whole_grid(stage, why: str) -> None:
-    if padded(stage):
-        raise PlanError(f"{why} (the sequence is padded to {stage.seq_len * stage.plan.cp} positions for cp's "
-                        f"{2 * stage.plan.cp} blocks, and a grid of positions computed whole would pair the real "
-                        f"ones with the padding; use a sequence length that is a multiple of {2 * stage.plan.cp})")
-
-
-def unpadded_free(d, stage):
-    """What a value made from positions alone (cp_free_whole.py would compute it whole, at the
-    padded length, past the real end) gets on a padded sequence: the all-gather fallback where
-    cp gathers it (the padding left out), else its refusal, saying why."""
-    if isinstance(d, Gather):
-        return d
-    return Refuse(f"{d.why} (computed whole it would run past the real end of the sequence, padded to "
-                  f"{stage.seq_len * stage.plan.cp} positions for cp's {2 * stage.plan.cp} blocks; use a "
-                  f"sequence length that is a multiple of {2 * stage.plan.cp})")

@@ -150,15 +150,17 @@ def _view_size(old, new, out):
                 return None
         groups.append((gi, gj))
     size = list(out)
-    for gi, gj in groups:
-        grown = math.prod(new[k] for k in gi) // max(math.prod(old[k] for k in gi), 1)
-        if grown == 1:
+    for gi, gj in groups:   # the whole length need not be a multiple of the local one (a padded sequence)
+        was, now = math.prod(old[k] for k in gi), math.prod(new[k] for k in gi)
+        if was == now:
             continue
         if len(gj) == 1:
-            size[gj[0]] = out[gj[0]] * grown
+            size[gj[0]] = now
         elif len(gi) == 1 and sum(out[k] != 1 for k in gj) == 1:
             k = next(k for k in gj if out[k] != 1)
-            size[k] = out[k] * grown
+            if out[k] * now % was:
+                return None
+            size[k] = out[k] * now // was
         else:
             return None
     return size
@@ -217,13 +219,19 @@ def _twin_at_whole(node: fx.Node, stage):
     return twin if twin is not None and twin.target == node.target else None
 
 
+def whole_length(stage) -> int:
+    """The length a value computed whole has along the sequence: S, the real one (a sequence
+    padded for cp's 2cp blocks is whole without its padding: one process's value)."""
+    return stage.seq_len * stage.plan.cp - getattr(stage, "seq_tail", 0)
+
+
 def twin_named(node: fx.Node, stage):
     """The node of node's name (or of the one it stands for, TWIN) in the model traced at the
     whole length (stage.retrace), or None where there is no such trace or node."""
     if getattr(stage, "retrace", None) is None:
         return None
     try:
-        graph = stage.retrace(stage.seq_len * stage.plan.cp)
+        graph = stage.retrace(whole_length(stage))
     except Exception:   # the model does not trace at the whole length: no answer, no guess
         return None
     name = node.meta.get(TWIN, node.name)

@@ -13,7 +13,7 @@ from threefold.passes.cp_masks import input_free
 from threefold.passes.cp_fallback import gather_around
 from threefold.passes.cp_rules import Gather, Refuse, Seq
 from threefold.passes.cp_tables import position_slices
-from threefold.passes.cp_whole import is_whole, run_whole
+from threefold.passes.cp_whole import is_whole, run_whole, whole_length
 
 
 class GatherWhole(Gather):
@@ -64,7 +64,7 @@ def _local_sized(node: fx.Node, state: dict, stage):
                 and input_free(a):
             return (f"cp={cp}: {op_name(node)} at {a.meta.get('tf', {}).get('module') or '<top>'} reads "
                     f"{a.name} {tuple(v.shape)}, made of parameters and buffers, with {n} positions (this rank's "
-                    f"share) beside the whole sequence ({n * cp}): the model sizes it from the length it runs on "
+                    f"share) beside the whole sequence ({whole_length(stage)}): the model sizes it from the length it runs on "
                     f"(a block of a blockwise loop as long as the share?), which differs on one process; use a "
                     f"sequence of at least {2 * cp} such blocks (a multiple of 2*cp blocks) or cp=1")
     return None
@@ -75,7 +75,7 @@ def _widen_broadcasts(node: fx.Node, state: dict, stage, seq_cls) -> None:
     length, where a whole input has the whole length (T5's all-visible mask [b, 1, q, k],
     expanded over its keys, beside the whole relative-position bias): read it at one key and
     broadcast it to the whole length there. Exact, since it is uniform along that dim."""
-    n, whole_len = stage.seq_len, stage.seq_len * stage.plan.cp
+    n, whole_len = stage.seq_len, whole_length(stage)
     out = node.meta.get("val")
     if not isinstance(out, torch.Tensor):
         return

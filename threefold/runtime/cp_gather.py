@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 from threefold.runtime import comm
-from threefold.runtime.cp_ops import _rank, _size, block_positions, local_blocks
+from threefold.runtime.cp_ops import _rank, _size, block_positions, local_blocks, pad_to_blocks
 from threefold.runtime.cp_tail import drop_tail
 from threefold.runtime.zero import reduce_scatter_flat
 
@@ -84,8 +84,8 @@ def gather_seq(x: torch.Tensor, dim: int, group, ranks: int = 1, tail: int = 0) 
 def shard_seq(y: torch.Tensor, dim: int, group, ranks: int = 1) -> torch.Tensor:
     """The whole sequence along `dim` -> this rank's blocks r and 2cp-1-r (a sequence of an
     uneven length padded at its end first, cp_ops.pad_to_blocks)."""
-    if group is None:
-        return y if ranks == 1 else y.narrow(dim, 0, -(-y.shape[dim] // ranks))
+    if group is None:   # a stand-in of this rank's share: as long as one (an uneven sequence padded first)
+        return y if ranks == 1 else pad_to_blocks(y, dim, ranks).narrow(dim, 0, -(-y.shape[dim] // (2 * ranks)) * 2)
     return _Shard.apply(y, dim, group)
 
 
