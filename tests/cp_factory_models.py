@@ -188,3 +188,15 @@ def grad_diff(got: list, ref: list) -> float:
         for k in r:
             worst = max(worst, ((g[k] - r[k]).abs().max() / max(r[k].abs().max().item(), floor)).item())
     return worst
+
+
+def assert_zoo_archs_match(got: list, archs: list) -> None:
+    """Every rank's (losses, grads) per zoo arch equal one process's on zoo_batch2(arch)."""
+    from tests.cp_jobs import zoo_batch2
+    from tests.parity import max_rel_diff
+    for arch in archs:
+        ref_losses, ref_grads = reference(zoo_batch2(arch))
+        for rank in got:
+            losses, grads = rank[arch]
+            assert max_rel_diff(losses, ref_losses) < 1e-5, (arch, losses, ref_losses)
+            assert grad_diff(grads, ref_grads) < 1e-5, (arch, grad_diff(grads, ref_grads))

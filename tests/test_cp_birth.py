@@ -79,6 +79,14 @@ def test_an_artifact_with_the_cut_saves_and_loads(tmp_path):
     assert "shard_seq" in open(tmp_path / "art" / "chunk00.py").read() and chunk is not None
 
 
+def _assert_vits_match(archs: list, plan: str, ranks: int) -> None:
+    """Each ViT under `plan` on `ranks` ranks: losses and every gradient over 3 SGD steps."""
+    got = launch(vit_parity, ranks, archs, plan, 3, timeout=550)
+    for arch in archs:
+        for loss, grad, _ in compare([rank[arch] for rank in got], vit_reference(arch)):
+            assert loss < 1e-5 and grad < 1e-4, (arch, plan, loss, grad)
+
+
 MATRIX = [("cp=2", 2), ("cp=4", 4), ("dp=2,cp=2", 4)]
 
 
@@ -88,11 +96,7 @@ MATRIX = [("cp=2", 2), ("cp=4", 4), ("dp=2,cp=2", 4)]
 def test_vits_born_inside_match_one_process(plan, ranks):
     """(a) a hand-written ViT of 16 patch tokens, mean-pooled; (b) HF ViTForImageClassification
     with 15 patches + CLS: losses and every gradient over 3 SGD steps."""
-    archs = ["vit16_mean", "hf_vit16"]
-    got = launch(vit_parity, ranks, archs, plan, 3, timeout=550)
-    for arch in archs:
-        for loss, grad, _ in compare([rank[arch] for rank in got], vit_reference(arch)):
-            assert loss < 1e-5 and grad < 1e-4, (arch, plan, loss, grad)
+    _assert_vits_match(["vit16_mean", "hf_vit16"], plan, ranks)
 
 
 @pytest.mark.slow
@@ -101,11 +105,7 @@ def test_vits_born_inside_match_one_process(plan, ranks):
 def test_vits_of_17_tokens_match_one_process(plan, ranks):
     """The zoo's 17-token ViTs (hand-written and HF), born inside the model at a length 2cp does
     not divide: padded at the cut, losses and every gradient over 3 SGD steps."""
-    archs = ["vit17", "hf_vit17"]
-    got = launch(vit_parity, ranks, archs, plan, 3, timeout=550)
-    for arch in archs:
-        for loss, grad, _ in compare([rank[arch] for rank in got], vit_reference(arch)):
-            assert loss < 1e-5 and grad < 1e-4, (arch, plan, loss, grad)
+    _assert_vits_match(["vit17", "hf_vit17"], plan, ranks)
 
 
 @pytest.mark.slow
@@ -113,11 +113,7 @@ def test_vits_of_17_tokens_match_one_process(plan, ranks):
 @pytest.mark.parametrize("plan,ranks", [("cp=2", 2), ("cp=4", 4)], ids=["cp=2", "cp=4"])
 def test_a_mean_over_the_patch_rows_matches_one_process(plan, ranks):
     """x[:, 1:].mean(1) pooled, at 16 tokens and at 17 (padded): losses and every gradient."""
-    archs = ["patch_mean", "patch_mean17"]
-    got = launch(vit_parity, ranks, archs, plan, 3, timeout=550)
-    for arch in archs:
-        for loss, grad, _ in compare([rank[arch] for rank in got], vit_reference(arch)):
-            assert loss < 1e-5 and grad < 1e-4, (arch, plan, loss, grad)
+    _assert_vits_match(["patch_mean", "patch_mean17"], plan, ranks)
 
 
 @pytest.mark.slow

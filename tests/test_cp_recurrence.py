@@ -77,16 +77,9 @@ def test_one_position_read_is_not_a_loop():
 @pytest.mark.parametrize("cp", [2, 4])
 def test_loops_match_one_process(cp):
     """Losses and every gradient over 3 SGD steps, fp32, against one process."""
-    from tests.cp_factory_models import grad_diff, reference
+    from tests.cp_factory_models import assert_zoo_archs_match
     from tests.cp_loop_models import loop_parity
-    from tests.parity import max_rel_diff
-    got = launch(loop_parity, cp, LOOPS, f"cp={cp}", 3, timeout=550)
-    for arch in LOOPS:
-        ref_losses, ref_grads = reference(zoo_batch2(arch))
-        for rank in got:
-            losses, grads = rank[arch]
-            assert max_rel_diff(losses, ref_losses) < 1e-5, (arch, losses, ref_losses)
-            assert grad_diff(grads, ref_grads) < 1e-5, (arch, grad_diff(grads, ref_grads))
+    assert_zoo_archs_match(launch(loop_parity, cp, LOOPS, f"cp={cp}", 3, timeout=550), LOOPS)
 
 
 @pytest.mark.zoo
